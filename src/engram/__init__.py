@@ -2,6 +2,8 @@
 
 from .spec import EngramSpec
 from .layout import ColumnShard, EngramLayout
+from .vocab import TokenCompressor
+from .hashing import NgramHasher, hash_ngrams
 
-__all__ = ["EngramSpec", "EngramLayout", "ColumnShard"]
+__all__ = ["EngramSpec", "EngramLayout", "ColumnShard", "TokenCompressor", "NgramHasher", "hash_ngrams"]
 __version__ = "0.1.0"

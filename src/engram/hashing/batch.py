@@ -1,0 +1,252 @@
+"""NgramHasher: hash ids of an engine's batch, exact under any batching (DESIGN §2).
+
+Previous tokens of each request come, in priority order, from (1) the same
+request earlier in the batch, (2) the caller's lookback window, (3) a history
+store on the device: the paged slot cache or the per-request history. The
+result equals :func:`engram.hashing.reference.hash_ngrams` on the whole sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, NamedTuple
+
+import torch
+
+from ..layout import EngramLayout
+from ..vocab import TokenCompressor
+from .ops import block_windows, hash_windows
+from .stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
+from .validation import BatchMetadata, check_shapes, validate_batch
+
+__all__ = ["NgramHasher"]
+
+_INT32_MAX = 2**31 - 1
+
+
+class NgramHasher:
+    """Hash ids ``[T, L, C]`` for a flat batch of requests.
+
+    ``hasher = NgramHasher(layout, vocab, device="cuda")``;
+    ``ids = hasher(input_ids, positions, query_start_loc, ...)``.
+
+    ``validate``: ``None`` (default) checks every batch when its tensors live on
+    the CPU and skips the checks (which sync) on a GPU; ``True``/``False`` force it.
+    With checks off, unavailable history hashes as pad, never out of bounds.
+    """
+
+    def __init__(self, layout: EngramLayout, vocab: TokenCompressor, device: torch.device | str = "cpu",
+                 validate: bool | None = None):
+        spec = layout.spec
+        if vocab.size != spec.compressed_vocab_size:
+            raise ValueError(
+                f"vocab: compresses to {vocab.size} ids, config field 'engram_compressed_vocab_size' is {spec.compressed_vocab_size}"
+            )
+        if spec.pad_token_id >= vocab.vocab_size:
+            raise ValueError(f"config field 'engram_pad_token_id' = {spec.pad_token_id} is beyond the tokenizer's {vocab.vocab_size} ids")
+        self.layout = layout
+        self.vocab = vocab
+        self.device = torch.device(device)
+        self.validate = validate
+        self.history_length = spec.max_ngram_size - 1
+        self.pad_id = int(vocab.token_map[spec.pad_token_id])
+        self.token_map = vocab.device_map(self.device)
+        self.multipliers = torch.as_tensor(layout.multipliers, dtype=torch.int64, device=self.device)
+        self.column_primes = torch.as_tensor(layout.column_primes, device=self.device)
+        self.column_offsets = torch.as_tensor(layout.column_offsets, device=self.device)
+        self.out_dtype = torch.int32 if max(layout.num_embeddings) <= _INT32_MAX else torch.int64
+        self.slot_cache: SlotCache | None = None
+        self.request_history: RequestHistory | None = None
+
+    # ---- history stores ------------------------------------------------------
+    def bind_slot_cache(self, num_slots: int, block_size: int) -> SlotCache:
+        """Bind (or re-bind, dropping all history) a slot cache of ``num_slots`` slots."""
+        self.slot_cache = SlotCache(num_slots, block_size, self.device)
+        return self.slot_cache
+
+    def bind_request_history(self, max_requests: int, max_draft_tokens: int = 8) -> RequestHistory:
+        """Bind (or re-bind, dropping all history) ``max_requests`` per-request rows.
+
+        ``max_draft_tokens``: the most speculative tokens a request carries in one step.
+        """
+        self.request_history = RequestHistory(max_requests, self.history_length, max_draft_tokens, self.device)
+        return self.request_history
+
+    def request_rows(self, request_ids: Iterable[Hashable]) -> torch.Tensor:
+        """Rows of the per-request history for the engine's request ids (new ids get empty rows)."""
+        return self._history().rows(request_ids)
+
+    def release_requests(self, request_ids: Iterable[Hashable]) -> None:
+        """Free the history rows of finished requests."""
+        self._history().release(request_ids)
+
+    def _history(self) -> RequestHistory:
+        if self.request_history is None:
+            raise ValueError("no request history is bound: call bind_request_history(max_requests) first")
+        return self.request_history
+
+    # ---- hashing -------------------------------------------------------------
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        dead_mask: torch.Tensor | None = None,
+        lookback_token_ids: torch.Tensor | None = None,
+        lookback_dead_mask: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        request_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hash ids of the batch: int32 ``[T, L, C]`` (int64 if a table exceeds int32).
+
+        Args:
+            input_ids: int ``[T]`` raw token ids, requests laid end to end.
+            positions: int ``[T]`` position of each token in its request's sequence.
+            query_start_loc: int ``[R + 1]`` first token of each request; tokens past
+                ``query_start_loc[-1]`` are padding (hashed as dead, never stored).
+            dead_mask: bool ``[T]``, tokens that take no part in n-grams.
+            lookback_token_ids: int ``[R, N-1]``, column ``j`` = raw id at position
+                ``start - 1 - j``; ``-1`` = unknown (falls through to a store).
+            lookback_dead_mask: bool ``[R, N-1]``.
+            slot_mapping: int ``[T]`` KV slot of each token (``-1`` = none); written
+                into the bound slot cache before hashing.
+            block_table: int ``[R, max_blocks]``; row ``k`` pages request ``k``'s slots.
+            request_rows: int ``[R]`` rows of the bound request history
+                (see :meth:`request_rows`); read before, written after hashing.
+        """
+        batch = BatchMetadata(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
+                              lookback_dead_mask, slot_mapping, block_table, request_rows)
+        self._check_devices(batch)
+        check_shapes(batch, self.history_length)
+        validate = self.validate if self.validate is not None else self.device.type == "cpu"
+        if validate:
+            validate_batch(
+                batch,
+                token_vocab_size=self.vocab.vocab_size,
+                history_length=self.history_length,
+                num_slots=self.slot_cache.num_slots if self.slot_cache else None,
+                block_size=self.slot_cache.block_size if self.slot_cache else None,
+                max_requests=self.request_history.max_requests if self.request_history else None,
+            )
+        elif slot_mapping is not None and self.slot_cache is None:
+            raise ValueError("slot_mapping: given, but no slot cache is bound (call bind_slot_cache first)")
+        elif request_rows is not None and self.request_history is None:
+            raise ValueError("request_rows: given, but no request history is bound (call bind_request_history first)")
+
+        spec = self.layout.spec
+        if batch.num_tokens == 0:
+            return torch.empty((0, spec.num_layers, spec.num_columns), dtype=self.out_dtype, device=self.device)
+
+        tokens = self._locate_tokens(batch)
+        compressed = self.token_map[batch.input_ids.long().clamp(0, self.vocab.vocab_size - 1)].long()
+        dead = tokens.padding if dead_mask is None else (dead_mask | tokens.padding)
+        stored = torch.where(dead, torch.full_like(compressed, DEAD), compressed)
+
+        undo = self.slot_cache.write(slot_mapping, stored) if slot_mapping is not None else None
+        try:
+            windows, window_dead, missing = self._gather_windows(batch, tokens, compressed, dead)
+            # Missing history matters only where no earlier shift is already blocked.
+            blocked_before = torch.cummax(window_dead.to(torch.int8), dim=1).values.bool()
+            blocked_before = torch.cat([torch.zeros_like(blocked_before[:, :1]), blocked_before[:, :-1]], dim=1)
+            missing = missing & ~blocked_before
+            if validate and bool(missing.any()):
+                raise self._missing_history_error(batch, tokens, missing)
+        except BaseException:
+            if undo is not None:
+                self.slot_cache.undo(*undo)
+            raise
+        ids = hash_windows(block_windows(windows, window_dead | missing, self.pad_id),
+                           self.multipliers, self.column_primes, self.column_offsets, self.out_dtype)
+        if request_rows is not None:
+            self._write_request_history(batch, tokens, stored)
+        return ids
+
+    # ---- stages --------------------------------------------------------------
+    def _check_devices(self, batch: BatchMetadata) -> None:
+        for name in ("input_ids", "positions", "query_start_loc", "dead_mask", "lookback_token_ids",
+                     "lookback_dead_mask", "slot_mapping", "block_table", "request_rows"):
+            tensor = getattr(batch, name)
+            if tensor is not None and tensor.device != self.device:
+                raise ValueError(f"{name}: expected a tensor on {self.device}, found one on {tensor.device}")
+
+    def _locate_tokens(self, batch: BatchMetadata) -> "_TokenPlaces":
+        """Per token: its request (clamped into range), index inside the request, padding flag."""
+        starts = batch.query_start_loc.long()
+        token_index = torch.arange(batch.num_tokens, device=self.device)
+        request = torch.searchsorted(starts[1:].contiguous(), token_index, right=True)
+        padding = request >= batch.num_requests
+        request = request.clamp(max=max(batch.num_requests - 1, 0))
+        return _TokenPlaces(request, token_index - starts[request], padding)
+
+    def _gather_windows(self, batch: BatchMetadata, tokens: "_TokenPlaces", compressed: torch.Tensor,
+                        dead: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Source id ``[T, N]`` int64 per shift, its dead flag, and where no source knows it."""
+        shifts = torch.arange(self.history_length + 1, device=self.device)
+        source_position = batch.positions.long()[:, None] - shifts                   # [T, N]
+        in_batch = tokens.offset_in_request[:, None] >= shifts
+        before_sequence = source_position < 0
+        source_token = (torch.arange(batch.num_tokens, device=self.device)[:, None] - shifts).clamp(min=0)
+        values = compressed[source_token]
+        source_dead = dead[source_token]
+
+        outside = ~in_batch & ~before_sequence  # needs a source before the batch
+        known = torch.zeros_like(outside)
+        request = tokens.request[:, None].expand_as(source_position)
+        if batch.lookback_token_ids is not None and batch.num_requests > 0:
+            # Lookback column j holds position (first position - 1 - j).
+            column = (shifts - tokens.offset_in_request[:, None] - 1).clamp(0, self.history_length - 1)
+            raw = batch.lookback_token_ids.long()[request, column]
+            use = outside & (raw >= 0)
+            lookback_dead = (batch.lookback_dead_mask[request, column] if batch.lookback_dead_mask is not None
+                             else torch.zeros_like(use))
+            values = torch.where(use, self.token_map[raw.clamp(0, self.vocab.vocab_size - 1)].long(), values)
+            source_dead = torch.where(use, lookback_dead, source_dead)
+            known = use
+        for store_values in self._store_reads(batch, request, source_position.clamp(min=0)):
+            use = outside & ~known & (store_values != UNWRITTEN)
+            values = torch.where(use, store_values, values)
+            source_dead = torch.where(use, store_values == DEAD, source_dead)
+            known = known | use
+        return values.clamp(min=0), before_sequence | source_dead, outside & ~known
+
+    def _store_reads(self, batch: BatchMetadata, request: torch.Tensor, position: torch.Tensor):
+        """What each bound store holds for ``position`` ``[T, N]``, in priority order."""
+        if batch.num_requests == 0:
+            return
+        if self.slot_cache is not None and batch.block_table is not None:
+            table_rows = batch.block_table.long()[request[:, 0]]                      # [T, max_blocks]
+            yield self.slot_cache.values[self.slot_cache.slots_of(table_rows, position)].long()
+        if self.request_history is not None and batch.request_rows is not None:
+            yield self.request_history.read(batch.request_rows.long()[request], position)
+
+    def _write_request_history(self, batch: BatchMetadata, tokens: "_TokenPlaces", stored: torch.Tensor) -> None:
+        """Store the last ``width`` tokens of each request (drafts included, position-tagged)."""
+        history = self.request_history
+        starts = batch.query_start_loc.long()
+        length = (starts[1:] - starts[:-1])[tokens.request]
+        keep = ~tokens.padding & (tokens.offset_in_request >= length - history.width)
+        history.write(batch.request_rows.long()[tokens.request], batch.positions.long(), stored, keep)
+
+    def _missing_history_error(self, batch: BatchMetadata, tokens: "_TokenPlaces", missing: torch.Tensor) -> ValueError:
+        token, shift = (int(x) for x in missing.nonzero()[0])
+        k = int(tokens.request[token])
+        first = int(batch.positions[token]) - int(tokens.offset_in_request[token])
+        position = int(batch.positions[token]) - shift
+        sources = []
+        if batch.lookback_token_ids is not None:
+            sources.append(f"lookback_token_ids[{k}] = {batch.lookback_token_ids[k].tolist()}")
+        if self.slot_cache is not None and batch.block_table is not None:
+            sources.append("the slot cache never had that slot written since bind_slot_cache")
+        if self.request_history is not None and batch.request_rows is not None:
+            sources.append(f"request history row {int(batch.request_rows[k])} holds no entry for that position")
+        why = "; ".join(sources) if sources else "no lookback and no bound history store"
+        return ValueError(
+            f"request {k} starts at position {first}, but the token at position {position} is unknown "
+            f"({why}); hashing it as pad would be silently wrong"
+        )
+
+
+class _TokenPlaces(NamedTuple):
+    request: torch.Tensor            # int64 [T], clamped into [0, R)
+    offset_in_request: torch.Tensor  # int64 [T]
+    padding: torch.Tensor            # bool [T], tokens past query_start_loc[-1]

@@ -1,0 +1,145 @@
+"""History stores the hasher keeps on the device (DESIGN §2, source 3).
+
+Both hold compressed ids with two negative codes: ``DEAD`` (the token takes no
+part in n-grams) and ``UNWRITTEN`` (nothing was ever stored there).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable
+
+import torch
+
+__all__ = ["SlotCache", "RequestHistory", "DEAD", "UNWRITTEN"]
+
+DEAD = -1
+UNWRITTEN = -2
+
+
+class SlotCache:
+    """One int32 compressed id per KV-cache slot of the engine.
+
+    Written from ``slot_mapping`` (slot of each batch token), read through a
+    request's ``block_table`` row: the slot of position ``p`` is
+    ``block_table[k, p // block_size] * block_size + p % block_size``. It
+    follows prefix-cache hits and speculative rollbacks because the engine's
+    own slots do.
+    """
+
+    def __init__(self, num_slots: int, block_size: int, device: torch.device):
+        for name, value in (("num_slots", num_slots), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, found {value!r}")
+        if num_slots % block_size:
+            raise ValueError(f"num_slots {num_slots} is not a multiple of block_size {block_size}")
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self.num_blocks = num_slots // block_size
+        # One spare slot at the end absorbs the writes of tokens with no slot (-1),
+        # so writing needs no host sync; reads never reach it.
+        self.values = torch.full((num_slots + 1,), UNWRITTEN, dtype=torch.int32, device=device)
+
+    def write(self, slot_mapping: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``values[slot_mapping[t]] = values[t]``; ``-1`` slots are skipped.
+
+        Returns ``(targets, previous)`` so a caller can undo the write.
+        """
+        slots = slot_mapping.long()
+        targets = torch.where((slots >= 0) & (slots < self.num_slots), slots, torch.full_like(slots, self.num_slots))
+        previous = self.values[targets].clone()
+        self.values[targets] = values.to(torch.int32)
+        return targets, previous
+
+    def undo(self, targets: torch.Tensor, previous: torch.Tensor) -> None:
+        """Restore what :meth:`write` overwrote."""
+        self.values[targets] = previous
+
+    def slots_of(self, block_table_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """int64 slot of each ``positions[i]`` read through ``block_table_rows[i]`` (a row per entry).
+
+        Out-of-range block indices are clamped (validation reports them first).
+        """
+        block_index = torch.div(positions, self.block_size, rounding_mode="floor")
+        block_index = block_index.clamp(0, block_table_rows.shape[-1] - 1)
+        block = torch.gather(block_table_rows, -1, block_index).long().clamp(0, self.num_blocks - 1)
+        return block * self.block_size + positions % self.block_size
+
+
+class RequestHistory:
+    """The last ids of each request row, position-tagged, in a small ring.
+
+    ``values[row, p % width]`` holds the compressed id at position ``p`` and
+    ``tags[row, p % width] == p`` says it is that position's. A step writes
+    every position it hashes (drafts included) and reads only positions before
+    its first token, so rejected drafts are never read: they are overwritten when
+    the request reaches their positions again. ``width = N - 1 + max_draft_tokens + 1``
+    keeps the ``N - 1`` ids before a step alive through one step of drafts; a
+    read whose tag does not match is reported, never hashed silently.
+
+    Rows may be named: :meth:`rows` maps the engine's request ids to rows and
+    gives a fresh, empty row to a name it has not seen; :meth:`release` frees it.
+    """
+
+    def __init__(self, max_requests: int, history_length: int, max_draft_tokens: int, device: torch.device):
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
+            raise ValueError(f"max_requests: expected a positive integer, found {max_requests!r}")
+        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens: expected an integer >= 0, found {max_draft_tokens!r}")
+        self.max_requests = max_requests
+        self.width = history_length + max_draft_tokens + 1
+        self.device = torch.device(device)
+        # One spare row at the end absorbs skipped writes (no host sync); reads never reach it.
+        self.values = torch.full((max_requests + 1, self.width), UNWRITTEN, dtype=torch.int32, device=device)
+        self.tags = torch.full((max_requests + 1, self.width), -1, dtype=torch.int64, device=device)
+        self._row_of: dict[Hashable, int] = {}
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    # ---- rows named by request -----------------------------------------------
+    def rows(self, request_ids: Iterable[Hashable]) -> torch.Tensor:
+        """int64 ``[R]`` rows of the named requests; a new name gets an empty row."""
+        rows = []
+        for request_id in request_ids:
+            row = self._row_of.get(request_id)
+            if row is None:
+                if not self._free_rows:
+                    raise ValueError(
+                        f"request history is full: all {self.max_requests} rows are taken "
+                        f"(release finished requests, or bind with a larger max_requests); request {request_id!r}"
+                    )
+                row = self._free_rows.pop()
+                self._row_of[request_id] = row
+                self.reset(torch.tensor([row]))
+            rows.append(row)
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"request_ids: a request appears twice in one batch: {list(request_ids)!r}")
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def release(self, request_ids: Iterable[Hashable]) -> None:
+        """Free the rows of finished (or aborted) requests; unknown names raise."""
+        for request_id in request_ids:
+            if request_id not in self._row_of:
+                raise ValueError(f"request_ids: {request_id!r} holds no history row")
+            row = self._row_of.pop(request_id)
+            self.reset(torch.tensor([row]))
+            self._free_rows.append(row)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Forget everything stored in ``rows`` (engines that manage rows themselves
+        call this when a row passes to a new request)."""
+        rows = rows.to(self.device).long()
+        self.values[rows] = UNWRITTEN
+        self.tags[rows] = -1
+
+    # ---- device-side access --------------------------------------------------
+    def read(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """int64 id stored for ``positions`` of ``rows`` (same shape); ``UNWRITTEN`` where the tag differs."""
+        column = positions % self.width
+        value = self.values[rows, column].long()
+        return torch.where(self.tags[rows, column] == positions, value, torch.full_like(value, UNWRITTEN))
+
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
+        """Store ``values`` at ``positions`` where ``keep``; each kept (row, position % width) must appear once."""
+        rows = torch.where(keep, rows, torch.full_like(rows, self.max_requests))
+        column = positions % self.width
+        self.values[rows, column] = values.to(torch.int32)
+        self.tags[rows, column] = positions

@@ -1,0 +1,179 @@
+"""FP8 codec of Engram table rows (DESIGN §2 "FP8 table rows").
+
+Storage format, used everywhere in the project:
+
+* values: ``torch.float8_e4m3fn`` ``[rows, head_dim]`` (OCP E4M3, largest finite 448);
+* scales: raw UE8M0 bytes, ``torch.uint8`` ``[rows, head_dim // 32]``; one byte
+  ``b`` per block of 32 consecutive values means the factor ``2 ** (b - 127)``
+  (byte 255 is NaN in OCP MX and never appears in tables).
+
+Dequantized row: ``e4m3 * 2 ** (b - 127)``, computed exactly in fp32, rounded
+once to the output dtype (bf16 by default). Quantizing: per block of 32,
+``scale = 2 ** ceil(log2(amax / 448))`` (amax 0 -> byte 127), values rounded to
+nearest (ties to even) E4M3.
+
+Both directions are exact: the exponent is found with ``frexp`` (no ``log2``),
+and every factor ``2 ** (b - 127)`` is built from its float32 bit pattern,
+including ``b = 0`` (``2 ** -127``, a float32 subnormal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E4M3_MAX",
+    "SCALE_BYTE_ONE",
+    "SCALE_BYTE_MAX",
+    "E8M0_DTYPE",
+    "quantize_rows",
+    "dequantize_rows",
+    "scale_bytes_to_float",
+    "as_scale_bytes",
+    "as_value_bytes",
+]
+
+BLOCK_SIZE = 32
+"""Values per UE8M0 scale."""
+E4M3_MAX = 448.0
+"""Largest finite ``float8_e4m3fn`` value."""
+SCALE_BYTE_ONE = 127
+"""UE8M0 byte of the factor 1.0 (also the byte of an all-zero block)."""
+SCALE_BYTE_MAX = 254
+"""Largest finite UE8M0 byte (255 is NaN)."""
+
+E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
+"""``torch.float8_e8m0fnu`` (the checkpoint dtype of scales) where this torch has it, else None."""
+
+_FLOAT32_SUBNORMAL_2_POW_MINUS_127 = 0x00400000  # bits of 2**-127: exponent field 0, mantissa 1 << 22
+_FLOAT32_QUIET_NAN = 0x7FC00000
+_FLOAT32_MANTISSA_BITS = 23
+_QUANTIZE_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def as_scale_bytes(scales: torch.Tensor, name: str = "scales") -> torch.Tensor:
+    """View UE8M0 scales as raw bytes: ``uint8`` as is, ``float8_e8m0fnu`` viewed as ``uint8``."""
+    if not isinstance(scales, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor of UE8M0 bytes, found {type(scales).__name__}")
+    if scales.dtype == torch.uint8:
+        return scales
+    if E8M0_DTYPE is not None and scales.dtype == E8M0_DTYPE:
+        return scales.view(torch.uint8)
+    accepted = "torch.uint8" + (" or torch.float8_e8m0fnu" if E8M0_DTYPE is not None else "")
+    raise ValueError(f"{name}: expected dtype {accepted} (UE8M0 scale bytes), found {scales.dtype}")
+
+
+def as_value_bytes(values: torch.Tensor, name: str = "values") -> torch.Tensor:
+    """View E4M3 values as raw bytes: ``float8_e4m3fn`` viewed as ``uint8``, ``uint8`` as is."""
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor of E4M3 values, found {type(values).__name__}")
+    if values.dtype == torch.float8_e4m3fn:
+        return values.view(torch.uint8)
+    if values.dtype == torch.uint8:
+        return values
+    raise ValueError(f"{name}: expected dtype torch.float8_e4m3fn (or its raw bytes as torch.uint8), found {values.dtype}")
+
+
+def scale_bytes_to_float(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes ``uint8 [...]`` -> exact float32 factors ``[...]``: ``2 ** (b - 127)``.
+
+    Built from float32 bit patterns, so every byte 0..254 is exact (byte 0 gives the
+    subnormal ``2 ** -127``); byte 255 gives NaN. Accepts ``float8_e8m0fnu`` too.
+    """
+    exponent_field = as_scale_bytes(scale_bytes, "scale_bytes").to(torch.int32)
+    bits = torch.bitwise_left_shift(exponent_field, _FLOAT32_MANTISSA_BITS)
+    bits = torch.where(exponent_field == 0, torch.full_like(bits, _FLOAT32_SUBNORMAL_2_POW_MINUS_127), bits)
+    bits = torch.where(exponent_field == 255, torch.full_like(bits, _FLOAT32_QUIET_NAN), bits)
+    return bits.view(torch.float32)
+
+
+def _check_head_dim(tensor: torch.Tensor, name: str) -> int:
+    if tensor.dim() < 1:
+        raise ValueError(f"{name}: expected a tensor [..., head_dim], found a 0-dimensional tensor")
+    head_dim = tensor.shape[-1]
+    if head_dim == 0 or head_dim % BLOCK_SIZE:
+        raise ValueError(
+            f"{name}: last dimension (head_dim) must be a positive multiple of {BLOCK_SIZE}, found {head_dim}"
+        )
+    return head_dim
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize rows to the table format.
+
+    Args:
+        rows: float32, bfloat16 or float16 ``[..., D]``, finite, ``D % 32 == 0``.
+
+    Returns:
+        ``(values float8_e4m3fn [..., D], scales uint8 [..., D // 32])`` with, per block
+        of 32, ``scale = 2 ** ceil(log2(amax / 448))`` (byte ``127 + log2(scale)``
+        clamped to [0, 254]; amax 0 -> byte 127) and ``values = round_nearest_even(rows / scale)``.
+
+    The exponent is exact: with ``amax = m * 2**e`` (``frexp``, ``m`` in [0.5, 1)) and
+    ``448 = 0.875 * 2**9``, the least ``k`` with ``amax <= 448 * 2**k`` is
+    ``e - 9 + (m > 0.875)``. Raises ``ValueError`` for a bad dtype, shape or a
+    non-finite value (this check syncs with the device; quantizing is an offline step).
+    """
+    if not isinstance(rows, torch.Tensor):
+        raise ValueError(f"rows: expected a torch.Tensor, found {type(rows).__name__}")
+    if rows.dtype not in _QUANTIZE_INPUT_DTYPES:
+        raise ValueError(
+            f"rows: expected dtype torch.float32, torch.bfloat16 or torch.float16, found {rows.dtype}"
+            + (" (convert to float32 first; rounding float64 through float32 would round twice)"
+               if rows.dtype == torch.float64 else "")
+        )
+    head_dim = _check_head_dim(rows, "rows")
+    rows32 = rows.to(torch.float32)  # exact for every accepted dtype
+    finite = torch.isfinite(rows32)
+    if not bool(finite.all()):
+        index = tuple(int(i) for i in torch.nonzero(~finite)[0].tolist())
+        raise ValueError(f"rows: expected finite values, found {rows32[index].item()} at index {index}")
+
+    blocks = rows32.reshape(*rows32.shape[:-1], head_dim // BLOCK_SIZE, BLOCK_SIZE)
+    amax = blocks.abs().amax(dim=-1)  # [..., D/32]
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1) (0 for 0)
+    scale_exponent = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
+    scale_exponent = torch.where(amax == 0, torch.zeros_like(scale_exponent), scale_exponent)
+    scale_byte = (scale_exponent + SCALE_BYTE_ONE).clamp(0, SCALE_BYTE_MAX)
+    # 1 / 2**(b - 127) == 2**((254 - b) - 127): exact, and 254 - b is again a finite byte.
+    reciprocal = scale_bytes_to_float((SCALE_BYTE_MAX - scale_byte).to(torch.uint8))
+    # Multiplying by a power of two is exact whenever the product is a float32 normal;
+    # products below 2**-126 round to 0 in E4M3 whatever float32 did with them.
+    scaled = blocks * reciprocal.unsqueeze(-1)
+    values = scaled.reshape(rows32.shape).to(torch.float8_e4m3fn)
+    return values, scale_byte.to(torch.uint8)
+
+
+def dequantize_rows(
+    values: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Dequantize table rows: ``out = round_to(out_dtype, float32(e4m3) * 2 ** (b - 127))``.
+
+    Args:
+        values: ``float8_e4m3fn [..., D]`` (raw bytes as ``uint8`` accepted).
+        scales: ``uint8 [..., D // 32]`` UE8M0 bytes (``float8_e8m0fnu`` accepted).
+        out_dtype: a floating dtype, bfloat16 by default.
+
+    Returns:
+        ``out_dtype [..., D]``. The fp32 product is exact (E4M3 has 4 significant bits
+        and every factor is an exact power of two), so the only rounding is the final
+        one; products beyond the output range become inf. No host sync.
+    """
+    value_bytes = as_value_bytes(values, "values")
+    scale_bytes = as_scale_bytes(scales, "scales")
+    head_dim = _check_head_dim(value_bytes, "values")
+    expected = (*value_bytes.shape[:-1], head_dim // BLOCK_SIZE)
+    if tuple(scale_bytes.shape) != expected:
+        raise ValueError(
+            f"scales: expected shape {list(expected)} (one UE8M0 byte per {BLOCK_SIZE} values of values "
+            f"{list(value_bytes.shape)}), found {list(scale_bytes.shape)}"
+        )
+    if value_bytes.device != scale_bytes.device:
+        raise ValueError(f"scales: expected device {value_bytes.device} (the device of values), found {scale_bytes.device}")
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype: expected a floating dtype, found {out_dtype}")
+    decoded = value_bytes.view(torch.float8_e4m3fn).to(torch.float32)
+    decoded = decoded.reshape(*expected, BLOCK_SIZE)
+    product = decoded * scale_bytes_to_float(scale_bytes).unsqueeze(-1)
+    return product.reshape(value_bytes.shape).to(out_dtype)
