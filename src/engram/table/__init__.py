@@ -1,0 +1,45 @@
+"""Engram tables: the FP8 row codec, placements and lookups (DESIGN §2 "FP8 table rows", §3)."""
+
+from .fp8 import (
+    BLOCK_SIZE,
+    E4M3_MAX,
+    E8M0_DTYPE,
+    SCALE_BYTE_MAX,
+    SCALE_BYTE_ONE,
+    as_scale_bytes,
+    as_value_bytes,
+    dequantize_rows,
+    quantize_rows,
+    scale_bytes_to_float,
+)
+from .reference import lookup_reference
+from .table import (
+    CpuPlacement,
+    DevicePlacement,
+    EngramTable,
+    TablePlacement,
+    available_placements,
+    make_placement,
+    register_placement,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E4M3_MAX",
+    "E8M0_DTYPE",
+    "SCALE_BYTE_MAX",
+    "SCALE_BYTE_ONE",
+    "as_scale_bytes",
+    "as_value_bytes",
+    "dequantize_rows",
+    "quantize_rows",
+    "scale_bytes_to_float",
+    "lookup_reference",
+    "EngramTable",
+    "TablePlacement",
+    "CpuPlacement",
+    "DevicePlacement",
+    "available_placements",
+    "make_placement",
+    "register_placement",
+]

@@ -1,0 +1,445 @@
+"""EngramTable: one Engram layer's FP8 table, or one tensor-parallel rank's shard of it.
+
+A table holds the rows ``[row_start, row_start + num_rows)`` of a layer's table
+(DESIGN §2) and serves the hash columns ``[column_start, column_end)``; under
+tensor parallelism those are the whole columns a rank owns and the contiguous
+row range they span (:meth:`EngramLayout.shard`).
+
+Where the bytes live is a *placement* (DESIGN §3): a :class:`TablePlacement` owns
+the storage and gathers rows by local row id onto the device lookups run on.
+``"cpu"`` (plain tensors) and ``"device"`` (CUDA memory) exist now; host-memory
+placements (``"host"``: pinned memory read by the GPU, ``"cached"``: hot rows in
+HBM) subclass :class:`TablePlacement` and :func:`register_placement` themselves.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..layout import ColumnShard, EngramLayout
+from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, dequantize_rows
+
+__all__ = [
+    "EngramTable",
+    "TablePlacement",
+    "CpuPlacement",
+    "DevicePlacement",
+    "register_placement",
+    "available_placements",
+    "make_placement",
+]
+
+_PLANNED_PLACEMENTS = ("host", "cached")
+_HASH_ID_DTYPES = (torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------------------
+# placements
+# ---------------------------------------------------------------------------
+class TablePlacement:
+    """Owns a table's FP8 storage and gathers rows from it.
+
+    Storage: ``value_bytes uint8 [rows, D]`` (E4M3 bit patterns) and
+    ``scale_bytes uint8 [rows, D // 32]`` (UE8M0). ``device`` is where hash ids are
+    given and gathered rows land; the storage itself may live elsewhere (host memory).
+
+    Subclasses set ``name``, place the storage in ``__init__`` and implement
+    :meth:`gather`; ``gather`` must not sync with the host.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device: torch.device):
+        self._value_bytes = value_bytes
+        self._scale_bytes = scale_bytes
+        self._device = device
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the hash ids a lookup takes and of the rows it returns."""
+        return self._device
+
+    @property
+    def value_bytes(self) -> torch.Tensor:
+        """``uint8 [rows, D]``: the E4M3 values as stored."""
+        return self._value_bytes
+
+    @property
+    def scale_bytes(self) -> torch.Tensor:
+        """``uint8 [rows, D // 32]``: the UE8M0 scales as stored."""
+        return self._scale_bytes
+
+    @property
+    def num_rows(self) -> int:
+        return self._value_bytes.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self._value_bytes.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored rows: ``rows * (D + D // 32)``."""
+        return self._value_bytes.numel() + self._scale_bytes.numel()
+
+    def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``int64 [N]`` local row ids in ``[0, rows)`` on :attr:`device` ->
+        ``(uint8 [N, D], uint8 [N, D // 32])`` on :attr:`device`: ``storage[local_row_ids]``."""
+        raise NotImplementedError(f"{type(self).__name__}.gather")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rows={self.num_rows}, head_dim={self.head_dim}, device={self.device})"
+
+
+_PLACEMENTS: dict[str, type[TablePlacement]] = {}
+
+
+def register_placement(placement_class: type[TablePlacement]) -> type[TablePlacement]:
+    """Make a :class:`TablePlacement` subclass available under its ``name`` (usable as a decorator).
+
+    The class is constructed as ``placement_class(value_bytes, scale_bytes, device)``
+    with the storage as given (any device) and the ``device`` argument of the table.
+    """
+    if not (isinstance(placement_class, type) and issubclass(placement_class, TablePlacement)):
+        raise ValueError(f"placement_class: expected a TablePlacement subclass, found {placement_class!r}")
+    if not placement_class.name:
+        raise ValueError(f"placement_class {placement_class.__name__}: expected a non-empty class attribute 'name'")
+    _PLACEMENTS[placement_class.name] = placement_class
+    return placement_class
+
+
+def available_placements() -> tuple[str, ...]:
+    """Names accepted by ``EngramTable(placement=...)``."""
+    return tuple(_PLACEMENTS)
+
+
+def make_placement(
+    name: str, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device: torch.device | str | int | None = None
+) -> TablePlacement:
+    """Build the placement called ``name`` around ``uint8`` storage ``[rows, D]`` and ``[rows, D // 32]``."""
+    placement_class = _PLACEMENTS.get(name) if isinstance(name, str) else None
+    if placement_class is None:
+        available = ", ".join(repr(n) for n in _PLACEMENTS)
+        if name in _PLANNED_PLACEMENTS:
+            raise ValueError(f"placement {name!r} is planned but not implemented yet; available placements: {available}")
+        raise ValueError(f"placement: unknown placement {name!r}; available placements: {available}")
+    return placement_class(value_bytes, scale_bytes, device)
+
+
+@register_placement
+class CpuPlacement(TablePlacement):
+    """Plain CPU tensors (memory-mapped ones included); lookups run on the CPU."""
+
+    name = "cpu"
+
+    def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
+        super().__init__(value_bytes.cpu(), scale_bytes.cpu(), torch.device("cpu"))
+
+    def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self._value_bytes.index_select(0, local_row_ids),
+                self._scale_bytes.index_select(0, local_row_ids))
+
+
+@register_placement
+class DevicePlacement(TablePlacement):
+    """The whole table in one CUDA device's memory (HBM); lookups run there.
+
+    ``device`` defaults to the current CUDA device.
+    """
+
+    name = "device"
+
+    def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
+        target = _resolve_cuda_device(device)
+        super().__init__(value_bytes.to(target), scale_bytes.to(target), target)
+
+    def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self._value_bytes.index_select(0, local_row_ids),
+                self._scale_bytes.index_select(0, local_row_ids))
+
+
+def _resolve_cuda_device(device) -> torch.device:
+    if device is None:
+        if not torch.cuda.is_available():
+            raise ValueError("placement 'device' needs a CUDA device, and torch.cuda.is_available() is False")
+        return torch.device("cuda", torch.cuda.current_device())
+    resolved = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if resolved.type != "cuda":
+        raise ValueError(f"device: placement 'device' needs a CUDA device, found {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: placement 'device' needs a CUDA device ({device!r}), and torch.cuda.is_available() is False")
+    if resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+# ---------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, found {value!r}")
+    return value
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index if a.index is not None else 0) == (b.index if b.index is not None else 0)
+
+
+class EngramTable:
+    """One layer's FP8 rows (or one rank's shard of whole hash columns), with lookups.
+
+    Args:
+        values: ``float8_e4m3fn [rows, D]`` (``uint8`` bit patterns accepted): table rows
+            ``[row_start, row_start + rows)``.
+        scales: ``uint8 [rows, D // 32]`` UE8M0 bytes (``float8_e8m0fnu`` accepted).
+        column_start, column_end: the hash columns this table serves; ``column_end``
+            defaults to ``num_columns_total``, or when that is unknown too, to the
+            width of the hash ids of each lookup.
+        row_start: global row id of ``values[0]``.
+        num_columns_total: hash columns of the layer (``C``); when given, hash ids
+            must be ``[T, C]``.
+        num_rows_total: rows of the layer's whole table, the bound of validation.
+            Default: ``rows`` when the table is a whole layer (``row_start == 0``,
+            ``column_start == 0``, ``column_end`` None or ``num_columns_total``);
+            otherwise unknown and validation checks only ``id >= 0``.
+        placement: ``"cpu"`` or ``"device"`` (see :func:`available_placements`).
+        device: the CUDA device of placement ``"device"`` (default: current).
+        validate: check hash ids on every lookup (a host sync); default on for the
+            CPU and off for CUDA.
+    """
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        *,
+        column_start: int = 0,
+        column_end: int | None = None,
+        row_start: int = 0,
+        num_columns_total: int | None = None,
+        num_rows_total: int | None = None,
+        placement: str = "cpu",
+        device: torch.device | str | int | None = None,
+        validate: bool | None = None,
+    ):
+        value_bytes = as_value_bytes(values, "values")
+        scale_bytes = as_scale_bytes(scales, "scales")
+        if value_bytes.dim() != 2:
+            raise ValueError(f"values: expected shape [rows, head_dim], found {list(value_bytes.shape)}")
+        num_rows, head_dim = value_bytes.shape
+        if num_rows < 1:
+            raise ValueError(f"values: expected at least one row, found shape {list(value_bytes.shape)}")
+        if head_dim == 0 or head_dim % BLOCK_SIZE:
+            raise ValueError(f"values: head_dim must be a positive multiple of {BLOCK_SIZE}, found shape {list(value_bytes.shape)}")
+        if tuple(scale_bytes.shape) != (num_rows, head_dim // BLOCK_SIZE):
+            raise ValueError(
+                f"scales: expected shape {[num_rows, head_dim // BLOCK_SIZE]} (one byte per {BLOCK_SIZE} values "
+                f"of values {list(value_bytes.shape)}), found {list(scale_bytes.shape)}"
+            )
+        if value_bytes.device != scale_bytes.device:
+            raise ValueError(f"scales: expected the device of values ({value_bytes.device}), found {scale_bytes.device}")
+
+        column_start = _check_int("column_start", column_start, 0)
+        row_start = _check_int("row_start", row_start, 0)
+        if num_columns_total is not None:
+            num_columns_total = _check_int("num_columns_total", num_columns_total, column_start + 1)
+        if column_end is not None:
+            column_end = _check_int("column_end", column_end, column_start + 1)
+            if num_columns_total is not None and column_end > num_columns_total:
+                raise ValueError(f"column_end: expected at most num_columns_total = {num_columns_total}, found {column_end}")
+        elif num_columns_total is not None:
+            column_end = num_columns_total
+        whole_layer = row_start == 0 and column_start == 0 and (
+            column_end is None or column_end == num_columns_total)
+        if num_rows_total is not None:
+            num_rows_total = _check_int("num_rows_total", num_rows_total, row_start + num_rows)
+        elif whole_layer:
+            num_rows_total = num_rows
+        if validate is not None and not isinstance(validate, bool):
+            raise ValueError(f"validate: expected True, False or None, found {validate!r}")
+
+        self._storage = make_placement(placement, value_bytes, scale_bytes, device)
+        self._column_start = column_start
+        self._column_end = column_end
+        self._row_start = row_start
+        self._num_columns_total = num_columns_total
+        self._num_rows_total = num_rows_total
+        self.validate = self._storage.device.type == "cpu" if validate is None else validate
+
+    @classmethod
+    def from_layout(
+        cls,
+        layout: EngramLayout,
+        layer_index: int,
+        shard: ColumnShard | None,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        placement: str = "cpu",
+        device: torch.device | str | int | None = None,
+        validate: bool | None = None,
+    ) -> "EngramTable":
+        """The table of layer ``layout.spec.layer_ids[layer_index]``, whole (``shard`` None)
+        or one rank's shard; ``values``/``scales`` hold exactly the rows of that range
+        (``shard.row_ranges[layer_index]``), checked against the layout."""
+        spec = layout.spec
+        if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not 0 <= layer_index < layout.num_layers:
+            raise ValueError(f"layer_index: expected an integer in [0, {layout.num_layers}), found {layer_index!r}")
+        num_columns, head_dim = layout.num_columns, spec.head_dim
+        num_rows_total = layout.num_embeddings[layer_index]
+        if shard is None:
+            column_start, column_end, row_start, row_end = 0, num_columns, 0, num_rows_total
+            what = f"layer index {layer_index} (layer {spec.layer_ids[layer_index]})"
+        else:
+            if not isinstance(shard, ColumnShard):
+                raise ValueError(f"shard: expected a ColumnShard or None, found {type(shard).__name__}")
+            try:
+                expected_shard = layout.shard(shard.rank, shard.world_size)
+            except ValueError as error:
+                raise ValueError(f"shard: {shard} does not belong to this layout: {error}") from None
+            if shard != expected_shard:
+                raise ValueError(f"shard: {shard} does not belong to this layout, which gives {expected_shard}")
+            column_start, column_end = shard.column_start, shard.column_end
+            row_start, row_end = shard.row_ranges[layer_index]
+            what = (f"layer index {layer_index} (layer {spec.layer_ids[layer_index]}), rank {shard.rank} of "
+                    f"{shard.world_size}, rows [{row_start}, {row_end})")
+        num_rows = row_end - row_start
+        for name, tensor, expected in (("values", values, (num_rows, head_dim)),
+                                       ("scales", scales, (num_rows, head_dim // BLOCK_SIZE))):
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name}: expected a torch.Tensor, found {type(tensor).__name__}")
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"{name}: expected shape {list(expected)} for {what}, found {list(tensor.shape)}")
+        return cls(values, scales, column_start=column_start, column_end=column_end, row_start=row_start,
+                   num_columns_total=num_columns, num_rows_total=num_rows_total,
+                   placement=placement, device=device, validate=validate)
+
+    # ---- properties ----------------------------------------------------------
+    @property
+    def storage(self) -> TablePlacement:
+        """The placement object that owns the bytes."""
+        return self._storage
+
+    @property
+    def placement(self) -> str:
+        return self._storage.name
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the hash ids a lookup takes and of the rows it returns."""
+        return self._storage.device
+
+    @property
+    def num_rows(self) -> int:
+        """Rows held by this table (the shard's row range length)."""
+        return self._storage.num_rows
+
+    @property
+    def head_dim(self) -> int:
+        return self._storage.head_dim
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the held rows: ``num_rows * (head_dim + head_dim // 32)``."""
+        return self._storage.nbytes
+
+    @property
+    def row_start(self) -> int:
+        return self._row_start
+
+    @property
+    def row_end(self) -> int:
+        return self._row_start + self.num_rows
+
+    @property
+    def column_start(self) -> int:
+        return self._column_start
+
+    @property
+    def column_end(self) -> int | None:
+        """End of the served columns; None means "the last column of the hash ids"."""
+        return self._column_end
+
+    @property
+    def num_columns_total(self) -> int | None:
+        return self._num_columns_total
+
+    @property
+    def num_rows_total(self) -> int | None:
+        return self._num_rows_total
+
+    # ---- lookups -------------------------------------------------------------
+    def _local_columns(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """Check ``hash_ids [T, C]`` and return its columns ``[column_start, column_end)``."""
+        if not isinstance(hash_ids, torch.Tensor):
+            raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
+        if hash_ids.dtype not in _HASH_ID_DTYPES:
+            raise ValueError(f"hash_ids: expected dtype torch.int32 or torch.int64, found {hash_ids.dtype}")
+        if hash_ids.dim() != 2:
+            raise ValueError(f"hash_ids: expected shape [T, C], found {list(hash_ids.shape)}")
+        width = hash_ids.shape[1]
+        if self._num_columns_total is not None and width != self._num_columns_total:
+            raise ValueError(f"hash_ids: expected {self._num_columns_total} columns (shape [T, {self._num_columns_total}]), "
+                             f"found shape {list(hash_ids.shape)}")
+        column_end = width if self._column_end is None else self._column_end
+        if column_end > width or column_end <= self._column_start:
+            raise ValueError(f"hash_ids: this table serves columns [{self._column_start}, {column_end}), "
+                             f"found shape {list(hash_ids.shape)}")
+        if not _same_device(hash_ids.device, self.device):
+            raise ValueError(f"hash_ids: expected device {self.device} (the table's), found {hash_ids.device}")
+        return hash_ids[:, self._column_start:column_end]
+
+    def _check_ids(self, global_ids: torch.Tensor) -> None:
+        """Raise for ids < 0 or >= num_rows_total (a host sync)."""
+        bound = self._num_rows_total
+        bad = global_ids < 0
+        if bound is not None:
+            bad = bad | (global_ids >= bound)
+        if bool(bad.any()):
+            token, local_column = (int(i) for i in torch.nonzero(bad)[0].tolist())
+            found = int(global_ids[token, local_column])
+            bound_text = f"[0, {bound})" if bound is not None else "[0, ...) (num_rows_total unknown)"
+            raise ValueError(
+                f"hash_ids column {self._column_start + local_column} (token {token}): id {found} is outside "
+                f"the layer's table rows {bound_text}"
+            )
+
+    def lookup_packed(self, hash_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw FP8 rows for an FP8 consumer.
+
+        ``hash_ids`` int32/int64 ``[T, C]`` (global row ids) ->
+        ``(values float8_e4m3fn [T, C_local, D], scales uint8 [T, C_local, D // 32])``,
+        ``C_local = column_end - column_start``: row ``hash_ids[t, column_start + j] - row_start``;
+        ids outside this table's rows read all-zero bytes (value +0, scale byte 0).
+        """
+        global_ids = self._local_columns(hash_ids)  # [T, C_local]
+        if self.validate:
+            self._check_ids(global_ids)
+        tokens, local_columns = global_ids.shape
+        local_ids = global_ids.to(torch.int64).reshape(-1) - self._row_start  # [T * C_local]
+        inside = (local_ids >= 0) & (local_ids < self.num_rows)
+        safe_ids = torch.where(inside, local_ids, torch.zeros_like(local_ids))
+        value_bytes, scale_bytes = self._storage.gather(safe_ids)
+        outside = ~inside.unsqueeze(-1)
+        value_bytes = value_bytes.masked_fill(outside, 0)
+        scale_bytes = scale_bytes.masked_fill(outside, 0)
+        head_dim = self.head_dim
+        return (value_bytes.view(torch.float8_e4m3fn).reshape(tokens, local_columns, head_dim),
+                scale_bytes.reshape(tokens, local_columns, head_dim // BLOCK_SIZE))
+
+    def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows: ``hash_ids`` int32/int64 ``[T, C]`` -> ``bfloat16 [T, C_local, D]``,
+        ``out[t, j] = e4m3 * 2**(b - 127)`` of row ``hash_ids[t, column_start + j]``; +0 outside the table's rows."""
+        values, scales = self.lookup_packed(hash_ids)
+        return dequantize_rows(values, scales, torch.bfloat16)
+
+    __call__ = lookup
+
+    def __repr__(self) -> str:
+        return (f"EngramTable(rows=[{self.row_start}, {self.row_end}), head_dim={self.head_dim}, "
+                f"columns=[{self.column_start}, {self.column_end}), placement={self.placement!r}, "
+                f"device={self.device}, validate={self.validate})")
