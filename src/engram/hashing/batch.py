@@ -142,7 +142,12 @@ class NgramHasher:
         dead = tokens.padding if dead_mask is None else (dead_mask | tokens.padding)
         stored = torch.where(dead, torch.full_like(compressed, DEAD), compressed)
 
-        undo = self.slot_cache.write(slot_mapping, stored) if slot_mapping is not None else None
+        seeds = self._lookback_seeds(batch) if lookback_token_ids is not None else None
+        undo = []
+        if self.slot_cache is not None and seeds is not None and block_table is not None:
+            undo.append(self.slot_cache.write(self._seed_slots(batch, seeds), seeds.stored.reshape(-1)))
+        if slot_mapping is not None:
+            undo.append(self.slot_cache.write(slot_mapping, stored))
         try:
             windows, window_dead, missing = self._gather_windows(batch, tokens, compressed, dead)
             # Missing history matters only where no earlier shift is already blocked.
@@ -152,12 +157,16 @@ class NgramHasher:
             if validate and bool(missing.any()):
                 raise self._missing_history_error(batch, tokens, missing)
         except BaseException:
-            if undo is not None:
-                self.slot_cache.undo(*undo)
+            for targets, previous in reversed(undo):
+                self.slot_cache.undo(targets, previous)
             raise
         ids = hash_windows(block_windows(windows, window_dead | missing, self.pad_id),
                            self.multipliers, self.column_primes, self.column_offsets, self.out_dtype)
         if request_rows is not None:
+            if seeds is not None:
+                rows = request_rows.long()[:, None].expand_as(seeds.positions)
+                self.request_history.write(rows.reshape(-1), seeds.positions.reshape(-1), seeds.stored.reshape(-1),
+                                           seeds.known.reshape(-1))
             self._write_request_history(batch, tokens, stored)
         return ids
 
@@ -177,6 +186,30 @@ class NgramHasher:
         padding = request >= batch.num_requests
         request = request.clamp(max=max(batch.num_requests - 1, 0))
         return _TokenPlaces(request, token_index - starts[request], padding)
+
+    def _lookback_seeds(self, batch: BatchMetadata) -> "_LookbackSeeds":
+        """The known lookback entries as (position, stored value) per request ``[R, N-1]``.
+
+        Stores are seeded with them, so a request that arrives with only a lookback
+        window (a decode instance after a prefill/decode split) keeps its history.
+        """
+        starts = batch.query_start_loc.long()
+        has_tokens = starts[1:] > starts[:-1]
+        first_position = batch.positions.long()[starts[:-1].clamp(max=max(batch.num_tokens - 1, 0))]
+        columns = torch.arange(self.history_length, device=self.device)
+        positions = first_position[:, None] - 1 - columns                          # [R, N-1]
+        raw = batch.lookback_token_ids.long()
+        known = (raw >= 0) & (positions >= 0) & has_tokens[:, None]
+        compressed = self.token_map[raw.clamp(0, self.vocab.vocab_size - 1)].long()
+        dead = batch.lookback_dead_mask if batch.lookback_dead_mask is not None else torch.zeros_like(known)
+        stored = torch.where(dead, torch.full_like(compressed, DEAD), compressed)
+        return _LookbackSeeds(positions.clamp(min=0), stored, known)
+
+    def _seed_slots(self, batch: BatchMetadata, seeds: "_LookbackSeeds") -> torch.Tensor:
+        """Slot of each known lookback entry, ``-1`` where unknown: int64 ``[R * (N-1)]``."""
+        table_rows = batch.block_table.long()[: batch.num_requests]
+        slots = self.slot_cache.slots_of(table_rows, seeds.positions)
+        return torch.where(seeds.known, slots, torch.full_like(slots, -1)).reshape(-1)
 
     def _gather_windows(self, batch: BatchMetadata, tokens: "_TokenPlaces", compressed: torch.Tensor,
                         dead: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -244,6 +277,12 @@ class NgramHasher:
             f"request {k} starts at position {first}, but the token at position {position} is unknown "
             f"({why}); hashing it as pad would be silently wrong"
         )
+
+
+class _LookbackSeeds(NamedTuple):
+    positions: torch.Tensor  # int64 [R, N-1], position of each lookback column (clamped at 0)
+    stored: torch.Tensor     # int64 [R, N-1], compressed id or DEAD
+    known: torch.Tensor      # bool [R, N-1], a real token at a real position
 
 
 class _TokenPlaces(NamedTuple):

@@ -1,0 +1,21 @@
+"""The Engram layer: ``wkv`` projection, gate (torch path and float64 reference)
+and the :class:`Engram` module with tensor / sequence parallelism."""
+
+from .gate import engram_gate
+from .module import Engram, sequence_parallel_sizes, tensor_parallel_columns
+from .reference import reference_dequantize_wkv, reference_engram, reference_gate, reference_wkv
+from .wkv import WkvProjection, dequantize_wkv_weight, split_kv
+
+__all__ = [
+    "Engram",
+    "WkvProjection",
+    "dequantize_wkv_weight",
+    "split_kv",
+    "engram_gate",
+    "tensor_parallel_columns",
+    "sequence_parallel_sizes",
+    "reference_gate",
+    "reference_dequantize_wkv",
+    "reference_wkv",
+    "reference_engram",
+]

@@ -1,0 +1,370 @@
+"""``Engram``: one Engram layer as a ``torch.nn.Module`` — rows -> wkv -> gate,
+on one process or over tensor / sequence parallel groups (DESIGN §1 steps 3-5, §3).
+
+Data movement (``T`` tokens, ``C`` hash columns, ``hd = head_dim``, ``tp`` / ``sp``
+group sizes, ``P = ceil(C / tp)`` columns per rank, bf16 rows of ``2 * hd`` bytes):
+
+* **single** (no group): ``table.lookup`` of all ``T x C`` rows; no communication.
+* **tensor parallel** (``tp_group``): rank ``r`` owns columns
+  ``[r * P, min(C, (r + 1) * P))`` of the table. It looks up those columns for all
+  ``T`` tokens, pads them to ``P`` columns, and one ``all_gather`` of
+  ``[T, P, hd]`` per rank gives every rank all ``[T, C, hd]`` rows. Every rank then
+  runs the same wkv GEMM and gate on the same inputs: the outputs are identical on
+  all ranks and to the single-process result. Gathering rows (``C * hd`` values per
+  token) instead of all-reducing partial GEMM outputs (``(hc + 1) * D`` values per
+  token, 4x more for V4.1) is also what keeps the result bit-exact.
+* **sequence parallel** (``sequence_parallel=True``, ``sp_group``, no tensor
+  parallel): ``hidden_states`` holds this rank's contiguous token shard, ``hash_ids``
+  all tokens. The rank holds the whole table and looks up only its own tokens;
+  wkv and gate run on its own tokens; no communication.
+* **sequence + tensor parallel over one group** (``tp_group`` and ``sp_group`` are
+  the same ranks in the same order): rank ``r`` owns columns ``r * P ...`` and tokens
+  ``[start_r, start_r + n_r)``. It looks up its columns for all ``T`` tokens (every
+  row of the layer is read exactly once across the group), then one
+  ``all_to_all`` (chunks padded to ``[max n, P, hd]``) sends each rank the rows of
+  its own tokens: rank ``r`` receives ``[n_r, C, hd]``, ``tp`` times less than the
+  tensor-parallel all-gather. wkv and gate run on the rank's own tokens only.
+* **sequence x tensor parallel mesh** (the two groups meet only in this rank; the
+  tensor-parallel peers hold the same token shard): look up own columns for own
+  tokens, ``all_gather`` them over ``tp_group``, wkv and gate on own tokens.
+
+Bit-exactness of the sequence-parallel modes against one process needs a wkv GEMM
+whose per-row result does not depend on how many rows it is given. The tensor-
+parallel mode does not (every rank runs the single-process GEMM).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .gate import engram_gate
+from .wkv import WkvProjection
+
+__all__ = ["Engram", "tensor_parallel_columns", "sequence_parallel_sizes"]
+
+_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_HASH_ID_DTYPES = (torch.int32, torch.int64)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def tensor_parallel_columns(num_columns: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Columns ``[rank * P, min(C, (rank + 1) * P))`` with ``P = ceil(C / world_size)``
+    (the rule of :meth:`EngramLayout.shard`); ValueError when the rank gets none."""
+    per_rank = _ceil_div(num_columns, world_size)
+    start, end = rank * per_rank, min(num_columns, (rank + 1) * per_rank)
+    if start >= end:
+        raise ValueError(f"tp_group: rank {rank} of {world_size} gets no hash column ({num_columns} columns, "
+                         f"{per_rank} per rank); expected a group size whose ceil(C/tp) split covers every rank")
+    return start, end
+
+
+def sequence_parallel_sizes(num_tokens: int, world_size: int) -> list[int]:
+    """Contiguous token shards of the ceil split: rank ``r`` gets
+    ``[r * ceil(T / sp), min(T, (r + 1) * ceil(T / sp)))`` (possibly empty)."""
+    per_rank = _ceil_div(num_tokens, world_size) if num_tokens else 0
+    return [max(0, min(num_tokens, (r + 1) * per_rank) - r * per_rank) for r in range(world_size)]
+
+
+def _all_gather_stacked(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    """``output [world, *tensor.shape]`` <- every rank's ``tensor``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)
+
+
+def _group_info(name: str, group) -> tuple[int, int, list[int]]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{name}: expected a process group of an initialized torch.distributed, found "
+                         f"torch.distributed not initialized")
+    try:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"{name}: expected a torch.distributed ProcessGroup, found {group!r} ({error})") from None
+    if rank < 0:
+        raise ValueError(f"{name}: expected a group this process belongs to, found one of ranks {ranks}")
+    return size, rank, list(ranks)
+
+
+class Engram(torch.nn.Module):
+    """One Engram layer: ``out [T, hc, D] = h + g * value`` with ``key, value = wkv(table rows)``.
+
+    Args:
+        table: anything with ``lookup(hash_ids [T, C] int) -> bf16 [T, C_local, head_dim]``
+            (rows of its columns ``[column_start, column_end)``) and those two attributes;
+            ``column_end = None`` means ``C``. Without tensor parallelism it must hold
+            all ``C`` columns; with it, exactly the columns of :func:`tensor_parallel_columns`.
+        wkv: the :class:`WkvProjection`, ``[(hc + 1) * D, C * head_dim]``.
+        q_weight, k_weight: bf16 ``[hc, D]``.
+        eps: ``rms_norm_eps``.
+        num_columns: ``C``, hash columns of the layer.
+        tp_group: tensor-parallel ``ProcessGroup`` or None.
+        sequence_parallel: True when ``hidden_states`` holds only this rank's tokens.
+        sp_group: the sequence-parallel ``ProcessGroup`` (required with ``sequence_parallel``).
+
+    The module-level docstring describes the data movement of each mode.
+    """
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+
+    def __init__(
+        self,
+        table: Any,
+        wkv: WkvProjection,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        *,
+        eps: float,
+        num_columns: int,
+        tp_group: Any = None,
+        sequence_parallel: bool = False,
+        sp_group: Any = None,
+    ):
+        super().__init__()
+        if not isinstance(wkv, WkvProjection):
+            raise ValueError(f"wkv: expected a WkvProjection, found {type(wkv).__name__}")
+        for name, tensor in (("q_weight", q_weight), ("k_weight", k_weight)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.dtype != torch.bfloat16:
+                found = (f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor)
+                         else type(tensor).__name__)
+                raise ValueError(f"{name}: expected a bfloat16 tensor [hc, D], found {found}")
+        if q_weight.shape != k_weight.shape:
+            raise ValueError(f"k_weight: expected shape {list(q_weight.shape)} (q_weight's), found {list(k_weight.shape)}")
+        hc_mult, hidden = q_weight.shape
+        if wkv.out_features != (hc_mult + 1) * hidden:
+            raise ValueError(f"wkv: expected (hc + 1) * D = {(hc_mult + 1) * hidden} output features "
+                             f"(q_weight is [{hc_mult}, {hidden}]), found {wkv.out_features}")
+        if isinstance(num_columns, bool) or not isinstance(num_columns, int) or num_columns < 1:
+            raise ValueError(f"num_columns: expected a positive integer, found {num_columns!r}")
+        if wkv.in_features % num_columns:
+            raise ValueError(f"num_columns: expected a divisor of wkv's {wkv.in_features} input features "
+                             f"(C * head_dim), found {num_columns}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"eps: expected a positive number, found {eps!r}")
+        if not isinstance(sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel: expected True or False, found {sequence_parallel!r}")
+
+        self.hc_mult, self.hidden_size = hc_mult, hidden
+        self.num_columns = num_columns
+        self.head_dim = wkv.in_features // num_columns
+        self.eps = float(eps)
+        self.wkv = wkv
+        self.register_buffer("q_weight", q_weight.contiguous())
+        self.register_buffer("k_weight", k_weight.contiguous())
+
+        # ---- parallel layout ---------------------------------------------------
+        self.tp_group, self.sp_group = tp_group, sp_group
+        self.sequence_parallel = sequence_parallel
+        self.tp_size, self.tp_rank, tp_ranks = 1, 0, None
+        if tp_group is not None:
+            self.tp_size, self.tp_rank, tp_ranks = _group_info("tp_group", tp_group)
+        self.sp_size, self.sp_rank, sp_ranks = 1, 0, None
+        if sequence_parallel:
+            if sp_group is None:
+                raise ValueError("sp_group: expected the sequence-parallel ProcessGroup with sequence_parallel=True, found None")
+            self.sp_size, self.sp_rank, sp_ranks = _group_info("sp_group", sp_group)
+        elif sp_group is not None:
+            raise ValueError("sp_group: expected None unless sequence_parallel=True, found a group")
+
+        tensor_parallel = self.tp_size > 1
+        if not tensor_parallel:
+            self.mode = "sequence" if sequence_parallel else "single"
+        elif not sequence_parallel or self.sp_size == 1:
+            self.mode = "tensor"
+        elif tp_ranks == sp_ranks:
+            self.mode = "sequence+tensor"      # one group: all_to_all of rows
+        elif set(tp_ranks) & set(sp_ranks) == {dist.get_rank()}:
+            self.mode = "sequence x tensor"    # 2-D mesh: all_gather over tp of own tokens
+        else:
+            raise ValueError(f"sp_group: expected the same ranks as tp_group in the same order {tp_ranks}, or a group "
+                             f"meeting tp_group only in this rank (a 2-D mesh), found ranks {sp_ranks}")
+
+        self.column_start, self.column_end = tensor_parallel_columns(num_columns, self.tp_rank, self.tp_size)
+        self.columns_per_rank = _ceil_div(num_columns, self.tp_size)
+        self.table = table
+        self._check_table(table)
+
+    @classmethod
+    def from_weights(
+        cls,
+        spec,
+        table: Any,
+        *,
+        wkv_weight: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        wkv_scale: torch.Tensor | None = None,
+        tp_group: Any = None,
+        sequence_parallel: bool = False,
+        sp_group: Any = None,
+    ) -> "Engram":
+        """Build from an :class:`EngramSpec` and one layer's checkpoint tensors
+        (``engram.wkv.weight`` [+ ``.scale``], ``engram.q_weight``, ``engram.k_weight``)."""
+        expected = [spec.kv_dim, spec.num_columns * spec.head_dim]
+        if not isinstance(wkv_weight, torch.Tensor) or list(wkv_weight.shape) != expected:
+            found = list(wkv_weight.shape) if isinstance(wkv_weight, torch.Tensor) else type(wkv_weight).__name__
+            raise ValueError(f"wkv_weight: expected shape {expected} ((hc_mult + 1) * hidden_size, C * head_dim), found {found}")
+        for name, tensor in (("q_weight", q_weight), ("k_weight", k_weight)):
+            if not isinstance(tensor, torch.Tensor) or list(tensor.shape) != [spec.hc_mult, spec.hidden_size]:
+                found = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"{name}: expected shape [{spec.hc_mult}, {spec.hidden_size}] (hc_mult, hidden_size), found {found}")
+        wkv = WkvProjection(wkv_weight, wkv_scale, spec.weight_block_size if wkv_scale is not None else None)
+        return cls(table, wkv, q_weight, k_weight, eps=spec.rms_norm_eps, num_columns=spec.num_columns,
+                   tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group)
+
+    # ---- checks --------------------------------------------------------------
+    def _check_table(self, table: Any) -> None:
+        for attribute in ("lookup", "column_start", "column_end"):
+            if not hasattr(table, attribute):
+                raise ValueError(f"table: expected an object with lookup(), column_start and column_end, "
+                                 f"found {type(table).__name__} without {attribute!r}")
+        start = table.column_start
+        end = self.num_columns if table.column_end is None else table.column_end
+        if (start, end) != (self.column_start, self.column_end):
+            raise ValueError(f"table: expected hash columns [{self.column_start}, {self.column_end}) "
+                             f"(tensor-parallel rank {self.tp_rank} of {self.tp_size}, C = {self.num_columns}), "
+                             f"found [{start}, {end})")
+
+    def _token_layout(self, num_tokens: int, sp_token_counts) -> tuple[list[int], list[int]]:
+        """Per sequence-parallel rank: token counts and first token."""
+        if not self.sequence_parallel:
+            if sp_token_counts is not None:
+                raise ValueError("sp_token_counts: expected None without sequence_parallel, found "
+                                 f"{list(sp_token_counts)!r}")
+            return [num_tokens], [0]
+        if sp_token_counts is None:
+            counts = sequence_parallel_sizes(num_tokens, self.sp_size)
+        else:
+            counts = list(sp_token_counts)
+            if (len(counts) != self.sp_size
+                    or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
+                    or sum(counts) != num_tokens):
+                raise ValueError(f"sp_token_counts: expected {self.sp_size} non-negative integers summing to the "
+                                 f"{num_tokens} tokens of hash_ids, found {counts!r}")
+        starts = [sum(counts[:r]) for r in range(len(counts))]
+        return counts, starts
+
+    # ---- rows ------------------------------------------------------------------
+    def _lookup(self, hash_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's columns for the tokens of ``hash_ids [n, C]``: bf16 ``[n, C_local, hd]``."""
+        local_columns = self.column_end - self.column_start
+        if hash_ids.shape[0] == 0:
+            return torch.empty(0, local_columns, self.head_dim, dtype=torch.bfloat16, device=device)
+        rows = self.table.lookup(hash_ids)
+        expected = [hash_ids.shape[0], local_columns, self.head_dim]
+        if not isinstance(rows, torch.Tensor) or list(rows.shape) != expected or rows.dtype != torch.bfloat16:
+            found = f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+            raise ValueError(f"table.lookup: expected a bfloat16 tensor {expected} [T, C_local, head_dim], found {found}")
+        return rows
+
+    def _pad_columns(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[n, C_local, hd]`` -> ``[n, P, hd]`` (zeros right of the rank's columns), contiguous."""
+        if rows.shape[1] == self.columns_per_rank:
+            return rows.contiguous()
+        padded = rows.new_zeros(rows.shape[0], self.columns_per_rank, self.head_dim)
+        padded[:, : rows.shape[1]] = rows
+        return padded
+
+    def _unshard_columns(self, received: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``[tp, >= n, P, hd]`` (chunk ``s`` = rank ``s``'s columns) -> ``[n, C, hd]``."""
+        rows = received[:, :num_tokens].permute(1, 0, 2, 3).reshape(num_tokens, self.tp_size * self.columns_per_rank,
+                                                                     self.head_dim)
+        return rows[:, : self.num_columns].contiguous()
+
+    def gather_rows(self, hash_ids: torch.Tensor, counts: Sequence[int], starts: Sequence[int],
+                    device: torch.device) -> torch.Tensor:
+        """bf16 ``[n, C, head_dim]``: all columns' rows of this rank's ``n`` tokens (see the module docstring)."""
+        rank = self.sp_rank
+        start, count = starts[rank], counts[rank]
+        if self.mode in ("single", "sequence"):
+            return self._lookup(hash_ids[start:start + count], device)
+        if self.mode in ("tensor", "sequence x tensor"):
+            # The tensor-parallel peers hold the same tokens: gather their columns.
+            if count == 0:  # every peer has no token either
+                return torch.empty(0, self.num_columns, self.head_dim, dtype=torch.bfloat16, device=device)
+            local = self._pad_columns(self._lookup(hash_ids[start:start + count], device))
+            received = local.new_empty(self.tp_size, *local.shape)
+            _all_gather_stacked(received, local, self.tp_group)
+            return self._unshard_columns(received, count)
+        # "sequence+tensor": own columns of all tokens, all_to_all so each rank gets its tokens.
+        chunk = max(counts)
+        if chunk == 0:
+            return torch.empty(0, self.num_columns, self.head_dim, dtype=torch.bfloat16, device=device)
+        local = self._lookup(hash_ids, device)
+        send = local.new_zeros(self.tp_size, chunk, self.columns_per_rank, self.head_dim)
+        for destination in range(self.tp_size):
+            first, n = starts[destination], counts[destination]
+            send[destination, :n, : local.shape[1]] = local[first:first + n]
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.tp_group)
+        return self._unshard_columns(received, count)
+
+    # ---- forward ---------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        hash_ids: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        *,
+        sp_token_counts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """``out [n, hc, D] = h + g * value`` (DESIGN §2 "Gate"), dtype of ``hidden_states``.
+
+        Args:
+            hidden_states: bf16 ``[n, hc, D]``; ``n = T``, or with sequence parallelism
+                this rank's ``n`` tokens (a contiguous shard).
+            hash_ids: int32/int64 ``[T, C]``, all tokens (global row ids).
+            token_mask: bool ``[T]`` or ``[n]`` (False = dead token: output = input bit
+                for bit), or None.
+            sp_token_counts: tokens per sequence-parallel rank (same list on every rank);
+                default the ceil split of :func:`sequence_parallel_sizes`.
+
+        Every rank of a group must call forward with the same ``hash_ids`` (and counts).
+        """
+        if not isinstance(hash_ids, torch.Tensor):
+            raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
+        if hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
+            raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {list(hash_ids.shape)}")
+        if hash_ids.dtype not in _HASH_ID_DTYPES:
+            raise ValueError(f"hash_ids: expected dtype torch.int32 or torch.int64, found {hash_ids.dtype}")
+        num_tokens = hash_ids.shape[0]
+        counts, starts = self._token_layout(num_tokens, sp_token_counts)
+        start, count = starts[self.sp_rank], counts[self.sp_rank]
+
+        if not isinstance(hidden_states, torch.Tensor):
+            raise ValueError(f"hidden_states: expected a torch.Tensor, found {type(hidden_states).__name__}")
+        expected = [count, self.hc_mult, self.hidden_size]
+        if list(hidden_states.shape) != expected:
+            what = (f"this rank's {count} of {num_tokens} tokens" if self.sequence_parallel else "T from hash_ids")
+            raise ValueError(f"hidden_states: expected shape {expected} ({what}, hc, D), found {list(hidden_states.shape)}")
+        if hidden_states.dtype not in _HIDDEN_DTYPES:
+            raise ValueError(f"hidden_states: expected dtype torch.bfloat16 (or float16/float32), found {hidden_states.dtype}")
+        if hidden_states.device != self.q_weight.device:
+            raise ValueError(f"hidden_states: expected device {self.q_weight.device} (the layer's), found {hidden_states.device}")
+
+        if token_mask is not None:
+            if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
+                found = token_mask.dtype if isinstance(token_mask, torch.Tensor) else type(token_mask).__name__
+                raise ValueError(f"token_mask: expected a torch.bool tensor or None, found {found}")
+            if list(token_mask.shape) == [num_tokens]:
+                token_mask = token_mask[start:start + count]
+            elif list(token_mask.shape) != [count]:
+                raise ValueError(f"token_mask: expected shape [{num_tokens}] (all tokens) or [{count}] "
+                                 f"(this rank's), found {list(token_mask.shape)}")
+            token_mask = token_mask.to(hidden_states.device)
+
+        rows = self.gather_rows(hash_ids, counts, starts, hidden_states.device)
+        key, value = self.wkv.key_value(rows, self.hc_mult)
+        # Seam for the GPU kernels: a fused Triton gate replaces this call.
+        return engram_gate(hidden_states, key, value, self.q_weight, self.k_weight, self.eps, token_mask)
+
+    def extra_repr(self) -> str:
+        return (f"hc_mult={self.hc_mult}, hidden_size={self.hidden_size}, num_columns={self.num_columns}, "
+                f"head_dim={self.head_dim}, eps={self.eps}, mode={self.mode!r}, "
+                f"columns=[{self.column_start}, {self.column_end}), tp={self.tp_size}, sp={self.sp_size}")

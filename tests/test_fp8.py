@@ -1,0 +1,324 @@
+"""FP8 table-row codec (DESIGN §2 "FP8 table rows") against independent numpy/float64 models."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engram.table import (
+    E8M0_DTYPE,
+    dequantize_rows,
+    quantize_rows,
+    scale_bytes_to_float,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------------------
+# independent float64 models
+# ---------------------------------------------------------------------------
+def decode_e4m3(value_bytes: np.ndarray) -> np.ndarray:
+    """E4M3 (fn) bit patterns -> float64: sign, 4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is NaN."""
+    value_bytes = value_bytes.astype(np.int64)
+    sign = np.where(value_bytes & 0x80, -1.0, 1.0)
+    exponent = (value_bytes >> 3) & 0xF
+    mantissa = value_bytes & 0x7
+    magnitude = np.where(exponent == 0, np.ldexp(mantissa.astype(np.float64), -9),
+                         np.ldexp((8 + mantissa).astype(np.float64), exponent - 10))
+    return np.where((value_bytes & 0x7F) == 0x7F, np.nan, sign * magnitude)
+
+
+def round_to_grid(x: np.ndarray, mantissa_bits: int, min_normal_exponent: int) -> np.ndarray:
+    """Round float64 ``x`` to nearest, ties to even, on the grid of a binary format with
+    ``mantissa_bits`` stored bits and smallest normal ``2**min_normal_exponent`` (no overflow handling)."""
+    x = np.asarray(x, dtype=np.float64)
+    _, frexp_exponent = np.frexp(np.abs(x))  # |x| = m * 2**e, m in [0.5, 1)
+    binade = np.maximum(frexp_exponent - 1, min_normal_exponent)
+    quantum = np.ldexp(1.0, binade - mantissa_bits)
+    with np.errstate(invalid="ignore"):
+        return np.round(x / quantum) * quantum  # x / quantum is exact; np.round is half-to-even
+
+
+def round_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float64 -> bf16 bit patterns (int64), round to nearest even, overflow to inf, NaN kept."""
+    rounded = round_to_grid(x, 7, -126)
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = np.where(np.abs(rounded) >= 2.0**128, np.copysign(np.inf, rounded), rounded)
+        as_float32 = rounded.astype(np.float32)  # exact: on the bf16 grid
+    return (as_float32.view(np.uint32) >> 16).astype(np.int64)
+
+
+def dequantize_model(value_bytes: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
+    """float64 ``e4m3 * 2**(b - 127)``, value bytes [..., D], scale bytes [..., D/32]."""
+    factors = np.ldexp(1.0, scale_bytes.astype(np.int64) - 127)
+    factors = np.where(scale_bytes == 255, np.nan, factors)
+    return decode_e4m3(value_bytes) * np.repeat(factors, 32, axis=-1)
+
+
+def quantize_model(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 model of the quantizer: (E4M3 values as float64 [..., D], scale bytes [..., D/32])."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(blocks).max(axis=-1)
+    # least integer k with amax <= 448 * 2**k, by exact comparisons (448 * 2**k is exact in float64)
+    exponent = np.zeros(amax.shape, dtype=np.int64)
+    for index in np.ndindex(amax.shape):
+        value = float(amax[index])
+        if value == 0.0:
+            continue
+        k = math.frexp(value)[1] - 9
+        while value > math.ldexp(448.0, k):
+            k += 1
+        while value <= math.ldexp(448.0, k - 1):
+            k -= 1
+        exponent[index] = k
+    scale_bytes = np.clip(exponent + 127, 0, 254)
+    scaled = blocks * np.ldexp(1.0, 127 - scale_bytes)[..., None]
+    values = round_to_grid(scaled, 3, -6)
+    assert np.all(np.abs(values) <= 448.0)
+    return values.reshape(x.shape), scale_bytes
+
+
+def float32_bits(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.int64)
+
+
+def bf16_bits(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.contiguous().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+
+
+# ---------------------------------------------------------------------------
+# input generation
+# ---------------------------------------------------------------------------
+def random_rows(rng: np.random.Generator, leading: tuple[int, ...], head_dim: int) -> np.ndarray:
+    """float32 rows with per-block magnitudes from subnormal to near float32 max, zero blocks,
+    exact powers of two at the scale boundaries, and E4M3 rounding ties."""
+    num_blocks = head_dim // 32
+    shape = (*leading, num_blocks, 32)
+    block_exponent = rng.integers(-150, 126, size=(*leading, num_blocks, 1))
+    x = rng.standard_normal(shape) * np.ldexp(1.0, block_exponent)
+    kind = rng.integers(0, 8, size=(*leading, num_blocks))
+    # zero blocks
+    x[kind == 1] = 0.0
+    # one element exactly 448 * 2**k (the boundary of a scale), the others E4M3 ties at that scale
+    k = rng.integers(-135, 100, size=x.shape[:-1])
+    boundary = np.ldexp(448.0, k)
+    positive = decode_e4m3(np.arange(0x7F, dtype=np.uint8))  # 0 .. 448
+    midpoints = (positive[:-1] + positive[1:]) / 2  # ties between neighbours, below 448
+    ties = rng.choice(midpoints, size=shape) * np.ldexp(1.0, k)[..., None]
+    ties *= rng.choice([-1.0, 1.0], size=shape)
+    x = np.where((kind == 2)[..., None], ties, x)
+    x[..., 0] = np.where(kind == 2, boundary, x[..., 0])
+    # amax just above / below a boundary
+    x[..., 1] = np.where(kind == 3, np.nextafter(np.float32(boundary), np.float32(np.inf)), x[..., 1])
+    x[..., 1] = np.where(kind == 4, np.nextafter(np.float32(boundary), np.float32(0)), x[..., 1])
+    with np.errstate(over="ignore"):
+        x32 = np.clip(x, -3.0e38, 3.0e38).astype(np.float32)
+    return x32.reshape(*leading, head_dim)
+
+
+leading_shapes = st.sampled_from([(1,), (3,), (7,), (2, 5), (63,), (1, 1, 3)])
+head_dims = st.sampled_from([32, 64, 96, 160, 256])
+seeds = st.integers(0, 2**63 - 1)
+
+
+# ---------------------------------------------------------------------------
+# dequantize
+# ---------------------------------------------------------------------------
+def test_scale_factors_exact_for_every_byte():
+    scale_bytes = torch.arange(256, dtype=torch.uint8)
+    factors = scale_bytes_to_float(scale_bytes).numpy()
+    for byte in range(255):
+        assert float(factors[byte]) == math.ldexp(1.0, byte - 127), byte
+    assert factors[0] > 0 and float(factors[0]) == 2.0**-127  # float32 subnormal, not flushed
+    assert np.isnan(factors[255])
+
+
+def test_dequantize_exhaustive_bit_exact():
+    """Every E4M3 byte times every UE8M0 byte, against float64 rounded once to bf16."""
+    value_bytes = np.tile(np.arange(256, dtype=np.uint8), (256, 1))  # [256 scale bytes, 256 values]
+    scale_bytes = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 8, axis=1)  # [256, 8]
+    out = dequantize_rows(torch.from_numpy(value_bytes).view(torch.float8_e4m3fn), torch.from_numpy(scale_bytes))
+    assert out.dtype == torch.bfloat16 and out.shape == (256, 256)
+    expected = dequantize_model(value_bytes, scale_bytes)
+    nan = np.isnan(expected)
+    assert np.array_equal(torch.isnan(out).numpy(), nan)
+    assert np.array_equal(bf16_bits(out)[~nan], round_to_bfloat16_bits(expected)[~nan])
+
+    out32 = dequantize_rows(torch.from_numpy(value_bytes), torch.from_numpy(scale_bytes), out_dtype=torch.float32)
+    with np.errstate(over="ignore"):
+        expected32 = expected.astype(np.float32)  # exact (the product has 4 significant bits) or overflow to inf
+    assert np.array_equal(float32_bits(out32.numpy())[~nan], float32_bits(expected32)[~nan])
+
+
+@pytest.mark.skipif(E8M0_DTYPE is None, reason="this torch has no float8_e8m0fnu")
+def test_dequantize_accepts_e8m0_scales():
+    generator = torch.Generator().manual_seed(int(np.random.SeedSequence().entropy % 2**63))
+    values = torch.randint(0, 256, (5, 64), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(0, 255, (5, 2), dtype=torch.uint8, generator=generator)
+    expected = dequantize_rows(values, scales)
+    found = dequantize_rows(values.view(torch.float8_e4m3fn), scales.view(E8M0_DTYPE))
+    assert torch.equal(expected.view(torch.int16), found.view(torch.int16))
+
+
+@SETTINGS
+@given(seed=seeds, leading=leading_shapes, head_dim=head_dims)
+def test_dequantize_random_bytes_bit_exact(seed, leading, head_dim):
+    rng = np.random.default_rng(seed)
+    value_bytes = rng.integers(0, 256, size=(*leading, head_dim), dtype=np.uint8)
+    value_bytes[(value_bytes & 0x7F) == 0x7F] = 0x42  # no NaN patterns
+    scale_bytes = rng.integers(0, 255, size=(*leading, head_dim // 32), dtype=np.uint8)
+    out = dequantize_rows(torch.from_numpy(value_bytes).view(torch.float8_e4m3fn), torch.from_numpy(scale_bytes))
+    assert out.shape == (*leading, head_dim)
+    assert np.array_equal(bf16_bits(out), round_to_bfloat16_bits(dequantize_model(value_bytes, scale_bytes)))
+
+
+# ---------------------------------------------------------------------------
+# quantize
+# ---------------------------------------------------------------------------
+@SETTINGS
+@given(seed=seeds, leading=leading_shapes, head_dim=head_dims)
+def test_quantize_matches_float64_model(seed, leading, head_dim):
+    x = random_rows(np.random.default_rng(seed), leading, head_dim)
+    values, scales = quantize_rows(torch.from_numpy(x))
+    assert values.dtype == torch.float8_e4m3fn and values.shape == x.shape
+    assert scales.dtype == torch.uint8 and scales.shape == (*leading, head_dim // 32)
+    expected_values, expected_scales = quantize_model(x.astype(np.float64))
+    assert np.array_equal(scales.numpy().astype(np.int64), expected_scales)
+    assert np.array_equal(float32_bits(values.to(torch.float32).numpy()), float32_bits(expected_values))
+
+
+@SETTINGS
+@given(seed=seeds, leading=leading_shapes, head_dim=head_dims, dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_quantize_half_precision_inputs(seed, leading, head_dim, dtype):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.standard_normal((*leading, head_dim)) * np.ldexp(1.0, rng.integers(-20, 12))).to(dtype)
+    values, scales = quantize_rows(x)
+    expected_values, expected_scales = quantize_model(x.to(torch.float64).numpy())
+    assert np.array_equal(scales.numpy().astype(np.int64), expected_scales)
+    assert np.array_equal(float32_bits(values.to(torch.float32).numpy()), float32_bits(expected_values))
+
+
+@SETTINGS
+@given(seed=seeds, leading=leading_shapes, head_dim=head_dims)
+def test_quantize_error_bound(seed, leading, head_dim):
+    """|x - q * s| <= half an E4M3 step: 2**-4 * |x| in the normal range (3 mantissa bits),
+    2**-10 * s in the subnormal range (step 2**-9 * s); and amax / s in (224, 448] unless clamped."""
+    x = random_rows(np.random.default_rng(seed), leading, head_dim).astype(np.float64)
+    values, scales = quantize_rows(torch.from_numpy(x.astype(np.float32)))
+    scale = np.repeat(np.ldexp(1.0, scales.numpy().astype(np.int64) - 127), 32, axis=-1)
+    reconstructed = values.to(torch.float64).numpy() * scale
+    bound = np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * scale)
+    assert np.all(np.abs(reconstructed - x) <= bound)
+    amax = np.abs(x.reshape(*leading, -1, 32)).max(axis=-1)
+    block_scale = np.ldexp(1.0, scales.numpy().astype(np.int64) - 127)
+    ratio = amax / block_scale
+    assert np.all(ratio <= 448.0)
+    regular = (amax > 0) & (scales.numpy() > 0)
+    assert np.all(ratio[regular] > 224.0)
+    assert np.all(scales.numpy()[amax == 0] == 127)
+
+
+@SETTINGS
+@given(seed=seeds, leading=leading_shapes, head_dim=head_dims,
+       anchor=st.booleans(), exponent_low=st.integers(-120, 90))
+def test_round_trip_exact_for_representable_values(seed, leading, head_dim, anchor, exponent_low):
+    """Blocks of e4m3 * 2**k come back exactly; with an element of exponent field 15 in each
+    block (|e4m3| in [256, 448]) the scale is 2**k itself and the bytes come back too."""
+    rng = np.random.default_rng(seed)
+    num_blocks = head_dim // 32
+    value_bytes = rng.integers(0, 256, size=(*leading, num_blocks, 32), dtype=np.uint8)
+    value_bytes[(value_bytes & 0x7F) == 0x7F] = 0x00
+    if anchor:
+        value_bytes[..., 0] = (rng.integers(0, 2, size=value_bytes.shape[:-1]) << 7 | 0x78
+                               | rng.integers(0, 7, size=value_bytes.shape[:-1])).astype(np.uint8)
+    k = rng.integers(exponent_low, exponent_low + 30, size=(*leading, num_blocks, 1))
+    x = decode_e4m3(value_bytes) * np.ldexp(1.0, k)
+    x32 = x.astype(np.float32)
+    assert np.array_equal(x32.astype(np.float64), x)  # representable in float32
+    values, scales = quantize_rows(torch.from_numpy(x32.reshape(*leading, head_dim)))
+    back32 = dequantize_rows(values, scales, out_dtype=torch.float32).numpy()
+    assert np.array_equal(float32_bits(back32), float32_bits(x32.reshape(*leading, head_dim)))
+    back16 = dequantize_rows(values, scales)
+    assert torch.equal(back16, torch.from_numpy(x32.reshape(*leading, head_dim)).to(torch.bfloat16))
+    if anchor:
+        assert np.array_equal(scales.numpy().astype(np.int64), k[..., 0] + 127)
+        assert np.array_equal(values.view(torch.uint8).numpy(), value_bytes.reshape(*leading, head_dim))
+
+
+def test_zero_blocks_give_byte_127_and_zeros():
+    x = torch.zeros(3, 96)
+    x[1, 32:64] = -0.0
+    x[2, 64:] = torch.linspace(-5, 5, 32)
+    values, scales = quantize_rows(x)
+    assert scales.tolist() == [[127, 127, 127], [127, 127, 127], [127, 127, scales[2, 2].item()]]
+    assert scales[2, 2].item() == 127 - 6  # amax 5: 5 <= 448 * 2**-6 = 7, 5 > 3.5
+    assert torch.all(values[:, :64].to(torch.float32) == 0)
+    assert torch.all(values[2, :64].view(torch.uint8) == 0)
+    assert torch.equal(dequantize_rows(values, scales)[:, :64], torch.zeros(3, 64, dtype=torch.bfloat16))
+
+
+def test_scale_exponent_exact_at_powers_of_two():
+    """amax exactly 448 * 2**j keeps scale 2**j; one float32 ulp above needs 2**(j + 1)."""
+    rows, expected = [], []
+    for j in range(-150, 120):  # 448 * 2**j = 7 * 2**(j + 6) is exact in float32 over this range
+        boundary = np.float32(math.ldexp(448.0, j))
+        assert float(boundary) == math.ldexp(448.0, j)
+        for amax, exponent in ((boundary, j), (np.nextafter(boundary, np.float32(np.inf)), j + 1),
+                               (np.nextafter(boundary, np.float32(0)), j)):
+            row = np.zeros(32, dtype=np.float32)
+            row[5] = -amax
+            rows.append(row)
+            expected.append(min(max(127 + exponent, 0), 254))
+    _, scales = quantize_rows(torch.from_numpy(np.stack(rows)))
+    assert scales[:, 0].tolist() == expected
+
+
+def test_quantize_extremes():
+    tiny = torch.tensor([2.0**-149, -(2.0**-140), 448 * 2.0**-127, 3.0 * 2.0**-135])
+    huge = torch.tensor([torch.finfo(torch.float32).max, -1.0e38])
+    x = torch.zeros(2, 32)
+    x[0, :4] = tiny
+    x[1, :2] = huge
+    values, scales = quantize_rows(x)
+    assert scales[0, 0].item() == 0  # amax / 448 == 2**-127
+    assert values[0, :4].to(torch.float32).tolist() == [0.0, -0.0, 448.0, 3 * 2.0**-8]
+    assert values[0, 1].view(torch.uint8).item() == 0x80  # -2**-13 rounds to -0
+    assert scales[1, 0].item() == 127 + 120  # float32 max < 448 * 2**120 = 1.75 * 2**128
+    expected_values, expected_scales = quantize_model(x.to(torch.float64).numpy())
+    assert scales.numpy().astype(np.int64).tolist() == expected_scales.tolist()
+    assert np.array_equal(float32_bits(values.to(torch.float32).numpy()), float32_bits(expected_values))
+
+
+def test_quantize_validation():
+    with pytest.raises(ValueError, match=r"rows: last dimension \(head_dim\) must be a positive multiple of 32, found 48"):
+        quantize_rows(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match=r"rows: expected finite values, found inf at index \(1, 7\)"):
+        x = torch.zeros(2, 32)
+        x[1, 7] = float("inf")
+        quantize_rows(x)
+    with pytest.raises(ValueError, match=r"rows: expected finite values, found nan at index \(0, 3\)"):
+        x = torch.zeros(2, 32)
+        x[0, 3] = float("nan")
+        quantize_rows(x)
+    with pytest.raises(ValueError, match="rows: expected dtype"):
+        quantize_rows(torch.zeros(2, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="0-dimensional"):
+        quantize_rows(torch.tensor(1.0))
+
+
+def test_dequantize_validation():
+    values = torch.zeros(2, 64, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"scales: expected shape \[2, 2\].*found \[2, 3\]"):
+        dequantize_rows(values, torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="scales: expected dtype torch.uint8"):
+        dequantize_rows(values, torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="values: expected dtype torch.float8_e4m3fn"):
+        dequantize_rows(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="values: last dimension"):
+        dequantize_rows(torch.zeros(2, 40, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8))
