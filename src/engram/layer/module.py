@@ -28,9 +28,14 @@ group sizes, ``P = ceil(C / tp)`` columns per rank, bf16 rows of ``2 * hd`` byte
   tensor-parallel peers hold the same token shard): look up own columns for own
   tokens, ``all_gather`` them over ``tp_group``, wkv and gate on own tokens.
 
-Bit-exactness of the sequence-parallel modes against one process needs a wkv GEMM
-whose per-row result does not depend on how many rows it is given. The tensor-
-parallel mode does not (every rank runs the single-process GEMM).
+Bit-exactness: the tensor-parallel mode is bit-identical to one process by
+construction (every rank runs the single-process GEMM on the same rows). The
+sequence-parallel modes run the wkv GEMM on fewer rows, so they are bit-identical
+only where the GEMM's per-row result does not depend on the row count: true of
+torch's CPU bf16 GEMM single-threaded (what the tests pin), not promised with
+several threads (a probe at K=256, N=192, 2 threads differed for some row counts)
+nor by cuBLAS (split-K heuristics); the Triton GEMM is to be row-invariant (fixed
+tiles, no split-K). Lookups, the all-gather / all-to-all and the gate are exact.
 """
 
 from __future__ import annotations
@@ -72,9 +77,10 @@ def sequence_parallel_sizes(num_tokens: int, world_size: int) -> list[int]:
 
 
 def _all_gather_stacked(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
-    """``output [world, *tensor.shape]`` <- every rank's ``tensor``."""
+    """``output [world, *tensor.shape]`` <- every rank's ``tensor`` (passed in the
+    concatenated form ``[world * n, ...]``, which every backend accepts)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=group)
+    gather(output.view(-1, *tensor.shape[1:]), tensor, group=group)
 
 
 def _group_info(name: str, group) -> tuple[int, int, list[int]]:

