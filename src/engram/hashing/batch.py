@@ -14,6 +14,7 @@ import torch
 
 from ..layout import EngramLayout
 from ..vocab import TokenCompressor
+from .launch import launch_hash_kernel, triton_available
 from .ops import block_windows, hash_windows
 from .stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
 from .validation import BatchMetadata, check_shapes, validate_batch
@@ -32,10 +33,14 @@ class NgramHasher:
     ``validate``: ``None`` (default) checks every batch when its tensors live on
     the CPU and skips the checks (which sync) on a GPU; ``True``/``False`` force it.
     With checks off, unavailable history hashes as pad, never out of bounds.
+
+    ``backend``: ``"auto"`` runs the Triton kernel (one launch for all layers) on
+    CUDA tensors and torch ops elsewhere; ``"torch"``/``"triton"`` force one (the
+    Triton kernel also runs on the CPU under ``TRITON_INTERPRET=1``).
     """
 
     def __init__(self, layout: EngramLayout, vocab: TokenCompressor, device: torch.device | str = "cpu",
-                 validate: bool | None = None):
+                 validate: bool | None = None, backend: str = "auto"):
         spec = layout.spec
         if vocab.size != spec.compressed_vocab_size:
             raise ValueError(
@@ -47,6 +52,11 @@ class NgramHasher:
         self.vocab = vocab
         self.device = torch.device(device)
         self.validate = validate
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', found {backend!r}")
+        if backend == "triton" and not triton_available():
+            raise ValueError("backend 'triton': triton is not installed")
+        self.backend = backend
         self.history_length = spec.max_ngram_size - 1
         self.pad_id = int(vocab.token_map[spec.pad_token_id])
         self.token_map = vocab.device_map(self.device)
@@ -136,39 +146,81 @@ class NgramHasher:
         spec = self.layout.spec
         if batch.num_tokens == 0:
             return torch.empty((0, spec.num_layers, spec.num_columns), dtype=self.out_dtype, device=self.device)
-
-        tokens = self._locate_tokens(batch)
-        compressed = self.token_map[batch.input_ids.long().clamp(0, self.vocab.vocab_size - 1)].long()
-        dead = tokens.padding if dead_mask is None else (dead_mask | tokens.padding)
-        stored = torch.where(dead, torch.full_like(compressed, DEAD), compressed)
-
-        seeds = self._lookback_seeds(batch) if lookback_token_ids is not None else None
-        undo = []
-        if self.slot_cache is not None and seeds is not None and block_table is not None:
-            undo.append(self.slot_cache.write(self._seed_slots(batch, seeds), seeds.stored.reshape(-1)))
-        if slot_mapping is not None:
-            undo.append(self.slot_cache.write(slot_mapping, stored))
-        try:
-            windows, window_dead, missing = self._gather_windows(batch, tokens, compressed, dead)
-            # Missing history matters only where no earlier shift is already blocked.
-            blocked_before = torch.cummax(window_dead.to(torch.int8), dim=1).values.bool()
-            blocked_before = torch.cat([torch.zeros_like(blocked_before[:, :1]), blocked_before[:, :-1]], dim=1)
-            missing = missing & ~blocked_before
-            if validate and bool(missing.any()):
-                raise self._missing_history_error(batch, tokens, missing)
-        except BaseException:
-            for targets, previous in reversed(undo):
-                self.slot_cache.undo(targets, previous)
-            raise
-        ids = hash_windows(block_windows(windows, window_dead | missing, self.pad_id),
-                           self.multipliers, self.column_primes, self.column_offsets, self.out_dtype)
+        if self._use_triton():
+            ids = self._hash_triton(batch, validate)
+        else:
+            ids = self._hash_torch(batch, validate)
         if request_rows is not None:
-            if seeds is not None:
-                rows = request_rows.long()[:, None].expand_as(seeds.positions)
-                self.request_history.write(rows.reshape(-1), seeds.positions.reshape(-1), seeds.stored.reshape(-1),
-                                           seeds.known.reshape(-1))
-            self._write_request_history(batch, tokens, stored)
+            self._write_request_history(batch)
         return ids
+
+    def _use_triton(self) -> bool:
+        if self.backend == "triton":
+            return True
+        return self.backend == "auto" and self.device.type == "cuda" and self.out_dtype == torch.int32 \
+            and triton_available()
+
+    def _slot_writes(self, batch: BatchMetadata) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slots, values) the slot cache receives: lookback seeds, then the batch's tokens."""
+        writes = []
+        if self.slot_cache is None:
+            return writes
+        if batch.lookback_token_ids is not None and batch.block_table is not None:
+            seeds = self._lookback_seeds(batch)
+            writes.append((self._seed_slots(batch, seeds), seeds.stored.reshape(-1)))
+        if batch.slot_mapping is not None:
+            writes.append((batch.slot_mapping.long(), self._stored_values(batch, self._locate_tokens(batch))))
+        return writes
+
+    def _hash_triton(self, batch: BatchMetadata, validate: bool) -> torch.Tensor:
+        """One kernel launch: reads every source, writes the slot cache, hashes every layer."""
+        if not validate:
+            return launch_hash_kernel(self, batch)
+        slots = [slots for slots, _ in self._slot_writes(batch)]
+        saved = [self.slot_cache.saved(s) for s in slots]
+        missing_shift = torch.zeros(batch.num_tokens, dtype=torch.int8, device=self.device)
+        ids = launch_hash_kernel(self, batch, missing_shift)
+        if bool((missing_shift > 0).any()):
+            for target, previous in reversed(list(zip(slots, saved))):
+                self.slot_cache.restore(target, previous)
+            token = int((missing_shift > 0).nonzero()[0, 0])
+            raise self._missing_history_error(batch, self._locate_tokens(batch), token, int(missing_shift[token]))
+        return ids
+
+    def _hash_torch(self, batch: BatchMetadata, validate: bool) -> torch.Tensor:
+        """The torch path: write the slot cache, gather windows of source ids, blocked shifts
+        to pad, rolling hash."""
+        tokens = self._locate_tokens(batch)
+        writes = self._slot_writes(batch)
+        saved = [self.slot_cache.saved(slots) for slots, _ in writes] if validate else []
+        for slots, values in writes:
+            self.slot_cache.write(slots, values)
+        compressed = self._compressed(batch)
+        dead = self._dead(batch, tokens)
+        windows, window_dead, missing = self._gather_windows(batch, tokens, compressed, dead)
+        # Missing history matters only where no earlier shift is blocked already.
+        blocked_before = torch.cummax(window_dead.to(torch.int8), dim=1).values.bool()
+        blocked_before = torch.cat([torch.zeros_like(blocked_before[:, :1]), blocked_before[:, :-1]], dim=1)
+        missing = missing & ~blocked_before
+        if validate and bool(missing.any()):
+            for (slots, _), previous in reversed(list(zip(writes, saved))):
+                self.slot_cache.restore(slots, previous)
+            token, shift = (int(x) for x in missing.nonzero()[0])
+            raise self._missing_history_error(batch, tokens, token, shift)
+        return hash_windows(block_windows(windows, window_dead | missing, self.pad_id),
+                            self.multipliers, self.column_primes, self.column_offsets, self.out_dtype)
+
+    def _compressed(self, batch: BatchMetadata) -> torch.Tensor:
+        return self.token_map[batch.input_ids.long().clamp(0, self.vocab.vocab_size - 1)].long()
+
+    def _dead(self, batch: BatchMetadata, tokens: "_TokenPlaces") -> torch.Tensor:
+        """Dead flag per token; padding past ``query_start_loc[-1]`` counts as dead."""
+        return tokens.padding if batch.dead_mask is None else (batch.dead_mask | tokens.padding)
+
+    def _stored_values(self, batch: BatchMetadata, tokens: "_TokenPlaces") -> torch.Tensor:
+        """What the stores hold for each batch token: its compressed id, or ``DEAD``."""
+        compressed = self._compressed(batch)
+        return torch.where(self._dead(batch, tokens), torch.full_like(compressed, DEAD), compressed)
 
     # ---- stages --------------------------------------------------------------
     def _check_devices(self, batch: BatchMetadata) -> None:
@@ -252,16 +304,24 @@ class NgramHasher:
         if self.request_history is not None and batch.request_rows is not None:
             yield self.request_history.read(batch.request_rows.long()[request], position)
 
-    def _write_request_history(self, batch: BatchMetadata, tokens: "_TokenPlaces", stored: torch.Tensor) -> None:
-        """Store the last ``width`` tokens of each request (drafts included, position-tagged)."""
+    def _write_request_history(self, batch: BatchMetadata) -> None:
+        """After hashing: store the known lookback entries, then the last ``width`` tokens
+        of each request (drafts included), position-tagged. A separate step from the
+        hash because a step reads and writes the same ring cells."""
         history = self.request_history
+        rows = batch.request_rows.long()
+        if batch.lookback_token_ids is not None:
+            seeds = self._lookback_seeds(batch)
+            seed_rows = rows[:, None].expand_as(seeds.positions)
+            history.write(seed_rows.reshape(-1), seeds.positions.reshape(-1), seeds.stored.reshape(-1),
+                          seeds.known.reshape(-1))
+        tokens = self._locate_tokens(batch)
         starts = batch.query_start_loc.long()
         length = (starts[1:] - starts[:-1])[tokens.request]
         keep = ~tokens.padding & (tokens.offset_in_request >= length - history.width)
-        history.write(batch.request_rows.long()[tokens.request], batch.positions.long(), stored, keep)
+        history.write(rows[tokens.request], batch.positions.long(), self._stored_values(batch, tokens), keep)
 
-    def _missing_history_error(self, batch: BatchMetadata, tokens: "_TokenPlaces", missing: torch.Tensor) -> ValueError:
-        token, shift = (int(x) for x in missing.nonzero()[0])
+    def _missing_history_error(self, batch: BatchMetadata, tokens: "_TokenPlaces", token: int, shift: int) -> ValueError:
         k = int(tokens.request[token])
         first = int(batch.positions[token]) - int(tokens.offset_in_request[token])
         position = int(batch.positions[token]) - shift

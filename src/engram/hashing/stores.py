@@ -39,20 +39,21 @@ class SlotCache:
         # so writing needs no host sync; reads never reach it.
         self.values = torch.full((num_slots + 1,), UNWRITTEN, dtype=torch.int32, device=device)
 
-    def write(self, slot_mapping: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``values[slot_mapping[t]] = values[t]``; ``-1`` slots are skipped.
+    def write(self, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+        """``values[slot_mapping[t]] = values[t]``; ``-1`` slots are skipped."""
+        self.values[self._targets(slot_mapping)] = values.to(torch.int32)
 
-        Returns ``(targets, previous)`` so a caller can undo the write.
-        """
+    def saved(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """What the slots of ``slot_mapping`` hold now, for :meth:`restore`."""
+        return self.values[self._targets(slot_mapping)].clone()
+
+    def restore(self, slot_mapping: torch.Tensor, previous: torch.Tensor) -> None:
+        """Undo a :meth:`write` to ``slot_mapping`` with what :meth:`saved` returned."""
+        self.values[self._targets(slot_mapping)] = previous
+
+    def _targets(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         slots = slot_mapping.long()
-        targets = torch.where((slots >= 0) & (slots < self.num_slots), slots, torch.full_like(slots, self.num_slots))
-        previous = self.values[targets].clone()
-        self.values[targets] = values.to(torch.int32)
-        return targets, previous
-
-    def undo(self, targets: torch.Tensor, previous: torch.Tensor) -> None:
-        """Restore what :meth:`write` overwrote."""
-        self.values[targets] = previous
+        return torch.where((slots >= 0) & (slots < self.num_slots), slots, torch.full_like(slots, self.num_slots))
 
     def slots_of(self, block_table_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """int64 slot of each ``positions[i]`` read through ``block_table_rows[i]`` (a row per entry).

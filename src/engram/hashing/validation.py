@@ -166,12 +166,18 @@ def validate_batch(
             raise ValueError("block_table: given, but no slot cache is bound (call bind_slot_cache first)")
         table = batch.block_table.cpu().long()[:num_requests]
         num_blocks = num_slots // block_size
+        written = {}
+        if batch.slot_mapping is not None:
+            written = {int(slot): i for i, slot in enumerate(batch.slot_mapping.cpu().tolist()) if slot >= 0}
+        lookback = batch.lookback_token_ids.cpu() if batch.lookback_token_ids is not None else None
         # Only the blocks holding the N-1 positions before each request are read.
         for k in range(num_requests):
             if starts[k + 1] == starts[k]:
                 continue
             first = int(positions[starts[k]])
             for position in range(max(0, first - history_length), first):
+                if lookback is not None and int(lookback[k, first - 1 - position]) >= 0:
+                    continue  # known from the lookback window: the cache is not read
                 index = position // block_size
                 if index >= table.shape[1]:
                     raise ValueError(
@@ -181,6 +187,13 @@ def validate_batch(
                 if not 0 <= block < num_blocks:
                     raise ValueError(
                         f"block_table[{k}, {index}] = {block} is beyond the bound cache of {num_blocks} blocks"
+                    )
+                slot = block * block_size + position % block_size
+                if slot in written:
+                    # History must come from earlier steps: one launch reads and writes the cache.
+                    raise ValueError(
+                        f"block_table[{k}]: position {position} (history of request {k}) is slot {slot}, which this "
+                        f"batch writes (slot_mapping[{written[slot]}])"
                     )
 
     if batch.request_rows is not None:

@@ -1,0 +1,168 @@
+"""Triton kernel of the batch hash (DESIGN §2): one launch hashes every token of
+a batch for every Engram layer, reading history from the batch itself, the
+lookback window, the slot cache (which it also writes) and the per-request
+history. Launched by :mod:`engram.hashing.launch`; its torch twin is
+:class:`engram.hashing.batch.NgramHasher`'s torch path.
+"""
+
+import triton
+import triton.language as tl
+
+DEAD_CODE = -1       # engram.hashing.stores.DEAD
+UNWRITTEN_CODE = -2  # engram.hashing.stores.UNWRITTEN
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_requests", "search_steps", "vocab_size", "pad_id",
+                               "block_size", "num_slots", "block_table_width", "block_table_stride",
+                               "history_width"])
+def ngram_hash_kernel(
+    input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
+    lookback_ids_ptr, lookback_dead_ptr,
+    slot_mapping_ptr, block_table_ptr, slot_values_ptr,
+    history_rows_ptr, history_values_ptr, history_tags_ptr,
+    multipliers_ptr, primes_ptr, offsets_ptr, out_ptr, missing_shift_ptr,
+    num_tokens, num_requests, search_steps, vocab_size, pad_id,
+    block_size, num_slots, block_table_width, block_table_stride, history_width,
+    NUM_LAYERS: tl.constexpr, LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
+    WRITE_SLOTS: tl.constexpr, READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr,
+    REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+):
+    """ids int32 ``[T, L, C]``: column ``(s-1)*H + h`` of layer ``l`` is
+    ``(XOR_{k<=s} window[k] * m[l, k]) % prime[l, col] + offset[l, col]``.
+
+    Pointers: input_ids/positions int ``[T]``; query_start int ``[R+1]``; dead bool
+    ``[T]``; token_map int32 ``[V]``; lookback ids int64 / dead bool ``[R, N-1]``
+    contiguous; slot_mapping int64 ``[T]``; block_table int ``[R, width]``;
+    slot_values int32 ``[slots + 1]``; history rows int64 ``[R]``, values int32 /
+    tags int64 ``[rows + 1, width]``; multipliers int64 ``[L, N]``; primes/offsets
+    int64 ``[L, C]``; missing_shift int8 ``[T]`` gets the first shift whose history
+    no source knew (0 = none; only with ``REPORT_MISSING``). One program hashes
+    ``BLOCK_TOKENS`` tokens.
+    """
+    HISTORY: tl.constexpr = MAX_NGRAM - 1
+    NUM_COLUMNS: tl.constexpr = HISTORY * NUM_HEADS
+    token = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS).to(tl.int64)
+    valid = token < num_tokens
+
+    # Request of each token: searchsorted(query_start[1:], token, right=True).
+    low = tl.zeros([BLOCK_TOKENS], dtype=tl.int64)
+    high = tl.zeros([BLOCK_TOKENS], dtype=tl.int64) + num_requests
+    for _ in range(search_steps):
+        middle = (low + high) // 2
+        open_range = low < high
+        boundary = tl.load(query_start_ptr + 1 + middle, mask=open_range & valid, other=0).to(tl.int64)
+        go_right = boundary <= token
+        low = tl.where(open_range & go_right, middle + 1, low)
+        high = tl.where(open_range & ~go_right, middle, high)
+    request = low
+    padding = request >= num_requests
+    request = tl.minimum(request, tl.maximum(num_requests - 1, 0))
+    live = valid & ~padding
+    start = tl.load(query_start_ptr + request, mask=live, other=0).to(tl.int64)
+    offset_in_request = token - start
+    position = tl.load(positions_ptr + token, mask=live, other=0).to(tl.int64)
+
+    layers = tl.arange(0, LAYERS_PAD)
+    heads = tl.arange(0, HEADS_PAD)
+    layer_ok = layers < NUM_LAYERS
+    out_mask = valid[:, None, None] & layer_ok[None, :, None] & (heads < NUM_HEADS)[None, None, :]
+    out_row = out_ptr + token[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + layers[None, :, None] * NUM_COLUMNS
+
+    blocked = ~live
+    first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
+    rolling = tl.zeros([BLOCK_TOKENS, LAYERS_PAD], dtype=tl.int64)
+    for shift in tl.static_range(MAX_NGRAM):
+        source_position = position - shift
+        in_batch = offset_in_request >= shift
+        outside = live & ~in_batch & (source_position >= 0)
+
+        # (1) the same request earlier in this batch
+        source_token = tl.maximum(token - shift, 0)
+        raw = tl.load(input_ids_ptr + source_token, mask=live & in_batch, other=0).to(tl.int64)
+        raw = tl.minimum(tl.maximum(raw, 0), vocab_size - 1)
+        value = tl.load(token_map_ptr + raw, mask=live & in_batch, other=0).to(tl.int64)
+        dead = ~in_batch & (source_position < 0)
+        if HAS_DEAD:
+            dead = dead | (tl.load(dead_ptr + source_token, mask=live & in_batch, other=0) != 0)
+        if shift == 0:
+            stored = tl.where(dead, DEAD_CODE, value)
+            if WRITE_SLOTS:
+                slot = tl.load(slot_mapping_ptr + token, mask=live, other=-1).to(tl.int64)
+                tl.store(slot_values_ptr + slot, stored.to(tl.int32), mask=live & (slot >= 0) & (slot < num_slots))
+            if READ_SLOTS and HAS_LOOKBACK:
+                # Seed the slot cache with the known lookback entries (first token of each request).
+                first = live & (offset_in_request == 0)
+                for column in tl.static_range(HISTORY):
+                    seed_position = position - 1 - column
+                    seed_raw = tl.load(lookback_ids_ptr + request * HISTORY + column, mask=first, other=-1).to(tl.int64)
+                    seed_known = first & (seed_raw >= 0) & (seed_position >= 0)
+                    seed_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(seed_raw, 0), vocab_size - 1),
+                                         mask=seed_known, other=0).to(tl.int64)
+                    if HAS_LOOKBACK_DEAD:
+                        seed_dead = tl.load(lookback_dead_ptr + request * HISTORY + column, mask=seed_known, other=0) != 0
+                        seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
+                    seed_block_index = tl.minimum(seed_position // block_size, block_table_width - 1)
+                    seed_block = tl.load(block_table_ptr + request * block_table_stride + seed_block_index,
+                                         mask=seed_known, other=0).to(tl.int64)
+                    seed_slot = seed_block * block_size + seed_position % block_size
+                    tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
+                             mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
+        else:
+            known = tl.zeros([BLOCK_TOKENS], dtype=tl.int1)
+            lookback_column = shift - offset_in_request - 1
+            # (2) the caller's lookback window
+            if HAS_LOOKBACK:
+                lookback_raw = tl.load(lookback_ids_ptr + request * HISTORY + lookback_column,
+                                       mask=outside, other=-1).to(tl.int64)
+                use = outside & (lookback_raw >= 0)
+                lookback_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(lookback_raw, 0), vocab_size - 1),
+                                         mask=use, other=0).to(tl.int64)
+                value = tl.where(use, lookback_value, value)
+                if HAS_LOOKBACK_DEAD:
+                    lookback_dead = tl.load(lookback_dead_ptr + request * HISTORY + lookback_column,
+                                            mask=use, other=0) != 0
+                    dead = tl.where(use, lookback_dead, dead)
+                known = known | use
+            # (3) the slot cache, through the request's block table
+            if READ_SLOTS:
+                need = outside & ~known
+                block_index = tl.minimum(source_position // block_size, block_table_width - 1)
+                block = tl.load(block_table_ptr + request * block_table_stride + block_index, mask=need, other=0).to(tl.int64)
+                slot = tl.minimum(tl.maximum(block * block_size + source_position % block_size, 0), num_slots - 1)
+                cached = tl.load(slot_values_ptr + slot, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
+                use = need & (cached != UNWRITTEN_CODE)
+                value = tl.where(use, cached, value)
+                dead = tl.where(use, cached == DEAD_CODE, dead)
+                known = known | use
+            # (3') the per-request history ring, position-tagged
+            if READ_HISTORY:
+                need = outside & ~known
+                row = tl.load(history_rows_ptr + request, mask=need, other=0).to(tl.int64)
+                cell = row * history_width + source_position % history_width
+                tag = tl.load(history_tags_ptr + cell, mask=need, other=-1)
+                remembered = tl.load(history_values_ptr + cell, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
+                use = need & (tag == source_position) & (remembered != UNWRITTEN_CODE)
+                value = tl.where(use, remembered, value)
+                dead = tl.where(use, remembered == DEAD_CODE, dead)
+                known = known | use
+            unknown = outside & ~known
+            if REPORT_MISSING:  # only where no earlier shift is blocked already
+                first_missing = tl.where(unknown & ~blocked & (first_missing == 0), shift, first_missing)
+            dead = dead | unknown  # unknown history hashes as pad (validation reports it)
+
+        blocked = blocked | dead
+        value = tl.where(blocked, pad_id, tl.maximum(value, 0))
+        multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
+        rolling = rolling ^ (value[:, None] * multiplier[None, :])
+        if shift > 0:
+            column = (shift - 1) * NUM_HEADS + heads
+            table_offset = layers[:, None] * NUM_COLUMNS + column[None, :]
+            column_ok = layer_ok[:, None] & (heads < NUM_HEADS)[None, :]
+            prime = tl.load(primes_ptr + table_offset, mask=column_ok, other=1)
+            first_row = tl.load(offsets_ptr + table_offset, mask=column_ok, other=0)
+            ids = rolling[:, :, None] % prime[None, :, :] + first_row[None, :, :]
+            tl.store(out_row + column[None, None, :], ids.to(tl.int32), mask=out_mask)
+    if REPORT_MISSING:
+        tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)

@@ -1,0 +1,171 @@
+"""The Triton hash kernel against the whole-sequence reference and the torch path.
+
+Interpreter tests (marked ``interpreter``) run on the CPU in their own pytest
+process with TRITON_INTERPRET=1; GPU tests (marked ``gpu``) need CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import engram
+from engram.simulation import HISTORY_SOURCES, StreamingEngine
+
+from conftest import PACKAGED_CONFIG, random_vocab, small_config
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA and not INTERPRETED else "cpu"
+
+
+def small_hasher(seed: int, device=DEVICE, **kwargs) -> engram.NgramHasher:
+    spec = engram.EngramSpec.from_hf_config(small_config(n_heads=kwargs.pop("heads", 3), layer_ids=kwargs.pop("layers", (1, 3))))
+    vocab = random_vocab(spec.compressed_vocab_size, 300, np.random.default_rng(seed))
+    return engram.NgramHasher(engram.EngramLayout(spec), vocab, device=device, backend="triton", **kwargs)
+
+
+def serve_and_check(hasher, source, rng, lengths, budget):
+    engine = StreamingEngine(hasher, source, rng, block_size=int(rng.integers(1, 6)), num_blocks=512)
+    for k, length in enumerate(lengths):
+        token_ids = rng.integers(0, hasher.vocab.vocab_size, length)
+        dead = rng.random(length) < 0.1
+        engine.add(f"request-{k}", token_ids, dead)
+    engine.run_random(max_batch_tokens=budget)
+    assert engine.tokens_checked == sum(lengths)
+    assert engine.mismatches == 0
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
+@pytest.mark.parametrize("source", HISTORY_SOURCES)
+@pytest.mark.parametrize("heads,layers", [(3, (1, 3)), (5, (2,)), (1, (0, 4, 9))])
+def test_kernel_streaming_interpreted(source, heads, layers):
+    rng = np.random.default_rng()
+    hasher = small_hasher(int(rng.integers(2**31)), heads=heads, layers=layers)
+    serve_and_check(hasher, source, rng, lengths=[1, 23, 9], budget=16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
+def test_kernel_matches_torch_path_and_stores_interpreted():
+    """Same ids and the same slot cache afterwards, with lookback, dead tokens and padding."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2**31))
+    kernel, torch_path = small_hasher(seed), small_hasher(seed)
+    torch_path.backend = "torch"
+    for hasher in (kernel, torch_path):
+        hasher.bind_slot_cache(256, 4)
+    token_ids = torch.from_numpy(rng.integers(0, 300, 13))
+    positions = torch.tensor([5, 6, 7, 8, 9, 0, 1, 2, 3, 40, 41, 0, 0])  # two padding tokens at the end
+    starts = torch.tensor([0, 5, 9, 11])
+    dead = torch.from_numpy(rng.random(13) < 0.2)
+    lookback = torch.tensor([[4, 7, 9], [-1, -1, -1], [11, -1, 12]])
+    lookback_dead = torch.tensor([[False, True, False], [False, False, False], [False, False, False]])
+    table = torch.from_numpy(rng.permutation(64)[:36].reshape(3, 12).astype(np.int32))
+    request_of_token = torch.tensor([0] * 5 + [1] * 4 + [2] * 2 + [0, 0])
+    slot_mapping = table.long()[request_of_token, positions // 4] * 4 + positions % 4
+    slot_mapping[[0, 11, 12]] = -1  # a token without a slot, and the padding
+    outputs = []
+    for hasher in (kernel, torch_path):
+        hasher.validate = False
+        outputs.append(hasher(token_ids, positions, starts, dead_mask=dead, lookback_token_ids=lookback,
+                              lookback_dead_mask=lookback_dead, slot_mapping=slot_mapping, block_table=table))
+    assert torch.equal(outputs[0], outputs[1])
+    slots = kernel.slot_cache.num_slots  # the spare slot past the end absorbs skipped writes
+    assert torch.equal(kernel.slot_cache.values[:slots], torch_path.slot_cache.values[:slots])
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
+def test_kernel_reports_missing_history_and_undoes_writes_interpreted():
+    hasher = small_hasher(int(np.random.default_rng().integers(2**31)))
+    cache = hasher.bind_slot_cache(32, 1)
+    table = torch.arange(32, dtype=torch.int32)[None]
+    token_ids = torch.randint(0, 300, (4,))
+    before = cache.values.clone()
+    with pytest.raises(ValueError, match=r"request 0 starts at position 10, but the token at position 9 is unknown"):
+        hasher(token_ids, torch.arange(10, 14), torch.tensor([0, 4]), block_table=table, slot_mapping=torch.arange(10, 14))
+    assert torch.equal(cache.values, before)
+
+
+# ---- GPU ------------------------------------------------------------------------
+
+def v41_hasher(device="cuda", **kwargs):
+    spec = engram.EngramSpec.from_hf_config(PACKAGED_CONFIG)
+    vocab = random_vocab(spec.compressed_vocab_size, 129280, np.random.default_rng(7))
+    return engram.NgramHasher(engram.EngramLayout(spec), vocab, device=device, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("num_tokens", [1, 7, 63, 1024, 8192])
+def test_gpu_whole_sequences_v41(num_tokens):
+    rng = np.random.default_rng()
+    hasher = v41_hasher(validate=False)
+    assert hasher._use_triton()
+    token_ids = rng.integers(0, 129280, num_tokens)
+    dead = rng.random(num_tokens) < 0.05
+    expected = engram.hash_ngrams(token_ids, hasher.layout, hasher.vocab, dead)
+    got = hasher(torch.from_numpy(token_ids).cuda(), torch.arange(num_tokens, device="cuda"),
+                 torch.tensor([0, num_tokens], device="cuda"), dead_mask=torch.from_numpy(dead).cuda())
+    assert got.dtype == torch.int32 and np.array_equal(got.cpu().numpy(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("source", HISTORY_SOURCES)
+def test_gpu_streaming(source):
+    rng = np.random.default_rng()
+    serve_and_check(small_hasher(int(rng.integers(2**31)), device="cuda"), source, rng, [1, 63, 200, 7], budget=96)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_cuda_graph_capture_and_replay():
+    """Decode steps captured once, replayed with new tokens copied into the static buffers."""
+    rng = np.random.default_rng()
+    hasher = v41_hasher(validate=False)
+    requests, block_size, steps = 8, 16, 6
+    prompt = 40
+    cache = hasher.bind_slot_cache(requests * 64 * block_size, block_size)
+    sequences = rng.integers(0, 129280, (requests, prompt + steps + 2))
+    expected = [engram.hash_ngrams(s, hasher.layout, hasher.vocab) for s in sequences]
+    table = torch.arange(requests * 64, dtype=torch.int32, device="cuda").reshape(requests, 64)
+    # Prefill every request in one eager batch.
+    flat = torch.from_numpy(sequences[:, :prompt].reshape(-1)).cuda()
+    positions = torch.arange(prompt, device="cuda").repeat(requests)
+    starts = torch.arange(requests + 1, device="cuda") * prompt
+    slots = (table.long()[:, :, None] * block_size + torch.arange(block_size, device="cuda")).reshape(requests, -1)[:, :prompt].reshape(-1)
+    hasher(flat, positions, starts, slot_mapping=slots, block_table=table)
+    # Static decode buffers.
+    token_ids = torch.zeros(requests, dtype=torch.int64, device="cuda")
+    decode_positions = torch.zeros(requests, dtype=torch.int64, device="cuda")
+    decode_slots = torch.zeros(requests, dtype=torch.int64, device="cuda")
+    decode_starts = torch.arange(requests + 1, dtype=torch.int32, device="cuda")
+
+    def fill(step):
+        position = prompt + step
+        token_ids.copy_(torch.from_numpy(sequences[:, position]))
+        decode_positions.fill_(position)
+        decode_slots.copy_(table.long()[:, position // block_size] * block_size + position % block_size)
+
+    fill(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        hasher(token_ids, decode_positions, decode_starts, slot_mapping=decode_slots, block_table=table)  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = hasher(token_ids, decode_positions, decode_starts, slot_mapping=decode_slots, block_table=table)
+    for step in range(steps):
+        fill(step)
+        static_out.fill_(-7)  # poison before each replay
+        graph.replay()
+        got = static_out.cpu().numpy()
+        for k in range(requests):
+            assert np.array_equal(got[k], expected[k][prompt + step])
