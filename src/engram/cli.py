@@ -25,7 +25,9 @@ def _spec_and_layout(config: str | None) -> tuple[EngramSpec, EngramLayout]:
 
 
 def command_info(args: argparse.Namespace, console: Console) -> int:
-    spec, layout = _spec_and_layout(args.config)
+    if args.checkpoint is not None and args.config is not None:
+        raise ValueError("info: expected --config or --checkpoint, found both (a checkpoint brings its config.json)")
+    spec, layout = _spec_and_layout(args.config if args.checkpoint is None else args.checkpoint)
     console.print(f"Engram layers {list(spec.layer_ids)}: n-gram orders 2..{spec.max_ngram_size}, "
                   f"{spec.n_heads} heads per order -> {spec.num_columns} hash columns of {spec.head_dim} values; "
                   f"compressed vocab {spec.compressed_vocab_size}; wkv [{spec.kv_dim}, {spec.num_columns * spec.head_dim}]")
@@ -52,7 +54,86 @@ def command_info(args: argparse.Namespace, console: Console) -> int:
         parallel.add_row(str(world_size), "/".join(str(s.num_columns) for s in shards), f"{max(per_rank):,}",
                          f"{max(per_rank) / GIB:.1f}", f"{min(per_rank):,}")
     console.print(parallel)
+    if args.checkpoint is not None:
+        _checkpoint_info(args.checkpoint, spec, layout, console)
     return 0
+
+
+def _format_bytes(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:,.1f} {unit}"
+    return f"{count} B"
+
+
+def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, console: Console) -> None:
+    """Where each Engram tensor is (file, dtype, shape, checked against the config), which file
+    holds what, and the table bytes each placement keeps per tensor-parallel rank."""
+    from .checkpoint import SafetensorsCheckpoint, expected_layer_tensors
+
+    checkpoint = SafetensorsCheckpoint(directory)
+    source = (f"index {checkpoint.index_file.name}" if checkpoint.index_file is not None
+              else "no index: every *.safetensors header read")
+    tensors = Table(title=f"Engram tensors of {directory} ({len(checkpoint.files)} files, {source})")
+    for column in ("tensor", "file", "dtype", "shape", "bytes", "check"):
+        tensors.add_column(column, justify="right" if column == "bytes" else "left")
+    per_file: dict[str, list[int]] = {}
+    for index, layer_id in enumerate(spec.layer_ids):
+        for kind, (dtypes, shape, why) in expected_layer_tensors(spec, layout, index).items():
+            name = checkpoint.name(layer_id, kind)
+            if kind == "wkv.scale" and name not in checkpoint:
+                continue  # only FP8 wkv weights carry block scales
+            try:
+                info = checkpoint.info(name)
+            except ValueError as error:
+                tensors.add_row(name, "", "", "", "", f"[red]{error}[/]")
+                continue
+            try:
+                checkpoint.check(name, dtypes, shape, why)
+                verdict = "[green]ok[/]"
+            except ValueError as error:
+                verdict = f"[red]{str(error).split(': ', 1)[-1]}[/]"
+            tensors.add_row(name, info.file.name, info.dtype, str(list(info.shape)), f"{info.nbytes:,}", verdict)
+            counts = per_file.setdefault(info.file.name, [0, 0])
+            counts[0] += 1
+            counts[1] += info.nbytes
+    console.print(tensors)
+    files = Table(title="files")
+    for column in ("file", "Engram tensors", "Engram bytes", "other tensors"):
+        files.add_column(column, justify="left" if column == "file" else "right")
+    for path in checkpoint.files:
+        others = sum(1 for name, file in checkpoint.weight_map.items() if file == path and ".engram." not in name)
+        count, size = per_file.get(path.name, [0, 0])
+        files.add_row(path.name, str(count), _format_bytes(size), str(others))
+    console.print(files)
+
+    world_sizes = (1, 2, 4, 8)
+    placements = Table(title="table bytes per placement and tensor-parallel size (the largest rank)")
+    placements.add_column("placement", justify="left")
+    placements.add_column("where the table bytes live", justify="left")
+    for world_size in world_sizes:
+        placements.add_column(f"tp={world_size}", justify="right")
+    per_rank: list[str] = []
+    per_node: list[str] = []
+    for world_size in world_sizes:
+        try:
+            shards = [layout.shard(rank, world_size) for rank in range(world_size)]
+        except ValueError:
+            per_rank.append("no split")
+            per_node.append("no split")
+            continue
+        largest = max(sum(s.num_rows(l) for l in range(spec.num_layers)) for s in shards) * spec.row_bytes
+        per_rank.append(_format_bytes(largest))
+        per_node.append(_format_bytes(sum(layout.table_bytes)))
+    placements.add_row("cpu", "process memory, per rank", *per_rank)
+    placements.add_row("device", "HBM, per GPU", *per_rank)
+    placements.add_row("host / cached", "pinned host memory, per node (all ranks' shards)", *per_node)
+    wkv_bytes = spec.num_layers * (spec.kv_dim * spec.num_columns * spec.head_dim + 2 * spec.hc_mult * spec.hidden_size) * 2
+    placements.add_row("(any)", "wkv, q/k weights in bf16, on every rank's compute device",
+                       *[_format_bytes(wkv_bytes)] * len(world_sizes))
+    console.print(placements)
+    console.print("[dim]'no split': ceil(C/tp) columns per rank leave a rank without a column; "
+                  "'cached' adds its hot rows in HBM on top of the host table[/]")
 
 
 def command_hash(args: argparse.Namespace, console: Console) -> int:
@@ -94,7 +175,8 @@ def command_demo(args: argparse.Namespace, console: Console) -> int:
     from .demo import run_demo
 
     ok = run_demo(config=args.config, tokenizer=args.tokenizer, device=args.device, num_texts=args.texts,
-                  max_chars=args.max_chars, seed=args.seed, console=console)
+                  max_chars=args.max_chars, seed=args.seed, console=console, checkpoint=args.checkpoint,
+                  layers=not args.skip_layers)
     return 0 if ok else 1
 
 
@@ -103,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="layers, primes, rows and bytes of a config, per tensor-parallel rank")
     info.add_argument("--config", help="config.json or model directory (default: the packaged DeepSeek-V4.1-Flash config)")
+    info.add_argument("--checkpoint", metavar="DIR",
+                      help="a checkpoint directory: also list its Engram tensors, files, and bytes per placement and rank")
     info.set_defaults(run=command_info)
     hash_parser = commands.add_parser("hash", help="hash ids of a text, token by token")
     hash_parser.add_argument("--config")
@@ -110,13 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
     hash_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     hash_parser.add_argument("text")
     hash_parser.set_defaults(run=command_hash)
-    demo = commands.add_parser("demo", help="stream real English text through NgramHasher and check every id")
+    demo = commands.add_parser("demo", help="stream real English text through NgramHasher and the Engram layers, "
+                                            "check every id and every layer output")
     demo.add_argument("--config")
     demo.add_argument("--tokenizer")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--texts", type=int, default=6, help="how many texts (requests)")
     demo.add_argument("--max-chars", type=int, default=20_000, help="characters per text")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--checkpoint", metavar="DIR",
+                      help="run the layers of this checkpoint; a synthetic one is written there when it holds no "
+                           "config.json (default: a temporary directory)")
+    demo.add_argument("--skip-layers", action="store_true", help="only the hashing part")
     demo.set_defaults(run=command_demo)
     return parser
 

@@ -50,7 +50,7 @@ class NgramHasher:
             raise ValueError(f"config field 'engram_pad_token_id' = {spec.pad_token_id} is beyond the tokenizer's {vocab.vocab_size} ids")
         self.layout = layout
         self.vocab = vocab
-        self.device = torch.device(device)
+        self.device = _resolve_device(device)
         self.validate = validate
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', found {backend!r}")
@@ -337,6 +337,14 @@ class NgramHasher:
             f"request {k} starts at position {first}, but the token at position {position} is unknown "
             f"({why}); hashing it as pad would be silently wrong"
         )
+
+
+def _resolve_device(device: torch.device | str) -> torch.device:
+    """``"cuda"`` means the current CUDA device, so tensors on ``cuda:0`` compare equal."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class _LookbackSeeds(NamedTuple):

@@ -12,6 +12,8 @@ __all__ = ["triton_available", "launch_hash_kernel"]
 
 # 64 tokens per program: 128 programs at T = 8192 (H200, 132 SMs).
 _BLOCK_TOKENS = 64
+# Request ends compared per loop step ([64 tokens, 128 ends] per program).
+_REQUEST_CHUNK = 128
 
 
 def triton_available() -> bool:
@@ -64,7 +66,7 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         history.tags if read_history else placeholder,
         hasher.multipliers, hasher.column_primes, hasher.column_offsets, out,
         missing_shift if missing_shift is not None else placeholder,
-        num_tokens, num_requests, max(num_requests, 1).bit_length(), hasher.vocab.vocab_size, hasher.pad_id,
+        num_tokens, num_requests, hasher.vocab.vocab_size, hasher.pad_id,
         slot_cache.block_size if slot_cache is not None else 1,
         slot_cache.num_slots if slot_cache is not None else 1,
         block_table.shape[1] if block_table is not None else 1,
@@ -76,7 +78,7 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         HAS_LOOKBACK_DEAD=lookback_dead is not None,
         WRITE_SLOTS=batch.slot_mapping is not None and slot_cache is not None,
         READ_SLOTS=read_slots, READ_HISTORY=read_history, REPORT_MISSING=missing_shift is not None,
-        BLOCK_TOKENS=_BLOCK_TOKENS,
+        BLOCK_TOKENS=_BLOCK_TOKENS, REQUEST_CHUNK=_REQUEST_CHUNK,
         num_warps=4,
     )
     return out

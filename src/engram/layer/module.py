@@ -45,7 +45,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .gate import engram_gate
+from .gate import engram_gate_kv
 from .wkv import WkvProjection
 
 __all__ = ["Engram", "tensor_parallel_columns", "sequence_parallel_sizes"]
@@ -366,9 +366,9 @@ class Engram(torch.nn.Module):
             token_mask = token_mask.to(hidden_states.device)
 
         rows = self.gather_rows(hash_ids, counts, starts, hidden_states.device)
-        key, value = self.wkv.key_value(rows, self.hc_mult)
-        # Seam for the GPU kernels: a fused Triton gate replaces this call.
-        return engram_gate(hidden_states, key, value, self.q_weight, self.k_weight, self.eps, token_mask)
+        kv = self.wkv(rows)
+        # The fused Triton gate on CUDA (keys and value read in place from kv), torch on the CPU.
+        return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask)
 
     def extra_repr(self) -> str:
         return (f"hc_mult={self.hc_mult}, hidden_size={self.hidden_size}, num_columns={self.num_columns}, "

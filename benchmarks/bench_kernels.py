@@ -1,0 +1,110 @@
+"""Kernel benchmark on one GPU, one call: hash, row gather, gate at V4.1-Flash shapes.
+
+Prints a table (median time, achieved GB/s against the HBM copy ceiling measured
+in the same run, speed-up over the torch-native path measured in the same run)
+and writes ``kernels-<device>.json`` to ``$OUT`` (or benchmarks/results/).
+
+    PYTHONPATH=src ENGRAM_COMMIT=$(git rev-parse HEAD) python benchmarks/bench_kernels.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+TOKEN_COUNTS = (1, 64, 1024, 8192, 32768)
+
+
+def copy_ceiling_gbps(num_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy of 4 GiB: (bytes read + bytes written) / median time."""
+    source = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    milliseconds = triton.testing.do_bench(lambda: target.copy_(source), warmup=50, rep=500, return_mode="median")
+    del source, target
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / (milliseconds * 1e-3) / 1e9
+
+
+def main() -> None:
+    from gather_bench import bench_gather
+    from gate_bench import bench_gate
+    from hash_bench import bench_hash
+
+    ceiling = copy_ceiling_gbps()
+    print(f"HBM copy ceiling: {ceiling:,.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
+    hash_rows = bench_hash(TOKEN_COUNTS)
+    gate_rows = bench_gate(TOKEN_COUNTS)
+    gather_rows = bench_gather(TOKEN_COUNTS)
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "copy_ceiling_GBps": ceiling,
+        "hash": hash_rows,
+        "gather": gather_rows,
+        "gate": gate_rows,
+    }
+    report.update(summary_keys(hash_rows, gather_rows, gate_rows))
+    out_dir = Path(os.environ.get("OUT", HERE / "results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "kernels-h200.json").write_text(json.dumps(report, indent=2))
+    print_table(report, ceiling)
+
+
+def _row(rows: list[dict], num_tokens: int) -> dict:
+    return next(r for r in rows if r["T"] == num_tokens)
+
+
+def summary_keys(hash_rows, gather_rows, gate_rows) -> dict:
+    return {
+        "hash_T8192_us": _row(hash_rows, 8192)["triton_graph_us"],
+        "hash_T1_us": _row(hash_rows, 1)["triton_graph_us"],
+        "gather_T8192_us": _row(gather_rows, 8192)["triton_bf16_us"],
+        "gather_packed_T8192_us": _row(gather_rows, 8192)["triton_packed_us"],
+        "gather_T1_us": _row(gather_rows, 1)["triton_bf16_us"],
+        "gate_T8192_us": _row(gate_rows, 8192)["triton_us"],
+        "gate_T1_us": _row(gate_rows, 1)["triton_us"],
+    }
+
+
+def print_table(report: dict, ceiling: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"engram kernels on {report['device']} (torch {report['torch']}, Triton {report['triton']}); "
+                        f"copy ceiling {ceiling:,.0f} GB/s")
+    for column in ("stage", "T", "kernel us", "GB/s", "% ceiling", "torch-native us", "speed-up"):
+        table.add_column(column, justify="right" if column != "stage" else "left")
+    for row in report["hash"]:
+        gbps = row["bytes"] / (row["triton_graph_us"] * 1e-6) / 1e9
+        table.add_row("hash (graph)", str(row["T"]), f"{row['triton_graph_us']:.1f}", f"{gbps:,.0f}",
+                      f"{100 * gbps / ceiling:.0f}%", f"{row['torch_graph_us']:.1f}", f"{row['speedup_vs_torch']:.1f}x")
+    for row in report["gather"]:
+        for mode in ("bf16", "packed"):
+            us = row[f"triton_{mode}_us"]
+            gbps = row[f"{mode}_bytes"] / (us * 1e-6) / 1e9
+            table.add_row(f"gather {mode}", str(row["T"]), f"{us:.1f}", f"{gbps:,.0f}", f"{100 * gbps / ceiling:.0f}%",
+                          f"{row['torch_us']:.1f}", f"{row['torch_us'] / us:.1f}x")
+    for row in report["gate"]:
+        us = row["triton_us"]
+        gbps = row["bytes"] / (us * 1e-6) / 1e9
+        table.add_row("gate", str(row["T"]), f"{us:.1f}", f"{gbps:,.0f}", f"{100 * gbps / ceiling:.0f}%",
+                      f"{row['torch_us']:.1f}", f"{row['torch_us'] / us:.1f}x")
+    Console(width=140).print(table)
+
+
+if __name__ == "__main__":
+    main()

