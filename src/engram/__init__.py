@@ -4,6 +4,12 @@ from .spec import EngramSpec
 from .layout import ColumnShard, EngramLayout
 from .vocab import TokenCompressor
 from .hashing import NgramHasher, hash_ngrams
+from .table import EngramTable
+from .layer import Engram
+from .memory import EngramMemory
 
-__all__ = ["EngramSpec", "EngramLayout", "ColumnShard", "TokenCompressor", "NgramHasher", "hash_ngrams"]
+__all__ = [
+    "EngramSpec", "EngramLayout", "ColumnShard", "TokenCompressor", "NgramHasher", "hash_ngrams",
+    "EngramTable", "Engram", "EngramMemory",
+]
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
-"""The Engram layer: ``wkv`` projection, gate (torch path and float64 reference)
-and the :class:`Engram` module with tensor / sequence parallelism."""
+"""The Engram layer: ``wkv`` projection, gate (Triton kernel, torch path and float64
+reference) and the :class:`Engram` module with tensor / sequence parallelism."""
 
-from .gate import engram_gate
+from .gate import engram_gate, engram_gate_kv, engram_gate_torch
 from .module import Engram, sequence_parallel_sizes, tensor_parallel_columns
 from .reference import reference_dequantize_wkv, reference_engram, reference_gate, reference_wkv
 from .wkv import WkvProjection, dequantize_wkv_weight, split_kv
@@ -12,6 +12,8 @@ __all__ = [
     "dequantize_wkv_weight",
     "split_kv",
     "engram_gate",
+    "engram_gate_kv",
+    "engram_gate_torch",
     "tensor_parallel_columns",
     "sequence_parallel_sizes",
     "reference_gate",
