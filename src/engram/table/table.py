@@ -14,6 +14,8 @@ HBM) subclass :class:`TablePlacement` and :func:`register_placement` themselves.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import ClassVar
 
 import torch
@@ -33,6 +35,33 @@ __all__ = [
 
 _PLANNED_PLACEMENTS = ("host", "cached")
 _HASH_ID_DTYPES = (torch.int32, torch.int64)
+
+GATHER_BACKEND_ENV = "ENGRAM_GATHER"
+"""Environment variable choosing the lookup path of ``device`` tables: ``auto`` (default: the
+Triton kernel when Triton is importable), ``triton`` (required) or ``torch`` (index_select + dequant)."""
+
+
+@functools.cache
+def _import_triton_gather():
+    try:
+        from . import gather
+    except ImportError:
+        return None
+    return gather
+
+
+def _triton_gather():
+    """The Triton launchers (:mod:`engram.table.gather`), or None where ``ENGRAM_GATHER`` asks for torch
+    or Triton is not importable (``ENGRAM_GATHER=triton`` then raises)."""
+    choice = os.environ.get(GATHER_BACKEND_ENV, "auto")
+    if choice == "torch":
+        return None
+    if choice not in ("auto", "triton"):
+        raise ValueError(f"{GATHER_BACKEND_ENV}: expected 'auto', 'triton' or 'torch', found {choice!r}")
+    module = _import_triton_gather()
+    if module is None and choice == "triton":
+        raise RuntimeError(f"{GATHER_BACKEND_ENV}=triton, but Triton cannot be imported")
+    return module
 
 
 # ---------------------------------------------------------------------------
@@ -88,6 +117,13 @@ class TablePlacement:
         """``int64 [N]`` local row ids in ``[0, rows)`` on :attr:`device` ->
         ``(uint8 [N, D], uint8 [N, D // 32])`` on :attr:`device`: ``storage[local_row_ids]``."""
         raise NotImplementedError(f"{type(self).__name__}.gather")
+
+    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
+        """Optional fused lookup: ``global_ids`` int32/int64 ``[T, C_local]`` (any strides) on
+        :attr:`device` -> ``bfloat16 [T, C_local, D]``, or when ``packed`` ``(uint8 [T, C_local, D],
+        uint8 [T, C_local, D // 32])``; zeros for ids outside ``[row_start, row_start + rows)``.
+        None (the default) means "no fused path": the table then uses :meth:`gather`."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rows={self.num_rows}, head_dim={self.head_dim}, device={self.device})"
@@ -148,7 +184,9 @@ class CpuPlacement(TablePlacement):
 class DevicePlacement(TablePlacement):
     """The whole table in one CUDA device's memory (HBM); lookups run there.
 
-    ``device`` defaults to the current CUDA device.
+    ``device`` defaults to the current CUDA device. Lookups run the Triton gather kernel
+    (:mod:`engram.table.gather`) when Triton is importable, else index_select + dequantize;
+    ``ENGRAM_GATHER=torch`` forces the latter (:data:`GATHER_BACKEND_ENV`).
     """
 
     name = "device"
@@ -160,6 +198,15 @@ class DevicePlacement(TablePlacement):
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (self._value_bytes.index_select(0, local_row_ids),
                 self._scale_bytes.index_select(0, local_row_ids))
+
+    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
+        """The Triton gather kernel (one launch, no host sync), unless ``ENGRAM_GATHER=torch``."""
+        gather = _triton_gather()
+        if gather is None:
+            return None
+        if packed:
+            return gather.gather_rows_packed(self._value_bytes, self._scale_bytes, global_ids, row_start)
+        return gather.gather_rows(self._value_bytes, self._scale_bytes, global_ids, row_start)
 
 
 def _resolve_cuda_device(device) -> torch.device:
@@ -419,6 +466,14 @@ class EngramTable:
         global_ids = self._local_columns(hash_ids)  # [T, C_local]
         if self.validate:
             self._check_ids(global_ids)
+        fused = self._storage.gather_fused(global_ids, self._row_start, packed=True)
+        if fused is not None:
+            value_bytes, scale_bytes = fused
+            return value_bytes.view(torch.float8_e4m3fn), scale_bytes
+        return self._gather_packed(global_ids)
+
+    def _gather_packed(self, global_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path of :meth:`lookup_packed` on checked ``global_ids [T, C_local]``."""
         tokens, local_columns = global_ids.shape
         local_ids = global_ids.to(torch.int64).reshape(-1) - self._row_start  # [T * C_local]
         inside = (local_ids >= 0) & (local_ids < self.num_rows)
@@ -434,7 +489,13 @@ class EngramTable:
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows: ``hash_ids`` int32/int64 ``[T, C]`` -> ``bfloat16 [T, C_local, D]``,
         ``out[t, j] = e4m3 * 2**(b - 127)`` of row ``hash_ids[t, column_start + j]``; +0 outside the table's rows."""
-        values, scales = self.lookup_packed(hash_ids)
+        global_ids = self._local_columns(hash_ids)  # [T, C_local]
+        if self.validate:
+            self._check_ids(global_ids)
+        fused = self._storage.gather_fused(global_ids, self._row_start, packed=False)
+        if fused is not None:
+            return fused
+        values, scales = self._gather_packed(global_ids)
         return dequantize_rows(values, scales, torch.bfloat16)
 
     __call__ = lookup
