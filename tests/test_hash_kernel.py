@@ -23,7 +23,8 @@ DEVICE = "cuda" if HAS_CUDA and not INTERPRETED else "cpu"
 
 
 def small_hasher(seed: int, device=DEVICE, **kwargs) -> engram.NgramHasher:
-    spec = engram.EngramSpec.from_hf_config(small_config(n_heads=kwargs.pop("heads", 3), layer_ids=kwargs.pop("layers", (1, 3))))
+    spec = engram.EngramSpec.from_hf_config(small_config(n_heads=kwargs.pop("heads", 3), layer_ids=kwargs.pop("layers", (1, 3)),
+                                                         vocab_size=kwargs.pop("vocab_size", 1009)))
     vocab = random_vocab(spec.compressed_vocab_size, 300, np.random.default_rng(seed))
     return engram.NgramHasher(engram.EngramLayout(spec), vocab, device=device, backend="triton", **kwargs)
 
@@ -42,10 +43,11 @@ def serve_and_check(hasher, source, rng, lengths, budget):
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 @pytest.mark.parametrize("source", HISTORY_SOURCES)
-@pytest.mark.parametrize("heads,layers", [(3, (1, 3)), (5, (2,)), (1, (0, 4, 9))])
-def test_kernel_streaming_interpreted(source, heads, layers):
+@pytest.mark.parametrize("heads,layers,vocab_size", [(3, (1, 3), 1009), (5, (2,), 2), (1, (0, 4, 9), 1009),
+                                                     (1, (2,), 700_000_000)])  # primes near 2**29.4
+def test_kernel_streaming_interpreted(source, heads, layers, vocab_size):
     rng = np.random.default_rng()
-    hasher = small_hasher(int(rng.integers(2**31)), heads=heads, layers=layers)
+    hasher = small_hasher(int(rng.integers(2**31)), heads=heads, layers=layers, vocab_size=vocab_size)
     serve_and_check(hasher, source, rng, lengths=[1, 23, 9], budget=16)
 
 

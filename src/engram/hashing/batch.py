@@ -63,6 +63,7 @@ class NgramHasher:
         self.multipliers = torch.as_tensor(layout.multipliers, dtype=torch.int64, device=self.device)
         self.column_primes = torch.as_tensor(layout.column_primes, device=self.device)
         self.column_offsets = torch.as_tensor(layout.column_offsets, device=self.device)
+        self.inverse_primes = 1.0 / self.column_primes.to(torch.float64)  # for the kernel's remainder
         self.out_dtype = torch.int32 if max(layout.num_embeddings) <= _INT32_MAX else torch.int64
         self.slot_cache: SlotCache | None = None
         self.request_history: RequestHistory | None = None

@@ -12,6 +12,21 @@ DEAD_CODE = tl.constexpr(-1)       # engram.hashing.stores.DEAD
 UNWRITTEN_CODE = tl.constexpr(-2)  # engram.hashing.stores.UNWRITTEN
 
 
+@triton.jit
+def _remainder(value, prime, inverse_prime):
+    """``value % prime`` for int64 ``0 <= value < 2**63`` and ``2 <= prime < 2**31``, exact,
+    without a 64-bit division (a ~100-instruction subroutine per id; 12.4 us for one
+    token on an H200). Two float64 quotient estimates: the first leaves ``|r| < 2**43``
+    (wrapping int64 arithmetic keeps it exact), the second is off by at most one, and
+    one correction each way lands in ``[0, prime)``."""
+    quotient = (value.to(tl.float64) * inverse_prime).to(tl.int64)
+    remainder = value - quotient * prime
+    quotient = (remainder.to(tl.float64) * inverse_prime).to(tl.int64)
+    remainder = remainder - quotient * prime
+    remainder = tl.where(remainder < 0, remainder + prime, remainder)
+    return tl.where(remainder >= prime, remainder - prime, remainder)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "pad_id",
                                "block_size", "num_slots", "block_table_width", "block_table_stride",
                                "history_width"])
@@ -20,7 +35,7 @@ def ngram_hash_kernel(
     lookback_ids_ptr, lookback_dead_ptr,
     slot_mapping_ptr, block_table_ptr, slot_values_ptr,
     history_rows_ptr, history_values_ptr, history_tags_ptr,
-    multipliers_ptr, primes_ptr, offsets_ptr, out_ptr, missing_shift_ptr,
+    multipliers_ptr, primes_ptr, inverse_primes_ptr, offsets_ptr, out_ptr, missing_shift_ptr,
     num_tokens, num_requests, vocab_size, pad_id,
     block_size, num_slots, block_table_width, block_table_stride, history_width,
     NUM_LAYERS: tl.constexpr, LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr,
@@ -161,8 +176,9 @@ def ngram_hash_kernel(
             table_offset = layers[:, None] * NUM_COLUMNS + column[None, :]
             column_ok = layer_ok[:, None] & (heads < NUM_HEADS)[None, :]
             prime = tl.load(primes_ptr + table_offset, mask=column_ok, other=1)
+            inverse_prime = tl.load(inverse_primes_ptr + table_offset, mask=column_ok, other=1.0)
             first_row = tl.load(offsets_ptr + table_offset, mask=column_ok, other=0)
-            ids = rolling[:, :, None] % prime[None, :, :] + first_row[None, :, :]
+            ids = _remainder(rolling[:, :, None], prime[None, :, :], inverse_prime[None, :, :]) + first_row[None, :, :]
             tl.store(out_row + column[None, None, :], ids.to(tl.int32), mask=out_mask)
     if REPORT_MISSING:
         tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)

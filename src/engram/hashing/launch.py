@@ -10,8 +10,9 @@ import torch
 
 __all__ = ["triton_available", "launch_hash_kernel"]
 
-# 64 tokens per program: 128 programs at T = 8192 (H200, 132 SMs).
-_BLOCK_TOKENS = 64
+# Tokens per program: 64 (128 programs at T = 8192 on the H200's 132 SMs), 16 for
+# small batches, where one program's latency is the whole launch. Two compiled variants.
+_BLOCK_TOKENS_LARGE, _BLOCK_TOKENS_SMALL, _SMALL_BATCH = 64, 16, 2048
 # Request ends compared per loop step ([64 tokens, 128 ends] per program).
 _REQUEST_CHUNK = 128
 
@@ -52,7 +53,8 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
     block_table = batch.block_table
     if block_table is not None and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    grid = (triton_cdiv(num_tokens, _BLOCK_TOKENS),)
+    block_tokens = _BLOCK_TOKENS_SMALL if num_tokens <= _SMALL_BATCH else _BLOCK_TOKENS_LARGE
+    grid = (triton_cdiv(num_tokens, block_tokens),)
     ngram_hash_kernel[grid](
         batch.input_ids, batch.positions, batch.query_start_loc,
         batch.dead_mask if batch.dead_mask is not None else placeholder, hasher.token_map,
@@ -64,7 +66,7 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         batch.request_rows if read_history else placeholder,
         history.values if read_history else placeholder,
         history.tags if read_history else placeholder,
-        hasher.multipliers, hasher.column_primes, hasher.column_offsets, out,
+        hasher.multipliers, hasher.column_primes, hasher.inverse_primes, hasher.column_offsets, out,
         missing_shift if missing_shift is not None else placeholder,
         num_tokens, num_requests, hasher.vocab.vocab_size, hasher.pad_id,
         slot_cache.block_size if slot_cache is not None else 1,
@@ -78,8 +80,8 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         HAS_LOOKBACK_DEAD=lookback_dead is not None,
         WRITE_SLOTS=batch.slot_mapping is not None and slot_cache is not None,
         READ_SLOTS=read_slots, READ_HISTORY=read_history, REPORT_MISSING=missing_shift is not None,
-        BLOCK_TOKENS=_BLOCK_TOKENS, REQUEST_CHUNK=_REQUEST_CHUNK,
-        num_warps=4,
+        BLOCK_TOKENS=block_tokens, REQUEST_CHUNK=_REQUEST_CHUNK,
+        num_warps=4 if block_tokens == _BLOCK_TOKENS_LARGE else 2,
     )
     return out
 

@@ -1,0 +1,49 @@
+"""Each Triton kernel once at small awkward shapes, for ``compute-sanitizer --tool memcheck``.
+
+    PYTHONPATH=src compute-sanitizer --tool memcheck python benchmarks/memcheck_kernels.py
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import engram  # noqa: E402
+from engram.layer.gate import engram_gate_kv  # noqa: E402
+from engram.simulation import HISTORY_SOURCES, StreamingEngine  # noqa: E402
+from engram.table.fp8 import quantize_rows  # noqa: E402
+from engram.table.gather import gather_rows, gather_rows_packed  # noqa: E402
+from conftest import random_vocab, small_config  # noqa: E402
+
+
+def main():
+    rng = np.random.default_rng(0)
+    spec = engram.EngramSpec.from_hf_config(small_config())
+    layout = engram.EngramLayout(spec)
+    vocab = random_vocab(spec.compressed_vocab_size, 300, rng)
+    for source in HISTORY_SOURCES:
+        hasher = engram.NgramHasher(layout, vocab, device="cuda", validate=False, backend="triton")
+        engine = StreamingEngine(hasher, source, rng, block_size=3, num_blocks=128)
+        for k, length in enumerate((1, 63, 17)):
+            engine.add(f"r{k}", rng.integers(0, 300, length), rng.random(length) < 0.1)
+        engine.run_random(max_batch_tokens=40)
+        assert engine.mismatches == 0, source
+    rows = 1000
+    values, scales = quantize_rows(torch.randn(rows, 64, device="cuda"))
+    values = values.view(torch.uint8)
+    ids = torch.randint(0, rows + 200, (63, 7), device="cuda", dtype=torch.int32)
+    gather_rows(values, scales, ids, row_start=100, column_start=2, column_end=6)
+    gather_rows_packed(values, scales, ids[:, ::1], row_start=0)
+    hidden = torch.randn(63, 4, 80, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(63, 5 * 80, device="cuda", dtype=torch.bfloat16)
+    weights = torch.randn(2, 4, 80, device="cuda", dtype=torch.bfloat16)
+    engram_gate_kv(hidden, kv, weights[0], weights[1], 1e-6, torch.rand(63, device="cuda") < 0.2, backend="triton")
+    torch.cuda.synchronize()
+    print("memcheck workload done: hash (3 sources), gather (bf16, packed), gate")
+
+
+if __name__ == "__main__":
+    main()
