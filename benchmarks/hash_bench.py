@@ -48,7 +48,7 @@ def _time(function, graph: bool) -> float:
     return triton.testing.do_bench(function, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def bench_hash(token_counts=(1, 64, 1024, 8192, 32768)) -> list[dict]:
+def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), backends=("triton", "torch")) -> list[dict]:
     spec = engram.EngramSpec.from_hf_config(CONFIG)
     layout = engram.EngramLayout(spec)
     vocab = _random_vocab(spec)
@@ -61,7 +61,7 @@ def bench_hash(token_counts=(1, 64, 1024, 8192, 32768)) -> list[dict]:
         counts[-1] += num_tokens - sum(counts)
         blocks_per_request = (HISTORY_START + max(counts)) // BLOCK_SIZE + 1
         row = {"T": num_tokens, "requests": num_requests}
-        for backend in ("triton", "torch"):
+        for backend in backends:
             hasher = engram.NgramHasher(layout, vocab, device="cuda", validate=False, backend=backend)
             hasher.bind_slot_cache(num_requests * blocks_per_request * BLOCK_SIZE, BLOCK_SIZE)
             table = torch.from_numpy(rng.permutation(num_requests * blocks_per_request).astype(np.int32))
@@ -84,11 +84,27 @@ def bench_hash(token_counts=(1, 64, 1024, 8192, 32768)) -> list[dict]:
             row[f"{backend}_eager_us"] = _time(call, graph=False)
         # Bytes: ids and positions read, slots written, hash ids written (the minimum).
         row["bytes"] = num_tokens * (8 + 8 + 8 + 4 + spec.num_layers * spec.num_columns * 4)
-        row["speedup_vs_torch"] = row["torch_graph_us"] / row["triton_graph_us"]
+        if "torch_graph_us" in row:
+            row["speedup_vs_torch"] = row["torch_graph_us"] / row["triton_graph_us"]
         results.append(row)
     return results
 
 
 if __name__ == "__main__":
-    for row in bench_hash():
-        print(row)
+    if "--sweep" in sys.argv:
+        sweep()
+    else:
+        for row in bench_hash():
+            print(row)
+
+
+def sweep(token_counts=(1, 8192, 32768)) -> None:
+    """Time launch shapes of the hash kernel (graph replays, flushed L2)."""
+    from engram.hashing import launch
+
+    for block_tokens, num_warps in ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (128, 4)):
+        launch.LAUNCH_OVERRIDE.update(block_tokens=block_tokens, num_warps=num_warps)
+        rows = bench_hash(token_counts, backends=("triton",))
+        print(f"block {block_tokens:4d} warps {num_warps}: "
+              + "  ".join(f"T={r['T']}: {r['triton_graph_us']:.1f} us" for r in rows), flush=True)
+    launch.LAUNCH_OVERRIDE.clear()

@@ -17,6 +17,10 @@ _BLOCK_TOKENS_LARGE, _BLOCK_TOKENS_SMALL, _SMALL_BATCH = 64, 16, 2048
 _REQUEST_CHUNK = 128
 
 
+# Launch-shape overrides for benchmark sweeps ({"block_tokens": 32, "num_warps": 2}).
+LAUNCH_OVERRIDE: dict[str, int] = {}
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -54,6 +58,9 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
     if block_table is not None and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     block_tokens = _BLOCK_TOKENS_SMALL if num_tokens <= _SMALL_BATCH else _BLOCK_TOKENS_LARGE
+    block_tokens, num_warps = LAUNCH_OVERRIDE.get("block_tokens", block_tokens), LAUNCH_OVERRIDE.get("num_warps")
+    if num_warps is None:
+        num_warps = 4 if block_tokens >= _BLOCK_TOKENS_LARGE else 2
     grid = (triton_cdiv(num_tokens, block_tokens),)
     ngram_hash_kernel[grid](
         batch.input_ids, batch.positions, batch.query_start_loc,
@@ -81,7 +88,7 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         WRITE_SLOTS=batch.slot_mapping is not None and slot_cache is not None,
         READ_SLOTS=read_slots, READ_HISTORY=read_history, REPORT_MISSING=missing_shift is not None,
         BLOCK_TOKENS=block_tokens, REQUEST_CHUNK=_REQUEST_CHUNK,
-        num_warps=4 if block_tokens == _BLOCK_TOKENS_LARGE else 2,
+        num_warps=num_warps,
     )
     return out
 
