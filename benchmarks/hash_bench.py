@@ -90,12 +90,6 @@ def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), backends=("triton", "tor
     return results
 
 
-if __name__ == "__main__":
-    if "--sweep" in sys.argv:
-        sweep()
-    else:
-        for row in bench_hash():
-            print(row)
 
 
 def sweep(token_counts=(1, 8192, 32768)) -> None:
@@ -108,3 +102,11 @@ def sweep(token_counts=(1, 8192, 32768)) -> None:
         print(f"block {block_tokens:4d} warps {num_warps}: "
               + "  ".join(f"T={r['T']}: {r['triton_graph_us']:.1f} us" for r in rows), flush=True)
     launch.LAUNCH_OVERRIDE.clear()
+
+
+if __name__ == "__main__":
+    if "--sweep" in sys.argv:
+        sweep()
+    else:
+        for row in bench_hash():
+            print(row)
