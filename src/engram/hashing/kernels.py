@@ -39,7 +39,7 @@ def ngram_hash_kernel(
     num_tokens, num_requests, vocab_size, pad_id,
     block_size, num_slots, block_table_width, block_table_stride, history_width,
     NUM_LAYERS: tl.constexpr, LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr,
-    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, COLUMNS_PAD: tl.constexpr,
     HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
     WRITE_SLOTS: tl.constexpr, READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr,
     REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
@@ -80,15 +80,26 @@ def ngram_hash_kernel(
     position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int64)
     offset_in_request = token - start
 
+    # Every load is issued before any store: a store to ``out`` or the slot cache may
+    # alias later loads, so loads after it wait (per-shift stores cost ~9 us at T = 1,
+    # H200, cold L2). Table constants are loaded once as [L, C] tiles.
     layers = tl.arange(0, LAYERS_PAD)
-    heads = tl.arange(0, HEADS_PAD)
+    columns = tl.arange(0, COLUMNS_PAD)
     layer_ok = layers < NUM_LAYERS
-    out_mask = valid[:, None, None] & layer_ok[None, :, None] & (heads < NUM_HEADS)[None, None, :]
-    out_row = out_ptr + token[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + layers[None, :, None] * NUM_COLUMNS
+    column_ok = layer_ok[:, None] & (columns < NUM_COLUMNS)[None, :]
+    table_offset = layers[:, None] * NUM_COLUMNS + columns[None, :]
+    prime = tl.load(primes_ptr + table_offset, mask=column_ok, other=1)
+    inverse_prime = tl.load(inverse_primes_ptr + table_offset, mask=column_ok, other=1.0)
+    first_row = tl.load(offsets_ptr + table_offset, mask=column_ok, other=0)
+    column_shift = columns // NUM_HEADS + 1  # order - 1 of each column
 
+    if WRITE_SLOTS:
+        own_slot = tl.load(slot_mapping_ptr + token, mask=live, other=-1).to(tl.int64)
+    stored = tl.zeros([BLOCK_TOKENS], dtype=tl.int64)
     blocked = ~live
     first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
     rolling = tl.zeros([BLOCK_TOKENS, LAYERS_PAD], dtype=tl.int64)
+    rolling_by_column = tl.zeros([BLOCK_TOKENS, LAYERS_PAD, COLUMNS_PAD], dtype=tl.int64)
     for shift in tl.static_range(MAX_NGRAM):
         source_position = position - shift
         in_batch = offset_in_request >= shift
@@ -106,27 +117,6 @@ def ngram_hash_kernel(
             dead = dead | (in_batch & (tl.load(dead_ptr + source_token, mask=loadable, other=0) != 0))
         if shift == 0:
             stored = tl.where(dead, DEAD_CODE, value)
-            if WRITE_SLOTS:
-                slot = tl.load(slot_mapping_ptr + token, mask=live, other=-1).to(tl.int64)
-                tl.store(slot_values_ptr + slot, stored.to(tl.int32), mask=live & (slot >= 0) & (slot < num_slots))
-            if READ_SLOTS and HAS_LOOKBACK:
-                # Seed the slot cache with the known lookback entries (first token of each request).
-                first = live & (offset_in_request == 0)
-                for column in tl.static_range(HISTORY):
-                    seed_position = position - 1 - column
-                    seed_raw = tl.load(lookback_ids_ptr + request * HISTORY + column, mask=first, other=-1).to(tl.int64)
-                    seed_known = first & (seed_raw >= 0) & (seed_position >= 0)
-                    seed_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(seed_raw, 0), vocab_size - 1),
-                                         mask=seed_known, other=0).to(tl.int64)
-                    if HAS_LOOKBACK_DEAD:
-                        seed_dead = tl.load(lookback_dead_ptr + request * HISTORY + column, mask=seed_known, other=0) != 0
-                        seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
-                    seed_block_index = tl.minimum(seed_position // block_size, block_table_width - 1)
-                    seed_block = tl.load(block_table_ptr + request * block_table_stride + seed_block_index,
-                                         mask=seed_known, other=0).to(tl.int64)
-                    seed_slot = seed_block * block_size + seed_position % block_size
-                    tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
-                             mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
         else:
             known = tl.zeros([BLOCK_TOKENS], dtype=tl.int1)
             lookback_column = shift - offset_in_request - 1
@@ -148,8 +138,8 @@ def ngram_hash_kernel(
                 need = outside & ~known
                 block_index = tl.minimum(source_position // block_size, block_table_width - 1)
                 block = tl.load(block_table_ptr + request * block_table_stride + block_index, mask=need, other=0).to(tl.int64)
-                slot = tl.minimum(tl.maximum(block * block_size + source_position % block_size, 0), num_slots - 1)
-                cached = tl.load(slot_values_ptr + slot, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
+                history_slot = tl.minimum(tl.maximum(block * block_size + source_position % block_size, 0), num_slots - 1)
+                cached = tl.load(slot_values_ptr + history_slot, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
                 use = need & (cached != UNWRITTEN_CODE)
                 value = tl.where(use, cached, value)
                 dead = tl.where(use, cached == DEAD_CODE, dead)
@@ -175,13 +165,31 @@ def ngram_hash_kernel(
         multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
         rolling = rolling ^ (value[:, None] * multiplier[None, :])
         if shift > 0:
-            column = (shift - 1) * NUM_HEADS + heads
-            table_offset = layers[:, None] * NUM_COLUMNS + column[None, :]
-            column_ok = layer_ok[:, None] & (heads < NUM_HEADS)[None, :]
-            prime = tl.load(primes_ptr + table_offset, mask=column_ok, other=1)
-            inverse_prime = tl.load(inverse_primes_ptr + table_offset, mask=column_ok, other=1.0)
-            first_row = tl.load(offsets_ptr + table_offset, mask=column_ok, other=0)
-            ids = _remainder(rolling[:, :, None], prime[None, :, :], inverse_prime[None, :, :]) + first_row[None, :, :]
-            tl.store(out_row + column[None, None, :], ids.to(tl.int32), mask=out_mask)
+            rolling_by_column = tl.where((column_shift == shift)[None, None, :], rolling[:, :, None], rolling_by_column)
+
+    # Stores, after every load (the rare lookback seeds excepted).
+    ids = _remainder(rolling_by_column, prime[None, :, :], inverse_prime[None, :, :]) + first_row[None, :, :]
+    out_offset = token[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[None, :, :]
+    if WRITE_SLOTS:
+        tl.store(slot_values_ptr + own_slot, stored.to(tl.int32), mask=live & (own_slot >= 0) & (own_slot < num_slots))
+    if READ_SLOTS and HAS_LOOKBACK:
+        # Seed the slot cache with the known lookback entries (first token of each request).
+        first = live & (offset_in_request == 0)
+        for column in tl.static_range(HISTORY):
+            seed_position = position - 1 - column
+            seed_raw = tl.load(lookback_ids_ptr + request * HISTORY + column, mask=first, other=-1).to(tl.int64)
+            seed_known = first & (seed_raw >= 0) & (seed_position >= 0)
+            seed_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(seed_raw, 0), vocab_size - 1),
+                                 mask=seed_known, other=0).to(tl.int64)
+            if HAS_LOOKBACK_DEAD:
+                seed_dead = tl.load(lookback_dead_ptr + request * HISTORY + column, mask=seed_known, other=0) != 0
+                seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
+            seed_block_index = tl.minimum(seed_position // block_size, block_table_width - 1)
+            seed_block = tl.load(block_table_ptr + request * block_table_stride + seed_block_index,
+                                 mask=seed_known, other=0).to(tl.int64)
+            seed_slot = seed_block * block_size + seed_position % block_size
+            tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
+                     mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
+    tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=valid[:, None, None] & column_ok[None, :, :])
     if REPORT_MISSING:
         tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)
