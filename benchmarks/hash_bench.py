@@ -37,6 +37,8 @@ def _time(function, graph: bool, flush: bool = True) -> float:
     """Median microseconds of ``function`` (eager) or of replaying its CUDA graph; with
     ``flush`` (do_bench's default) the L2 is cleared before each run, as the rest of a
     model's step would leave it, else back-to-back replays with a warm L2."""
+    if graph and not flush:
+        return triton.testing.do_bench_cudagraph(function, rep=200, return_mode="median") * 1e3
     if graph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -46,8 +48,6 @@ def _time(function, graph: bool, flush: bool = True) -> float:
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):
             function()
-        if not flush:
-            return triton.testing.do_bench_cudagraph(captured.replay, rep=200, return_mode="median") * 1e3
         return triton.testing.do_bench(captured.replay, warmup=25, rep=200, return_mode="median") * 1e3
     return triton.testing.do_bench(function, warmup=25, rep=200, return_mode="median") * 1e3
 
@@ -97,11 +97,11 @@ def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), backends=("triton", "tor
 
 
 
-def sweep(token_counts=(1, 8192, 32768)) -> None:
+def sweep(token_counts=(1, 64, 8192, 32768)) -> None:
     """Time launch shapes of the hash kernel (graph replays, flushed L2)."""
     from engram.hashing import launch
 
-    for block_tokens, num_warps in ((16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (128, 4)):
+    for block_tokens, num_warps in ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (8, 2)):
         launch.LAUNCH_OVERRIDE.update(block_tokens=block_tokens, num_warps=num_warps)
         rows = bench_hash(token_counts, backends=("triton",))
         print(f"block {block_tokens:4d} warps {num_warps}: "

@@ -10,10 +10,24 @@ import torch
 
 __all__ = ["triton_available", "launch_hash_kernel"]
 
-# 16 tokens per program and one warp at every batch size: one compiled variant, and
-# the fastest shape measured (H200, graph replay, cold L2): T = 1 10.6 us, 8192 10.6 us,
-# 32768 16.4 us; 64 tokens x 4 warps took 15.8 / 17.0 / 33.0 us.
-_BLOCK_TOKENS, _NUM_WARPS = 16, 1
+# One warp per program; tokens per program by batch size (a few compiled variants,
+# each captured once per graph). Measured on the H200, graph replay, cold L2:
+#   tokens/program   T=1    T=64   T=8192  T=32768
+#        1           7.3    8.1    13.9    35.8   us
+#        4           8.9    8.8     9.7    19.6
+#       16          11.0   11.0    11.0    16.6
+_BLOCK_TOKENS_BY_BATCH = ((64, 1), (8192, 4))
+_BLOCK_TOKENS_LARGEST, _NUM_WARPS = 16, 1
+
+
+def block_tokens_for(num_tokens: int) -> int:
+    """Tokens per program for a batch of ``num_tokens`` (see the table above)."""
+    for limit, block_tokens in _BLOCK_TOKENS_BY_BATCH:
+        if num_tokens <= limit:
+            return block_tokens
+    return _BLOCK_TOKENS_LARGEST
+
+
 # Request ends compared per loop step ([64 tokens, 128 ends] per program).
 _REQUEST_CHUNK = 128
 
@@ -58,7 +72,7 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
     block_table = batch.block_table
     if block_table is not None and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    block_tokens = LAUNCH_OVERRIDE.get("block_tokens", _BLOCK_TOKENS)
+    block_tokens = LAUNCH_OVERRIDE.get("block_tokens", block_tokens_for(num_tokens))
     num_warps = LAUNCH_OVERRIDE.get("num_warps", _NUM_WARPS)
     grid = (triton_cdiv(num_tokens, block_tokens),)
     ngram_hash_kernel[grid](
