@@ -83,6 +83,38 @@ def test_kernel_matches_torch_path_and_stores_interpreted():
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
+@pytest.mark.parametrize("max_draft_tokens", [0, 2])
+def test_history_write_kernel_matches_torch_path_interpreted(max_draft_tokens):
+    """The ring after one batch: lookback seeds and the last `width` tokens, wrap-around
+    collisions included (chunks longer than the ring, seeds a later token overwrites)."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2**31))
+    kernel, torch_path = small_hasher(seed, validate=False), small_hasher(seed, validate=False)
+    torch_path.backend = "torch"
+    lengths = [1, 2, 3, 5, 6, 9, 4]
+    starts = torch.tensor(np.cumsum([0] + lengths))
+    first_positions = rng.integers(0, 20, len(lengths))
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_positions, lengths)])
+    token_ids = torch.from_numpy(rng.integers(0, 300, int(starts[-1])))
+    dead = torch.from_numpy(rng.random(int(starts[-1])) < 0.2)
+    lookback = torch.from_numpy(rng.integers(-1, 300, (len(lengths), 3)))
+    lookback_dead = torch.from_numpy(rng.random((len(lengths), 3)) < 0.2)
+    for hasher in (kernel, torch_path):
+        history = hasher.bind_request_history(len(lengths) + 2, max_draft_tokens=max_draft_tokens)
+        rows = torch.from_numpy(rng.permutation(len(lengths) + 2)[:len(lengths)])
+        history.values[:-1] = torch.randint(0, 40, history.values[:-1].shape, dtype=torch.int32)  # old history
+        history.tags[:-1] = torch.randint(0, 30, history.tags[:-1].shape)
+    kernel.request_history.values.copy_(torch_path.request_history.values)
+    kernel.request_history.tags.copy_(torch_path.request_history.tags)
+    for hasher in (kernel, torch_path):
+        hasher(token_ids, positions, starts, dead_mask=dead, lookback_token_ids=lookback,
+               lookback_dead_mask=lookback_dead, request_rows=rows)
+    assert torch.equal(kernel.request_history.values[:-1], torch_path.request_history.values[:-1])
+    assert torch.equal(kernel.request_history.tags[:-1], torch_path.request_history.tags[:-1])
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 def test_kernel_reports_missing_history_and_undoes_writes_interpreted():
     hasher = small_hasher(int(np.random.default_rng().integers(2**31)))
     cache = hasher.bind_slot_cache(32, 1)

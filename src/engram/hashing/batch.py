@@ -14,7 +14,7 @@ import torch
 
 from ..layout import EngramLayout
 from ..vocab import TokenCompressor
-from .launch import launch_hash_kernel, triton_available
+from .launch import launch_hash_kernel, launch_history_write, triton_available
 from .ops import block_windows, hash_windows
 from .stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
 from .validation import BatchMetadata, check_shapes, validate_batch
@@ -149,10 +149,12 @@ class NgramHasher:
             return torch.empty((0, spec.num_layers, spec.num_columns), dtype=self.out_dtype, device=self.device)
         if self._use_triton():
             ids = self._hash_triton(batch, validate)
+            if request_rows is not None:
+                launch_history_write(self, batch)
         else:
             ids = self._hash_torch(batch, validate)
-        if request_rows is not None:
-            self._write_request_history(batch)
+            if request_rows is not None:
+                self._write_request_history(batch)
         return ids
 
     def _use_triton(self) -> bool:

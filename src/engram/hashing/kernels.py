@@ -193,3 +193,65 @@ def ngram_hash_kernel(
     tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=valid[:, None, None] & column_ok[None, :, :])
     if REPORT_MISSING:
         tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "history_width"])
+def history_write_kernel(
+    input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
+    lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
+    num_tokens, num_requests, vocab_size, history_width,
+    MAX_NGRAM: tl.constexpr, HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr,
+    HAS_LOOKBACK_DEAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
+):
+    """After the hash: the per-request history ring receives the known lookback entries
+    and the last ``width`` tokens of each request (drafts included), position-tagged:
+    ``values[row, p % width] = id or DEAD``, ``tags[row, p % width] = p``.
+
+    Every cell is written at most once per launch: a lookback entry whose cell a later
+    batch token takes is skipped (the later position wins, as in the torch path).
+    """
+    HISTORY: tl.constexpr = MAX_NGRAM - 1
+    token = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS).to(tl.int64)
+    valid = token < num_tokens
+    request = tl.zeros([BLOCK_TOKENS], dtype=tl.int64)
+    start = tl.zeros([BLOCK_TOKENS], dtype=tl.int64)
+    end = tl.zeros([BLOCK_TOKENS], dtype=tl.int64) + num_tokens
+    chunk = tl.arange(0, REQUEST_CHUNK).to(tl.int64)
+    for chunk_start in range(0, num_requests, REQUEST_CHUNK):
+        in_range = chunk_start + chunk < num_requests
+        ends = tl.load(query_start_ptr + 1 + chunk_start + chunk, mask=in_range, other=num_tokens + 1).to(tl.int64)
+        passed = ends[None, :] <= token[:, None]
+        request += tl.sum(passed.to(tl.int64), axis=1)
+        start = tl.maximum(start, tl.max(tl.where(passed, ends[None, :], 0), axis=1))
+        end = tl.minimum(end, tl.min(tl.where(passed | ~in_range[None, :], num_tokens, ends[None, :]), axis=1))
+    live = valid & (request < num_requests)
+    request = tl.minimum(request, tl.maximum(num_requests - 1, 0))
+    position = tl.load(positions_ptr + token, mask=live, other=0).to(tl.int64)
+    row = tl.load(history_rows_ptr + request, mask=live, other=0).to(tl.int64)
+    raw = tl.load(input_ids_ptr + token, mask=live, other=0).to(tl.int64)
+    value = tl.load(token_map_ptr + tl.minimum(tl.maximum(raw, 0), vocab_size - 1), mask=live, other=0)
+    if HAS_DEAD:
+        value = tl.where(tl.load(dead_ptr + token, mask=live, other=0) != 0, DEAD_CODE, value)
+    first_kept = tl.maximum(start, end - history_width)  # batch index of the first kept token
+    keep = live & (token >= first_kept)
+    cell = row * history_width + position % history_width
+    tl.store(history_values_ptr + cell, value.to(tl.int32), mask=keep)
+    tl.store(history_tags_ptr + cell, position, mask=keep)
+    if HAS_LOOKBACK:
+        first = live & (token == start)
+        kept_from = position + (first_kept - start)  # position of the first kept token
+        last = position + (end - start)              # one past the request's last position
+        for column in tl.static_range(HISTORY):
+            seed_position = position - 1 - column
+            seed_raw = tl.load(lookback_ids_ptr + request * HISTORY + column, mask=first, other=-1).to(tl.int64)
+            # The first kept position with the seed's residue; the seed stays only if none is kept.
+            later = seed_position + history_width * ((kept_from - seed_position + history_width - 1) // history_width)
+            seed_known = first & (seed_raw >= 0) & (seed_position >= 0) & (later >= last)
+            seed_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(seed_raw, 0), vocab_size - 1),
+                                 mask=seed_known, other=0)
+            if HAS_LOOKBACK_DEAD:
+                seed_dead = tl.load(lookback_dead_ptr + request * HISTORY + column, mask=seed_known, other=0) != 0
+                seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
+            seed_cell = row * history_width + seed_position % history_width
+            tl.store(history_values_ptr + seed_cell, seed_value.to(tl.int32), mask=seed_known)
+            tl.store(history_tags_ptr + seed_cell, seed_position, mask=seed_known)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["triton_available", "launch_hash_kernel"]
+__all__ = ["triton_available", "launch_hash_kernel", "launch_history_write"]
 
 # One warp per program; tokens per program by batch size (a few compiled variants,
 # each captured once per graph). Measured on the H200, graph replay, cold L2:
@@ -104,6 +104,29 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         num_warps=num_warps,
     )
     return out
+
+
+def launch_history_write(hasher, batch) -> None:
+    """Write the batch into the bound per-request history (one launch, after the hash)."""
+    from .kernels import history_write_kernel
+
+    if batch.num_tokens == 0:
+        return
+    history, placeholder = hasher.request_history, hasher.token_map
+    lookback = batch.lookback_token_ids.contiguous() if batch.lookback_token_ids is not None else None
+    lookback_dead = batch.lookback_dead_mask.contiguous() if batch.lookback_dead_mask is not None else None
+    block_tokens = 16
+    history_write_kernel[(triton_cdiv(batch.num_tokens, block_tokens),)](
+        batch.input_ids, batch.positions, batch.query_start_loc,
+        batch.dead_mask if batch.dead_mask is not None else placeholder, hasher.token_map,
+        lookback if lookback is not None else placeholder,
+        lookback_dead if lookback_dead is not None else placeholder,
+        batch.request_rows, history.values, history.tags,
+        batch.num_tokens, batch.num_requests, hasher.vocab.vocab_size, history.width,
+        MAX_NGRAM=hasher.layout.spec.max_ngram_size, HAS_DEAD=batch.dead_mask is not None,
+        HAS_LOOKBACK=lookback is not None, HAS_LOOKBACK_DEAD=lookback_dead is not None,
+        BLOCK_TOKENS=block_tokens, REQUEST_CHUNK=_REQUEST_CHUNK, num_warps=1,
+    )
 
 
 def triton_cdiv(a: int, b: int) -> int:
