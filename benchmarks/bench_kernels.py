@@ -26,17 +26,8 @@ sys.path.insert(0, str(HERE.parent / "src"))
 TOKEN_COUNTS = (1, 64, 1024, 8192, 32768)
 
 
-def copy_ceiling_gbps(num_bytes: int = 4 << 30) -> float:
-    """Device-to-device copy of 4 GiB: (bytes read + bytes written) / median time."""
-    source = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    milliseconds = triton.testing.do_bench(lambda: target.copy_(source), warmup=50, rep=500, return_mode="median")
-    del source, target
-    torch.cuda.empty_cache()
-    return 2 * num_bytes / (milliseconds * 1e-3) / 1e9
-
-
 def main() -> None:
+    from ceiling import copy_ceiling_gbps
     from gather_bench import bench_gather
     from gate_bench import bench_gate
     from hash_bench import bench_hash

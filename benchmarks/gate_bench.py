@@ -18,7 +18,13 @@ import itertools
 import json
 import math
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceiling import copy_ceiling_gbps  # noqa: E402
 
 EPS = 1e-6
 DEFAULT_L2_BYTES = 60 * 2 ** 20  # H200: 60 MB (torch reports 50 MiB on some builds)
@@ -131,16 +137,6 @@ def bench_gate(T_values, *, hc: int = 4, hidden: int = 5120, masked_fraction: fl
     return results
 
 
-def measure_copy_gbps(size_bytes: int = 2 * 2 ** 30) -> float:
-    """Device-to-device copy ceiling: (read + write) bytes / median time."""
-    import triton.testing
-
-    source = torch.randn(size_bytes // 4, device="cuda")
-    target = torch.empty_like(source)
-    ms = triton.testing.do_bench(lambda: target.copy_(source), return_mode="median")
-    return 2 * size_bytes / (ms * 1e6)
-
-
 def sweep_gate_configs(T_values, configs, *, hc: int = 4, hidden: int = 5120,
                        masked_fraction: float = 0.05) -> list[dict]:
     """Median us, GB/s, registers and spills of each launch config at each ``T``."""
@@ -206,7 +202,7 @@ def main() -> None:
 
     device = torch.cuda.get_device_name()
     report = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
-              "copy_gbps": measure_copy_gbps()}
+              "copy_gbps": copy_ceiling_gbps()}
     print(f"{device}  torch {torch.__version__}  triton {triton.__version__}  copy {report['copy_gbps']:.0f} GB/s")
     if args.sweep:
         report["sweep"] = sweep_gate_configs(args.sweep_tokens, _sweep_configs(args.sweep == "full"))

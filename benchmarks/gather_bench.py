@@ -31,6 +31,9 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ceiling import copy_ceiling_gbps  # noqa: E402
 
 from engram.table import lookup_reference  # noqa: E402
 from engram.table.gather import GatherConfig, default_config, gather_rows, gather_rows_packed  # noqa: E402
@@ -246,16 +249,6 @@ def sweep(tokens: int = 8192, *, columns: int = 24, head_dim: int = 256, table_r
                   f"{num_bytes / p50 / 1e3:6.0f} GB/s {'ok' if ok else 'MISMATCH'}"
                   f"{' prealloc' if preallocated else ''}{'' if graph else ' eager'} seed {seed}", flush=True)
     return results
-
-
-def copy_ceiling_gbps(num_bytes: int = 4 << 30) -> float:
-    """Device-to-device copy of 4 GiB: (bytes read + bytes written) / median time."""
-    source = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    milliseconds = triton.testing.do_bench(lambda: target.copy_(source), warmup=50, rep=300, return_mode="median")
-    del source, target
-    torch.cuda.empty_cache()
-    return 2 * num_bytes / (milliseconds * 1e-3) / 1e9
 
 
 def _fastest(rows: list[dict], mode: str) -> GatherConfig:

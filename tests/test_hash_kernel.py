@@ -165,7 +165,7 @@ def test_gpu_cuda_graph_capture_and_replay():
     hasher = v41_hasher(validate=False)
     requests, block_size, steps = 8, 16, 6
     prompt = 40
-    cache = hasher.bind_slot_cache(requests * 64 * block_size, block_size)
+    hasher.bind_slot_cache(requests * 64 * block_size, block_size)
     sequences = rng.integers(0, 129280, (requests, prompt + steps + 2))
     expected = [engram.hash_ngrams(s, hasher.layout, hasher.vocab) for s in sequences]
     table = torch.arange(requests * 64, dtype=torch.int32, device="cuda").reshape(requests, 64)

@@ -6,6 +6,8 @@ batch size is not a specialization key (no recompiling per batch size).
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 __all__ = ["triton_available", "launch_hash_kernel", "launch_history_write"]
@@ -37,11 +39,7 @@ LAUNCH_OVERRIDE: dict[str, int] = {}
 
 
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 def _next_power_of_2(n: int) -> int:

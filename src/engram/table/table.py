@@ -14,6 +14,8 @@ HBM) subclass :class:`TablePlacement` and :func:`register_placement` themselves.
 
 from __future__ import annotations
 
+import abc
+
 import functools
 import os
 from typing import ClassVar
@@ -67,7 +69,7 @@ def _triton_gather():
 # ---------------------------------------------------------------------------
 # placements
 # ---------------------------------------------------------------------------
-class TablePlacement:
+class TablePlacement(abc.ABC):
     """Owns a table's FP8 storage and gathers rows from it.
 
     Storage: ``value_bytes uint8 [rows, D]`` (E4M3 bit patterns) and
@@ -113,10 +115,10 @@ class TablePlacement:
         """Bytes of the stored rows: ``rows * (D + D // 32)``."""
         return self._value_bytes.numel() + self._scale_bytes.numel()
 
+    @abc.abstractmethod
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``int64 [N]`` local row ids in ``[0, rows)`` on :attr:`device` ->
         ``(uint8 [N, D], uint8 [N, D // 32])`` on :attr:`device`: ``storage[local_row_ids]``."""
-        raise NotImplementedError(f"{type(self).__name__}.gather")
 
     def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
         """Optional fused lookup: ``global_ids`` int32/int64 ``[T, C_local]`` (any strides) on
