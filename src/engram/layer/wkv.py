@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from ..table.fp8 import scale_bytes_to_float
+
 __all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv"]
 
 _FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn,)
@@ -54,11 +56,7 @@ def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == torch.uint8:
         if bool((scale == 255).any()):
             raise ValueError("scale: found UE8M0 byte 255 (NaN); expected bytes 0..254")
-        # Build the fp32 bit pattern directly: exponent field = byte gives 2**(byte-127)
-        # exactly; byte 0 is 2**-127, the fp32 subnormal with bit pattern 0x00400000.
-        bits = scale.to(torch.int32) << 23
-        bits = torch.where(scale == 0, torch.full_like(bits, 0x00400000), bits)
-        return bits.view(torch.float32)
+        return scale_bytes_to_float(scale)  # exact 2**(byte-127), the table codec's decode
     if scale.dtype in _FLOAT_SCALE_DTYPES:
         values = scale.to(torch.float32)
         if not bool(torch.isfinite(values).all()):
