@@ -64,6 +64,8 @@ def summary_keys(hash_rows, gather_rows, gate_rows) -> dict:
     return {
         "hash_T8192_us": _row(hash_rows, 8192)["triton_graph_us"],
         "hash_T1_us": _row(hash_rows, 1)["triton_graph_us"],
+        "hash_fused_T8192_us": _row(hash_rows, 8192)["triton_fused_graph_us"],
+        "hash_fused_T1_us": _row(hash_rows, 1)["triton_fused_graph_us"],
         "hash_T8192_warm_l2_us": _row(hash_rows, 8192)["triton_graph_warm_us"],
         "hash_T1_warm_l2_us": _row(hash_rows, 1)["triton_graph_warm_us"],
         "gather_T8192_us": _row(gather_rows, 8192)["triton_bf16_us"],
@@ -90,6 +92,7 @@ def print_table(report: dict, ceiling: float) -> None:
 
     for row in report["hash"]:
         add("hash (cold L2)", row["T"], row["triton_graph_us"], row["bytes"], row["torch_graph_us"])
+        add("hash fused (cold L2)", row["T"], row["triton_fused_graph_us"], row["bytes"], row["torch_graph_us"])
         add("hash (warm L2)", row["T"], row["triton_graph_warm_us"], row["bytes"], row["torch_graph_warm_us"])
     for row in report["gather"]:
         add("gather bf16", row["T"], row["triton_bf16_us"], row["bytes_bf16"], row["torch_us"], " (eager)")

@@ -65,9 +65,10 @@ def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), backends=("triton", "tor
         counts[-1] += num_tokens - sum(counts)
         blocks_per_request = (HISTORY_START + max(counts)) // BLOCK_SIZE + 1
         row = {"T": num_tokens, "requests": num_requests}
-        for backend in backends:
+        for backend, fused in [(b, False) for b in backends] + ([("triton", True)] if "triton" in backends else []):
             hasher = engram.NgramHasher(layout, vocab, device="cuda", validate=False, backend=backend)
-            hasher.bind_slot_cache(num_requests * blocks_per_request * BLOCK_SIZE, BLOCK_SIZE)
+            hasher.bind_slot_cache(num_requests * blocks_per_request * BLOCK_SIZE, BLOCK_SIZE, fused_write=fused)
+            name = f"{backend}_fused" if fused else backend
             table = torch.from_numpy(rng.permutation(num_requests * blocks_per_request).astype(np.int32))
             table = table.reshape(num_requests, blocks_per_request).cuda()
             # History: the slot cache holds every request's previous tokens.
@@ -84,9 +85,9 @@ def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), backends=("triton", "tor
             def call():
                 return hasher(input_ids, positions, starts, slot_mapping=slots, block_table=table)
 
-            row[f"{backend}_graph_us"] = _time(call, graph=True)
-            row[f"{backend}_graph_warm_us"] = _time(call, graph=True, flush=False)
-            row[f"{backend}_eager_us"] = _time(call, graph=False)
+            row[f"{name}_graph_us"] = _time(call, graph=True)
+            row[f"{name}_graph_warm_us"] = _time(call, graph=True, flush=False)
+            row[f"{name}_eager_us"] = _time(call, graph=False)
         # Bytes: ids and positions read, slots written, hash ids written (the minimum).
         row["bytes"] = num_tokens * (8 + 8 + 8 + 4 + spec.num_layers * spec.num_columns * 4)
         if "torch_graph_us" in row:

@@ -29,8 +29,9 @@ def small_hasher(seed: int, device=DEVICE, **kwargs) -> engram.NgramHasher:
     return engram.NgramHasher(engram.EngramLayout(spec), vocab, device=device, backend="triton", **kwargs)
 
 
-def serve_and_check(hasher, source, rng, lengths, budget):
-    engine = StreamingEngine(hasher, source, rng, block_size=int(rng.integers(1, 6)), num_blocks=512)
+def serve_and_check(hasher, source, rng, lengths, budget, fused_slot_write=False):
+    engine = StreamingEngine(hasher, source, rng, block_size=int(rng.integers(1, 6)), num_blocks=512,
+                             fused_slot_write=fused_slot_write)
     for k, length in enumerate(lengths):
         token_ids = rng.integers(0, hasher.vocab.vocab_size, length)
         dead = rng.random(length) < 0.1
@@ -42,13 +43,13 @@ def serve_and_check(hasher, source, rng, lengths, budget):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
-@pytest.mark.parametrize("source", HISTORY_SOURCES)
+@pytest.mark.parametrize("source,fused", [(source, False) for source in HISTORY_SOURCES] + [("slot_cache", True)])
 @pytest.mark.parametrize("heads,layers,vocab_size", [(3, (1, 3), 1009), (5, (2,), 2), (1, (0, 4, 9), 1009),
                                                      (1, (2,), 700_000_000)])  # primes near 2**29.4
-def test_kernel_streaming_interpreted(source, heads, layers, vocab_size):
+def test_kernel_streaming_interpreted(source, fused, heads, layers, vocab_size):
     rng = np.random.default_rng()
     hasher = small_hasher(int(rng.integers(2**31)), heads=heads, layers=layers, vocab_size=vocab_size)
-    serve_and_check(hasher, source, rng, lengths=[1, 23, 9], budget=16)
+    serve_and_check(hasher, source, rng, lengths=[1, 23, 9], budget=16, fused_slot_write=fused)
 
 
 @pytest.mark.interpreter
@@ -115,6 +116,26 @@ def test_history_write_kernel_matches_torch_path_interpreted(max_draft_tokens):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
+def test_kernel_same_step_prefix_hit_interpreted():
+    """History another request writes in the same batch: exact with the default
+    (write launch, then hash launch); refused by validation with fused_write=True."""
+    from test_hasher_properties import same_step_prefix_hit_batch
+
+    rng = np.random.default_rng()
+    hasher = small_hasher(int(rng.integers(2**31)))
+    hasher.bind_slot_cache(32 * 4, 4)
+    batch, a_tokens, b_tokens, hit = same_step_prefix_hit_batch(rng)
+    got = hasher(**batch).numpy()
+    no_dead = np.zeros(len(b_tokens), dtype=bool)
+    expected_b = engram.hash_ngrams(b_tokens, hasher.layout, hasher.vocab, no_dead)[hit:]
+    assert (got[len(a_tokens):] == expected_b).all()
+    hasher.bind_slot_cache(32 * 4, 4, fused_write=True)
+    with pytest.raises(ValueError, match="fused_write=True needs history from earlier steps"):
+        hasher(**batch)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 def test_kernel_reports_missing_history_and_undoes_writes_interpreted():
     hasher = small_hasher(int(np.random.default_rng().integers(2**31)))
     cache = hasher.bind_slot_cache(32, 1)
@@ -151,10 +172,25 @@ def test_gpu_whole_sequences_v41(num_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("source", HISTORY_SOURCES)
-def test_gpu_streaming(source):
+@pytest.mark.parametrize("source,fused", [(source, False) for source in HISTORY_SOURCES] + [("slot_cache", True)])
+def test_gpu_streaming(source, fused):
     rng = np.random.default_rng()
-    serve_and_check(small_hasher(int(rng.integers(2**31)), device="cuda"), source, rng, [1, 63, 200, 7], budget=96)
+    serve_and_check(small_hasher(int(rng.integers(2**31)), device="cuda"), source, rng, [1, 63, 200, 7], budget=96,
+                    fused_slot_write=fused)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_same_step_prefix_hit():
+    from test_hasher_properties import same_step_prefix_hit_batch
+
+    rng = np.random.default_rng()
+    hasher = small_hasher(int(rng.integers(2**31)), device="cuda", validate=False)
+    hasher.bind_slot_cache(32 * 4, 4)
+    batch, a_tokens, b_tokens, hit = same_step_prefix_hit_batch(rng)
+    got = hasher(**{name: tensor.cuda() for name, tensor in batch.items()}).cpu().numpy()
+    expected_b = engram.hash_ngrams(b_tokens, hasher.layout, hasher.vocab)[hit:]
+    assert (got[len(a_tokens):] == expected_b).all()
 
 
 @pytest.mark.gpu

@@ -76,10 +76,14 @@ def test_slot_errors_leave_the_cache_untouched(hasher):
     # A missing-history error after the cache write undoes the write.
     with pytest.raises(ValueError, match=r"position 11 is unknown"):
         hasher(**batch(count=2, first=12), slot_mapping=torch.tensor([0, 1]), block_table=table)
-    # History read from a slot this same batch writes (one launch does both) is refused.
-    with pytest.raises(ValueError, match=r"block_table\[0\]: position 9 \(history of request 0\) is slot 9, which this batch writes \(slot_mapping\[1\]\)"):
-        hasher(**batch(count=2, first=12), slot_mapping=torch.tensor([0, 9]), block_table=table)
     assert torch.equal(cache.values, before)
+    # History read from a slot this same batch writes is refused when the cache promised
+    # fused writes (one launch both writes and reads).
+    fused = hasher.bind_slot_cache(16, 4, fused_write=True)
+    fused.values.copy_(before)
+    with pytest.raises(ValueError, match=r"block_table\[0\]: position 9 \(history of request 0\) is slot 9, which this batch writes \(slot_mapping\[1\]\); a cache bound with fused_write=True"):
+        hasher(**batch(count=2, first=12), slot_mapping=torch.tensor([0, 9]), block_table=table)
+    assert torch.equal(fused.values, before)
     rebound = hasher.bind_slot_cache(16, 4)
     assert (rebound.values == engram.hashing.UNWRITTEN).all()
 

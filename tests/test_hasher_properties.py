@@ -190,3 +190,38 @@ def test_unseeded_cache_changes_the_ids_or_raises():
     checked.bind_slot_cache(32, 1)
     with pytest.raises(ValueError, match=r"request 0 starts at position 10.*position 9 is unknown.*slot cache"):
         call(checked, token_ids[10:], dead[10:], 10, block_table=table, slot_mapping=torch.arange(10, 20))
+
+
+def same_step_prefix_hit_batch(rng, block_size=4):
+    """Request A is prefilled in this batch; request B, with the same prefix, hits A's
+    blocks that this very batch fills (as an engine that caches blocks at scheduling
+    does) and starts right after them: B's history is in slots the batch writes."""
+    prefix_blocks, tail = 3, 5
+    hit = prefix_blocks * block_size
+    prefix = rng.integers(0, 300, hit + 2)
+    a_tokens = prefix
+    b_tokens = np.concatenate([prefix[:hit], rng.integers(0, 300, tail)])
+    blocks = rng.permutation(32)
+    a_blocks = list(blocks[:4])
+    b_blocks = a_blocks[:prefix_blocks] + list(blocks[4:6])
+    table = torch.tensor([a_blocks + [0], b_blocks], dtype=torch.int32)
+    a_slots = [a_blocks[p // block_size] * block_size + p % block_size for p in range(len(a_tokens))]
+    b_slots = [b_blocks[p // block_size] * block_size + p % block_size for p in range(hit, hit + tail)]
+    batch = dict(
+        input_ids=torch.from_numpy(np.concatenate([a_tokens, b_tokens[hit:]])),
+        positions=torch.cat([torch.arange(len(a_tokens)), torch.arange(hit, hit + tail)]),
+        query_start_loc=torch.tensor([0, len(a_tokens), len(a_tokens) + tail]),
+        slot_mapping=torch.tensor(a_slots + b_slots), block_table=table,
+    )
+    return batch, a_tokens, b_tokens, hit
+
+
+@pytest.mark.parametrize("repeat", range(3))
+def test_same_step_prefix_hit(repeat):
+    rng = np.random.default_rng()
+    hasher = make_hasher(int(rng.integers(2**31)))
+    hasher.bind_slot_cache(32 * 4, 4)
+    batch, a_tokens, b_tokens, hit = same_step_prefix_hit_batch(rng)
+    got = hasher(**batch).numpy()
+    assert (got[:len(a_tokens)] == whole(hasher, a_tokens, np.zeros(len(a_tokens), bool))).all()
+    assert (got[len(a_tokens):] == whole(hasher, b_tokens, np.zeros(len(b_tokens), bool))[hit:]).all()

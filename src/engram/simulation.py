@@ -46,7 +46,8 @@ class StreamingEngine:
     """
 
     def __init__(self, hasher: NgramHasher, source: str, rng: np.random.Generator, *,
-                 block_size: int = 16, num_blocks: int = 256, max_requests: int = 64, max_draft_tokens: int = 4):
+                 block_size: int = 16, num_blocks: int = 256, max_requests: int = 64, max_draft_tokens: int = 4,
+                 fused_slot_write: bool = False):
         if source not in HISTORY_SOURCES:
             raise ValueError(f"source: expected one of {HISTORY_SOURCES}, found {source!r}")
         self.hasher = hasher
@@ -56,7 +57,7 @@ class StreamingEngine:
         self.max_draft_tokens = max_draft_tokens
         self.history = hasher.history_length
         if source == "slot_cache":
-            hasher.bind_slot_cache(num_blocks * block_size, block_size)
+            hasher.bind_slot_cache(num_blocks * block_size, block_size, fused_write=fused_slot_write)
             self.free_blocks = list(rng.permutation(num_blocks))
         elif source == "request_history":
             hasher.bind_request_history(max_requests, max_draft_tokens=max_draft_tokens)

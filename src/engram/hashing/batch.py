@@ -69,9 +69,13 @@ class NgramHasher:
         self.request_history: RequestHistory | None = None
 
     # ---- history stores ------------------------------------------------------
-    def bind_slot_cache(self, num_slots: int, block_size: int) -> SlotCache:
-        """Bind (or re-bind, dropping all history) a slot cache of ``num_slots`` slots."""
-        self.slot_cache = SlotCache(num_slots, block_size, self.device)
+    def bind_slot_cache(self, num_slots: int, block_size: int, fused_write: bool = False) -> SlotCache:
+        """Bind (or re-bind, dropping all history) a slot cache of ``num_slots`` slots.
+
+        ``fused_write``: write and read the cache in one GPU launch; only for engines
+        where no request reads history that the same batch writes (see :class:`SlotCache`).
+        """
+        self.slot_cache = SlotCache(num_slots, block_size, self.device, fused_write=fused_write)
         return self.slot_cache
 
     def bind_request_history(self, max_requests: int, max_draft_tokens: int = 8) -> RequestHistory:
@@ -137,6 +141,7 @@ class NgramHasher:
                 history_length=self.history_length,
                 num_slots=self.slot_cache.num_slots if self.slot_cache else None,
                 block_size=self.slot_cache.block_size if self.slot_cache else None,
+                fused_slot_write=bool(self.slot_cache and self.slot_cache.fused_write),
                 max_requests=self.request_history.max_requests if self.request_history else None,
             )
         elif slot_mapping is not None and self.slot_cache is None:

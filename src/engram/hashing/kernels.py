@@ -41,7 +41,8 @@ def ngram_hash_kernel(
     NUM_LAYERS: tl.constexpr, LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr,
     NUM_HEADS: tl.constexpr, COLUMNS_PAD: tl.constexpr,
     HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
-    WRITE_SLOTS: tl.constexpr, READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr,
+    COMPUTE_IDS: tl.constexpr, WRITE_SLOTS: tl.constexpr, WRITE_SEEDS: tl.constexpr,
+    READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr,
     REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
 ):
     """ids int32 ``[T, L, C]``: column ``(s-1)*H + h`` of layer ``l`` is
@@ -94,85 +95,86 @@ def ngram_hash_kernel(
     column_shift = columns // NUM_HEADS + 1  # order - 1 of each column
 
     if WRITE_SLOTS:
+        # What the token's own slot receives: its compressed id, or DEAD.
         own_slot = tl.load(slot_mapping_ptr + token, mask=live, other=-1).to(tl.int64)
-    stored = tl.zeros([BLOCK_TOKENS], dtype=tl.int64)
+        own_raw = tl.load(input_ids_ptr + token, mask=live, other=0).to(tl.int64)
+        stored = tl.load(token_map_ptr + tl.minimum(tl.maximum(own_raw, 0), vocab_size - 1), mask=live, other=0).to(tl.int64)
+        if HAS_DEAD:
+            stored = tl.where(tl.load(dead_ptr + token, mask=live, other=0) != 0, DEAD_CODE, stored)
     blocked = ~live
     first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
     rolling = tl.zeros([BLOCK_TOKENS, LAYERS_PAD], dtype=tl.int64)
     rolling_by_column = tl.zeros([BLOCK_TOKENS, LAYERS_PAD, COLUMNS_PAD], dtype=tl.int64)
-    for shift in tl.static_range(MAX_NGRAM):
-        source_position = position - shift
-        in_batch = offset_in_request >= shift
-        outside = live & ~in_batch & (source_position >= 0)
+    if COMPUTE_IDS:
+        for shift in tl.static_range(MAX_NGRAM):
+            source_position = position - shift
+            in_batch = offset_in_request >= shift
+            outside = live & ~in_batch & (source_position >= 0)
 
-        # (1) the same request earlier in this batch. The loads do not wait for the
-        # request lookup (their masks do not depend on it); the selection does.
-        source_token = tl.maximum(token - shift, 0)
-        loadable = valid & (token >= shift)
-        raw = tl.load(input_ids_ptr + source_token, mask=loadable, other=0).to(tl.int64)
-        raw = tl.minimum(tl.maximum(raw, 0), vocab_size - 1)
-        value = tl.load(token_map_ptr + raw, mask=loadable, other=0).to(tl.int64)
-        dead = ~in_batch & (source_position < 0)
-        if HAS_DEAD:
-            dead = dead | (in_batch & (tl.load(dead_ptr + source_token, mask=loadable, other=0) != 0))
-        if shift == 0:
-            stored = tl.where(dead, DEAD_CODE, value)
-        else:
-            known = tl.zeros([BLOCK_TOKENS], dtype=tl.int1)
-            lookback_column = shift - offset_in_request - 1
-            # (2) the caller's lookback window
-            if HAS_LOOKBACK:
-                lookback_raw = tl.load(lookback_ids_ptr + request * HISTORY + lookback_column,
-                                       mask=outside, other=-1).to(tl.int64)
-                use = outside & (lookback_raw >= 0)
-                lookback_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(lookback_raw, 0), vocab_size - 1),
-                                         mask=use, other=0).to(tl.int64)
-                value = tl.where(use, lookback_value, value)
-                if HAS_LOOKBACK_DEAD:
-                    lookback_dead = tl.load(lookback_dead_ptr + request * HISTORY + lookback_column,
-                                            mask=use, other=0) != 0
-                    dead = tl.where(use, lookback_dead, dead)
-                known = known | use
-            # (3) the slot cache, through the request's block table
-            if READ_SLOTS:
-                need = outside & ~known
-                block_index = tl.minimum(source_position // block_size, block_table_width - 1)
-                block = tl.load(block_table_ptr + request * block_table_stride + block_index, mask=need, other=0).to(tl.int64)
-                history_slot = tl.minimum(tl.maximum(block * block_size + source_position % block_size, 0), num_slots - 1)
-                cached = tl.load(slot_values_ptr + history_slot, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
-                use = need & (cached != UNWRITTEN_CODE)
-                value = tl.where(use, cached, value)
-                dead = tl.where(use, cached == DEAD_CODE, dead)
-                known = known | use
-            # (3') the per-request history ring, position-tagged
-            if READ_HISTORY:
-                need = outside & ~known
-                row = tl.load(history_rows_ptr + request, mask=need, other=0).to(tl.int64)
-                cell = row * history_width + source_position % history_width
-                tag = tl.load(history_tags_ptr + cell, mask=need, other=-1)
-                remembered = tl.load(history_values_ptr + cell, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
-                use = need & (tag == source_position) & (remembered != UNWRITTEN_CODE)
-                value = tl.where(use, remembered, value)
-                dead = tl.where(use, remembered == DEAD_CODE, dead)
-                known = known | use
-            unknown = outside & ~known
-            if REPORT_MISSING:  # only where no earlier shift is blocked already
-                first_missing = tl.where(unknown & ~blocked & (first_missing == 0), shift, first_missing)
-            dead = dead | unknown  # unknown history hashes as pad (validation reports it)
+            # (1) the same request earlier in this batch. The loads do not wait for the
+            # request lookup (their masks do not depend on it); the selection does.
+            source_token = tl.maximum(token - shift, 0)
+            loadable = valid & (token >= shift)
+            raw = tl.load(input_ids_ptr + source_token, mask=loadable, other=0).to(tl.int64)
+            raw = tl.minimum(tl.maximum(raw, 0), vocab_size - 1)
+            value = tl.load(token_map_ptr + raw, mask=loadable, other=0).to(tl.int64)
+            dead = ~in_batch & (source_position < 0)
+            if HAS_DEAD:
+                dead = dead | (in_batch & (tl.load(dead_ptr + source_token, mask=loadable, other=0) != 0))
+            if shift > 0:
+                known = tl.zeros([BLOCK_TOKENS], dtype=tl.int1)
+                lookback_column = shift - offset_in_request - 1
+                # (2) the caller's lookback window
+                if HAS_LOOKBACK:
+                    lookback_raw = tl.load(lookback_ids_ptr + request * HISTORY + lookback_column,
+                                           mask=outside, other=-1).to(tl.int64)
+                    use = outside & (lookback_raw >= 0)
+                    lookback_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(lookback_raw, 0), vocab_size - 1),
+                                             mask=use, other=0).to(tl.int64)
+                    value = tl.where(use, lookback_value, value)
+                    if HAS_LOOKBACK_DEAD:
+                        lookback_dead = tl.load(lookback_dead_ptr + request * HISTORY + lookback_column,
+                                                mask=use, other=0) != 0
+                        dead = tl.where(use, lookback_dead, dead)
+                    known = known | use
+                # (3) the slot cache, through the request's block table
+                if READ_SLOTS:
+                    need = outside & ~known
+                    block_index = tl.minimum(source_position // block_size, block_table_width - 1)
+                    block = tl.load(block_table_ptr + request * block_table_stride + block_index, mask=need, other=0).to(tl.int64)
+                    history_slot = tl.minimum(tl.maximum(block * block_size + source_position % block_size, 0), num_slots - 1)
+                    cached = tl.load(slot_values_ptr + history_slot, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
+                    use = need & (cached != UNWRITTEN_CODE)
+                    value = tl.where(use, cached, value)
+                    dead = tl.where(use, cached == DEAD_CODE, dead)
+                    known = known | use
+                # (3') the per-request history ring, position-tagged
+                if READ_HISTORY:
+                    need = outside & ~known
+                    row = tl.load(history_rows_ptr + request, mask=need, other=0).to(tl.int64)
+                    cell = row * history_width + source_position % history_width
+                    tag = tl.load(history_tags_ptr + cell, mask=need, other=-1)
+                    remembered = tl.load(history_values_ptr + cell, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
+                    use = need & (tag == source_position) & (remembered != UNWRITTEN_CODE)
+                    value = tl.where(use, remembered, value)
+                    dead = tl.where(use, remembered == DEAD_CODE, dead)
+                    known = known | use
+                unknown = outside & ~known
+                if REPORT_MISSING:  # only where no earlier shift is blocked already
+                    first_missing = tl.where(unknown & ~blocked & (first_missing == 0), shift, first_missing)
+                dead = dead | unknown  # unknown history hashes as pad (validation reports it)
 
-        blocked = blocked | dead
-        value = tl.where(blocked, pad_id, tl.maximum(value, 0))
-        multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
-        rolling = rolling ^ (value[:, None] * multiplier[None, :])
-        if shift > 0:
-            rolling_by_column = tl.where((column_shift == shift)[None, None, :], rolling[:, :, None], rolling_by_column)
+            blocked = blocked | dead
+            value = tl.where(blocked, pad_id, tl.maximum(value, 0))
+            multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
+            rolling = rolling ^ (value[:, None] * multiplier[None, :])
+            if shift > 0:
+                rolling_by_column = tl.where((column_shift == shift)[None, None, :], rolling[:, :, None], rolling_by_column)
 
     # Stores, after every load (the rare lookback seeds excepted).
-    ids = _remainder(rolling_by_column, prime[None, :, :], inverse_prime[None, :, :]) + first_row[None, :, :]
-    out_offset = token[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[None, :, :]
     if WRITE_SLOTS:
         tl.store(slot_values_ptr + own_slot, stored.to(tl.int32), mask=live & (own_slot >= 0) & (own_slot < num_slots))
-    if READ_SLOTS and HAS_LOOKBACK:
+    if WRITE_SEEDS:
         # Seed the slot cache with the known lookback entries (first token of each request).
         first = live & (offset_in_request == 0)
         for column in tl.static_range(HISTORY):
@@ -190,7 +192,10 @@ def ngram_hash_kernel(
             seed_slot = seed_block * block_size + seed_position % block_size
             tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
                      mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
-    tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=valid[:, None, None] & column_ok[None, :, :])
+    if COMPUTE_IDS:
+        ids = _remainder(rolling_by_column, prime[None, :, :], inverse_prime[None, :, :]) + first_row[None, :, :]
+        out_offset = token[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[None, :, :]
+        tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=valid[:, None, None] & column_ok[None, :, :])
     if REPORT_MISSING:
         tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)
 

@@ -47,12 +47,30 @@ def _next_power_of_2(n: int) -> int:
 
 
 def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None) -> torch.Tensor:
-    """Hash ids int32 ``[T, L, C]`` of ``batch`` (a validated
-    :class:`~engram.hashing.validation.BatchMetadata`) with ``hasher``'s tables and stores.
+    """Hash ids int32 ``[T, L, C]`` of ``batch``; writes the slot cache first.
 
-    Writes the slot cache (batch tokens and lookback seeds) like the torch path;
-    the request history is written by the caller. ``missing_shift`` (int8 ``[T]``),
-    if given, receives per token the first shift whose history was unknown (0 = none).
+    The slot cache's writes (batch tokens, lookback seeds) must land before any
+    history read: another request of the same batch may read them (a prefix-cache
+    hit on blocks this step fills). So by default a write-only launch precedes the
+    hash launch; a cache bound with ``fused_write=True`` (the engine promises no such
+    same-step hits; validation checks it) does both in one launch.
+    """
+    slot_cache = hasher.slot_cache
+    writes = slot_cache is not None and (batch.slot_mapping is not None or
+                                         (batch.lookback_token_ids is not None and batch.block_table is not None))
+    if writes and not slot_cache.fused_write:
+        _launch(hasher, batch, None, compute_ids=False, write=True, read=False)
+        return _launch(hasher, batch, missing_shift, compute_ids=True, write=False, read=True)
+    return _launch(hasher, batch, missing_shift, compute_ids=True, write=True, read=True)
+
+
+def _launch(hasher, batch, missing_shift, *, compute_ids: bool, write: bool, read: bool) -> torch.Tensor:
+    """One launch of the hash kernel over ``batch`` (a validated
+    :class:`~engram.hashing.validation.BatchMetadata`): ``compute_ids`` reads the
+    sources (the stores only with ``read``) and writes ids; ``write`` stores the slot
+    cache's writes. The request history is written by :func:`launch_history_write`.
+    ``missing_shift`` (int8 ``[T]``), if given, receives per token the first shift
+    whose history no source knew (0 = none).
     """
     from .kernels import ngram_hash_kernel
 
@@ -63,8 +81,8 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         return out
     placeholder = hasher.token_map  # any device tensor stands in for an absent input (never read)
     slot_cache, history = hasher.slot_cache, hasher.request_history
-    read_slots = slot_cache is not None and batch.block_table is not None
-    read_history = history is not None and batch.request_rows is not None
+    read_slots = read and slot_cache is not None and batch.block_table is not None
+    read_history = read and history is not None and batch.request_rows is not None
     lookback = batch.lookback_token_ids.contiguous() if batch.lookback_token_ids is not None else None
     lookback_dead = batch.lookback_dead_mask.contiguous() if batch.lookback_dead_mask is not None else None
     block_table = batch.block_table
@@ -96,7 +114,9 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         MAX_NGRAM=spec.max_ngram_size, NUM_HEADS=spec.n_heads, COLUMNS_PAD=_next_power_of_2(spec.num_columns),
         HAS_DEAD=batch.dead_mask is not None, HAS_LOOKBACK=lookback is not None,
         HAS_LOOKBACK_DEAD=lookback_dead is not None,
-        WRITE_SLOTS=batch.slot_mapping is not None and slot_cache is not None,
+        COMPUTE_IDS=compute_ids,
+        WRITE_SLOTS=write and batch.slot_mapping is not None and slot_cache is not None,
+        WRITE_SEEDS=write and slot_cache is not None and lookback is not None and block_table is not None,
         READ_SLOTS=read_slots, READ_HISTORY=read_history, REPORT_MISSING=missing_shift is not None,
         BLOCK_TOKENS=block_tokens, REQUEST_CHUNK=_REQUEST_CHUNK,
         num_warps=num_warps,

@@ -24,9 +24,15 @@ class SlotCache:
     ``block_table[k, p // block_size] * block_size + p % block_size``. It
     follows prefix-cache hits and speculative rollbacks because the engine's
     own slots do.
+
+    A batch's writes land before its reads, so a request may read history that
+    another request of the same batch writes (a prefix-cache hit on blocks this step
+    fills). ``fused_write=True`` lets the GPU kernel write and read in one launch
+    instead (one launch fewer); the engine then promises that no request reads a
+    slot the same batch writes, and validation checks it.
     """
 
-    def __init__(self, num_slots: int, block_size: int, device: torch.device):
+    def __init__(self, num_slots: int, block_size: int, device: torch.device, fused_write: bool = False):
         for name, value in (("num_slots", num_slots), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, found {value!r}")
@@ -34,6 +40,7 @@ class SlotCache:
             raise ValueError(f"num_slots {num_slots} is not a multiple of block_size {block_size}")
         self.num_slots = num_slots
         self.block_size = block_size
+        self.fused_write = fused_write
         self.num_blocks = num_slots // block_size
         # One spare slot at the end absorbs the writes of tokens with no slot (-1),
         # so writing needs no host sync; reads never reach it.

@@ -96,6 +96,7 @@ def validate_batch(
     num_slots: int | None,
     block_size: int | None,
     max_requests: int | None,
+    fused_slot_write: bool = False,
 ) -> None:
     """Full checks of values (copies metadata to the host)."""
     input_ids = batch.input_ids.cpu().long()
@@ -167,7 +168,7 @@ def validate_batch(
         table = batch.block_table.cpu().long()[:num_requests]
         num_blocks = num_slots // block_size
         written = {}
-        if batch.slot_mapping is not None:
+        if batch.slot_mapping is not None and fused_slot_write:
             written = {int(slot): i for i, slot in enumerate(batch.slot_mapping.cpu().tolist()) if slot >= 0}
         lookback = batch.lookback_token_ids.cpu() if batch.lookback_token_ids is not None else None
         # Only the blocks holding the N-1 positions before each request are read.
@@ -190,10 +191,11 @@ def validate_batch(
                     )
                 slot = block * block_size + position % block_size
                 if slot in written:
-                    # History must come from earlier steps: one launch reads and writes the cache.
+                    # With fused_write one launch reads and writes the cache: history must be older.
                     raise ValueError(
                         f"block_table[{k}]: position {position} (history of request {k}) is slot {slot}, which this "
-                        f"batch writes (slot_mapping[{written[slot]}])"
+                        f"batch writes (slot_mapping[{written[slot]}]); a cache bound with fused_write=True needs "
+                        f"history from earlier steps"
                     )
 
     if batch.request_rows is not None:
