@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, memcheck of every kernel, then the kernel benchmark.
-# Usage (device tool): ENGRAM_COMMIT=<sha> bash benchmarks/run_h200.sh   (logs and JSON land in $OUT)
+# Usage (device tool): ENGRAM_COMMIT=<sha> bash benchmarks/run_h200.sh   (logs and JSON land in $OUT;
+# the device copy of the tree has no .git, so pass the sha from here)
 set -o pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
