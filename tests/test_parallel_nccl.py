@@ -10,6 +10,7 @@ results: over all ``T`` tokens of each input (the *whole* reference) and, for th
 sequence-parallel modes, over each rank's token shard alone (the *shard* reference).
 The pytest process compares, as ``int16`` views of the bf16 outputs:
 
+* every rank's table: exactly the rows of its tensor-parallel rank, on its own device;
 * every rank's output with the shard reference of its tokens: the lookups, the
   all-gather / all-to-all and the gate are exact, so this must hold everywhere;
 * every rank's output with the whole reference, sliced to its tokens. Tensor
@@ -23,7 +24,8 @@ The pytest process compares, as ``int16`` views of the bf16 outputs:
 
 Geometries (one Engram layer each, small tables of the real prime rule):
 ``v41``: V4.1's 24 hash columns x 256 (``wkv`` FP8 with 128x128 UE8M0 blocks), hc 4,
-hidden 1024; split evenly over 2, 4 and 8 ranks. ``c10`` (10 columns over 4 ranks:
+hidden 1024; split evenly over 2, 4 and 8 ranks (and run by one NCCL rank: the
+harness on one GPU). ``c10`` (10 columns over 4 ranks:
 3, 3, 3, 1) and ``c22`` (22 over 8: 3 x 7, 1): uneven splits. ``c9``: the CPU case
 (9 columns over 2 ranks: 5, 4).
 
@@ -139,7 +141,8 @@ def make_spec(geometry: Geometry) -> engram.EngramSpec:
         "rms_norm_eps": 1e-6,
         "quantization_config": {"weight_block_size": [128, 128]},
     }
-    config["engram_num_embeddings"] = EngramLayout(engram.EngramSpec.from_hf_config(config, check_rows=False)).num_embeddings
+    unchecked = engram.EngramSpec.from_hf_config(config, check_rows=False)
+    config["engram_num_embeddings"] = EngramLayout(unchecked).num_embeddings
     return engram.EngramSpec.from_hf_config(config)
 
 
@@ -263,7 +266,8 @@ def make_groups(world_size: int, rank: int) -> dict[str, tuple]:
 # ---------------------------------------------------------------------------
 def _worker(rank: int, world_size: int, backend: str, init_file: str, out_dir: str, seed: int) -> None:
     """Run every (geometry, mode, input) of ``RUNS[backend, world_size]`` on this rank; rank 0 adds
-    the single-device references. Saves ``rank{rank}.pt``: ``{(geometry, mode, index): result}``."""
+    the single-device references. Saves ``rank{rank}.pt``: ``{"outputs": {(geometry, mode, index):
+    result}, "tables": {(geometry, mode): the rows, columns and device of this rank's table}}``."""
     cuda = backend == "nccl"
     if cuda:
         os.environ.update(NCCL_ENVIRONMENT)
@@ -278,6 +282,7 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, out_dir: s
     try:
         groups = make_groups(world_size, rank)
         results: dict = {}
+        tables: dict = {}
         for name in RUNS[backend, world_size]:
             data = make_layer_data(name, seed)
             runs = []  # (mode, index, inputs, sp bounds) for rank 0's references
@@ -286,6 +291,10 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, out_dir: s
                 layer = build_layer(data, placement, device, tp_group=tp_group, sp_group=sp_group)
                 sp_size = 1 if sp_group is None else dist.get_world_size(sp_group)
                 sp_rank = 0 if sp_group is None else dist.get_rank(sp_group)
+                table = layer.table
+                tables[name, mode] = {"rows": (table.row_start, table.row_end), "device": str(table.device),
+                                      "columns": (table.column_start, table.column_end),
+                                      "placement": table.placement}
                 for index, (tokens, counts) in enumerate(token_plans(data.geometry, sp_size, seed, f"{name}/{mode}")):
                     inputs = make_inputs(data, tokens, seed, name, mode, index)
                     bounds = shard_bounds(tokens, sp_size, counts)
@@ -314,7 +323,7 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, out_dir: s
                 del single
             if cuda:
                 torch.cuda.empty_cache()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save({"outputs": results, "tables": tables}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -343,11 +352,33 @@ def _differing_tokens(a: torch.Tensor, b: torch.Tensor, first: int) -> list[int]
     return [first + int(i) for i in torch.nonzero(differs).flatten()]
 
 
+def check_tables(results: list[dict], name: str, mode: str, backend: str) -> None:
+    """Every rank held exactly its tensor-parallel rank's rows (the whole table without tensor
+    parallelism) in the placement of ``backend`` on its own device; the shards tile the table."""
+    world_size = len(results)
+    layout = EngramLayout(make_spec(GEOMETRIES[name]))
+    tp_size = {"tensor": world_size, "sequence+tensor": world_size, "sequence x tensor": 2, "sequence": 1}[mode]
+    for rank, rank_results in enumerate(results):
+        table = rank_results["tables"][name, mode]
+        tp_rank = rank % 2 if mode == "sequence x tensor" else rank % tp_size
+        shard = layout.shard(tp_rank, tp_size)
+        where = f"{name}/{mode}, rank {rank} of {world_size}"
+        assert table["rows"] == shard.row_ranges[0], f"{where}: table rows {table['rows']}, expected {shard}"
+        assert table["columns"] == (shard.column_start, shard.column_end), where
+        expected = ("device", f"cuda:{rank}") if backend == "nccl" else ("cpu", "cpu")
+        assert (table["placement"], table["device"]) == expected, where
+    if tp_size == world_size:
+        rows = sorted(rank_results["tables"][name, mode]["rows"] for rank_results in results)
+        assert rows[0][0] == 0 and rows[-1][1] == layout.num_embeddings[0], f"{name}/{mode}: {rows}"
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])), f"{name}/{mode}: shards {rows} do not tile"
+
+
 def check_mode(results: list[dict], name: str, mode: str, *, gemm_row_variance_allowed: bool) -> list[str]:
     """Assert every rank's outputs of ``(name, mode)`` against rank 0's single-device references.
 
     Returns notes on sequence-parallel shards that differ from the whole reference only because
     the single device's own ``wkv`` GEMM is not row-invariant (allowed on CUDA only)."""
+    results = [rank_results["outputs"] for rank_results in results]
     world_size = len(results)
     geometry = GEOMETRIES[name]
     indices = sorted(index for (n, m, index) in results[0] if (n, m) == (name, mode))
@@ -368,8 +399,8 @@ def check_mode(results: list[dict], name: str, mode: str, *, gemm_row_variance_a
             assert out.dtype == torch.bfloat16 and tuple(out.shape) == (count, geometry.hc_mult, geometry.hidden), where
             covered.update(range(start, start + count))
             shard_reference = shard_references[start, count]
-            assert _same_bits(out, shard_reference), \
-                f"{where}: differs from one device on the same tokens at tokens {_differing_tokens(out, shard_reference, start)}"
+            assert _same_bits(out, shard_reference), (f"{where}: differs from one device on the same tokens at "
+                                                      f"tokens {_differing_tokens(out, shard_reference, start)}")
             whole_slice = whole[start:start + count]
             if _same_bits(out, whole_slice):
                 continue
@@ -430,7 +461,9 @@ def _gpu_params():
 
 @pytest.mark.parametrize("world_size, name, mode", list(_gpu_params()))
 def test_nccl_parallel_equals_one_gpu_bit_for_bit(world_results, world_size, name, mode):
-    notes = check_mode(world_results("nccl", world_size), name, mode, gemm_row_variance_allowed=True)
+    results = world_results("nccl", world_size)
+    check_tables(results, name, mode, "nccl")
+    notes = check_mode(results, name, mode, gemm_row_variance_allowed=True)
     if notes:
         pytest.xfail(f"every rank equals one GPU on its own tokens; against one GPU on the whole batch, "
                      f"the single GPU's wkv GEMM (cuBLAS) is not row-invariant for: {'; '.join(notes)}")
@@ -439,20 +472,9 @@ def test_nccl_parallel_equals_one_gpu_bit_for_bit(world_results, world_size, nam
 @pytest.mark.parametrize("mode", modes_for(2))
 def test_gloo_parallel_equals_one_process_bit_for_bit(world_results, mode):
     """The CPU path of the same logic: 2 gloo ranks, 9 columns split 5 / 4."""
-    assert check_mode(world_results("gloo", 2), "c9", mode, gemm_row_variance_allowed=False) == []
-
-
-def test_gloo_ranks_held_only_their_rows():
-    """The shards the workers build tile the table: rank r's rows are its columns' buckets."""
-    data = make_layer_data("c9", SEED)
-    layout, covered = data.layout, 0
-    for rank in range(2):
-        shard = layout.shard(rank, 2)
-        row_start, row_end = shard.row_ranges[0]
-        assert row_start == covered and (shard.column_start, shard.column_end) == ((0, 5), (5, 9))[rank]
-        assert row_start == int(layout.column_offsets[0, shard.column_start])
-        covered = row_end
-    assert covered == layout.num_embeddings[0] == data.values.shape[0]
+    results = world_results("gloo", 2)
+    check_tables(results, "c9", mode, "gloo")
+    assert check_mode(results, "c9", mode, gemm_row_variance_allowed=False) == []
 
 
 def test_token_plans_cover_every_token():
