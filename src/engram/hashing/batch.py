@@ -65,6 +65,8 @@ class NgramHasher:
         self.column_offsets = torch.as_tensor(layout.column_offsets, device=self.device)
         self.inverse_primes = 1.0 / self.column_primes.to(torch.float64)  # for the kernel's remainder
         self.out_dtype = torch.int32 if max(layout.num_embeddings) <= _INT32_MAX else torch.int64
+        # Decided once: the per-step path does no import lookups.
+        self._triton_on_device = self.device.type == "cuda" and self.out_dtype == torch.int32 and triton_available()
         self.slot_cache: SlotCache | None = None
         self.request_history: RequestHistory | None = None
 
@@ -163,10 +165,7 @@ class NgramHasher:
         return ids
 
     def _use_triton(self) -> bool:
-        if self.backend == "triton":
-            return True
-        return self.backend == "auto" and self.device.type == "cuda" and self.out_dtype == torch.int32 \
-            and triton_available()
+        return self.backend == "triton" or (self.backend == "auto" and self._triton_on_device)
 
     def _slot_writes(self, batch: BatchMetadata) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(slots, values) the slot cache receives: lookback seeds, then the batch's tokens."""
