@@ -72,6 +72,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 import engram  # noqa: E402
 from engram.layer import Engram, WkvProjection, engram_gate_kv  # noqa: E402
 from engram.layout import EngramLayout  # noqa: E402
+from engram.parallel import NCCL_ENVIRONMENT, init_rank  # noqa: E402
 from engram.table import EngramTable  # noqa: E402
 
 V41_CONFIG = HERE.parent / "src" / "engram" / "configs" / "deepseek-v4.1-flash.json"
@@ -80,12 +81,6 @@ SMALL_TOKEN_COUNTS = (16, 256)
 ID_SETS = 4
 LAYER_INDEX = 0  # Engram layer 1, 384,006,168 rows
 L2_FLUSH_BYTES = 256 << 20
-NCCL_ENVIRONMENT = {
-    # NVLink multicast can take a shared host's GPUs out of service: keep it off.
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 # ``all_gather_single`` where torch has it (2.13+; ``all_gather_into_tensor`` is deprecated there), as Engram does.
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 STAGES = ("lookup", "all_gather", "wkv", "gate", "forward", "forward_sp")
@@ -175,17 +170,9 @@ def _fill_touched_rows(values: torch.Tensor, scales: torch.Tensor, local_rows: t
 
 def _rank_main(rank: int, options: dict, init_file: str) -> None:
     world_size, backend = options["world_size"], options["backend"]
-    cuda = backend == "nccl"
-    if cuda:
-        os.environ.update(NCCL_ENVIRONMENT)
-        torch.cuda.set_device(rank)
-        device, placement = torch.device("cuda", rank), "device"
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        device, placement = torch.device("cpu"), "cpu"
-    extra = {"device_id": device} if cuda else {}
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(minutes=5), **extra)
+    device, placement = init_rank(rank, world_size, backend, init_file,
+                                  cpu_threads=max(1, (os.cpu_count() or 1) // world_size),
+                                  timeout=datetime.timedelta(minutes=5))
     try:
         rows = run_rank(rank, world_size, device, placement, options)
         gathered = [None] * world_size if rank == 0 else None

@@ -55,15 +55,10 @@ import torch.multiprocessing as mp
 import engram
 from engram.layer import Engram, WkvProjection, sequence_parallel_sizes
 from engram.layout import EngramLayout
+from engram.parallel import NCCL_ENVIRONMENT, init_rank
 from engram.table import EngramTable, quantize_rows
 
 SEED = int(os.environ.get("ENGRAM_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-NCCL_ENVIRONMENT = {
-    # NVLink multicast can take a shared host's GPUs out of service: keep it off everywhere.
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=240)
 
 
@@ -268,17 +263,8 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, out_dir: s
     """Run every (geometry, mode, input) of ``RUNS[backend, world_size]`` on this rank; rank 0 adds
     the single-device references. Saves ``rank{rank}.pt``: ``{"outputs": {(geometry, mode, index):
     result}, "tables": {(geometry, mode): the rows, columns and device of this rank's table}}``."""
-    cuda = backend == "nccl"
-    if cuda:
-        os.environ.update(NCCL_ENVIRONMENT)
-        torch.cuda.set_device(rank)
-        device, placement = torch.device("cuda", rank), "device"
-    else:
-        torch.set_num_threads(1)  # the CPU bf16 GEMM is row-invariant on one thread
-        device, placement = torch.device("cpu"), "cpu"
-    options = {"device_id": device} if cuda else {}
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=COLLECTIVE_TIMEOUT, **options)
+    # One CPU thread: the CPU bf16 GEMM is row-invariant there.
+    device, placement = init_rank(rank, world_size, backend, init_file, cpu_threads=1, timeout=COLLECTIVE_TIMEOUT)
     try:
         groups = make_groups(world_size, rank)
         results: dict = {}
@@ -321,7 +307,7 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, out_dir: s
                                                mask[start:start + count]).cpu()
                         for start, count in set(bounds)}
                 del single
-            if cuda:
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
         torch.save({"outputs": results, "tables": tables}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
