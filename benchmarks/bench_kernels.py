@@ -30,10 +30,12 @@ def main() -> None:
     from ceiling import copy_ceiling_gbps
     from gather_bench import bench_gather
     from gate_bench import bench_gate
-    from hash_bench import bench_hash
+    from hash_bench import bench_hash, compiled_variants, empty_kernel_floor
 
     ceiling = copy_ceiling_gbps()
     print(f"HBM copy ceiling: {ceiling:,.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
+    floor = empty_kernel_floor()
+    print(f"harness floor (empty kernel, graph replay): {floor}", flush=True)
     hash_rows = bench_hash(TOKEN_COUNTS)
     gate_rows = bench_gate(TOKEN_COUNTS)
     gather_rows = bench_gather(TOKEN_COUNTS)
@@ -44,7 +46,9 @@ def main() -> None:
         "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "copy_ceiling_GBps": ceiling,
+        "harness_floor_us": floor,
         "hash": hash_rows,
+        "hash_compiled": compiled_variants(),
         "gather": gather_rows,
         "gate": gate_rows,
     }
@@ -66,6 +70,8 @@ def summary_keys(hash_rows, gather_rows, gate_rows) -> dict:
         "hash_T1_us": _row(hash_rows, 1)["triton_graph_us"],
         "hash_fused_T8192_us": _row(hash_rows, 8192)["triton_fused_graph_us"],
         "hash_fused_T1_us": _row(hash_rows, 1)["triton_fused_graph_us"],
+        "hash_with_history_T8192_us": _row(hash_rows, 8192)["triton_history_graph_us"],
+        "hash_with_history_T1_us": _row(hash_rows, 1)["triton_history_graph_us"],
         "hash_T8192_warm_l2_us": _row(hash_rows, 8192)["triton_graph_warm_us"],
         "hash_T1_warm_l2_us": _row(hash_rows, 1)["triton_graph_warm_us"],
         "gather_T8192_us": _row(gather_rows, 8192)["triton_bf16_us"],
@@ -93,6 +99,7 @@ def print_table(report: dict, ceiling: float) -> None:
     for row in report["hash"]:
         add("hash (cold L2)", row["T"], row["triton_graph_us"], row["bytes"], row["torch_graph_us"])
         add("hash fused (cold L2)", row["T"], row["triton_fused_graph_us"], row["bytes"], row["torch_graph_us"])
+        add("hash + history (cold L2)", row["T"], row["triton_history_graph_us"], row["bytes"], row["torch_graph_us"])
         add("hash (warm L2)", row["T"], row["triton_graph_warm_us"], row["bytes"], row["torch_graph_warm_us"])
     for row in report["gather"]:
         add("gather bf16", row["T"], row["triton_bf16_us"], row["bytes_bf16"], row["torch_us"], " (eager)")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -52,7 +53,15 @@ def _time(function, graph: bool, flush: bool = True) -> float:
     return triton.testing.do_bench(function, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), backends=("triton", "torch")) -> list[dict]:
+# (name, backend, fused_write, request history bound too)
+VARIANTS = (("triton", "triton", False, False), ("torch", "torch", False, False),
+            ("triton_fused", "triton", True, False), ("triton_history", "triton", False, True))
+
+
+def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), variants=VARIANTS, warm=True) -> list[dict]:
+    """Per batch size: ``<name>_graph_us`` (cold L2), ``<name>_graph_warm_us`` and
+    ``<name>_eager_us`` for each variant; 64 requests (fewer at small T), each
+    continuing a 4096-token sequence whose history is in the slot cache."""
     spec = engram.EngramSpec.from_hf_config(CONFIG)
     layout = engram.EngramLayout(spec)
     vocab = _random_vocab(spec)
@@ -65,10 +74,13 @@ def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), backends=("triton", "tor
         counts[-1] += num_tokens - sum(counts)
         blocks_per_request = (HISTORY_START + max(counts)) // BLOCK_SIZE + 1
         row = {"T": num_tokens, "requests": num_requests}
-        for backend, fused in [(b, False) for b in backends] + ([("triton", True)] if "triton" in backends else []):
+        for name, backend, fused, with_history in variants:
             hasher = engram.NgramHasher(layout, vocab, device="cuda", validate=False, backend=backend)
             hasher.bind_slot_cache(num_requests * blocks_per_request * BLOCK_SIZE, BLOCK_SIZE, fused_write=fused)
-            name = f"{backend}_fused" if fused else backend
+            rows = None
+            if with_history:
+                hasher.bind_request_history(num_requests)
+                rows = hasher.request_rows(range(num_requests))
             table = torch.from_numpy(rng.permutation(num_requests * blocks_per_request).astype(np.int32))
             table = table.reshape(num_requests, blocks_per_request).cuda()
             # History: the slot cache holds every request's previous tokens.
@@ -83,11 +95,12 @@ def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), backends=("triton", "tor
             input_ids = torch.randint(0, 129280, (num_tokens,), device="cuda")
 
             def call():
-                return hasher(input_ids, positions, starts, slot_mapping=slots, block_table=table)
+                return hasher(input_ids, positions, starts, slot_mapping=slots, block_table=table, request_rows=rows)
 
             row[f"{name}_graph_us"] = _time(call, graph=True)
-            row[f"{name}_graph_warm_us"] = _time(call, graph=True, flush=False)
-            row[f"{name}_eager_us"] = _time(call, graph=False)
+            if warm:
+                row[f"{name}_graph_warm_us"] = _time(call, graph=True, flush=False)
+                row[f"{name}_eager_us"] = _time(call, graph=False)
         # Bytes: ids and positions read, slots written, hash ids written (the minimum).
         row["bytes"] = num_tokens * (8 + 8 + 8 + 4 + spec.num_layers * spec.num_columns * 4)
         if "torch_graph_us" in row:
@@ -96,18 +109,48 @@ def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), backends=("triton", "tor
     return results
 
 
+@triton.jit
+def _empty_kernel(pointer):
+    pass
 
 
-def sweep(token_counts=(1, 64, 8192, 32768)) -> None:
-    """Time launch shapes of the hash kernel (graph replays, flushed L2)."""
+def empty_kernel_floor() -> dict:
+    """The harness's floor: one empty Triton launch, timed as the hash is (graph replay)."""
+    buffer = torch.zeros(1, device="cuda")
+    return {"cold_us": _time(lambda: _empty_kernel[(1,)](buffer), graph=True),
+            "warm_us": _time(lambda: _empty_kernel[(1,)](buffer), graph=True, flush=False)}
+
+
+def compiled_variants() -> list[dict]:
+    """Registers and spills of every compiled variant of the hash kernel (best effort:
+    the JIT cache's layout differs across Triton versions)."""
+    from engram.hashing.kernels import ngram_hash_kernel
+
+    found = []
+    for cache in getattr(ngram_hash_kernel, "device_caches", {}).values():
+        kernels = next((part for part in (cache if isinstance(cache, tuple) else (cache,)) if isinstance(part, dict)), {})
+        for kernel in kernels.values():
+            constants = getattr(getattr(kernel, "src", None), "constants", {}) or {}
+            flags = {str(k): v for k, v in constants.items() if isinstance(v, (bool, int)) and not isinstance(k, int)}
+            found.append({"registers": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+                          "block_tokens": flags.get("BLOCK_TOKENS"), "slot_phase": flags.get("SLOT_PHASE"),
+                          "history_phase": flags.get("HISTORY_PHASE")})
+    return found
+
+
+def sweep(token_counts=(1, 64, 1024, 8192, 32768)) -> None:
+    """Time launch shapes of the hash kernel (default mode, graph replays, flushed L2)."""
     from engram.hashing import launch
 
-    for block_tokens, num_warps in ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (8, 2)):
+    print(f"empty-kernel floor: {empty_kernel_floor()}", flush=True)
+    for block_tokens, num_warps in ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (8, 2), (16, 4)):
         launch.LAUNCH_OVERRIDE.update(block_tokens=block_tokens, num_warps=num_warps)
-        rows = bench_hash(token_counts, backends=("triton",))
+        rows = bench_hash(token_counts, variants=VARIANTS[:1], warm=False)
         print(f"block {block_tokens:4d} warps {num_warps}: "
               + "  ".join(f"T={r['T']}: {r['triton_graph_us']:.1f} us" for r in rows), flush=True)
     launch.LAUNCH_OVERRIDE.clear()
+    for variant in compiled_variants():
+        print(variant)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ import os
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import engram
+from engram.hashing.kernels import _remainder
 from engram.simulation import HISTORY_SOURCES, StreamingEngine
 
 from conftest import PACKAGED_CONFIG, random_vocab, small_config
@@ -55,13 +58,16 @@ def test_kernel_streaming_interpreted(source, fused, heads, layers, vocab_size):
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 def test_kernel_matches_torch_path_and_stores_interpreted():
-    """Same ids and the same slot cache afterwards, with lookback, dead tokens and padding."""
+    """Same ids, slot cache and request history afterwards, with lookback, dead tokens
+    and padding: every phase of the kernel (slot writers, hashers, history writers)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(2**31))
     kernel, torch_path = small_hasher(seed), small_hasher(seed)
     torch_path.backend = "torch"
+    rows = torch.tensor([4, 0, 2])
     for hasher in (kernel, torch_path):
         hasher.bind_slot_cache(256, 4)
+        hasher.bind_request_history(5, max_draft_tokens=1)
     token_ids = torch.from_numpy(rng.integers(0, 300, 13))
     positions = torch.tensor([5, 6, 7, 8, 9, 0, 1, 2, 3, 40, 41, 0, 0])  # two padding tokens at the end
     starts = torch.tensor([0, 5, 9, 11])
@@ -76,10 +82,14 @@ def test_kernel_matches_torch_path_and_stores_interpreted():
     for hasher in (kernel, torch_path):
         hasher.validate = False
         outputs.append(hasher(token_ids, positions, starts, dead_mask=dead, lookback_token_ids=lookback,
-                              lookback_dead_mask=lookback_dead, slot_mapping=slot_mapping, block_table=table))
+                              lookback_dead_mask=lookback_dead, slot_mapping=slot_mapping, block_table=table,
+                              request_rows=rows))
     assert torch.equal(outputs[0], outputs[1])
     slots = kernel.slot_cache.num_slots  # the spare slot past the end absorbs skipped writes
     assert torch.equal(kernel.slot_cache.values[:slots], torch_path.slot_cache.values[:slots])
+    assert torch.equal(kernel.request_history.values[:-1], torch_path.request_history.values[:-1])
+    assert torch.equal(kernel.request_history.tags[:-1], torch_path.request_history.tags[:-1])
+    assert torch.equal(kernel.kernel_sync, torch.zeros(4, dtype=torch.int32))  # phase counters reset
 
 
 @pytest.mark.interpreter
@@ -139,15 +149,66 @@ def test_kernel_same_step_prefix_hit_interpreted():
 def test_kernel_reports_missing_history_and_undoes_writes_interpreted():
     hasher = small_hasher(int(np.random.default_rng().integers(2**31)))
     cache = hasher.bind_slot_cache(32, 1)
-    table = torch.arange(32, dtype=torch.int32)[None]
-    token_ids = torch.randint(0, 300, (4,))
-    before = cache.values.clone()
+    history = hasher.bind_request_history(2)
+    table = torch.arange(32, dtype=torch.int32)[None].repeat(2, 1)
+    token_ids = torch.randint(0, 300, (6,))
+    positions = torch.tensor([10, 11, 12, 13, 0, 1])  # request 0 lacks its history; request 1 is fine
+    rows = hasher.request_rows(["a", "b"])
+    before = cache.values.clone(), history.values.clone(), history.tags.clone()
     with pytest.raises(ValueError, match=r"request 0 starts at position 10, but the token at position 9 is unknown"):
-        hasher(token_ids, torch.arange(10, 14), torch.tensor([0, 4]), block_table=table, slot_mapping=torch.arange(10, 14))
-    assert torch.equal(cache.values, before)
+        hasher(token_ids, positions, torch.tensor([0, 4, 6]), block_table=table,
+               slot_mapping=torch.tensor([10, 11, 12, 13, 20, 21]), request_rows=rows)
+    assert torch.equal(cache.values, before[0])
+    assert torch.equal(history.values, before[1]) and torch.equal(history.tags, before[2])
+    assert torch.equal(hasher.kernel_sync, torch.zeros(4, dtype=torch.int32))
+
+
+def remainder_cases(rng, count=512):
+    """(values, primes) int64: random values below 2**63 and the edges of Barrett
+    reduction (multiples of the prime, one below and above, the largest values)."""
+    v41 = engram.EngramLayout(engram.EngramSpec.from_hf_config(PACKAGED_CONFIG)).column_primes.reshape(-1)
+    primes = np.concatenate([[2, 3, 5, 65521, 2**31 - 1, 4294967291], v41])
+    prime = rng.choice(primes, count)
+    value = rng.integers(0, 2**63 - 1, count, dtype=np.int64, endpoint=True)
+    edges = np.arange(count) % 4
+    multiple = (value // prime) * prime
+    value = np.where(edges == 1, multiple, value)
+    value = np.where(edges == 2, np.maximum(multiple - 1, 0), value)
+    value = np.where(edges == 3, 2**63 - 1 - rng.integers(0, 3, count), value)
+    return value.astype(np.int64), prime.astype(np.int64)
+
+
+@triton.jit
+def _remainder_test_kernel(value_ptr, prime_ptr, barrett_ptr, out_ptr, BLOCK: tl.constexpr):
+    offset = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    value = tl.load(value_ptr + offset)
+    out = _remainder(value, tl.load(prime_ptr + offset), tl.load(barrett_ptr + offset))
+    tl.store(out_ptr + offset, out)
+
+
+def check_remainder(device):
+    rng = np.random.default_rng()
+    value, prime = remainder_cases(rng)
+    barrett = np.array([(2**64 - 1) // int(p) for p in prime], dtype=np.uint64).view(np.int64)
+    out = torch.full((len(value),), -7, dtype=torch.int64, device=device)  # poisoned
+    _remainder_test_kernel[(len(value) // 128,)](torch.from_numpy(value).to(device), torch.from_numpy(prime).to(device),
+                                                 torch.from_numpy(barrett).to(device), out, BLOCK=128)
+    expected = np.array([int(v) % int(p) for v, p in zip(value, prime)], dtype=np.int64)
+    assert np.array_equal(out.cpu().numpy(), expected)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
+def test_barrett_remainder_exact_interpreted():
+    check_remainder("cpu")
 
 
 # ---- GPU ------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_barrett_remainder_exact():
+    check_remainder("cuda")
 
 def v41_hasher(device="cuda", **kwargs):
     spec = engram.EngramSpec.from_hf_config(PACKAGED_CONFIG)
@@ -193,15 +254,74 @@ def test_gpu_same_step_prefix_hit():
     assert (got[len(a_tokens):] == expected_b).all()
 
 
+def check_same_step_prefix_hits(hasher, pairs, block_size, prefill_blocks, tail):
+    """Each request B_k hits a random number of the blocks that request A_k fills in
+    this same batch, in a shuffled batch order, with the request history bound too
+    (every phase of the launch)."""
+    rng = np.random.default_rng()
+    device = hasher.device
+    hasher.bind_slot_cache(pairs * 2 * (prefill_blocks + 8) * block_size, block_size)
+    hasher.bind_request_history(2 * pairs)
+    free_blocks = iter(rng.permutation(pairs * 2 * (prefill_blocks + 8)).tolist())
+    requests = []  # (tokens of the whole sequence, first position in this batch, block row)
+    for _ in range(pairs):
+        a_tokens = rng.integers(0, hasher.vocab.vocab_size, prefill_blocks * block_size + 2)
+        a_blocks = [next(free_blocks) for _ in range(prefill_blocks + 1)]
+        hit = int(rng.integers(1, prefill_blocks))
+        b_tokens = np.concatenate([a_tokens[:hit * block_size], rng.integers(0, hasher.vocab.vocab_size, tail)])
+        b_blocks = a_blocks[:hit] + [next(free_blocks) for _ in range(tail // block_size + 2)]
+        requests += [(a_tokens, 0, a_blocks), (b_tokens, hit * block_size, b_blocks)]
+    order = rng.permutation(len(requests))
+    width = max(len(blocks) for _, _, blocks in requests)
+    table = torch.tensor([requests[k][2] + [0] * (width - len(requests[k][2])) for k in order], dtype=torch.int32)
+    input_ids, positions, slots, starts, expected = [], [], [], [0], []
+    for k in order:
+        tokens, first, blocks = requests[k]
+        span = np.arange(first, len(tokens))
+        input_ids.append(tokens[first:])
+        positions.append(span)
+        slots.append(np.array(blocks)[span // block_size] * block_size + span % block_size)
+        starts.append(starts[-1] + len(span))
+        expected.append(engram.hash_ngrams(tokens, hasher.layout, hasher.vocab)[first:])
+    rows = hasher.request_rows(range(len(requests)))
+    got = hasher(torch.from_numpy(np.concatenate(input_ids)).to(device),
+                 torch.from_numpy(np.concatenate(positions)).to(device), torch.tensor(starts, device=device),
+                 slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device), block_table=table.to(device),
+                 request_rows=rows)
+    assert np.array_equal(got.cpu().numpy(), np.concatenate(expected))
+    assert torch.equal(hasher.kernel_sync.cpu(), torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
+def test_kernel_same_step_prefix_hits_many_requests_interpreted():
+    hasher = small_hasher(int(np.random.default_rng().integers(2**31)), validate=False)
+    check_same_step_prefix_hits(hasher, pairs=3, block_size=4, prefill_blocks=3, tail=5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_cuda_graph_capture_and_replay():
-    """Decode steps captured once, replayed with new tokens copied into the static buffers."""
+@pytest.mark.parametrize("pairs", [1, 24])
+def test_gpu_same_step_prefix_hits_many_requests(pairs):
+    """Up to ~8k tokens, V4.1 geometry: the phases run concurrently on the GPU."""
+    check_same_step_prefix_hits(v41_hasher(validate=False), pairs, block_size=16, prefill_blocks=16, tail=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("with_history", [False, True])
+def test_gpu_cuda_graph_capture_and_replay(with_history):
+    """Decode steps captured once, replayed with new tokens copied into the static buffers
+    (with the request history bound too: every phase of the launch in the graph)."""
     rng = np.random.default_rng()
     hasher = v41_hasher(validate=False)
     requests, block_size, steps = 8, 16, 6
     prompt = 40
     hasher.bind_slot_cache(requests * 64 * block_size, block_size)
+    rows = None
+    if with_history:
+        hasher.bind_request_history(requests)
+        rows = hasher.request_rows(range(requests))
     sequences = rng.integers(0, 129280, (requests, prompt + steps + 2))
     expected = [engram.hash_ngrams(s, hasher.layout, hasher.vocab) for s in sequences]
     table = torch.arange(requests * 64, dtype=torch.int32, device="cuda").reshape(requests, 64)
@@ -210,7 +330,7 @@ def test_gpu_cuda_graph_capture_and_replay():
     positions = torch.arange(prompt, device="cuda").repeat(requests)
     starts = torch.arange(requests + 1, device="cuda") * prompt
     slots = (table.long()[:, :, None] * block_size + torch.arange(block_size, device="cuda")).reshape(requests, -1)[:, :prompt].reshape(-1)
-    hasher(flat, positions, starts, slot_mapping=slots, block_table=table)
+    hasher(flat, positions, starts, slot_mapping=slots, block_table=table, request_rows=rows)
     # Static decode buffers.
     token_ids = torch.zeros(requests, dtype=torch.int64, device="cuda")
     decode_positions = torch.zeros(requests, dtype=torch.int64, device="cuda")
@@ -227,11 +347,13 @@ def test_gpu_cuda_graph_capture_and_replay():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        hasher(token_ids, decode_positions, decode_starts, slot_mapping=decode_slots, block_table=table)  # warm-up
+        hasher(token_ids, decode_positions, decode_starts, slot_mapping=decode_slots, block_table=table,
+               request_rows=rows)  # warm-up
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = hasher(token_ids, decode_positions, decode_starts, slot_mapping=decode_slots, block_table=table)
+        static_out = hasher(token_ids, decode_positions, decode_starts, slot_mapping=decode_slots, block_table=table,
+                            request_rows=rows)
     for step in range(steps):
         fill(step)
         static_out.fill_(-7)  # poison before each replay
@@ -239,3 +361,4 @@ def test_gpu_cuda_graph_capture_and_replay():
         got = static_out.cpu().numpy()
         for k in range(requests):
             assert np.array_equal(got[k], expected[k][prompt + step])
+    assert torch.equal(hasher.kernel_sync.cpu(), torch.zeros(4, dtype=torch.int32))

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Hashable, Iterable, NamedTuple
 
+import numpy as np
 import torch
 
 from ..layout import EngramLayout
 from ..vocab import TokenCompressor
-from .launch import launch_hash_kernel, launch_history_write, triton_available
+from .launch import launch_hash_kernel, triton_available
 from .ops import block_windows, hash_windows
 from .stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
 from .validation import BatchMetadata, check_shapes, validate_batch
@@ -63,7 +64,11 @@ class NgramHasher:
         self.multipliers = torch.as_tensor(layout.multipliers, dtype=torch.int64, device=self.device)
         self.column_primes = torch.as_tensor(layout.column_primes, device=self.device)
         self.column_offsets = torch.as_tensor(layout.column_offsets, device=self.device)
-        self.inverse_primes = 1.0 / self.column_primes.to(torch.float64)  # for the kernel's remainder
+        # The kernel's exact remainder: Barrett multipliers floor((2**64 - 1) / prime), uint64 bits.
+        barrett = np.array([(2**64 - 1) // int(p) for p in layout.column_primes.reshape(-1)], dtype=np.uint64)
+        self.barrett_multipliers = torch.from_numpy(barrett.view(np.int64).reshape(layout.column_primes.shape)).to(self.device)
+        # The kernel's phase counters (zero between launches; see engram.hashing.kernels).
+        self.kernel_sync = torch.zeros(4, dtype=torch.int32, device=self.device)
         self.out_dtype = torch.int32 if max(layout.num_embeddings) <= _INT32_MAX else torch.int64
         # Decided once: the per-step path does no import lookups.
         self._triton_on_device = self.device.type == "cuda" and self.out_dtype == torch.int32 and triton_available()
@@ -155,9 +160,7 @@ class NgramHasher:
         if batch.num_tokens == 0:
             return torch.empty((0, spec.num_layers, spec.num_columns), dtype=self.out_dtype, device=self.device)
         if self._use_triton():
-            ids = self._hash_triton(batch, validate)
-            if request_rows is not None:
-                launch_history_write(self, batch)
+            ids = self._hash_triton(batch, validate)  # writes the request history too
         else:
             ids = self._hash_torch(batch, validate)
             if request_rows is not None:
@@ -180,16 +183,21 @@ class NgramHasher:
         return writes
 
     def _hash_triton(self, batch: BatchMetadata, validate: bool) -> torch.Tensor:
-        """One kernel launch: reads every source, writes the slot cache, hashes every layer."""
+        """One kernel launch: reads every source, writes both stores, hashes every layer."""
         if not validate:
             return launch_hash_kernel(self, batch)
         slots = [slots for slots, _ in self._slot_writes(batch)]
         saved = [self.slot_cache.saved(s) for s in slots]
+        history_saved = None
+        if self.request_history is not None and batch.request_rows is not None:
+            history_saved = self.request_history.saved(batch.request_rows)
         missing_shift = torch.zeros(batch.num_tokens, dtype=torch.int8, device=self.device)
         ids = launch_hash_kernel(self, batch, missing_shift)
         if bool((missing_shift > 0).any()):
             for target, previous in reversed(list(zip(slots, saved))):
                 self.slot_cache.restore(target, previous)
+            if history_saved is not None:
+                self.request_history.restore(batch.request_rows, history_saved)
             token = int((missing_shift > 0).nonzero()[0, 0])
             raise self._missing_history_error(batch, self._locate_tokens(batch), token, int(missing_shift[token]))
         return ids

@@ -1,8 +1,17 @@
 """Triton kernel of the batch hash (DESIGN §2): one launch hashes every token of
 a batch for every Engram layer, reading history from the batch itself, the
-lookback window, the slot cache (which it also writes) and the per-request
-history. Launched by :mod:`engram.hashing.launch`; its torch twin is
+lookback window, the slot cache and the per-request history, and writing both
+stores. Launched by :mod:`engram.hashing.launch`; its torch twin is
 :class:`engram.hashing.batch.NgramHasher`'s torch path.
+
+Phases in one launch. Stores a step both writes and reads need an order: the
+slot cache is written before it is read (another request of the batch may hit
+blocks this step fills), the request history after it is read (a step reads and
+writes the same ring cells). Each program takes a ticket from an atomic counter
+and works as a slot writer (the first tickets), a hasher, or a history writer
+(the last ones). A program waits only on programs with smaller tickets, which
+already run and never wait on it, so the launch cannot deadlock however few
+programs are resident. The last program to finish resets the counters.
 """
 
 import triton
@@ -11,39 +20,146 @@ import triton.language as tl
 DEAD_CODE = tl.constexpr(-1)       # engram.hashing.stores.DEAD
 UNWRITTEN_CODE = tl.constexpr(-2)  # engram.hashing.stores.UNWRITTEN
 
+# Counters of the int32 [4] sync buffer.
+TICKET = tl.constexpr(0)
+SLOTS_WRITTEN = tl.constexpr(1)   # slot-writer programs done
+HISTORY_READ = tl.constexpr(2)    # hash programs past their history reads
+FINISHED = tl.constexpr(3)
+
 
 @triton.jit
-def _remainder(value, prime, inverse_prime):
-    """``value % prime`` for int64 ``0 <= value < 2**63`` and ``2 <= prime < 2**31``, exact,
-    without a 64-bit division (a ~100-instruction subroutine per id; 12.4 us for one
-    token on an H200). Two float64 quotient estimates: the first leaves ``|r| < 2**43``
-    (wrapping int64 arithmetic keeps it exact), the second is off by at most one, and
-    one correction each way lands in ``[0, prime)``."""
-    quotient = (value.to(tl.float64) * inverse_prime).to(tl.int64)
-    remainder = value - quotient * prime
-    quotient = (remainder.to(tl.float64) * inverse_prime).to(tl.int64)
-    remainder = remainder - quotient * prime
-    remainder = tl.where(remainder < 0, remainder + prime, remainder)
+def _remainder(value, prime, barrett):
+    """``value % prime`` for int64 ``0 <= value < 2**63`` and ``2 <= prime < 2**32``,
+    exact, in integer arithmetic: Barrett reduction with
+    ``barrett = floor((2**64 - 1) / prime)`` (uint64 bits in an int64). The quotient
+    ``high64(value * barrett)`` is the true one or one less, so one correction lands
+    in ``[0, prime)``."""
+    x = value.to(tl.uint64, bitcast=True)
+    m = barrett.to(tl.uint64, bitcast=True)
+    x_low = x.to(tl.uint32).to(tl.uint64)
+    x_high = x >> 32
+    m_low = m.to(tl.uint32).to(tl.uint64)
+    m_high = m >> 32
+    low_low = x_low * m_low
+    high_low = x_high * m_low
+    low_high = x_low * m_high
+    middle = (low_low >> 32) + high_low.to(tl.uint32).to(tl.uint64) + low_high.to(tl.uint32).to(tl.uint64)
+    quotient = x_high * m_high + (high_low >> 32) + (low_high >> 32) + (middle >> 32)
+    remainder = x - quotient * prime.to(tl.uint64, bitcast=True)
+    remainder = remainder.to(tl.int64, bitcast=True)
     return tl.where(remainder >= prime, remainder - prime, remainder)
+
+
+@triton.jit
+def _wait_for(counter_ptr, target):
+    """Spin until the counter reaches ``target`` (acquire: later loads see what the
+    counted programs wrote before their release)."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _signal(counter_ptr):
+    """Count this program done (release: every thread's earlier loads and stores first)."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _locate_requests(token, query_start_ptr, num_tokens, num_requests,
+                     BLOCK: tl.constexpr, REQUEST_CHUNK: tl.constexpr):
+    """Request of each token (how many request ends ``query_start[1:]`` are ``<= token``)
+    and that request's first token (the largest end ``<= token``, or 0). A count over
+    chunks of independent loads, not a binary search: a dependent chain of 7 loads cost
+    ~5 us at 64 requests (H200, cold L2)."""
+    request = tl.zeros([BLOCK], dtype=tl.int64)
+    start = tl.zeros([BLOCK], dtype=tl.int64)
+    chunk = tl.arange(0, REQUEST_CHUNK).to(tl.int64)
+    for chunk_start in range(0, num_requests, REQUEST_CHUNK):
+        ends = tl.load(query_start_ptr + 1 + chunk_start + chunk, mask=chunk_start + chunk < num_requests,
+                       other=num_tokens + 1).to(tl.int64)
+        passed = ends[None, :] <= token[:, None]
+        request += tl.sum(passed.to(tl.int64), axis=1)
+        start = tl.maximum(start, tl.max(tl.where(passed, ends[None, :], 0), axis=1))
+    return request, start
+
+
+@triton.jit
+def _compress(raw, token_map_ptr, vocab_size, mask):
+    """Compressed id (int64) of raw token ids, clamped into the vocabulary."""
+    return tl.load(token_map_ptr + tl.minimum(tl.maximum(raw, 0), vocab_size - 1), mask=mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _own_slot_writes(block, input_ids_ptr, query_start_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
+                     num_tokens, num_requests, vocab_size, num_slots,
+                     HAS_DEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """(slot, value, mask) ``[BLOCK]`` of tokens ``block * BLOCK + i``: each batch token's
+    slot receives its compressed id, or DEAD; padding and ``-1`` slots write nothing."""
+    token = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    batch_end = tl.load(query_start_ptr + num_requests).to(tl.int64)
+    live = (token < num_tokens) & (token < batch_end)
+    slot = tl.load(slot_mapping_ptr + token, mask=live, other=-1).to(tl.int64)
+    raw = tl.load(input_ids_ptr + token, mask=live, other=0).to(tl.int64)
+    value = _compress(raw, token_map_ptr, vocab_size, live)
+    if HAS_DEAD:
+        value = tl.where(tl.load(dead_ptr + token, mask=live, other=0) != 0, DEAD_CODE, value)
+    return slot, value, live & (slot >= 0) & (slot < num_slots)
+
+
+@triton.jit
+def _lookback_seeds(block, positions_ptr, query_start_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
+                    num_tokens, num_requests, vocab_size,
+                    HISTORY: tl.constexpr, HISTORY_PAD: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Known lookback entries of requests ``block * BLOCK + i``: (request, position,
+    value, mask) ``[BLOCK, HISTORY_PAD]``; column ``j`` is position ``first - 1 - j``."""
+    request = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    column = tl.arange(0, HISTORY_PAD).to(tl.int64)
+    has_request = request < num_requests
+    first = tl.load(query_start_ptr + request, mask=has_request, other=0).to(tl.int64)
+    after = tl.load(query_start_ptr + 1 + request, mask=has_request, other=0).to(tl.int64)
+    has_token = has_request & (first < after) & (first < num_tokens)
+    first_position = tl.load(positions_ptr + first, mask=has_token, other=0).to(tl.int64)
+    position = first_position[:, None] - 1 - column[None, :]
+    cell = request[:, None] * HISTORY + column[None, :]
+    in_window = has_token[:, None] & (column < HISTORY)[None, :]
+    raw = tl.load(lookback_ids_ptr + cell, mask=in_window, other=-1).to(tl.int64)
+    known = in_window & (raw >= 0) & (position >= 0)
+    value = _compress(raw, token_map_ptr, vocab_size, known)
+    if HAS_LOOKBACK_DEAD:
+        value = tl.where(tl.load(lookback_dead_ptr + cell, mask=known, other=0) != 0, DEAD_CODE, value)
+    return request, position, value, known
+
+
+@triton.jit
+def _slot_of(request, position, block_table_ptr, block_size, block_table_width, block_table_stride, mask):
+    """Slot of ``position`` through the request's block-table row (block index clamped)."""
+    block_index = tl.minimum(position // block_size, block_table_width - 1)
+    block = tl.load(block_table_ptr + request * block_table_stride + block_index, mask=mask, other=0).to(tl.int64)
+    return block * block_size + position % block_size
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "pad_id",
                                "block_size", "num_slots", "block_table_width", "block_table_stride",
-                               "history_width"])
+                               "history_width", "num_slot_programs", "num_hash_programs", "num_history_programs"])
 def ngram_hash_kernel(
     input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
     lookback_ids_ptr, lookback_dead_ptr,
     slot_mapping_ptr, block_table_ptr, slot_values_ptr,
     history_rows_ptr, history_values_ptr, history_tags_ptr,
-    multipliers_ptr, primes_ptr, inverse_primes_ptr, offsets_ptr, out_ptr, missing_shift_ptr,
+    multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr, sync_ptr,
     num_tokens, num_requests, vocab_size, pad_id,
     block_size, num_slots, block_table_width, block_table_stride, history_width,
-    NUM_LAYERS: tl.constexpr, LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr,
+    num_slot_programs, num_hash_programs, num_history_programs,
+    NUM_LAYERS: tl.constexpr, LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr, HISTORY_PAD: tl.constexpr,
     NUM_HEADS: tl.constexpr, COLUMNS_PAD: tl.constexpr,
     HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
-    COMPUTE_IDS: tl.constexpr, WRITE_SLOTS: tl.constexpr, WRITE_SEEDS: tl.constexpr,
-    READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr,
-    REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
+    WRITE_SLOTS: tl.constexpr, WRITE_SEEDS: tl.constexpr, SLOT_PHASE: tl.constexpr,
+    READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr, HISTORY_PHASE: tl.constexpr, WIDTH_PAD: tl.constexpr,
+    REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WRITE_BLOCK: tl.constexpr,
+    HISTORY_BLOCK: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
 ):
     """ids int32 ``[T, L, C]``: column ``(s-1)*H + h`` of layer ``l`` is
     ``(XOR_{k<=s} window[k] * m[l, k]) % prime[l, col] + offset[l, col]``.
@@ -52,211 +168,271 @@ def ngram_hash_kernel(
     ``[T]``; token_map int32 ``[V]``; lookback ids int64 / dead bool ``[R, N-1]``
     contiguous; slot_mapping int64 ``[T]``; block_table int ``[R, width]``;
     slot_values int32 ``[slots + 1]``; history rows int64 ``[R]``, values int32 /
-    tags int64 ``[rows + 1, width]``; multipliers int64 ``[L, N]``; primes/offsets
-    int64 ``[L, C]``; missing_shift int8 ``[T]`` gets the first shift whose history
-    no source knew (0 = none; only with ``REPORT_MISSING``). One program hashes
-    ``BLOCK_TOKENS`` tokens.
+    tags int64 ``[rows + 1, width]``; multipliers int64 ``[L, N]``; primes, Barrett
+    multipliers and offsets int64 ``[L, C]``; missing_shift int8 ``[T]`` gets the
+    first shift whose history no source knew (0 = none; only with
+    ``REPORT_MISSING``); sync int32 ``[4]``, zero between launches.
+
+    Grid: ``num_slot_programs`` slot writers (``SLOT_PHASE``; else the hashers write
+    the slot cache themselves, unordered), ``num_hash_programs`` hashers of
+    ``BLOCK_TOKENS`` tokens, ``num_history_programs`` history writers
+    (``HISTORY_PHASE``).
     """
+    TICKETED: tl.constexpr = SLOT_PHASE or HISTORY_PHASE
+    if TICKETED:
+        ticket = tl.atomic_add(sync_ptr + TICKET, 1, sem="relaxed", scope="gpu").to(tl.int64)
+    else:
+        ticket = tl.program_id(0).to(tl.int64)
+    hash_begin = num_slot_programs
+    history_begin = num_slot_programs + num_hash_programs
+
+    if ticket < hash_begin:
+        if SLOT_PHASE:
+            own_slot, own_value, own_mask = _own_slot_writes(
+                ticket, input_ids_ptr, query_start_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
+                num_tokens, num_requests, vocab_size, num_slots, HAS_DEAD, WRITE_BLOCK)
+            tl.store(slot_values_ptr + own_slot, own_value.to(tl.int32), mask=own_mask)
+            if WRITE_SEEDS:
+                seed_request, seed_position, seed_value, seed_known = _lookback_seeds(
+                    ticket, positions_ptr, query_start_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
+                    num_tokens, num_requests, vocab_size, MAX_NGRAM - 1, HISTORY_PAD, HAS_LOOKBACK_DEAD, WRITE_BLOCK)
+                seed_slot = _slot_of(seed_request[:, None], seed_position, block_table_ptr, block_size,
+                                     block_table_width, block_table_stride, seed_known)
+                tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
+                         mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
+            _signal(sync_ptr + SLOTS_WRITTEN)
+    elif ticket < history_begin:
+        _hash_block(
+            ticket - hash_begin,
+            input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
+            lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
+            history_rows_ptr, history_values_ptr, history_tags_ptr,
+            multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr, sync_ptr,
+            num_tokens, num_requests, vocab_size, pad_id,
+            block_size, num_slots, block_table_width, block_table_stride, history_width, num_slot_programs,
+            NUM_LAYERS, LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, NUM_HEADS, COLUMNS_PAD,
+            HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, WRITE_SLOTS, WRITE_SEEDS, SLOT_PHASE,
+            READ_SLOTS, READ_HISTORY, HISTORY_PHASE, REPORT_MISSING, BLOCK_TOKENS, REQUEST_CHUNK)
+    else:
+        if HISTORY_PHASE:
+            _history_block(
+                ticket - history_begin, input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
+                lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
+                sync_ptr, num_tokens, num_requests, vocab_size, history_width, num_hash_programs,
+                MAX_NGRAM - 1, HISTORY_PAD, HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, HISTORY_BLOCK, WIDTH_PAD)
+
+    if TICKETED:
+        # The last program resets the counters for the next launch (stream order
+        # makes the reset visible to it).
+        finished = tl.atomic_add(sync_ptr + FINISHED, 1, sem="acq_rel", scope="gpu")
+        if finished == num_slot_programs + num_hash_programs + num_history_programs - 1:
+            tl.atomic_xchg(sync_ptr + TICKET, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + SLOTS_WRITTEN, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + HISTORY_READ, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + FINISHED, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _hash_block(
+    block,
+    input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
+    lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
+    history_rows_ptr, history_values_ptr, history_tags_ptr,
+    multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr, sync_ptr,
+    num_tokens, num_requests, vocab_size, pad_id,
+    block_size, num_slots, block_table_width, block_table_stride, history_width, num_slot_programs,
+    NUM_LAYERS: tl.constexpr, LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr, HISTORY_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, COLUMNS_PAD: tl.constexpr,
+    HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
+    WRITE_SLOTS: tl.constexpr, WRITE_SEEDS: tl.constexpr, SLOT_PHASE: tl.constexpr,
+    READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr, HISTORY_PHASE: tl.constexpr,
+    REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
+):
+    """Hash ids of tokens ``block * BLOCK_TOKENS + i`` (see :func:`ngram_hash_kernel`)."""
     HISTORY: tl.constexpr = MAX_NGRAM - 1
     NUM_COLUMNS: tl.constexpr = HISTORY * NUM_HEADS
-    token = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS).to(tl.int64)
+    token = block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS).to(tl.int64)
     valid = token < num_tokens
-
-    # Request of each token = how many request ends (query_start[1:]) are <= token.
-    # A count over chunks of independent loads, not a binary search: a dependent
-    # chain of 7 loads cost ~5 us at 64 requests (H200, cold L2).
-    # The request's first token is the largest end <= token (or 0): no second load.
-    request = tl.zeros([BLOCK_TOKENS], dtype=tl.int64)
-    start = tl.zeros([BLOCK_TOKENS], dtype=tl.int64)
-    chunk = tl.arange(0, REQUEST_CHUNK).to(tl.int64)
-    for chunk_start in range(0, num_requests, REQUEST_CHUNK):
-        ends = tl.load(query_start_ptr + 1 + chunk_start + chunk, mask=chunk_start + chunk < num_requests,
-                       other=num_tokens + 1).to(tl.int64)
-        passed = ends[None, :] <= token[:, None]
-        request += tl.sum(passed.to(tl.int64), axis=1)
-        start = tl.maximum(start, tl.max(tl.where(passed, ends[None, :], 0), axis=1))
+    request, start = _locate_requests(token, query_start_ptr, num_tokens, num_requests, BLOCK_TOKENS, REQUEST_CHUNK)
     padding = request >= num_requests
     request = tl.minimum(request, tl.maximum(num_requests - 1, 0))
     live = valid & ~padding
     position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int64)
     offset_in_request = token - start
 
-    # Every load is issued before any store: a store to ``out`` or the slot cache may
-    # alias later loads, so loads after it wait (per-shift stores cost ~9 us at T = 1,
+    # Every load is issued before any store: a store to ``out`` or a store may alias
+    # later loads, so loads after it wait (per-shift stores cost ~9 us at T = 1,
     # H200, cold L2). Table constants are loaded once as [L, C] tiles.
     layers = tl.arange(0, LAYERS_PAD)
     columns = tl.arange(0, COLUMNS_PAD)
     layer_ok = layers < NUM_LAYERS
     column_ok = layer_ok[:, None] & (columns < NUM_COLUMNS)[None, :]
     table_offset = layers[:, None] * NUM_COLUMNS + columns[None, :]
-    prime = tl.load(primes_ptr + table_offset, mask=column_ok, other=1)
-    inverse_prime = tl.load(inverse_primes_ptr + table_offset, mask=column_ok, other=1.0)
+    prime = tl.load(primes_ptr + table_offset, mask=column_ok, other=3)
+    barrett = tl.load(barrett_ptr + table_offset, mask=column_ok, other=0)
     first_row = tl.load(offsets_ptr + table_offset, mask=column_ok, other=0)
     column_shift = columns // NUM_HEADS + 1  # order - 1 of each column
 
-    if WRITE_SLOTS:
-        # What the token's own slot receives: its compressed id, or DEAD.
-        own_slot = tl.load(slot_mapping_ptr + token, mask=live, other=-1).to(tl.int64)
-        own_raw = tl.load(input_ids_ptr + token, mask=live, other=0).to(tl.int64)
-        stored = tl.load(token_map_ptr + tl.minimum(tl.maximum(own_raw, 0), vocab_size - 1), mask=live, other=0).to(tl.int64)
-        if HAS_DEAD:
-            stored = tl.where(tl.load(dead_ptr + token, mask=live, other=0) != 0, DEAD_CODE, stored)
+    if not SLOT_PHASE:
+        # Unordered writes (one request, or an engine that promised no same-step
+        # hits): loaded now, stored after every read.
+        if WRITE_SLOTS:
+            own_slot, own_value, own_mask = _own_slot_writes(
+                block, input_ids_ptr, query_start_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
+                num_tokens, num_requests, vocab_size, num_slots, HAS_DEAD, BLOCK_TOKENS)
+        if WRITE_SEEDS:
+            seed_request, seed_position, seed_value, seed_known = _lookback_seeds(
+                block, positions_ptr, query_start_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
+                num_tokens, num_requests, vocab_size, HISTORY, HISTORY_PAD, HAS_LOOKBACK_DEAD, BLOCK_TOKENS)
+            seed_slot = _slot_of(seed_request[:, None], seed_position, block_table_ptr, block_size,
+                                 block_table_width, block_table_stride, seed_known)
+    if SLOT_PHASE and READ_SLOTS:
+        # Tokens whose history may come from the slot cache wait for the slot writers.
+        may_read_slots = live & (offset_in_request < HISTORY) & (position > offset_in_request)
+        if tl.max(may_read_slots.to(tl.int32), axis=0) > 0:
+            _wait_for(sync_ptr + SLOTS_WRITTEN, num_slot_programs)
+
     blocked = ~live
     first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
     rolling = tl.zeros([BLOCK_TOKENS, LAYERS_PAD], dtype=tl.int64)
     rolling_by_column = tl.zeros([BLOCK_TOKENS, LAYERS_PAD, COLUMNS_PAD], dtype=tl.int64)
-    if COMPUTE_IDS:
-        for shift in tl.static_range(MAX_NGRAM):
-            source_position = position - shift
-            in_batch = offset_in_request >= shift
-            outside = live & ~in_batch & (source_position >= 0)
+    for shift in tl.static_range(MAX_NGRAM):
+        source_position = position - shift
+        in_batch = offset_in_request >= shift
+        outside = live & ~in_batch & (source_position >= 0)
 
-            # (1) the same request earlier in this batch. The loads do not wait for the
-            # request lookup (their masks do not depend on it); the selection does.
-            source_token = tl.maximum(token - shift, 0)
-            loadable = valid & (token >= shift)
-            raw = tl.load(input_ids_ptr + source_token, mask=loadable, other=0).to(tl.int64)
-            raw = tl.minimum(tl.maximum(raw, 0), vocab_size - 1)
-            value = tl.load(token_map_ptr + raw, mask=loadable, other=0).to(tl.int64)
-            dead = ~in_batch & (source_position < 0)
-            if HAS_DEAD:
-                dead = dead | (in_batch & (tl.load(dead_ptr + source_token, mask=loadable, other=0) != 0))
-            if shift > 0:
-                known = tl.zeros([BLOCK_TOKENS], dtype=tl.int1)
-                lookback_column = shift - offset_in_request - 1
-                # (2) the caller's lookback window
-                if HAS_LOOKBACK:
-                    lookback_raw = tl.load(lookback_ids_ptr + request * HISTORY + lookback_column,
-                                           mask=outside, other=-1).to(tl.int64)
-                    use = outside & (lookback_raw >= 0)
-                    lookback_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(lookback_raw, 0), vocab_size - 1),
-                                             mask=use, other=0).to(tl.int64)
-                    value = tl.where(use, lookback_value, value)
-                    if HAS_LOOKBACK_DEAD:
-                        lookback_dead = tl.load(lookback_dead_ptr + request * HISTORY + lookback_column,
-                                                mask=use, other=0) != 0
-                        dead = tl.where(use, lookback_dead, dead)
-                    known = known | use
-                # (3) the slot cache, through the request's block table
-                if READ_SLOTS:
-                    need = outside & ~known
-                    block_index = tl.minimum(source_position // block_size, block_table_width - 1)
-                    block = tl.load(block_table_ptr + request * block_table_stride + block_index, mask=need, other=0).to(tl.int64)
-                    history_slot = tl.minimum(tl.maximum(block * block_size + source_position % block_size, 0), num_slots - 1)
-                    cached = tl.load(slot_values_ptr + history_slot, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
-                    use = need & (cached != UNWRITTEN_CODE)
-                    value = tl.where(use, cached, value)
-                    dead = tl.where(use, cached == DEAD_CODE, dead)
-                    known = known | use
-                # (3') the per-request history ring, position-tagged
-                if READ_HISTORY:
-                    need = outside & ~known
-                    row = tl.load(history_rows_ptr + request, mask=need, other=0).to(tl.int64)
-                    cell = row * history_width + source_position % history_width
-                    tag = tl.load(history_tags_ptr + cell, mask=need, other=-1)
-                    remembered = tl.load(history_values_ptr + cell, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
-                    use = need & (tag == source_position) & (remembered != UNWRITTEN_CODE)
-                    value = tl.where(use, remembered, value)
-                    dead = tl.where(use, remembered == DEAD_CODE, dead)
-                    known = known | use
-                unknown = outside & ~known
-                if REPORT_MISSING:  # only where no earlier shift is blocked already
-                    first_missing = tl.where(unknown & ~blocked & (first_missing == 0), shift, first_missing)
-                dead = dead | unknown  # unknown history hashes as pad (validation reports it)
+        # (1) the same request earlier in this batch. The loads do not wait for the
+        # request lookup (their masks do not depend on it); the selection does.
+        source_token = tl.maximum(token - shift, 0)
+        loadable = valid & (token >= shift)
+        raw = tl.load(input_ids_ptr + source_token, mask=loadable, other=0).to(tl.int64)
+        value = _compress(raw, token_map_ptr, vocab_size, loadable)
+        dead = ~in_batch & (source_position < 0)
+        if HAS_DEAD:
+            dead = dead | (in_batch & (tl.load(dead_ptr + source_token, mask=loadable, other=0) != 0))
+        if shift > 0:
+            known = tl.zeros([BLOCK_TOKENS], dtype=tl.int1)
+            lookback_column = shift - offset_in_request - 1
+            # (2) the caller's lookback window
+            if HAS_LOOKBACK:
+                lookback_raw = tl.load(lookback_ids_ptr + request * HISTORY + lookback_column,
+                                       mask=outside, other=-1).to(tl.int64)
+                use = outside & (lookback_raw >= 0)
+                value = tl.where(use, _compress(lookback_raw, token_map_ptr, vocab_size, use), value)
+                if HAS_LOOKBACK_DEAD:
+                    lookback_dead = tl.load(lookback_dead_ptr + request * HISTORY + lookback_column,
+                                            mask=use, other=0) != 0
+                    dead = tl.where(use, lookback_dead, dead)
+                known = known | use
+            # (3) the slot cache, through the request's block table (L2 reads: the
+            # slot writers of this launch may have just written them)
+            if READ_SLOTS:
+                need = outside & ~known
+                history_slot = _slot_of(request, source_position, block_table_ptr, block_size,
+                                        block_table_width, block_table_stride, need)
+                history_slot = tl.minimum(tl.maximum(history_slot, 0), num_slots - 1)
+                cached = tl.load(slot_values_ptr + history_slot, mask=need, other=UNWRITTEN_CODE,
+                                 cache_modifier=".cg").to(tl.int64)
+                use = need & (cached != UNWRITTEN_CODE)
+                value = tl.where(use, cached, value)
+                dead = tl.where(use, cached == DEAD_CODE, dead)
+                known = known | use
+            # (3') the per-request history ring, position-tagged
+            if READ_HISTORY:
+                need = outside & ~known
+                row = tl.load(history_rows_ptr + request, mask=need, other=0).to(tl.int64)
+                cell = row * history_width + source_position % history_width
+                tag = tl.load(history_tags_ptr + cell, mask=need, other=-1)
+                remembered = tl.load(history_values_ptr + cell, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
+                use = need & (tag == source_position) & (remembered != UNWRITTEN_CODE)
+                value = tl.where(use, remembered, value)
+                dead = tl.where(use, remembered == DEAD_CODE, dead)
+                known = known | use
+            unknown = outside & ~known
+            if REPORT_MISSING:  # only where no earlier shift is blocked already
+                first_missing = tl.where(unknown & ~blocked & (first_missing == 0), shift, first_missing)
+            dead = dead | unknown  # unknown history hashes as pad (validation reports it)
 
-            blocked = blocked | dead
-            value = tl.where(blocked, pad_id, tl.maximum(value, 0))
-            multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
-            rolling = rolling ^ (value[:, None] * multiplier[None, :])
-            if shift > 0:
-                rolling_by_column = tl.where((column_shift == shift)[None, None, :], rolling[:, :, None], rolling_by_column)
+        blocked = blocked | dead
+        value = tl.where(blocked, pad_id, tl.maximum(value, 0))
+        multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
+        rolling = rolling ^ (value[:, None] * multiplier[None, :])
+        if shift > 0:
+            rolling_by_column = tl.where((column_shift == shift)[None, None, :], rolling[:, :, None], rolling_by_column)
 
-    # Stores, after every load (the rare lookback seeds excepted).
-    if WRITE_SLOTS:
-        tl.store(slot_values_ptr + own_slot, stored.to(tl.int32), mask=live & (own_slot >= 0) & (own_slot < num_slots))
-    if WRITE_SEEDS:
-        # Seed the slot cache with the known lookback entries (first token of each request).
-        first = live & (offset_in_request == 0)
-        for column in tl.static_range(HISTORY):
-            seed_position = position - 1 - column
-            seed_raw = tl.load(lookback_ids_ptr + request * HISTORY + column, mask=first, other=-1).to(tl.int64)
-            seed_known = first & (seed_raw >= 0) & (seed_position >= 0)
-            seed_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(seed_raw, 0), vocab_size - 1),
-                                 mask=seed_known, other=0).to(tl.int64)
-            if HAS_LOOKBACK_DEAD:
-                seed_dead = tl.load(lookback_dead_ptr + request * HISTORY + column, mask=seed_known, other=0) != 0
-                seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
-            seed_block_index = tl.minimum(seed_position // block_size, block_table_width - 1)
-            seed_block = tl.load(block_table_ptr + request * block_table_stride + seed_block_index,
-                                 mask=seed_known, other=0).to(tl.int64)
-            seed_slot = seed_block * block_size + seed_position % block_size
+    if HISTORY_PHASE:
+        _signal(sync_ptr + HISTORY_READ)  # the history writers may now overwrite what was read
+    # Stores, after every load.
+    if not SLOT_PHASE:
+        if WRITE_SLOTS:
+            tl.store(slot_values_ptr + own_slot, own_value.to(tl.int32), mask=own_mask)
+        if WRITE_SEEDS:
             tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
                      mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
-    if COMPUTE_IDS:
-        ids = _remainder(rolling_by_column, prime[None, :, :], inverse_prime[None, :, :]) + first_row[None, :, :]
-        out_offset = token[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[None, :, :]
-        tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=valid[:, None, None] & column_ok[None, :, :])
+    ids = _remainder(rolling_by_column, prime[None, :, :], barrett[None, :, :]) + first_row[None, :, :]
+    out_offset = token[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[None, :, :]
+    tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=valid[:, None, None] & column_ok[None, :, :])
     if REPORT_MISSING:
         tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "history_width"])
-def history_write_kernel(
-    input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
+@triton.jit
+def _history_block(
+    block, input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
     lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
-    num_tokens, num_requests, vocab_size, history_width,
-    MAX_NGRAM: tl.constexpr, HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr,
-    HAS_LOOKBACK_DEAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
+    sync_ptr, num_tokens, num_requests, vocab_size, history_width, num_hash_programs,
+    HISTORY: tl.constexpr, HISTORY_PAD: tl.constexpr, HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr,
+    HAS_LOOKBACK_DEAD: tl.constexpr, BLOCK: tl.constexpr, WIDTH_PAD: tl.constexpr,
 ):
-    """After the hash: the per-request history ring receives the known lookback entries
-    and the last ``width`` tokens of each request (drafts included), position-tagged:
-    ``values[row, p % width] = id or DEAD``, ``tags[row, p % width] = p``.
+    """Requests ``block * BLOCK + i``: the ring receives the known lookback entries and
+    the last ``width`` tokens of each request (drafts included), position-tagged:
+    ``values[row, p % width] = id or DEAD``, ``tags[row, p % width] = p``. Loads first,
+    then a wait for every hasher's reads, then the stores.
 
-    Every cell is written at most once per launch: a lookback entry whose cell a later
-    batch token takes is skipped (the later position wins, as in the torch path).
+    Every cell is written at most once: a lookback entry whose cell a kept token
+    takes is skipped (the later position wins, as in the torch path).
     """
-    HISTORY: tl.constexpr = MAX_NGRAM - 1
-    token = tl.program_id(0).to(tl.int64) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS).to(tl.int64)
-    valid = token < num_tokens
-    request = tl.zeros([BLOCK_TOKENS], dtype=tl.int64)
-    start = tl.zeros([BLOCK_TOKENS], dtype=tl.int64)
-    end = tl.zeros([BLOCK_TOKENS], dtype=tl.int64) + num_tokens
-    chunk = tl.arange(0, REQUEST_CHUNK).to(tl.int64)
-    for chunk_start in range(0, num_requests, REQUEST_CHUNK):
-        in_range = chunk_start + chunk < num_requests
-        ends = tl.load(query_start_ptr + 1 + chunk_start + chunk, mask=in_range, other=num_tokens + 1).to(tl.int64)
-        passed = ends[None, :] <= token[:, None]
-        request += tl.sum(passed.to(tl.int64), axis=1)
-        start = tl.maximum(start, tl.max(tl.where(passed, ends[None, :], 0), axis=1))
-        end = tl.minimum(end, tl.min(tl.where(passed | ~in_range[None, :], num_tokens, ends[None, :]), axis=1))
-    live = valid & (request < num_requests)
-    request = tl.minimum(request, tl.maximum(num_requests - 1, 0))
-    position = tl.load(positions_ptr + token, mask=live, other=0).to(tl.int64)
-    row = tl.load(history_rows_ptr + request, mask=live, other=0).to(tl.int64)
-    raw = tl.load(input_ids_ptr + token, mask=live, other=0).to(tl.int64)
-    value = tl.load(token_map_ptr + tl.minimum(tl.maximum(raw, 0), vocab_size - 1), mask=live, other=0)
+    request = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    has_request = request < num_requests
+    first = tl.load(query_start_ptr + request, mask=has_request, other=0).to(tl.int64)
+    after = tl.load(query_start_ptr + 1 + request, mask=has_request, other=0).to(tl.int64)
+    after = tl.minimum(after, num_tokens)
+    count = tl.maximum(after - first, 0)
+    kept = tl.minimum(count, history_width)
+    row = tl.load(history_rows_ptr + request, mask=has_request, other=0).to(tl.int64)
+    first_position = tl.load(positions_ptr + first, mask=has_request & (count > 0), other=0).to(tl.int64)
+
+    # The last ``kept`` tokens of each request: [BLOCK, WIDTH_PAD].
+    lane = tl.arange(0, WIDTH_PAD).to(tl.int64)
+    keep = has_request[:, None] & (lane[None, :] < kept[:, None])
+    token = after[:, None] - kept[:, None] + lane[None, :]
+    position = tl.load(positions_ptr + token, mask=keep, other=0).to(tl.int64)
+    raw = tl.load(input_ids_ptr + token, mask=keep, other=0).to(tl.int64)
+    value = _compress(raw, token_map_ptr, vocab_size, keep)
     if HAS_DEAD:
-        value = tl.where(tl.load(dead_ptr + token, mask=live, other=0) != 0, DEAD_CODE, value)
-    first_kept = tl.maximum(start, end - history_width)  # batch index of the first kept token
-    keep = live & (token >= first_kept)
-    cell = row * history_width + position % history_width
+        value = tl.where(tl.load(dead_ptr + token, mask=keep, other=0) != 0, DEAD_CODE, value)
+    cell = row[:, None] * history_width + position % history_width
+
+    if HAS_LOOKBACK:
+        column = tl.arange(0, HISTORY_PAD).to(tl.int64)
+        in_window = (has_request & (count > 0))[:, None] & (column < HISTORY)[None, :]
+        seed_position = first_position[:, None] - 1 - column[None, :]
+        lookback_cell = request[:, None] * HISTORY + column[None, :]
+        seed_raw = tl.load(lookback_ids_ptr + lookback_cell, mask=in_window, other=-1).to(tl.int64)
+        # The first kept position with the seed's residue; the seed stays only if none is kept.
+        kept_from = first_position + (count - kept)  # position of the first kept token
+        last = first_position + count                # one past the request's last position
+        later = seed_position + history_width * ((kept_from[:, None] - seed_position + history_width - 1) // history_width)
+        seed_known = in_window & (seed_raw >= 0) & (seed_position >= 0) & (later >= last[:, None])
+        seed_value = _compress(seed_raw, token_map_ptr, vocab_size, seed_known)
+        if HAS_LOOKBACK_DEAD:
+            seed_dead = tl.load(lookback_dead_ptr + lookback_cell, mask=seed_known, other=0) != 0
+            seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
+        seed_cell = row[:, None] * history_width + seed_position % history_width
+
+    _wait_for(sync_ptr + HISTORY_READ, num_hash_programs)
     tl.store(history_values_ptr + cell, value.to(tl.int32), mask=keep)
     tl.store(history_tags_ptr + cell, position, mask=keep)
     if HAS_LOOKBACK:
-        first = live & (token == start)
-        kept_from = position + (first_kept - start)  # position of the first kept token
-        last = position + (end - start)              # one past the request's last position
-        for column in tl.static_range(HISTORY):
-            seed_position = position - 1 - column
-            seed_raw = tl.load(lookback_ids_ptr + request * HISTORY + column, mask=first, other=-1).to(tl.int64)
-            # The first kept position with the seed's residue; the seed stays only if none is kept.
-            later = seed_position + history_width * ((kept_from - seed_position + history_width - 1) // history_width)
-            seed_known = first & (seed_raw >= 0) & (seed_position >= 0) & (later >= last)
-            seed_value = tl.load(token_map_ptr + tl.minimum(tl.maximum(seed_raw, 0), vocab_size - 1),
-                                 mask=seed_known, other=0)
-            if HAS_LOOKBACK_DEAD:
-                seed_dead = tl.load(lookback_dead_ptr + request * HISTORY + column, mask=seed_known, other=0) != 0
-                seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
-            seed_cell = row * history_width + seed_position % history_width
-            tl.store(history_values_ptr + seed_cell, seed_value.to(tl.int32), mask=seed_known)
-            tl.store(history_tags_ptr + seed_cell, seed_position, mask=seed_known)
+        tl.store(history_values_ptr + seed_cell, seed_value.to(tl.int32), mask=seed_known)
+        tl.store(history_tags_ptr + seed_cell, seed_position, mask=seed_known)

@@ -10,7 +10,7 @@ import importlib.util
 
 import torch
 
-__all__ = ["triton_available", "launch_hash_kernel", "launch_history_write"]
+__all__ = ["triton_available", "launch_hash_kernel"]
 
 # One warp per program; tokens per program by batch size (a few compiled variants,
 # each captured once per graph). Measured on the H200, graph replay, cold L2:
@@ -30,8 +30,12 @@ def block_tokens_for(num_tokens: int) -> int:
     return _BLOCK_TOKENS_LARGEST
 
 
-# Request ends compared per loop step ([64 tokens, 128 ends] per program).
+# Request ends compared per loop step ([16 tokens, 128 ends] per program).
 _REQUEST_CHUNK = 128
+# Tokens (and requests, for lookback seeds) per slot-writer program; requests per
+# history-writer program (each a row of up to 16 ring cells).
+_WRITE_BLOCK = 64
+_HISTORY_BLOCK = 8
 
 
 # Launch-shape overrides for benchmark sweeps ({"block_tokens": 32, "num_warps": 2}).
@@ -47,30 +51,16 @@ def _next_power_of_2(n: int) -> int:
 
 
 def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None) -> torch.Tensor:
-    """Hash ids int32 ``[T, L, C]`` of ``batch``; writes the slot cache first.
+    """Hash ids int32 ``[T, L, C]`` of ``batch`` (a validated
+    :class:`~engram.hashing.validation.BatchMetadata`) in one launch, which also
+    writes the slot cache (before any read of it) and the request history (after
+    every read of it). ``missing_shift`` (int8 ``[T]``), if given, receives per token
+    the first shift whose history no source knew (0 = none).
 
-    The slot cache's writes (batch tokens, lookback seeds) must land before any
-    history read: another request of the same batch may read them (a prefix-cache
-    hit on blocks this step fills). So by default a write-only launch precedes the
-    hash launch; a cache bound with ``fused_write=True`` (the engine promises no such
-    same-step hits; validation checks it) does both in one launch.
-    """
-    slot_cache = hasher.slot_cache
-    writes = slot_cache is not None and (batch.slot_mapping is not None or
-                                         (batch.lookback_token_ids is not None and batch.block_table is not None))
-    if writes and not slot_cache.fused_write:
-        _launch(hasher, batch, None, compute_ids=False, write=True, read=False)
-        return _launch(hasher, batch, missing_shift, compute_ids=True, write=False, read=True)
-    return _launch(hasher, batch, missing_shift, compute_ids=True, write=True, read=True)
-
-
-def _launch(hasher, batch, missing_shift, *, compute_ids: bool, write: bool, read: bool) -> torch.Tensor:
-    """One launch of the hash kernel over ``batch`` (a validated
-    :class:`~engram.hashing.validation.BatchMetadata`): ``compute_ids`` reads the
-    sources (the stores only with ``read``) and writes ids; ``write`` stores the slot
-    cache's writes. The request history is written by :func:`launch_history_write`.
-    ``missing_shift`` (int8 ``[T]``), if given, receives per token the first shift
-    whose history no source knew (0 = none).
+    The slot writes need ordering only when another request of the batch may read
+    them (a prefix-cache hit on blocks this step fills): not with one request, nor
+    with a cache bound ``fused_write=True`` (the engine promises no such hits;
+    validation checks it). Then the hashers write the cache themselves.
     """
     from .kernels import ngram_hash_kernel
 
@@ -81,17 +71,25 @@ def _launch(hasher, batch, missing_shift, *, compute_ids: bool, write: bool, rea
         return out
     placeholder = hasher.token_map  # any device tensor stands in for an absent input (never read)
     slot_cache, history = hasher.slot_cache, hasher.request_history
-    read_slots = read and slot_cache is not None and batch.block_table is not None
-    read_history = read and history is not None and batch.request_rows is not None
     lookback = batch.lookback_token_ids.contiguous() if batch.lookback_token_ids is not None else None
     lookback_dead = batch.lookback_dead_mask.contiguous() if batch.lookback_dead_mask is not None else None
     block_table = batch.block_table
     if block_table is not None and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
+    write_slots = slot_cache is not None and batch.slot_mapping is not None
+    write_seeds = slot_cache is not None and lookback is not None and block_table is not None
+    read_slots = slot_cache is not None and block_table is not None
+    uses_history = history is not None and batch.request_rows is not None
+    slot_phase = (write_slots or write_seeds) and read_slots and num_requests > 1 and not slot_cache.fused_write
+
+    # Seeds are written per request, tokens per token: writer grids cover both.
+    write_items = max(num_tokens, num_requests) if write_seeds else num_tokens
     block_tokens = LAUNCH_OVERRIDE.get("block_tokens", block_tokens_for(num_tokens))
     num_warps = LAUNCH_OVERRIDE.get("num_warps", _NUM_WARPS)
-    grid = (triton_cdiv(num_tokens, block_tokens),)
-    ngram_hash_kernel[grid](
+    num_slot_programs = triton_cdiv(write_items, _WRITE_BLOCK) if slot_phase else 0
+    num_hash_programs = triton_cdiv(num_tokens if slot_phase else write_items, block_tokens)
+    num_history_programs = triton_cdiv(num_requests, _HISTORY_BLOCK) if uses_history and num_requests else 0
+    ngram_hash_kernel[(num_slot_programs + num_hash_programs + num_history_programs,)](
         batch.input_ids, batch.positions, batch.query_start_loc,
         batch.dead_mask if batch.dead_mask is not None else placeholder, hasher.token_map,
         lookback if lookback is not None else placeholder,
@@ -99,52 +97,31 @@ def _launch(hasher, batch, missing_shift, *, compute_ids: bool, write: bool, rea
         batch.slot_mapping if batch.slot_mapping is not None else placeholder,
         block_table if block_table is not None else placeholder,
         slot_cache.values if slot_cache is not None else placeholder,
-        batch.request_rows if read_history else placeholder,
-        history.values if read_history else placeholder,
-        history.tags if read_history else placeholder,
-        hasher.multipliers, hasher.column_primes, hasher.inverse_primes, hasher.column_offsets, out,
-        missing_shift if missing_shift is not None else placeholder,
+        batch.request_rows if uses_history else placeholder,
+        history.values if uses_history else placeholder,
+        history.tags if uses_history else placeholder,
+        hasher.multipliers, hasher.column_primes, hasher.barrett_multipliers, hasher.column_offsets, out,
+        missing_shift if missing_shift is not None else placeholder, hasher.kernel_sync,
         num_tokens, num_requests, hasher.vocab.vocab_size, hasher.pad_id,
         slot_cache.block_size if slot_cache is not None else 1,
         slot_cache.num_slots if slot_cache is not None else 1,
         block_table.shape[1] if block_table is not None else 1,
         block_table.stride(0) if block_table is not None else 0,
-        history.width if read_history else 1,
+        history.width if uses_history else 1,
+        num_slot_programs, num_hash_programs, num_history_programs,
         NUM_LAYERS=spec.num_layers, LAYERS_PAD=_next_power_of_2(spec.num_layers),
-        MAX_NGRAM=spec.max_ngram_size, NUM_HEADS=spec.n_heads, COLUMNS_PAD=_next_power_of_2(spec.num_columns),
+        MAX_NGRAM=spec.max_ngram_size, HISTORY_PAD=_next_power_of_2(spec.max_ngram_size - 1),
+        NUM_HEADS=spec.n_heads, COLUMNS_PAD=_next_power_of_2(spec.num_columns),
         HAS_DEAD=batch.dead_mask is not None, HAS_LOOKBACK=lookback is not None,
         HAS_LOOKBACK_DEAD=lookback_dead is not None,
-        COMPUTE_IDS=compute_ids,
-        WRITE_SLOTS=write and batch.slot_mapping is not None and slot_cache is not None,
-        WRITE_SEEDS=write and slot_cache is not None and lookback is not None and block_table is not None,
-        READ_SLOTS=read_slots, READ_HISTORY=read_history, REPORT_MISSING=missing_shift is not None,
-        BLOCK_TOKENS=block_tokens, REQUEST_CHUNK=_REQUEST_CHUNK,
+        WRITE_SLOTS=write_slots, WRITE_SEEDS=write_seeds, SLOT_PHASE=slot_phase,
+        READ_SLOTS=read_slots, READ_HISTORY=uses_history, HISTORY_PHASE=uses_history and num_history_programs > 0,
+        WIDTH_PAD=_next_power_of_2(history.width) if uses_history else 1,
+        REPORT_MISSING=missing_shift is not None, BLOCK_TOKENS=block_tokens, WRITE_BLOCK=_WRITE_BLOCK,
+        HISTORY_BLOCK=_HISTORY_BLOCK, REQUEST_CHUNK=_REQUEST_CHUNK,
         num_warps=num_warps,
     )
     return out
-
-
-def launch_history_write(hasher, batch) -> None:
-    """Write the batch into the bound per-request history (one launch, after the hash)."""
-    from .kernels import history_write_kernel
-
-    if batch.num_tokens == 0:
-        return
-    history, placeholder = hasher.request_history, hasher.token_map
-    lookback = batch.lookback_token_ids.contiguous() if batch.lookback_token_ids is not None else None
-    lookback_dead = batch.lookback_dead_mask.contiguous() if batch.lookback_dead_mask is not None else None
-    block_tokens = 16
-    history_write_kernel[(triton_cdiv(batch.num_tokens, block_tokens),)](
-        batch.input_ids, batch.positions, batch.query_start_loc,
-        batch.dead_mask if batch.dead_mask is not None else placeholder, hasher.token_map,
-        lookback if lookback is not None else placeholder,
-        lookback_dead if lookback_dead is not None else placeholder,
-        batch.request_rows, history.values, history.tags,
-        batch.num_tokens, batch.num_requests, hasher.vocab.vocab_size, history.width,
-        MAX_NGRAM=hasher.layout.spec.max_ngram_size, HAS_DEAD=batch.dead_mask is not None,
-        HAS_LOOKBACK=lookback is not None, HAS_LOOKBACK_DEAD=lookback_dead is not None,
-        BLOCK_TOKENS=block_tokens, REQUEST_CHUNK=_REQUEST_CHUNK, num_warps=1,
-    )
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -138,6 +138,16 @@ class RequestHistory:
         self.values[rows] = UNWRITTEN
         self.tags[rows] = -1
 
+    def saved(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``rows`` hold now (values, tags), for :meth:`restore`."""
+        rows = rows.to(self.device).long()
+        return self.values[rows].clone(), self.tags[rows].clone()
+
+    def restore(self, rows: torch.Tensor, previous: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Undo the writes of a step to ``rows`` with what :meth:`saved` returned."""
+        rows = rows.to(self.device).long()
+        self.values[rows], self.tags[rows] = previous
+
     # ---- device-side access --------------------------------------------------
     def read(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """int64 id stored for ``positions`` of ``rows`` (same shape); ``UNWRITTEN`` where the tag differs."""
