@@ -9,7 +9,7 @@ reference and the torch path (DESIGN §2 "Gate").
 
 Inputs are fresh random every run (the seed is in each failure message); outputs
 are poisoned with NaN before each launch. Tolerances: the update ``out - h`` within
-1e-2 relative error of the float64 one (2e-2 under the interpreter); each output within half a bf16 ulp of the
+1e-2 relative error of the float64 one plus what rounding the output costs it; each output within half a bf16 ulp of the
 float64 result plus fp32 noise, one more ulp under the interpreter (its fp32 -> bf16
 casts truncate); masked tokens bit-identical to their input.
 """
@@ -76,9 +76,14 @@ def _check_output(out, hidden_states, kv, q_weight, k_weight, mask, seed, *, int
     reference_update = reference - h
     update = out.double() - h
     relative = ((update - reference_update).norm() / reference_update.norm().clamp(min=1e-30)).item()
-    # Truncating casts (interpreter) double the rounding error of the update: 1 more ulp.
-    limit = 2e-2 if interpret and out.dtype != torch.float32 else 1e-2
-    assert relative < limit, f"seed {seed}: update relative error {relative:.3g}"
+    # 1e-2 for the arithmetic, plus what rounding the output to its dtype alone can cost
+    # the update (half an ulp per element; 1.5 ulp under the interpreter, whose casts
+    # truncate): a small gate on a large stream leaves a small update beside large ulps.
+    limit = 1e-2
+    if out.dtype == torch.bfloat16:
+        rounding = (0.5 + (1.0 if interpret else 0.0)) * _bf16_ulp(reference)
+        limit += (rounding.norm() / reference_update.norm().clamp(min=1e-30)).item()
+    assert relative < limit, f"seed {seed}: update relative error {relative:.3g} (limit {limit:.3g})"
     if out.dtype == torch.bfloat16:
         fp32_noise = 1e-5 * (h.abs() + value.double().abs()[:, None, :])
         allowed = (0.5 + (1.0 if interpret else 0.0)) * _bf16_ulp(reference) + fp32_noise

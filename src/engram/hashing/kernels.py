@@ -11,7 +11,8 @@ writes the same ring cells). Each program takes a ticket from an atomic counter
 and works as a slot writer (the first tickets), a hasher, or a history writer
 (the last ones). A program waits only on programs with smaller tickets, which
 already run and never wait on it, so the launch cannot deadlock however few
-programs are resident. The last program to finish resets the counters.
+programs are resident. One launch at a time per sync buffer (one hasher, one
+stream).
 """
 
 import triton
@@ -20,11 +21,12 @@ import triton.language as tl
 DEAD_CODE = tl.constexpr(-1)       # engram.hashing.stores.DEAD
 UNWRITTEN_CODE = tl.constexpr(-2)  # engram.hashing.stores.UNWRITTEN
 
-# Counters of the int32 [4] sync buffer.
+# The int64 [8] sync buffer: the ticket (launch generation << 32 | tickets drawn),
+# then two counters per launch parity, so the last ticket of a launch readies the
+# other parity's counters for the next launch and no program counts itself out.
 TICKET = tl.constexpr(0)
-SLOTS_WRITTEN = tl.constexpr(1)   # slot-writer programs done
-HISTORY_READ = tl.constexpr(2)    # hash programs past their history reads
-FINISHED = tl.constexpr(3)
+SLOTS_WRITTEN = tl.constexpr(1)   # [parity]: slot-writer programs done
+HISTORY_READ = tl.constexpr(3)    # [parity]: hash programs past their history reads
 
 
 @triton.jit
@@ -67,22 +69,30 @@ def _signal(counter_ptr):
 
 
 @triton.jit
-def _locate_requests(token, query_start_ptr, num_tokens, num_requests,
-                     BLOCK: tl.constexpr, REQUEST_CHUNK: tl.constexpr):
+def _request_ends(query_start_ptr, chunk_start, num_tokens, num_requests, REQUEST_CHUNK: tl.constexpr):
+    """int32 ``[REQUEST_CHUNK]``: request ends ``query_start[1 + chunk_start + i]``
+    (past the last request: ``num_tokens + 1``, which no token reaches)."""
+    chunk = chunk_start + tl.arange(0, REQUEST_CHUNK).to(tl.int64)
+    return tl.load(query_start_ptr + 1 + chunk, mask=chunk < num_requests, other=num_tokens + 1).to(tl.int32)
+
+
+@triton.jit
+def _locate_requests(token, first_ends, query_start_ptr, num_tokens, num_requests, REQUEST_CHUNK: tl.constexpr):
     """Request of each token (how many request ends ``query_start[1:]`` are ``<= token``)
-    and that request's first token (the largest end ``<= token``, or 0). A count over
-    chunks of independent loads, not a binary search: a dependent chain of 7 loads cost
-    ~5 us at 64 requests (H200, cold L2)."""
-    request = tl.zeros([BLOCK], dtype=tl.int64)
-    start = tl.zeros([BLOCK], dtype=tl.int64)
-    chunk = tl.arange(0, REQUEST_CHUNK).to(tl.int64)
-    for chunk_start in range(0, num_requests, REQUEST_CHUNK):
-        ends = tl.load(query_start_ptr + 1 + chunk_start + chunk, mask=chunk_start + chunk < num_requests,
-                       other=num_tokens + 1).to(tl.int64)
+    and that request's first token (the largest end ``<= token``, or 0), int64. A count
+    over chunks of independent loads, not a binary search: a dependent chain of 7 loads
+    cost ~5 us at 64 requests (H200, cold L2). ``first_ends``: the first chunk, loaded
+    by the caller early."""
+    token = token.to(tl.int32)
+    passed = first_ends[None, :] <= token[:, None]
+    request = tl.sum(passed.to(tl.int32), axis=1)
+    start = tl.max(tl.where(passed, first_ends[None, :], 0), axis=1)
+    for chunk_start in range(REQUEST_CHUNK, num_requests, REQUEST_CHUNK):
+        ends = _request_ends(query_start_ptr, chunk_start, num_tokens, num_requests, REQUEST_CHUNK)
         passed = ends[None, :] <= token[:, None]
-        request += tl.sum(passed.to(tl.int64), axis=1)
+        request += tl.sum(passed.to(tl.int32), axis=1)
         start = tl.maximum(start, tl.max(tl.where(passed, ends[None, :], 0), axis=1))
-    return request, start
+    return request.to(tl.int64), start.to(tl.int64)
 
 
 @triton.jit
@@ -92,20 +102,20 @@ def _compress(raw, token_map_ptr, vocab_size, mask):
 
 
 @triton.jit
-def _own_slot_writes(block, input_ids_ptr, query_start_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
-                     num_tokens, num_requests, vocab_size, num_slots,
-                     HAS_DEAD: tl.constexpr, BLOCK: tl.constexpr):
+def _own_slot_writes(block, batch_end, input_ids_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
+                     num_tokens, vocab_size, num_slots, HAS_DEAD: tl.constexpr, BLOCK: tl.constexpr):
     """(slot, value, mask) ``[BLOCK]`` of tokens ``block * BLOCK + i``: each batch token's
-    slot receives its compressed id, or DEAD; padding and ``-1`` slots write nothing."""
+    slot receives its compressed id, or DEAD; padding (from ``batch_end =
+    query_start[R]`` on) and ``-1`` slots write nothing. The loads do not wait for
+    ``batch_end``; only the mask does."""
     token = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    batch_end = tl.load(query_start_ptr + num_requests).to(tl.int64)
-    live = (token < num_tokens) & (token < batch_end)
-    slot = tl.load(slot_mapping_ptr + token, mask=live, other=-1).to(tl.int64)
-    raw = tl.load(input_ids_ptr + token, mask=live, other=0).to(tl.int64)
-    value = _compress(raw, token_map_ptr, vocab_size, live)
+    valid = token < num_tokens
+    slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1).to(tl.int64)
+    raw = tl.load(input_ids_ptr + token, mask=valid, other=0).to(tl.int64)
+    value = _compress(raw, token_map_ptr, vocab_size, valid)
     if HAS_DEAD:
-        value = tl.where(tl.load(dead_ptr + token, mask=live, other=0) != 0, DEAD_CODE, value)
-    return slot, value, live & (slot >= 0) & (slot < num_slots)
+        value = tl.where(tl.load(dead_ptr + token, mask=valid, other=0) != 0, DEAD_CODE, value)
+    return slot, value, valid & (token < batch_end) & (slot >= 0) & (slot < num_slots)
 
 
 @triton.jit
@@ -171,7 +181,7 @@ def ngram_hash_kernel(
     tags int64 ``[rows + 1, width]``; multipliers int64 ``[L, N]``; primes, Barrett
     multipliers and offsets int64 ``[L, C]``; missing_shift int8 ``[T]`` gets the
     first shift whose history no source knew (0 = none; only with
-    ``REPORT_MISSING``); sync int32 ``[4]``, zero between launches.
+    ``REPORT_MISSING``); sync int64 ``[8]`` (zeros before the first launch).
 
     Grid: ``num_slot_programs`` slot writers (``SLOT_PHASE``; else the hashers write
     the slot cache themselves, unordered), ``num_hash_programs`` hashers of
@@ -179,18 +189,32 @@ def ngram_hash_kernel(
     (``HISTORY_PHASE``).
     """
     TICKETED: tl.constexpr = SLOT_PHASE or HISTORY_PHASE
+    # Loads that no role depends on go first: they overlap the ticket's round trip.
+    first_ends = _request_ends(query_start_ptr, 0, num_tokens, num_requests, REQUEST_CHUNK)
+    batch_end = tl.load(query_start_ptr + num_requests).to(tl.int64)
     if TICKETED:
-        ticket = tl.atomic_add(sync_ptr + TICKET, 1, sem="relaxed", scope="gpu").to(tl.int64)
+        drawn = tl.atomic_add(sync_ptr + TICKET, 1, sem="relaxed", scope="gpu")
+        generation = drawn >> 32
+        ticket = drawn & 0xFFFFFFFF
+        parity = generation & 1
+        if ticket == num_slot_programs + num_hash_programs + num_history_programs - 1:
+            # The last ticket: every other program has drawn; ready the next launch.
+            tl.atomic_xchg(sync_ptr + TICKET, (generation + 1) << 32, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + SLOTS_WRITTEN + 1 - parity, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + HISTORY_READ + 1 - parity, 0, sem="relaxed", scope="gpu")
     else:
         ticket = tl.program_id(0).to(tl.int64)
+        parity = 0
+    slots_written_ptr = sync_ptr + SLOTS_WRITTEN + parity
+    history_read_ptr = sync_ptr + HISTORY_READ + parity
     hash_begin = num_slot_programs
     history_begin = num_slot_programs + num_hash_programs
 
     if ticket < hash_begin:
         if SLOT_PHASE:
             own_slot, own_value, own_mask = _own_slot_writes(
-                ticket, input_ids_ptr, query_start_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
-                num_tokens, num_requests, vocab_size, num_slots, HAS_DEAD, WRITE_BLOCK)
+                ticket, batch_end, input_ids_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
+                num_tokens, vocab_size, num_slots, HAS_DEAD, WRITE_BLOCK)
             tl.store(slot_values_ptr + own_slot, own_value.to(tl.int32), mask=own_mask)
             if WRITE_SEEDS:
                 seed_request, seed_position, seed_value, seed_known = _lookback_seeds(
@@ -200,14 +224,14 @@ def ngram_hash_kernel(
                                      block_table_width, block_table_stride, seed_known)
                 tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
                          mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
-            _signal(sync_ptr + SLOTS_WRITTEN)
+            _signal(slots_written_ptr)
     elif ticket < history_begin:
         _hash_block(
-            ticket - hash_begin,
+            ticket - hash_begin, first_ends, batch_end, slots_written_ptr, history_read_ptr,
             input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
             lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
             history_rows_ptr, history_values_ptr, history_tags_ptr,
-            multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr, sync_ptr,
+            multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr,
             num_tokens, num_requests, vocab_size, pad_id,
             block_size, num_slots, block_table_width, block_table_stride, history_width, num_slot_programs,
             NUM_LAYERS, LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, NUM_HEADS, COLUMNS_PAD,
@@ -218,27 +242,18 @@ def ngram_hash_kernel(
             _history_block(
                 ticket - history_begin, input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
                 lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
-                sync_ptr, num_tokens, num_requests, vocab_size, history_width, num_hash_programs,
+                history_read_ptr, num_tokens, num_requests, vocab_size, history_width, num_hash_programs,
                 MAX_NGRAM - 1, HISTORY_PAD, HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, HISTORY_BLOCK, WIDTH_PAD)
 
-    if TICKETED:
-        # The last program resets the counters for the next launch (stream order
-        # makes the reset visible to it).
-        finished = tl.atomic_add(sync_ptr + FINISHED, 1, sem="acq_rel", scope="gpu")
-        if finished == num_slot_programs + num_hash_programs + num_history_programs - 1:
-            tl.atomic_xchg(sync_ptr + TICKET, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + SLOTS_WRITTEN, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + HISTORY_READ, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + FINISHED, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _hash_block(
-    block,
+    block, first_ends, batch_end, slots_written_ptr, history_read_ptr,
     input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
     lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
     history_rows_ptr, history_values_ptr, history_tags_ptr,
-    multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr, sync_ptr,
+    multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr,
     num_tokens, num_requests, vocab_size, pad_id,
     block_size, num_slots, block_table_width, block_table_stride, history_width, num_slot_programs,
     NUM_LAYERS: tl.constexpr, LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr, HISTORY_PAD: tl.constexpr,
@@ -253,7 +268,7 @@ def _hash_block(
     NUM_COLUMNS: tl.constexpr = HISTORY * NUM_HEADS
     token = block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS).to(tl.int64)
     valid = token < num_tokens
-    request, start = _locate_requests(token, query_start_ptr, num_tokens, num_requests, BLOCK_TOKENS, REQUEST_CHUNK)
+    request, start = _locate_requests(token, first_ends, query_start_ptr, num_tokens, num_requests, REQUEST_CHUNK)
     padding = request >= num_requests
     request = tl.minimum(request, tl.maximum(num_requests - 1, 0))
     live = valid & ~padding
@@ -278,8 +293,8 @@ def _hash_block(
         # hits): loaded now, stored after every read.
         if WRITE_SLOTS:
             own_slot, own_value, own_mask = _own_slot_writes(
-                block, input_ids_ptr, query_start_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
-                num_tokens, num_requests, vocab_size, num_slots, HAS_DEAD, BLOCK_TOKENS)
+                block, batch_end, input_ids_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
+                num_tokens, vocab_size, num_slots, HAS_DEAD, BLOCK_TOKENS)
         if WRITE_SEEDS:
             seed_request, seed_position, seed_value, seed_known = _lookback_seeds(
                 block, positions_ptr, query_start_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
@@ -290,7 +305,7 @@ def _hash_block(
         # Tokens whose history may come from the slot cache wait for the slot writers.
         may_read_slots = live & (offset_in_request < HISTORY) & (position > offset_in_request)
         if tl.max(may_read_slots.to(tl.int32), axis=0) > 0:
-            _wait_for(sync_ptr + SLOTS_WRITTEN, num_slot_programs)
+            _wait_for(slots_written_ptr, num_slot_programs)
 
     blocked = ~live
     first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
@@ -361,7 +376,7 @@ def _hash_block(
             rolling_by_column = tl.where((column_shift == shift)[None, None, :], rolling[:, :, None], rolling_by_column)
 
     if HISTORY_PHASE:
-        _signal(sync_ptr + HISTORY_READ)  # the history writers may now overwrite what was read
+        _signal(history_read_ptr)  # the history writers may now overwrite what was read
     # Stores, after every load.
     if not SLOT_PHASE:
         if WRITE_SLOTS:
@@ -380,7 +395,7 @@ def _hash_block(
 def _history_block(
     block, input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
     lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
-    sync_ptr, num_tokens, num_requests, vocab_size, history_width, num_hash_programs,
+    history_read_ptr, num_tokens, num_requests, vocab_size, history_width, num_hash_programs,
     HISTORY: tl.constexpr, HISTORY_PAD: tl.constexpr, HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr,
     HAS_LOOKBACK_DEAD: tl.constexpr, BLOCK: tl.constexpr, WIDTH_PAD: tl.constexpr,
 ):
@@ -430,7 +445,7 @@ def _history_block(
             seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
         seed_cell = row[:, None] * history_width + seed_position % history_width
 
-    _wait_for(sync_ptr + HISTORY_READ, num_hash_programs)
+    _wait_for(history_read_ptr, num_hash_programs)
     tl.store(history_values_ptr + cell, value.to(tl.int32), mask=keep)
     tl.store(history_tags_ptr + cell, position, mask=keep)
     if HAS_LOOKBACK:

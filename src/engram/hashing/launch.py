@@ -30,8 +30,8 @@ def block_tokens_for(num_tokens: int) -> int:
     return _BLOCK_TOKENS_LARGEST
 
 
-# Request ends compared per loop step ([16 tokens, 128 ends] per program).
-_REQUEST_CHUNK = 128
+# Request ends compared per loop step: up to [16 tokens, 128 ends] per program.
+_REQUEST_CHUNK_LARGEST = 128
 # Tokens (and requests, for lookback seeds) per slot-writer program; requests per
 # history-writer program (each a row of up to 16 ring cells).
 _WRITE_BLOCK = 64
@@ -118,7 +118,8 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         READ_SLOTS=read_slots, READ_HISTORY=uses_history, HISTORY_PHASE=uses_history and num_history_programs > 0,
         WIDTH_PAD=_next_power_of_2(history.width) if uses_history else 1,
         REPORT_MISSING=missing_shift is not None, BLOCK_TOKENS=block_tokens, WRITE_BLOCK=_WRITE_BLOCK,
-        HISTORY_BLOCK=_HISTORY_BLOCK, REQUEST_CHUNK=_REQUEST_CHUNK,
+        HISTORY_BLOCK=_HISTORY_BLOCK,
+        REQUEST_CHUNK=min(_REQUEST_CHUNK_LARGEST, _next_power_of_2(max(num_requests, 2))),
         num_warps=num_warps,
     )
     return out
