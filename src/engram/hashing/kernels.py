@@ -79,7 +79,7 @@ def _request_ends(query_start_ptr, chunk_start, num_tokens, num_requests, REQUES
 @triton.jit
 def _locate_requests(token, first_ends, query_start_ptr, num_tokens, num_requests, REQUEST_CHUNK: tl.constexpr):
     """Request of each token (how many request ends ``query_start[1:]`` are ``<= token``)
-    and that request's first token (the largest end ``<= token``, or 0), int64. A count
+    and that request's first token (the largest end ``<= token``, or 0), int32. A count
     over chunks of independent loads, not a binary search: a dependent chain of 7 loads
     cost ~5 us at 64 requests (H200, cold L2). ``first_ends``: the first chunk, loaded
     by the caller early."""
@@ -92,13 +92,13 @@ def _locate_requests(token, first_ends, query_start_ptr, num_tokens, num_request
         passed = ends[None, :] <= token[:, None]
         request += tl.sum(passed.to(tl.int32), axis=1)
         start = tl.maximum(start, tl.max(tl.where(passed, ends[None, :], 0), axis=1))
-    return request.to(tl.int64), start.to(tl.int64)
+    return request, start
 
 
 @triton.jit
 def _compress(raw, token_map_ptr, vocab_size, mask):
-    """Compressed id (int64) of raw token ids, clamped into the vocabulary."""
-    return tl.load(token_map_ptr + tl.minimum(tl.maximum(raw, 0), vocab_size - 1), mask=mask, other=0).to(tl.int64)
+    """Compressed id (int32) of raw token ids (int32), clamped into the vocabulary."""
+    return tl.load(token_map_ptr + tl.minimum(tl.maximum(raw, 0), vocab_size - 1), mask=mask, other=0)
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def _own_slot_writes(block, batch_end, input_ids_ptr, dead_ptr, token_map_ptr, s
     token = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     valid = token < num_tokens
     slot = tl.load(slot_mapping_ptr + token, mask=valid, other=-1).to(tl.int64)
-    raw = tl.load(input_ids_ptr + token, mask=valid, other=0).to(tl.int64)
+    raw = tl.load(input_ids_ptr + token, mask=valid, other=0).to(tl.int32)
     value = _compress(raw, token_map_ptr, vocab_size, valid)
     if HAS_DEAD:
         value = tl.where(tl.load(dead_ptr + token, mask=valid, other=0) != 0, DEAD_CODE, value)
@@ -131,11 +131,11 @@ def _lookback_seeds(block, positions_ptr, query_start_ptr, token_map_ptr, lookba
     first = tl.load(query_start_ptr + request, mask=has_request, other=0).to(tl.int64)
     after = tl.load(query_start_ptr + 1 + request, mask=has_request, other=0).to(tl.int64)
     has_token = has_request & (first < after) & (first < num_tokens)
-    first_position = tl.load(positions_ptr + first, mask=has_token, other=0).to(tl.int64)
-    position = first_position[:, None] - 1 - column[None, :]
+    first_position = tl.load(positions_ptr + first, mask=has_token, other=0).to(tl.int32)
+    position = first_position[:, None] - 1 - column[None, :].to(tl.int32)
     cell = request[:, None] * HISTORY + column[None, :]
     in_window = has_token[:, None] & (column < HISTORY)[None, :]
-    raw = tl.load(lookback_ids_ptr + cell, mask=in_window, other=-1).to(tl.int64)
+    raw = tl.load(lookback_ids_ptr + cell, mask=in_window, other=-1).to(tl.int32)
     known = in_window & (raw >= 0) & (position >= 0)
     value = _compress(raw, token_map_ptr, vocab_size, known)
     if HAS_LOOKBACK_DEAD:
@@ -145,9 +145,12 @@ def _lookback_seeds(block, positions_ptr, query_start_ptr, token_map_ptr, lookba
 
 @triton.jit
 def _slot_of(request, position, block_table_ptr, block_size, block_table_width, block_table_stride, mask):
-    """Slot of ``position`` through the request's block-table row (block index clamped)."""
+    """int64 slot of ``position`` (int32) through the request's block-table row (block
+    index clamped). Block arithmetic in int32: a 64-bit division is a ~70-instruction
+    subroutine."""
     block_index = tl.minimum(position // block_size, block_table_width - 1)
-    block = tl.load(block_table_ptr + request * block_table_stride + block_index, mask=mask, other=0).to(tl.int64)
+    row_start = request.to(tl.int64) * block_table_stride
+    block = tl.load(block_table_ptr + row_start + block_index, mask=mask, other=0).to(tl.int64)
     return block * block_size + position % block_size
 
 
@@ -266,13 +269,16 @@ def _hash_block(
     """Hash ids of tokens ``block * BLOCK_TOKENS + i`` (see :func:`ngram_hash_kernel`)."""
     HISTORY: tl.constexpr = MAX_NGRAM - 1
     NUM_COLUMNS: tl.constexpr = HISTORY * NUM_HEADS
-    token = block * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS).to(tl.int64)
+    # Token indices, positions and requests in int32 (each < 2**31; a 64-bit op is two
+    # or more instructions, and this kernel is issue-bound: ~1,100 SASS instructions per
+    # 4-token warp, H200); products that index memory in int64.
+    token = (block * BLOCK_TOKENS).to(tl.int32) + tl.arange(0, BLOCK_TOKENS)
     valid = token < num_tokens
     request, start = _locate_requests(token, first_ends, query_start_ptr, num_tokens, num_requests, REQUEST_CHUNK)
     padding = request >= num_requests
     request = tl.minimum(request, tl.maximum(num_requests - 1, 0))
     live = valid & ~padding
-    position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int64)
+    position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int32)
     offset_in_request = token - start
 
     # Every load is issued before any store: a store to ``out`` or a store may alias
@@ -320,7 +326,7 @@ def _hash_block(
         # request lookup (their masks do not depend on it); the selection does.
         source_token = tl.maximum(token - shift, 0)
         loadable = valid & (token >= shift)
-        raw = tl.load(input_ids_ptr + source_token, mask=loadable, other=0).to(tl.int64)
+        raw = tl.load(input_ids_ptr + source_token, mask=loadable, other=0).to(tl.int32)
         value = _compress(raw, token_map_ptr, vocab_size, loadable)
         dead = ~in_batch & (source_position < 0)
         if HAS_DEAD:
@@ -331,7 +337,7 @@ def _hash_block(
             # (2) the caller's lookback window
             if HAS_LOOKBACK:
                 lookback_raw = tl.load(lookback_ids_ptr + request * HISTORY + lookback_column,
-                                       mask=outside, other=-1).to(tl.int64)
+                                       mask=outside, other=-1).to(tl.int32)
                 use = outside & (lookback_raw >= 0)
                 value = tl.where(use, _compress(lookback_raw, token_map_ptr, vocab_size, use), value)
                 if HAS_LOOKBACK_DEAD:
@@ -347,7 +353,7 @@ def _hash_block(
                                         block_table_width, block_table_stride, need)
                 history_slot = tl.minimum(tl.maximum(history_slot, 0), num_slots - 1)
                 cached = tl.load(slot_values_ptr + history_slot, mask=need, other=UNWRITTEN_CODE,
-                                 cache_modifier=".cg").to(tl.int64)
+                                 cache_modifier=".cg")
                 use = need & (cached != UNWRITTEN_CODE)
                 value = tl.where(use, cached, value)
                 dead = tl.where(use, cached == DEAD_CODE, dead)
@@ -358,7 +364,7 @@ def _hash_block(
                 row = tl.load(history_rows_ptr + request, mask=need, other=0).to(tl.int64)
                 cell = row * history_width + source_position % history_width
                 tag = tl.load(history_tags_ptr + cell, mask=need, other=-1)
-                remembered = tl.load(history_values_ptr + cell, mask=need, other=UNWRITTEN_CODE).to(tl.int64)
+                remembered = tl.load(history_values_ptr + cell, mask=need, other=UNWRITTEN_CODE)
                 use = need & (tag == source_position) & (remembered != UNWRITTEN_CODE)
                 value = tl.where(use, remembered, value)
                 dead = tl.where(use, remembered == DEAD_CODE, dead)
@@ -371,7 +377,7 @@ def _hash_block(
         blocked = blocked | dead
         value = tl.where(blocked, pad_id, tl.maximum(value, 0))
         multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
-        rolling = rolling ^ (value[:, None] * multiplier[None, :])
+        rolling = rolling ^ (value.to(tl.int64)[:, None] * multiplier[None, :])
         if shift > 0:
             rolling_by_column = tl.where((column_shift == shift)[None, None, :], rolling[:, :, None], rolling_by_column)
 
@@ -385,7 +391,7 @@ def _hash_block(
             tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
                      mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
     ids = _remainder(rolling_by_column, prime[None, :, :], barrett[None, :, :]) + first_row[None, :, :]
-    out_offset = token[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[None, :, :]
+    out_offset = token.to(tl.int64)[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[None, :, :]
     tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=valid[:, None, None] & column_ok[None, :, :])
     if REPORT_MISSING:
         tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)
@@ -422,7 +428,7 @@ def _history_block(
     keep = has_request[:, None] & (lane[None, :] < kept[:, None])
     token = after[:, None] - kept[:, None] + lane[None, :]
     position = tl.load(positions_ptr + token, mask=keep, other=0).to(tl.int64)
-    raw = tl.load(input_ids_ptr + token, mask=keep, other=0).to(tl.int64)
+    raw = tl.load(input_ids_ptr + token, mask=keep, other=0).to(tl.int32)
     value = _compress(raw, token_map_ptr, vocab_size, keep)
     if HAS_DEAD:
         value = tl.where(tl.load(dead_ptr + token, mask=keep, other=0) != 0, DEAD_CODE, value)
@@ -433,7 +439,7 @@ def _history_block(
         in_window = (has_request & (count > 0))[:, None] & (column < HISTORY)[None, :]
         seed_position = first_position[:, None] - 1 - column[None, :]
         lookback_cell = request[:, None] * HISTORY + column[None, :]
-        seed_raw = tl.load(lookback_ids_ptr + lookback_cell, mask=in_window, other=-1).to(tl.int64)
+        seed_raw = tl.load(lookback_ids_ptr + lookback_cell, mask=in_window, other=-1).to(tl.int32)
         # The first kept position with the seed's residue; the seed stays only if none is kept.
         kept_from = first_position + (count - kept)  # position of the first kept token
         last = first_position + count                # one past the request's last position
