@@ -84,14 +84,14 @@ def _locate_requests(token, first_ends, query_start_ptr, num_tokens, num_request
     cost ~5 us at 64 requests (H200, cold L2). ``first_ends``: the first chunk, loaded
     by the caller early."""
     token = token.to(tl.int32)
-    passed = first_ends[None, :] <= token[:, None]
-    request = tl.sum(passed.to(tl.int32), axis=1)
-    start = tl.max(tl.where(passed, first_ends[None, :], 0), axis=1)
+    passed = first_ends[:, None] <= token[None, :]  # [ends, tokens]: tokens last (see _hash_block)
+    request = tl.sum(passed.to(tl.int32), axis=0)
+    start = tl.max(tl.where(passed, first_ends[:, None], 0), axis=0)
     for chunk_start in range(REQUEST_CHUNK, num_requests, REQUEST_CHUNK):
         ends = _request_ends(query_start_ptr, chunk_start, num_tokens, num_requests, REQUEST_CHUNK)
-        passed = ends[None, :] <= token[:, None]
-        request += tl.sum(passed.to(tl.int32), axis=1)
-        start = tl.maximum(start, tl.max(tl.where(passed, ends[None, :], 0), axis=1))
+        passed = ends[:, None] <= token[None, :]
+        request += tl.sum(passed.to(tl.int32), axis=0)
+        start = tl.maximum(start, tl.max(tl.where(passed, ends[:, None], 0), axis=0))
     return request, start
 
 
@@ -283,7 +283,10 @@ def _hash_block(
 
     # Every load is issued before any store: a store to ``out`` or a store may alias
     # later loads, so loads after it wait (per-shift stores cost ~9 us at T = 1,
-    # H200, cold L2). Table constants are loaded once as [L, C] tiles.
+    # H200, cold L2). Table constants are loaded once as [L, C] tiles. Tiles put the
+    # token axis last, so a warp's lanes spread over tokens and each lane keeps one
+    # token's scalars (token-first tiles gave every lane all of them: 816 -> 720
+    # SASS instructions per 4-token program).
     layers = tl.arange(0, LAYERS_PAD)
     columns = tl.arange(0, COLUMNS_PAD)
     layer_ok = layers < NUM_LAYERS
@@ -315,8 +318,8 @@ def _hash_block(
 
     blocked = ~live
     first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
-    rolling = tl.zeros([BLOCK_TOKENS, LAYERS_PAD], dtype=tl.int64)
-    rolling_by_column = tl.zeros([BLOCK_TOKENS, LAYERS_PAD, COLUMNS_PAD], dtype=tl.int64)
+    rolling = tl.zeros([LAYERS_PAD, 1, BLOCK_TOKENS], dtype=tl.int64)
+    rolling_by_column = tl.zeros([LAYERS_PAD, COLUMNS_PAD, BLOCK_TOKENS], dtype=tl.int64)
     for shift in tl.static_range(MAX_NGRAM):
         source_position = position - shift
         in_batch = offset_in_request >= shift
@@ -377,9 +380,9 @@ def _hash_block(
         blocked = blocked | dead
         value = tl.where(blocked, pad_id, tl.maximum(value, 0))
         multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
-        rolling = rolling ^ (value.to(tl.int64)[:, None] * multiplier[None, :])
+        rolling = rolling ^ (value.to(tl.int64)[None, None, :] * multiplier[:, None, None])
         if shift > 0:
-            rolling_by_column = tl.where((column_shift == shift)[None, None, :], rolling[:, :, None], rolling_by_column)
+            rolling_by_column = tl.where((column_shift == shift)[None, :, None], rolling, rolling_by_column)
 
     if HISTORY_PHASE:
         _signal(history_read_ptr)  # the history writers may now overwrite what was read
@@ -390,9 +393,9 @@ def _hash_block(
         if WRITE_SEEDS:
             tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
                      mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
-    ids = _remainder(rolling_by_column, prime[None, :, :], barrett[None, :, :]) + first_row[None, :, :]
-    out_offset = token.to(tl.int64)[:, None, None] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[None, :, :]
-    tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=valid[:, None, None] & column_ok[None, :, :])
+    ids = _remainder(rolling_by_column, prime[:, :, None], barrett[:, :, None]) + first_row[:, :, None]
+    out_offset = token.to(tl.int64)[None, None, :] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[:, :, None]
+    tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=column_ok[:, :, None] & valid[None, None, :])
     if REPORT_MISSING:
         tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)
 
