@@ -67,8 +67,8 @@ class NgramHasher:
         # The kernel's exact remainder: Barrett multipliers floor((2**64 - 1) / prime), uint64 bits.
         barrett = np.array([(2**64 - 1) // int(p) for p in layout.column_primes.reshape(-1)], dtype=np.uint64)
         self.barrett_multipliers = torch.from_numpy(barrett.view(np.int64).reshape(layout.column_primes.shape)).to(self.device)
-        # The kernel's ticket and phase counters (see engram.hashing.kernels).
-        self.kernel_sync = torch.zeros(8, dtype=torch.int64, device=self.device)
+        # The kernel's phase counters, zero between launches (see engram.hashing.kernels).
+        self.kernel_sync = torch.zeros(4, dtype=torch.int32, device=self.device)
         self.out_dtype = torch.int32 if max(layout.num_embeddings) <= _INT32_MAX else torch.int64
         # Decided once: the per-step path does no import lookups.
         self._triton_on_device = self.device.type == "cuda" and self.out_dtype == torch.int32 and triton_available()

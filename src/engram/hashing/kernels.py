@@ -7,12 +7,15 @@ stores. Launched by :mod:`engram.hashing.launch`; its torch twin is
 Phases in one launch. Stores a step both writes and reads need an order: the
 slot cache is written before it is read (another request of the batch may hit
 blocks this step fills), the request history after it is read (a step reads and
-writes the same ring cells). Each program takes a ticket from an atomic counter
-and works as a slot writer (the first tickets), a hasher, or a history writer
-(the last ones). A program waits only on programs with smaller tickets, which
-already run and never wait on it, so the launch cannot deadlock however few
-programs are resident. One launch at a time per sync buffer (one hasher, one
-stream).
+writes the same ring cells). The grid is laid out by phase: slot writers, hashers,
+history writers, then one finisher that zeroes the counters for the next launch.
+Only the hash programs that read a store (those holding one of the first N - 1
+tokens of a request: the "readers") wait or signal, so the other hashers touch
+no counter (a ticket drawn by every program cost ~1 us of same-address atomics at
+T = 8192, H200). A program waits only on programs with smaller ids, which the GPU
+dispatches first, as single-pass scans (CUB's decoupled look-back) rely on: they
+are resident and never wait on it. One launch at a time per sync buffer (one
+hasher, one stream).
 """
 
 import triton
@@ -21,12 +24,10 @@ import triton.language as tl
 DEAD_CODE = tl.constexpr(-1)       # engram.hashing.stores.DEAD
 UNWRITTEN_CODE = tl.constexpr(-2)  # engram.hashing.stores.UNWRITTEN
 
-# The int64 [8] sync buffer: the ticket (launch generation << 32 | tickets drawn),
-# then two counters per launch parity, so the last ticket of a launch readies the
-# other parity's counters for the next launch and no program counts itself out.
-TICKET = tl.constexpr(0)
-SLOTS_WRITTEN = tl.constexpr(1)   # [parity]: slot-writer programs done
-HISTORY_READ = tl.constexpr(3)    # [parity]: hash programs past their history reads
+# Counters of the int32 [4] sync buffer, zero between launches.
+SLOTS_WRITTEN = tl.constexpr(0)    # slot-writer programs done
+READS_DONE = tl.constexpr(1)       # reader hash programs past their store reads
+HISTORY_WRITTEN = tl.constexpr(2)  # history-writer programs past their wait
 
 
 @triton.jit
@@ -74,6 +75,40 @@ def _request_ends(query_start_ptr, chunk_start, num_tokens, num_requests, REQUES
     (past the last request: ``num_tokens + 1``, which no token reaches)."""
     chunk = chunk_start + tl.arange(0, REQUEST_CHUNK).to(tl.int64)
     return tl.load(query_start_ptr + 1 + chunk, mask=chunk < num_requests, other=num_tokens + 1).to(tl.int32)
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _count_readers(query_start_ptr, num_tokens, num_requests,
+                   HISTORY: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr):
+    """How many hash programs hold one of the first ``HISTORY`` tokens of a request (the
+    programs that read a store; int32 scalar): the union of each request's block
+    interval ``[first // B, (first + k - 1) // B]``, intervals sorted by both ends, so
+    request ``r`` adds ``last - max(first - 1, last of every earlier request)`` blocks."""
+    count = tl.full([], 0, tl.int32)
+    carried = tl.full([], -1, tl.int32)  # last block of the requests of earlier chunks
+    for chunk_start in range(0, num_requests, REQUEST_CHUNK):
+        request = chunk_start + tl.arange(0, REQUEST_CHUNK).to(tl.int64)
+        in_range = request < num_requests
+        first = tl.load(query_start_ptr + request, mask=in_range, other=0).to(tl.int32)
+        after = tl.load(query_start_ptr + 1 + request, mask=in_range, other=0).to(tl.int32)
+        last_block = tl.where(in_range & (first < tl.minimum(after, num_tokens)),
+                              (tl.minimum(first + HISTORY, tl.minimum(after, num_tokens)) - 1) // BLOCK_TOKENS, -1)
+        # The same for request r - 1, scanned: the last block of every earlier request.
+        has_previous = in_range & (request >= 1)
+        previous_first = tl.load(query_start_ptr + request - 1, mask=has_previous, other=0).to(tl.int32)
+        previous_after = tl.minimum(first, num_tokens)
+        previous_last = tl.where(has_previous & (previous_first < previous_after),
+                                 (tl.minimum(previous_first + HISTORY, previous_after) - 1) // BLOCK_TOKENS, -1)
+        before = tl.maximum(tl.associative_scan(previous_last, 0, _maximum), carried)
+        fresh = tl.where(last_block >= 0, tl.maximum(last_block - tl.maximum(first // BLOCK_TOKENS - 1, before), 0), 0)
+        count += tl.sum(fresh, axis=0)
+        carried = tl.maximum(carried, tl.max(last_block, axis=0))
+    return count
 
 
 @triton.jit
@@ -184,53 +219,39 @@ def ngram_hash_kernel(
     tags int64 ``[rows + 1, width]``; multipliers int64 ``[L, N]``; primes, Barrett
     multipliers and offsets int64 ``[L, C]``; missing_shift int8 ``[T]`` gets the
     first shift whose history no source knew (0 = none; only with
-    ``REPORT_MISSING``); sync int64 ``[8]`` (zeros before the first launch).
+    ``REPORT_MISSING``); sync int32 ``[4]``, zero between launches.
 
     Grid: ``num_slot_programs`` slot writers (``SLOT_PHASE``; else the hashers write
     the slot cache themselves, unordered), ``num_hash_programs`` hashers of
     ``BLOCK_TOKENS`` tokens, ``num_history_programs`` history writers
-    (``HISTORY_PHASE``).
+    (``HISTORY_PHASE``), and with either phase one finisher.
     """
-    TICKETED: tl.constexpr = SLOT_PHASE or HISTORY_PHASE
-    # Loads that no role depends on go first: they overlap the ticket's round trip.
+    SYNCED: tl.constexpr = SLOT_PHASE or HISTORY_PHASE
+    program = tl.program_id(0).to(tl.int64)
     first_ends = _request_ends(query_start_ptr, 0, num_tokens, num_requests, REQUEST_CHUNK)
     batch_end = tl.load(query_start_ptr + num_requests).to(tl.int64)
-    if TICKETED:
-        drawn = tl.atomic_add(sync_ptr + TICKET, 1, sem="relaxed", scope="gpu")
-        generation = drawn >> 32
-        ticket = drawn & 0xFFFFFFFF
-        parity = generation & 1
-        if ticket == num_slot_programs + num_hash_programs + num_history_programs - 1:
-            # The last ticket: every other program has drawn; ready the next launch.
-            tl.atomic_xchg(sync_ptr + TICKET, (generation + 1) << 32, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + SLOTS_WRITTEN + 1 - parity, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(sync_ptr + HISTORY_READ + 1 - parity, 0, sem="relaxed", scope="gpu")
-    else:
-        ticket = tl.program_id(0).to(tl.int64)
-        parity = 0
-    slots_written_ptr = sync_ptr + SLOTS_WRITTEN + parity
-    history_read_ptr = sync_ptr + HISTORY_READ + parity
     hash_begin = num_slot_programs
     history_begin = num_slot_programs + num_hash_programs
+    finisher = history_begin + num_history_programs  # the last program, when SYNCED
 
-    if ticket < hash_begin:
+    if program < hash_begin:
         if SLOT_PHASE:
             own_slot, own_value, own_mask = _own_slot_writes(
-                ticket, batch_end, input_ids_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
+                program, batch_end, input_ids_ptr, dead_ptr, token_map_ptr, slot_mapping_ptr,
                 num_tokens, vocab_size, num_slots, HAS_DEAD, WRITE_BLOCK)
             tl.store(slot_values_ptr + own_slot, own_value.to(tl.int32), mask=own_mask)
             if WRITE_SEEDS:
                 seed_request, seed_position, seed_value, seed_known = _lookback_seeds(
-                    ticket, positions_ptr, query_start_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
+                    program, positions_ptr, query_start_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
                     num_tokens, num_requests, vocab_size, MAX_NGRAM - 1, HISTORY_PAD, HAS_LOOKBACK_DEAD, WRITE_BLOCK)
                 seed_slot = _slot_of(seed_request[:, None], seed_position, block_table_ptr, block_size,
                                      block_table_width, block_table_stride, seed_known)
                 tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
                          mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
-            _signal(slots_written_ptr)
-    elif ticket < history_begin:
+            _signal(sync_ptr + SLOTS_WRITTEN)
+    elif program < history_begin:
         _hash_block(
-            ticket - hash_begin, first_ends, batch_end, slots_written_ptr, history_read_ptr,
+            program - hash_begin, first_ends, batch_end, sync_ptr,
             input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
             lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
             history_rows_ptr, history_values_ptr, history_tags_ptr,
@@ -240,19 +261,34 @@ def ngram_hash_kernel(
             NUM_LAYERS, LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, NUM_HEADS, COLUMNS_PAD,
             HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, WRITE_SLOTS, WRITE_SEEDS, SLOT_PHASE,
             READ_SLOTS, READ_HISTORY, HISTORY_PHASE, REPORT_MISSING, BLOCK_TOKENS, REQUEST_CHUNK)
-    else:
+    elif program < finisher:
         if HISTORY_PHASE:
+            readers = _count_readers(query_start_ptr, num_tokens, num_requests, MAX_NGRAM - 1, BLOCK_TOKENS,
+                                     REQUEST_CHUNK)
             _history_block(
-                ticket - history_begin, input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
+                program - history_begin, input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
                 lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
-                history_read_ptr, num_tokens, num_requests, vocab_size, history_width, num_hash_programs,
+                sync_ptr, readers, num_tokens, num_requests, vocab_size, history_width,
                 MAX_NGRAM - 1, HISTORY_PAD, HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, HISTORY_BLOCK, WIDTH_PAD)
-
+    else:
+        if SYNCED:
+            # The finisher: once every counter has reached its count (no program reads
+            # one any more), zero them for the next launch.
+            readers = _count_readers(query_start_ptr, num_tokens, num_requests, MAX_NGRAM - 1, BLOCK_TOKENS,
+                                     REQUEST_CHUNK)
+            if SLOT_PHASE:
+                _wait_for(sync_ptr + SLOTS_WRITTEN, num_slot_programs)
+            _wait_for(sync_ptr + READS_DONE, readers)
+            if HISTORY_PHASE:
+                _wait_for(sync_ptr + HISTORY_WRITTEN, num_history_programs)
+            tl.atomic_xchg(sync_ptr + SLOTS_WRITTEN, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + READS_DONE, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + HISTORY_WRITTEN, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _hash_block(
-    block, first_ends, batch_end, slots_written_ptr, history_read_ptr,
+    block, first_ends, batch_end, sync_ptr,
     input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
     lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
     history_rows_ptr, history_values_ptr, history_tags_ptr,
@@ -310,11 +346,12 @@ def _hash_block(
                 num_tokens, num_requests, vocab_size, HISTORY, HISTORY_PAD, HAS_LOOKBACK_DEAD, BLOCK_TOKENS)
             seed_slot = _slot_of(seed_request[:, None], seed_position, block_table_ptr, block_size,
                                  block_table_width, block_table_stride, seed_known)
+    # A reader: a program holding one of the first N - 1 tokens of a request, whose
+    # history may come from a store (the rule _count_readers counts).
+    reader = tl.max((live & (offset_in_request < HISTORY)).to(tl.int32), axis=0) > 0
     if SLOT_PHASE and READ_SLOTS:
-        # Tokens whose history may come from the slot cache wait for the slot writers.
-        may_read_slots = live & (offset_in_request < HISTORY) & (position > offset_in_request)
-        if tl.max(may_read_slots.to(tl.int32), axis=0) > 0:
-            _wait_for(slots_written_ptr, num_slot_programs)
+        if reader:
+            _wait_for(sync_ptr + SLOTS_WRITTEN, num_slot_programs)  # the slot writers are done
 
     blocked = ~live
     first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
@@ -384,8 +421,9 @@ def _hash_block(
         if shift > 0:
             rolling_by_column = tl.where((column_shift == shift)[None, :, None], rolling, rolling_by_column)
 
-    if HISTORY_PHASE:
-        _signal(history_read_ptr)  # the history writers may now overwrite what was read
+    if SLOT_PHASE or HISTORY_PHASE:
+        if reader:
+            _signal(sync_ptr + READS_DONE)  # the history writers may now overwrite what was read
     # Stores, after every load.
     if not SLOT_PHASE:
         if WRITE_SLOTS:
@@ -404,14 +442,14 @@ def _hash_block(
 def _history_block(
     block, input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
     lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
-    history_read_ptr, num_tokens, num_requests, vocab_size, history_width, num_hash_programs,
+    sync_ptr, readers, num_tokens, num_requests, vocab_size, history_width,
     HISTORY: tl.constexpr, HISTORY_PAD: tl.constexpr, HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr,
     HAS_LOOKBACK_DEAD: tl.constexpr, BLOCK: tl.constexpr, WIDTH_PAD: tl.constexpr,
 ):
     """Requests ``block * BLOCK + i``: the ring receives the known lookback entries and
     the last ``width`` tokens of each request (drafts included), position-tagged:
     ``values[row, p % width] = id or DEAD``, ``tags[row, p % width] = p``. Loads first,
-    then a wait for every hasher's reads, then the stores.
+    then a wait for every reader hash program (``readers`` of them), then the stores.
 
     Every cell is written at most once: a lookback entry whose cell a kept token
     takes is skipped (the later position wins, as in the torch path).
@@ -454,7 +492,8 @@ def _history_block(
             seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
         seed_cell = row[:, None] * history_width + seed_position % history_width
 
-    _wait_for(history_read_ptr, num_hash_programs)
+    _wait_for(sync_ptr + READS_DONE, readers)
+    _signal(sync_ptr + HISTORY_WRITTEN)  # past the wait: the finisher may zero READS_DONE
     tl.store(history_values_ptr + cell, value.to(tl.int32), mask=keep)
     tl.store(history_tags_ptr + cell, position, mask=keep)
     if HAS_LOOKBACK:

@@ -89,7 +89,8 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
     num_slot_programs = triton_cdiv(write_items, _WRITE_BLOCK) if slot_phase else 0
     num_hash_programs = triton_cdiv(num_tokens if slot_phase else write_items, block_tokens)
     num_history_programs = triton_cdiv(num_requests, _HISTORY_BLOCK) if uses_history and num_requests else 0
-    ngram_hash_kernel[(num_slot_programs + num_hash_programs + num_history_programs,)](
+    finisher = 1 if slot_phase or num_history_programs else 0
+    ngram_hash_kernel[(num_slot_programs + num_hash_programs + num_history_programs + finisher,)](
         batch.input_ids, batch.positions, batch.query_start_loc,
         batch.dead_mask if batch.dead_mask is not None else placeholder, hasher.token_map,
         lookback if lookback is not None else placeholder,
