@@ -345,16 +345,27 @@ def check_same_step_prefix_hits(hasher, pairs, block_size, prefill_blocks, tail)
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
-def test_kernel_same_step_prefix_hits_many_requests_interpreted():
+@pytest.mark.parametrize("distrust", [False, True])
+def test_kernel_same_step_prefix_hits_many_requests_interpreted(distrust, monkeypatch):
+    """``distrust``: every reader program takes the re-hash path of a changed
+    speculative slot read (programs run one by one here, so none changes by itself)."""
+    from engram.hashing import launch
+
+    if distrust:
+        monkeypatch.setitem(launch.LAUNCH_OVERRIDE, "distrust_speculation", True)
     hasher = small_hasher(int(np.random.default_rng().integers(2**31)), validate=False)
     check_same_step_prefix_hits(hasher, pairs=3, block_size=4, prefill_blocks=3, tail=5)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("pairs", [1, 24])
-def test_gpu_same_step_prefix_hits_many_requests(pairs):
+@pytest.mark.parametrize("pairs,distrust", [(1, False), (24, False), (24, True)])
+def test_gpu_same_step_prefix_hits_many_requests(pairs, distrust, monkeypatch):
     """Up to ~8k tokens, V4.1 geometry: the phases run concurrently on the GPU."""
+    from engram.hashing import launch
+
+    if distrust:
+        monkeypatch.setitem(launch.LAUNCH_OVERRIDE, "distrust_speculation", True)
     check_same_step_prefix_hits(v41_hasher(validate=False), pairs, block_size=16, prefill_blocks=16, tail=64)
 
 

@@ -207,7 +207,7 @@ def ngram_hash_kernel(
     WRITE_SLOTS: tl.constexpr, WRITE_SEEDS: tl.constexpr, SLOT_PHASE: tl.constexpr,
     READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr, HISTORY_PHASE: tl.constexpr, WIDTH_PAD: tl.constexpr,
     REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WRITE_BLOCK: tl.constexpr,
-    HISTORY_BLOCK: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
+    HISTORY_BLOCK: tl.constexpr, REQUEST_CHUNK: tl.constexpr, DISTRUST_SPECULATION: tl.constexpr = False,
 ):
     """ids int32 ``[T, L, C]``: column ``(s-1)*H + h`` of layer ``l`` is
     ``(XOR_{k<=s} window[k] * m[l, k]) % prime[l, col] + offset[l, col]``.
@@ -260,7 +260,8 @@ def ngram_hash_kernel(
             block_size, num_slots, block_table_width, block_table_stride, history_width, num_slot_programs,
             NUM_LAYERS, LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, NUM_HEADS, COLUMNS_PAD,
             HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, WRITE_SLOTS, WRITE_SEEDS, SLOT_PHASE,
-            READ_SLOTS, READ_HISTORY, HISTORY_PHASE, REPORT_MISSING, BLOCK_TOKENS, REQUEST_CHUNK)
+            READ_SLOTS, READ_HISTORY, HISTORY_PHASE, REPORT_MISSING, BLOCK_TOKENS, REQUEST_CHUNK,
+            DISTRUST_SPECULATION)
     elif program < finisher:
         if HISTORY_PHASE:
             readers = _count_readers(query_start_ptr, num_tokens, num_requests, MAX_NGRAM - 1, BLOCK_TOKENS,
@@ -287,6 +288,99 @@ def ngram_hash_kernel(
 
 
 @triton.jit
+def _hash_tokens(
+    token, valid, live, request, position, offset_in_request, prime, barrett, first_row, column_shift, layers,
+    layer_ok, input_ids_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr, block_table_ptr,
+    slot_values_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr, multipliers_ptr,
+    vocab_size, pad_id, block_size, num_slots, block_table_width, block_table_stride, history_width,
+    LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr, HISTORY_PAD: tl.constexpr, COLUMNS_PAD: tl.constexpr,
+    HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
+    READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr, REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+):
+    """Ids int64 ``[L, C, tokens]`` of the tokens, from every history source; also the
+    first shift no source knew per token, and the slot-cache reads ``[N - 1, tokens]``
+    (slot, value read, mask) for a later check."""
+    HISTORY: tl.constexpr = MAX_NGRAM - 1
+    history_index = tl.arange(0, HISTORY_PAD)
+    slot_read = tl.zeros([HISTORY_PAD, BLOCK_TOKENS], dtype=tl.int64)
+    slot_value = tl.zeros([HISTORY_PAD, BLOCK_TOKENS], dtype=tl.int32)
+    slot_used = tl.zeros([HISTORY_PAD, BLOCK_TOKENS], dtype=tl.int1)
+    blocked = ~live
+    first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
+    rolling = tl.zeros([LAYERS_PAD, 1, BLOCK_TOKENS], dtype=tl.int64)
+    rolling_by_column = tl.zeros([LAYERS_PAD, COLUMNS_PAD, BLOCK_TOKENS], dtype=tl.int64)
+    for shift in tl.static_range(MAX_NGRAM):
+        source_position = position - shift
+        in_batch = offset_in_request >= shift
+        outside = live & ~in_batch & (source_position >= 0)
+
+        # (1) the same request earlier in this batch. The loads do not wait for the
+        # request lookup (their masks do not depend on it); the selection does.
+        source_token = tl.maximum(token - shift, 0)
+        loadable = valid & (token >= shift)
+        raw = tl.load(input_ids_ptr + source_token, mask=loadable, other=0).to(tl.int32)
+        value = _compress(raw, token_map_ptr, vocab_size, loadable)
+        dead = ~in_batch & (source_position < 0)
+        if HAS_DEAD:
+            dead = dead | (in_batch & (tl.load(dead_ptr + source_token, mask=loadable, other=0) != 0))
+        if shift > 0:
+            known = tl.zeros([BLOCK_TOKENS], dtype=tl.int1)
+            lookback_column = shift - offset_in_request - 1
+            # (2) the caller's lookback window
+            if HAS_LOOKBACK:
+                lookback_raw = tl.load(lookback_ids_ptr + request * HISTORY + lookback_column,
+                                       mask=outside, other=-1).to(tl.int32)
+                use = outside & (lookback_raw >= 0)
+                value = tl.where(use, _compress(lookback_raw, token_map_ptr, vocab_size, use), value)
+                if HAS_LOOKBACK_DEAD:
+                    lookback_dead = tl.load(lookback_dead_ptr + request * HISTORY + lookback_column,
+                                            mask=use, other=0) != 0
+                    dead = tl.where(use, lookback_dead, dead)
+                known = known | use
+            # (3) the slot cache, through the request's block table (L2 reads: the
+            # slot writers of this launch may have just written them)
+            if READ_SLOTS:
+                need = outside & ~known
+                history_slot = _slot_of(request, source_position, block_table_ptr, block_size,
+                                        block_table_width, block_table_stride, need)
+                history_slot = tl.minimum(tl.maximum(history_slot, 0), num_slots - 1)
+                cached = tl.load(slot_values_ptr + history_slot, mask=need, other=UNWRITTEN_CODE,
+                                 cache_modifier=".cg")
+                use = need & (cached != UNWRITTEN_CODE)
+                value = tl.where(use, cached, value)
+                dead = tl.where(use, cached == DEAD_CODE, dead)
+                known = known | use
+                row_of_shift = (history_index == shift - 1)[:, None]
+                slot_read = tl.where(row_of_shift, history_slot[None, :], slot_read)
+                slot_value = tl.where(row_of_shift, cached[None, :], slot_value)
+                slot_used = tl.where(row_of_shift, need[None, :], slot_used)
+            # (3') the per-request history ring, position-tagged
+            if READ_HISTORY:
+                need = outside & ~known
+                row = tl.load(history_rows_ptr + request, mask=need, other=0).to(tl.int64)
+                cell = row * history_width + source_position % history_width
+                tag = tl.load(history_tags_ptr + cell, mask=need, other=-1)
+                remembered = tl.load(history_values_ptr + cell, mask=need, other=UNWRITTEN_CODE)
+                use = need & (tag == source_position) & (remembered != UNWRITTEN_CODE)
+                value = tl.where(use, remembered, value)
+                dead = tl.where(use, remembered == DEAD_CODE, dead)
+                known = known | use
+            unknown = outside & ~known
+            if REPORT_MISSING:  # only where no earlier shift is blocked already
+                first_missing = tl.where(unknown & ~blocked & (first_missing == 0), shift, first_missing)
+            dead = dead | unknown  # unknown history hashes as pad (validation reports it)
+
+        blocked = blocked | dead
+        value = tl.where(blocked, pad_id, tl.maximum(value, 0))
+        multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
+        rolling = rolling ^ (value.to(tl.int64)[None, None, :] * multiplier[:, None, None])
+        if shift > 0:
+            rolling_by_column = tl.where((column_shift == shift)[None, :, None], rolling, rolling_by_column)
+    ids = _remainder(rolling_by_column, prime[:, :, None], barrett[:, :, None]) + first_row[:, :, None]
+    return ids, first_missing, slot_read, slot_value, slot_used
+
+
+@triton.jit
 def _hash_block(
     block, first_ends, batch_end, sync_ptr,
     input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
@@ -301,6 +395,7 @@ def _hash_block(
     WRITE_SLOTS: tl.constexpr, WRITE_SEEDS: tl.constexpr, SLOT_PHASE: tl.constexpr,
     READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr, HISTORY_PHASE: tl.constexpr,
     REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
+    DISTRUST_SPECULATION: tl.constexpr,
 ):
     """Hash ids of tokens ``block * BLOCK_TOKENS + i`` (see :func:`ngram_hash_kernel`)."""
     HISTORY: tl.constexpr = MAX_NGRAM - 1
@@ -349,77 +444,32 @@ def _hash_block(
     # A reader: a program holding one of the first N - 1 tokens of a request, whose
     # history may come from a store (the rule _count_readers counts).
     reader = tl.max((live & (offset_in_request < HISTORY)).to(tl.int32), axis=0) > 0
+    ids, first_missing, slot_read, slot_value, slot_used = _hash_tokens(
+        token, valid, live, request, position, offset_in_request, prime, barrett, first_row, column_shift, layers,
+        layer_ok, input_ids_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr, block_table_ptr,
+        slot_values_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr, multipliers_ptr,
+        vocab_size, pad_id, block_size, num_slots, block_table_width, block_table_stride, history_width,
+        LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, COLUMNS_PAD, HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD,
+        READ_SLOTS, READ_HISTORY, REPORT_MISSING, BLOCK_TOKENS)
     if SLOT_PHASE and READ_SLOTS:
+        # The slot reads above were speculative: a slot writer of this launch may not
+        # have written them yet. Once every writer is done, read them again; only if
+        # one changed (a request hit blocks this step fills) hash again. The wait
+        # overlaps the hash instead of preceding it.
         if reader:
-            _wait_for(sync_ptr + SLOTS_WRITTEN, num_slot_programs)  # the slot writers are done
-
-    blocked = ~live
-    first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
-    rolling = tl.zeros([LAYERS_PAD, 1, BLOCK_TOKENS], dtype=tl.int64)
-    rolling_by_column = tl.zeros([LAYERS_PAD, COLUMNS_PAD, BLOCK_TOKENS], dtype=tl.int64)
-    for shift in tl.static_range(MAX_NGRAM):
-        source_position = position - shift
-        in_batch = offset_in_request >= shift
-        outside = live & ~in_batch & (source_position >= 0)
-
-        # (1) the same request earlier in this batch. The loads do not wait for the
-        # request lookup (their masks do not depend on it); the selection does.
-        source_token = tl.maximum(token - shift, 0)
-        loadable = valid & (token >= shift)
-        raw = tl.load(input_ids_ptr + source_token, mask=loadable, other=0).to(tl.int32)
-        value = _compress(raw, token_map_ptr, vocab_size, loadable)
-        dead = ~in_batch & (source_position < 0)
-        if HAS_DEAD:
-            dead = dead | (in_batch & (tl.load(dead_ptr + source_token, mask=loadable, other=0) != 0))
-        if shift > 0:
-            known = tl.zeros([BLOCK_TOKENS], dtype=tl.int1)
-            lookback_column = shift - offset_in_request - 1
-            # (2) the caller's lookback window
-            if HAS_LOOKBACK:
-                lookback_raw = tl.load(lookback_ids_ptr + request * HISTORY + lookback_column,
-                                       mask=outside, other=-1).to(tl.int32)
-                use = outside & (lookback_raw >= 0)
-                value = tl.where(use, _compress(lookback_raw, token_map_ptr, vocab_size, use), value)
-                if HAS_LOOKBACK_DEAD:
-                    lookback_dead = tl.load(lookback_dead_ptr + request * HISTORY + lookback_column,
-                                            mask=use, other=0) != 0
-                    dead = tl.where(use, lookback_dead, dead)
-                known = known | use
-            # (3) the slot cache, through the request's block table (L2 reads: the
-            # slot writers of this launch may have just written them)
-            if READ_SLOTS:
-                need = outside & ~known
-                history_slot = _slot_of(request, source_position, block_table_ptr, block_size,
-                                        block_table_width, block_table_stride, need)
-                history_slot = tl.minimum(tl.maximum(history_slot, 0), num_slots - 1)
-                cached = tl.load(slot_values_ptr + history_slot, mask=need, other=UNWRITTEN_CODE,
-                                 cache_modifier=".cg")
-                use = need & (cached != UNWRITTEN_CODE)
-                value = tl.where(use, cached, value)
-                dead = tl.where(use, cached == DEAD_CODE, dead)
-                known = known | use
-            # (3') the per-request history ring, position-tagged
-            if READ_HISTORY:
-                need = outside & ~known
-                row = tl.load(history_rows_ptr + request, mask=need, other=0).to(tl.int64)
-                cell = row * history_width + source_position % history_width
-                tag = tl.load(history_tags_ptr + cell, mask=need, other=-1)
-                remembered = tl.load(history_values_ptr + cell, mask=need, other=UNWRITTEN_CODE)
-                use = need & (tag == source_position) & (remembered != UNWRITTEN_CODE)
-                value = tl.where(use, remembered, value)
-                dead = tl.where(use, remembered == DEAD_CODE, dead)
-                known = known | use
-            unknown = outside & ~known
-            if REPORT_MISSING:  # only where no earlier shift is blocked already
-                first_missing = tl.where(unknown & ~blocked & (first_missing == 0), shift, first_missing)
-            dead = dead | unknown  # unknown history hashes as pad (validation reports it)
-
-        blocked = blocked | dead
-        value = tl.where(blocked, pad_id, tl.maximum(value, 0))
-        multiplier = tl.load(multipliers_ptr + layers * MAX_NGRAM + shift, mask=layer_ok, other=0)
-        rolling = rolling ^ (value.to(tl.int64)[None, None, :] * multiplier[:, None, None])
-        if shift > 0:
-            rolling_by_column = tl.where((column_shift == shift)[None, :, None], rolling, rolling_by_column)
+            _wait_for(sync_ptr + SLOTS_WRITTEN, num_slot_programs)
+            settled = tl.load(slot_values_ptr + slot_read, mask=slot_used, other=UNWRITTEN_CODE, cache_modifier=".cg")
+            if DISTRUST_SPECULATION:  # tests: take the path of a changed slot every time
+                slot_value = ~settled
+            changed = tl.max(tl.max(((settled != slot_value) & slot_used).to(tl.int32), axis=1), axis=0)
+            if changed > 0:
+                ids, first_missing, slot_read, slot_value, slot_used = _hash_tokens(
+                    token, valid, live, request, position, offset_in_request, prime, barrett, first_row,
+                    column_shift, layers, layer_ok, input_ids_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr,
+                    lookback_dead_ptr, block_table_ptr, slot_values_ptr, history_rows_ptr, history_values_ptr,
+                    history_tags_ptr, multipliers_ptr, vocab_size, pad_id, block_size, num_slots, block_table_width,
+                    block_table_stride, history_width, LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, COLUMNS_PAD, HAS_DEAD,
+                    HAS_LOOKBACK, HAS_LOOKBACK_DEAD, READ_SLOTS, READ_HISTORY, REPORT_MISSING, BLOCK_TOKENS)
 
     if SLOT_PHASE or HISTORY_PHASE:
         if reader:
@@ -431,7 +481,6 @@ def _hash_block(
         if WRITE_SEEDS:
             tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
                      mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
-    ids = _remainder(rolling_by_column, prime[:, :, None], barrett[:, :, None]) + first_row[:, :, None]
     out_offset = token.to(tl.int64)[None, None, :] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[:, :, None]
     tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=column_ok[:, :, None] & valid[None, None, :])
     if REPORT_MISSING:

@@ -38,7 +38,8 @@ _WRITE_BLOCK = 64
 _HISTORY_BLOCK = 8
 
 
-# Launch-shape overrides for benchmark sweeps ({"block_tokens": 32, "num_warps": 2}).
+# Launch-shape overrides for benchmark sweeps ({"block_tokens": 32, "num_warps": 2});
+# tests set "distrust_speculation" to force the re-hash of speculative slot reads.
 LAUNCH_OVERRIDE: dict[str, int] = {}
 
 
@@ -121,6 +122,7 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         REPORT_MISSING=missing_shift is not None, BLOCK_TOKENS=block_tokens, WRITE_BLOCK=_WRITE_BLOCK,
         HISTORY_BLOCK=_HISTORY_BLOCK,
         REQUEST_CHUNK=min(_REQUEST_CHUNK_LARGEST, _next_power_of_2(max(num_requests, 2))),
+        DISTRUST_SPECULATION=bool(LAUNCH_OVERRIDE.get("distrust_speculation", False)),
         num_warps=num_warps,
     )
     return out
