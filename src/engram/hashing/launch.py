@@ -13,13 +13,14 @@ import torch
 __all__ = ["triton_available", "launch_hash_kernel"]
 
 # One warp per program; tokens per program by batch size (a few compiled variants,
-# each captured once per graph). Measured on the H200, graph replay, cold L2:
-#   tokens/program   T=1    T=64   T=8192  T=32768
-#        1           7.3    8.1    13.9    35.8   us
-#        4           8.9    8.8     9.7    19.6
-#       16          11.0   11.0    11.0    16.6
-_BLOCK_TOKENS_BY_BATCH = ((64, 1), (8192, 4))
-_BLOCK_TOKENS_LARGEST, _NUM_WARPS = 16, 1
+# each captured once per graph). Measured on the H200, graph replay, cold L2, slot
+# writers in the launch (v3 kernel, 64 requests):
+#   tokens/program   T=64   T=1024  T=8192  T=32768
+#        4           8.8    9.2     11.4    18.8   us
+#        8           9.4    9.7      9.5    15.8
+#    16 (2 warps)   10.1   10.0     10.5    17.6
+_BLOCK_TOKENS_BY_BATCH = ((64, 1), (2048, 4))
+_BLOCK_TOKENS_LARGEST, _NUM_WARPS = 8, 1
 
 
 def block_tokens_for(num_tokens: int) -> int:
