@@ -381,8 +381,8 @@ def _hash_tokens(
 
 
 @triton.jit
-def _hash_pass(
-    block, attempt, first_ends, batch_end, sync_ptr,
+def _hash_block(
+    block, first_ends, batch_end, sync_ptr,
     input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
     lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
     history_rows_ptr, history_values_ptr, history_tags_ptr,
@@ -397,9 +397,7 @@ def _hash_pass(
     REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
     DISTRUST_SPECULATION: tl.constexpr,
 ):
-    """One pass over tokens ``block * BLOCK_TOKENS + i``: stores their ids; returns how
-    many speculative slot reads changed (int32; only readers of an ordered launch
-    check) and whether this is a reader program."""
+    """Hash ids of tokens ``block * BLOCK_TOKENS + i`` (see :func:`ngram_hash_kernel`)."""
     HISTORY: tl.constexpr = MAX_NGRAM - 1
     NUM_COLUMNS: tl.constexpr = HISTORY * NUM_HEADS
     # Token indices, positions and requests in int32 (each < 2**31; a 64-bit op is two
@@ -446,97 +444,47 @@ def _hash_pass(
     # A reader: a program holding one of the first N - 1 tokens of a request, whose
     # history may come from a store (the rule _count_readers counts).
     reader = tl.max((live & (offset_in_request < HISTORY)).to(tl.int32), axis=0) > 0
-    # Slot reads are speculative when slot writers run in this launch: see _hash_block.
     ids, first_missing, slot_read, slot_value, slot_used = _hash_tokens(
-        token, valid, live, request, position, offset_in_request, prime, barrett, first_row, column_shift,
-        layers, layer_ok, input_ids_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
-        block_table_ptr, slot_values_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
-        multipliers_ptr, vocab_size, pad_id, block_size, num_slots, block_table_width, block_table_stride,
-        history_width, LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, COLUMNS_PAD, HAS_DEAD, HAS_LOOKBACK,
-        HAS_LOOKBACK_DEAD, READ_SLOTS, READ_HISTORY, REPORT_MISSING, BLOCK_TOKENS)
-    out_offset = token.to(tl.int64)[None, None, :] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[:, :, None]
-    tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=column_ok[:, :, None] & valid[None, None, :])
-    if REPORT_MISSING:
-        tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)
-    changed = attempt * 0
+        token, valid, live, request, position, offset_in_request, prime, barrett, first_row, column_shift, layers,
+        layer_ok, input_ids_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr, block_table_ptr,
+        slot_values_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr, multipliers_ptr,
+        vocab_size, pad_id, block_size, num_slots, block_table_width, block_table_stride, history_width,
+        LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, COLUMNS_PAD, HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD,
+        READ_SLOTS, READ_HISTORY, REPORT_MISSING, BLOCK_TOKENS)
     if SLOT_PHASE and READ_SLOTS:
+        # The slot reads above were speculative: a slot writer of this launch may not
+        # have written them yet. Once every writer is done, read them again; only if
+        # one changed (a request hit blocks this step fills) hash again. The wait
+        # overlaps the hash instead of preceding it.
         if reader:
             _wait_for(sync_ptr + SLOTS_WRITTEN, num_slot_programs)
-            now = tl.load(slot_values_ptr + slot_read, mask=slot_used, other=UNWRITTEN_CODE, cache_modifier=".cg")
-            if DISTRUST_SPECULATION:  # tests: the first pass takes the path of a changed slot
-                now = tl.where(attempt == 0, ~slot_value, now)
-            changed = tl.sum(tl.sum(((now != slot_value) & slot_used).to(tl.int32), axis=1), axis=0)
+            settled = tl.load(slot_values_ptr + slot_read, mask=slot_used, other=UNWRITTEN_CODE, cache_modifier=".cg")
+            if DISTRUST_SPECULATION:  # tests: take the path of a changed slot every time
+                slot_value = ~settled
+            changed = tl.max(tl.max(((settled != slot_value) & slot_used).to(tl.int32), axis=1), axis=0)
+            if changed > 0:
+                ids, first_missing, slot_read, slot_value, slot_used = _hash_tokens(
+                    token, valid, live, request, position, offset_in_request, prime, barrett, first_row,
+                    column_shift, layers, layer_ok, input_ids_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr,
+                    lookback_dead_ptr, block_table_ptr, slot_values_ptr, history_rows_ptr, history_values_ptr,
+                    history_tags_ptr, multipliers_ptr, vocab_size, pad_id, block_size, num_slots, block_table_width,
+                    block_table_stride, history_width, LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, COLUMNS_PAD, HAS_DEAD,
+                    HAS_LOOKBACK, HAS_LOOKBACK_DEAD, READ_SLOTS, READ_HISTORY, REPORT_MISSING, BLOCK_TOKENS)
 
-    # The store writes of an unordered launch, after every read.
+    if SLOT_PHASE or HISTORY_PHASE:
+        if reader:
+            _signal(sync_ptr + READS_DONE)  # the history writers may now overwrite what was read
+    # Stores, after every load.
     if not SLOT_PHASE:
         if WRITE_SLOTS:
             tl.store(slot_values_ptr + own_slot, own_value.to(tl.int32), mask=own_mask)
         if WRITE_SEEDS:
             tl.store(slot_values_ptr + seed_slot, seed_value.to(tl.int32),
                      mask=seed_known & (seed_slot >= 0) & (seed_slot < num_slots))
-    return changed, reader
-
-
-@triton.jit
-def _hash_block(
-    block, first_ends, batch_end, sync_ptr,
-    input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
-    lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
-    history_rows_ptr, history_values_ptr, history_tags_ptr,
-    multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr,
-    num_tokens, num_requests, vocab_size, pad_id,
-    block_size, num_slots, block_table_width, block_table_stride, history_width, num_slot_programs,
-    NUM_LAYERS: tl.constexpr, LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr, HISTORY_PAD: tl.constexpr,
-    NUM_HEADS: tl.constexpr, COLUMNS_PAD: tl.constexpr,
-    HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
-    WRITE_SLOTS: tl.constexpr, WRITE_SEEDS: tl.constexpr, SLOT_PHASE: tl.constexpr,
-    READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr, HISTORY_PHASE: tl.constexpr,
-    REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, REQUEST_CHUNK: tl.constexpr,
-    DISTRUST_SPECULATION: tl.constexpr,
-):
-    """Hash ids of tokens ``block * BLOCK_TOKENS + i`` (see :func:`ngram_hash_kernel`).
-
-    With slot writers in the launch, slot reads are speculative: a writer may not
-    have written them yet. A reader hashes at once, then waits for every writer,
-    reads its slots again and passes once more only if one changed (a request hit
-    blocks this step fills), so the wait overlaps the hash instead of preceding it.
-    Each pass starts from the block index alone: a loop that carried the pass's
-    values, or a second inlined pass, took 1.5x the registers.
-    """
-    if SLOT_PHASE and READ_SLOTS:
-        attempt = tl.full([], 0, tl.int32)
-        changed = tl.full([], 1, tl.int32)
-        reader = changed > 0
-        while changed > 0:
-            changed, reader = _hash_pass(
-                block, attempt, first_ends, batch_end, sync_ptr,
-                input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
-                lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
-                history_rows_ptr, history_values_ptr, history_tags_ptr,
-                multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr,
-                num_tokens, num_requests, vocab_size, pad_id,
-                block_size, num_slots, block_table_width, block_table_stride, history_width, num_slot_programs,
-                NUM_LAYERS, LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, NUM_HEADS, COLUMNS_PAD,
-                HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, WRITE_SLOTS, WRITE_SEEDS, SLOT_PHASE,
-                READ_SLOTS, READ_HISTORY, HISTORY_PHASE, REPORT_MISSING, BLOCK_TOKENS, REQUEST_CHUNK,
-                DISTRUST_SPECULATION)
-            attempt += 1
-    else:
-        changed, reader = _hash_pass(
-            block, 0, first_ends, batch_end, sync_ptr,
-                input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
-            lookback_ids_ptr, lookback_dead_ptr, slot_mapping_ptr, block_table_ptr, slot_values_ptr,
-            history_rows_ptr, history_values_ptr, history_tags_ptr,
-            multipliers_ptr, primes_ptr, barrett_ptr, offsets_ptr, out_ptr, missing_shift_ptr,
-            num_tokens, num_requests, vocab_size, pad_id,
-            block_size, num_slots, block_table_width, block_table_stride, history_width, num_slot_programs,
-            NUM_LAYERS, LAYERS_PAD, MAX_NGRAM, HISTORY_PAD, NUM_HEADS, COLUMNS_PAD,
-            HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, WRITE_SLOTS, WRITE_SEEDS, SLOT_PHASE,
-            READ_SLOTS, READ_HISTORY, HISTORY_PHASE, REPORT_MISSING, BLOCK_TOKENS, REQUEST_CHUNK,
-            DISTRUST_SPECULATION)
-    if SLOT_PHASE or HISTORY_PHASE:
-        if reader:
-            _signal(sync_ptr + READS_DONE)  # the history writers may now overwrite what was read
+    out_offset = token.to(tl.int64)[None, None, :] * (NUM_LAYERS * NUM_COLUMNS) + table_offset[:, :, None]
+    tl.store(out_ptr + out_offset, ids.to(tl.int32), mask=column_ok[:, :, None] & valid[None, None, :])
+    if REPORT_MISSING:
+        tl.store(missing_shift_ptr + token, first_missing.to(tl.int8), mask=valid)
 
 
 @triton.jit

@@ -16,7 +16,8 @@ __all__ = ["triton_available", "launch_hash_kernel"]
 # each captured once per graph). Measured on the H200, graph replay, cold L2, slot
 # writers in the launch (v3 kernel, 64 requests):
 #   tokens/program   T=64   T=1024  T=8192  T=32768
-#        4           8.8    9.2     11.4    18.8   us
+#        1           9.4    9.9     15.9    33.7   us
+#        4           8.8    9.2     11.4    18.8
 #        8           9.4    9.7      9.5    15.8
 #    16 (2 warps)   10.1   10.0     10.5    17.6
 _BLOCK_TOKENS_BY_BATCH = ((64, 1), (2048, 4))
