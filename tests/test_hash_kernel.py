@@ -100,7 +100,7 @@ def test_kernel_matches_torch_path_and_stores_interpreted():
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 @pytest.mark.parametrize("max_draft_tokens", [0, 2])
-def test_history_write_kernel_matches_torch_path_interpreted(max_draft_tokens):
+def test_history_writers_match_torch_path_interpreted(max_draft_tokens):
     """The ring after one batch: lookback seeds and the last `width` tokens, wrap-around
     collisions included (chunks longer than the ring, seeds a later token overwrites)."""
     rng = np.random.default_rng()
@@ -133,7 +133,8 @@ def test_history_write_kernel_matches_torch_path_interpreted(max_draft_tokens):
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 def test_kernel_same_step_prefix_hit_interpreted():
     """History another request writes in the same batch: exact with the default
-    (write launch, then hash launch); refused by validation with fused_write=True."""
+    (slot writers ordered before readers in the launch); refused by validation with
+    fused_write=True."""
     from test_hasher_properties import same_step_prefix_hit_batch
 
     rng = np.random.default_rng()

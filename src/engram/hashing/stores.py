@@ -27,9 +27,10 @@ class SlotCache:
 
     A batch's writes land before its reads, so a request may read history that
     another request of the same batch writes (a prefix-cache hit on blocks this step
-    fills). ``fused_write=True`` lets the GPU kernel write and read in one launch
-    instead (one launch fewer); the engine then promises that no request reads a
-    slot the same batch writes, and validation checks it.
+    fills); the GPU kernel orders them inside its one launch (slot writers first,
+    readers check their reads after the writers). ``fused_write=True`` drops that
+    ordering (8.8 against 9.8 us at T = 8192 on an H200); the engine then promises
+    that no request reads a slot the same batch writes, and validation checks it.
     """
 
     def __init__(self, num_slots: int, block_size: int, device: torch.device, fused_write: bool = False):
