@@ -131,10 +131,11 @@ def compiled_variants() -> list[dict]:
         kernels = next((part for part in (cache if isinstance(cache, tuple) else (cache,)) if isinstance(part, dict)), {})
         for kernel in kernels.values():
             constants = getattr(getattr(kernel, "src", None), "constants", {}) or {}
-            flags = {str(k): v for k, v in constants.items() if isinstance(v, (bool, int)) and not isinstance(k, int)}
-            found.append({"registers": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
-                          "block_tokens": flags.get("BLOCK_TOKENS"), "slot_phase": flags.get("SLOT_PHASE"),
-                          "history_phase": flags.get("HISTORY_PHASE")})
+            names = ngram_hash_kernel.arg_names
+            flags = {(names[k[0]] if isinstance(k, tuple) else str(k)): v for k, v in constants.items()}
+            entry = {"registers": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None)}
+            entry.update({name: flags[name] for name in ("BLOCK_TOKENS", "SLOT_PHASE", "HISTORY_PHASE") if name in flags})
+            found.append(entry)
     return found
 
 

@@ -35,6 +35,7 @@ def batch(count=6, first=0):
     (dict(positions=torch.tensor([0, 1, 2, 4, 5, 6])), r"positions skips inside request 0: positions\[2\] = 2, positions\[3\] = 4"),
     (dict(positions=torch.arange(5)), r"positions: expected shape \[6\], found \[5\]"),
     (dict(positions=torch.tensor([-1, 0, 1, 2, 3, 4])), r"positions\[0\] = -1 is negative"),
+    (dict(positions=torch.arange(2**31 - 3, 2**31 + 3)), r"positions\[3\] = 2147483648 exceeds 2147483647"),
     (dict(dead_mask=torch.zeros(6, dtype=torch.int64)), r"dead_mask: expected a bool tensor"),
     (dict(lookback_token_ids=torch.full((1, 2), -1)), r"lookback_token_ids: expected shape \[1, 3\], found \[1, 2\]"),
     (dict(lookback_token_ids=torch.tensor([[1, 2, -2]])), r"lookback_token_ids\[0, 2\] = -2: expected a token id in \[0, 300\) or -1"),

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Token indices and positions are int32 in the hash kernel.
+MAX_POSITION = 2**31 - 1
+
 __all__ = ["BatchMetadata", "validate_batch"]
 
 
@@ -62,6 +65,9 @@ def check_shapes(batch: BatchMetadata, history_length: int) -> None:
     if batch.input_ids.dim() != 1:
         raise ValueError(f"input_ids: expected a 1-D tensor [T], found shape {list(batch.input_ids.shape)}")
     num_tokens = batch.num_tokens
+    if num_tokens > MAX_POSITION:
+        raise ValueError(f"input_ids: {num_tokens} tokens exceed {MAX_POSITION} "
+                         "(the hash kernel indexes batch tokens in int32)")
     _check_integer("input_ids", batch.input_ids, None, 1)
     _check_integer("positions", batch.positions, (num_tokens,))
     _check_integer("query_start_loc", batch.query_start_loc, None, 1)
@@ -122,6 +128,10 @@ def validate_batch(
     if (positions < 0).any():
         i = _first(positions < 0)
         raise ValueError(f"positions[{i}] = {int(positions[i])} is negative")
+    if (positions > MAX_POSITION).any():
+        i = _first(positions > MAX_POSITION)
+        raise ValueError(f"positions[{i}] = {int(positions[i])} exceeds {MAX_POSITION} "
+                         "(the hash kernel computes positions in int32)")
 
     # Inside a request positions go up by exactly one per token.
     token_request = torch.searchsorted(starts[1:], torch.arange(num_tokens), right=True)
