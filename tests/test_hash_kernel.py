@@ -100,14 +100,14 @@ def test_kernel_matches_torch_path_and_stores_interpreted():
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 @pytest.mark.parametrize("max_draft_tokens", [0, 2])
-def test_history_writers_match_torch_path_interpreted(max_draft_tokens):
+@pytest.mark.parametrize("lengths", [[1, 2, 3, 5, 6, 9, 4], [1]])  # [1]: one program writes the ring itself
+def test_history_writers_match_torch_path_interpreted(max_draft_tokens, lengths):
     """The ring after one batch: lookback seeds and the last `width` tokens, wrap-around
     collisions included (chunks longer than the ring, seeds a later token overwrites)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(2**31))
     kernel, torch_path = small_hasher(seed, validate=False), small_hasher(seed, validate=False)
     torch_path.backend = "torch"
-    lengths = [1, 2, 3, 5, 6, 9, 4]
     starts = torch.tensor(np.cumsum([0] + lengths))
     first_positions = rng.integers(0, 20, len(lengths))
     positions = torch.cat([torch.arange(p, p + n) for p, n in zip(first_positions, lengths)])
@@ -120,13 +120,18 @@ def test_history_writers_match_torch_path_interpreted(max_draft_tokens):
         rows = torch.from_numpy(rng.permutation(len(lengths) + 2)[:len(lengths)])
         history.values[:-1] = torch.randint(0, 40, history.values[:-1].shape, dtype=torch.int32)  # old history
         history.tags[:-1] = torch.randint(0, 30, history.tags[:-1].shape)
+        for row, first in zip(rows.tolist(), first_positions.tolist()):  # most reads find their position
+            for back in (1, 2):
+                if first - back >= 0 and rng.random() < 0.8:
+                    history.tags[row, (first - back) % history.width] = first - back
     kernel.request_history.values.copy_(torch_path.request_history.values)
     kernel.request_history.tags.copy_(torch_path.request_history.tags)
-    for hasher in (kernel, torch_path):
-        hasher(token_ids, positions, starts, dead_mask=dead, lookback_token_ids=lookback,
-               lookback_dead_mask=lookback_dead, request_rows=rows)
+    ids = [hasher(token_ids, positions, starts, dead_mask=dead, lookback_token_ids=lookback,
+                  lookback_dead_mask=lookback_dead, request_rows=rows) for hasher in (kernel, torch_path)]
+    assert torch.equal(ids[0], ids[1])  # read before the ring was written
     assert torch.equal(kernel.request_history.values[:-1], torch_path.request_history.values[:-1])
     assert torch.equal(kernel.request_history.tags[:-1], torch_path.request_history.tags[:-1])
+    assert_sync_ready(kernel)
 
 
 @pytest.mark.interpreter
