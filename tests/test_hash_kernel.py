@@ -100,7 +100,7 @@ def test_kernel_matches_torch_path_and_stores_interpreted():
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 @pytest.mark.parametrize("max_draft_tokens", [0, 2])
-@pytest.mark.parametrize("lengths", [[1, 2, 3, 5, 6, 9, 4], [1]])  # [1]: one program writes the ring itself
+@pytest.mark.parametrize("lengths", [[1, 2, 3, 5, 6, 9, 4], [1]])
 def test_history_writers_match_torch_path_interpreted(max_draft_tokens, lengths):
     """The ring after one batch: lookback seeds and the last `width` tokens, wrap-around
     collisions included (chunks longer than the ring, seeds a later token overwrites)."""

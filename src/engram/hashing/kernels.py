@@ -206,8 +206,7 @@ def ngram_hash_kernel(
     NUM_HEADS: tl.constexpr, COLUMNS_PAD: tl.constexpr,
     HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
     WRITE_SLOTS: tl.constexpr, WRITE_SEEDS: tl.constexpr, SLOT_PHASE: tl.constexpr,
-    READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr, HISTORY_PHASE: tl.constexpr, HISTORY_INLINE: tl.constexpr,
-    WIDTH_PAD: tl.constexpr,
+    READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr, HISTORY_PHASE: tl.constexpr, WIDTH_PAD: tl.constexpr,
     REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr, WRITE_BLOCK: tl.constexpr,
     HISTORY_BLOCK: tl.constexpr, REQUEST_CHUNK: tl.constexpr, DISTRUST_SPECULATION: tl.constexpr = False,
 ):
@@ -226,9 +225,7 @@ def ngram_hash_kernel(
     Grid: ``num_slot_programs`` slot writers (``SLOT_PHASE``; else the hashers write
     the slot cache themselves, unordered), ``num_hash_programs`` hashers of
     ``BLOCK_TOKENS`` tokens, ``num_history_programs`` history writers
-    (``HISTORY_PHASE``), and with either phase one finisher. ``HISTORY_INLINE``: one
-    hash program and no slot writers; it writes the request history itself after its
-    reads (no counter: 7.3 against 9.3 us at T = 1 on an H200 with history writers).
+    (``HISTORY_PHASE``), and with either phase one finisher.
     """
     SYNCED: tl.constexpr = SLOT_PHASE or HISTORY_PHASE
     program = tl.program_id(0).to(tl.int64)
@@ -266,14 +263,6 @@ def ngram_hash_kernel(
             HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, WRITE_SLOTS, WRITE_SEEDS, SLOT_PHASE,
             READ_SLOTS, READ_HISTORY, HISTORY_PHASE, REPORT_MISSING, BLOCK_TOKENS, REQUEST_CHUNK,
             DISTRUST_SPECULATION)
-        if HISTORY_INLINE:
-            tl.debug_barrier()  # every thread's ring reads before any ring write
-            _history_block(
-                0, input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
-                lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
-                sync_ptr, 0, num_tokens, num_requests, vocab_size, history_width,
-                MAX_NGRAM - 1, HISTORY_PAD, HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, HISTORY_BLOCK, WIDTH_PAD,
-                False)
     elif program < finisher:
         if HISTORY_PHASE:
             readers = _count_readers(query_start_ptr, num_tokens, num_requests, MAX_NGRAM - 1, BLOCK_TOKENS,
@@ -282,8 +271,7 @@ def ngram_hash_kernel(
                 program - history_begin, input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
                 lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
                 sync_ptr, readers, num_tokens, num_requests, vocab_size, history_width,
-                MAX_NGRAM - 1, HISTORY_PAD, HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, HISTORY_BLOCK, WIDTH_PAD,
-                True)
+                MAX_NGRAM - 1, HISTORY_PAD, HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD, HISTORY_BLOCK, WIDTH_PAD)
     else:
         if SYNCED:
             # The finisher: once every counter has reached its count (no program reads
@@ -513,7 +501,7 @@ def _history_block(
     lookback_ids_ptr, lookback_dead_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr,
     sync_ptr, readers, num_tokens, num_requests, vocab_size, history_width,
     HISTORY: tl.constexpr, HISTORY_PAD: tl.constexpr, HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr,
-    HAS_LOOKBACK_DEAD: tl.constexpr, BLOCK: tl.constexpr, WIDTH_PAD: tl.constexpr, WAIT: tl.constexpr,
+    HAS_LOOKBACK_DEAD: tl.constexpr, BLOCK: tl.constexpr, WIDTH_PAD: tl.constexpr,
 ):
     """Requests ``block * BLOCK + i``: the ring receives the known lookback entries and
     the last ``width`` tokens of each request (drafts included), position-tagged:
@@ -561,9 +549,8 @@ def _history_block(
             seed_value = tl.where(seed_dead, DEAD_CODE, seed_value)
         seed_cell = row[:, None] * history_width + seed_position % history_width
 
-    if WAIT:
-        _wait_for(sync_ptr + READS_DONE, readers)
-        _signal(sync_ptr + HISTORY_WRITTEN)  # past the wait: the finisher may zero READS_DONE
+    _wait_for(sync_ptr + READS_DONE, readers)
+    _signal(sync_ptr + HISTORY_WRITTEN)  # past the wait: the finisher may zero READS_DONE
     tl.store(history_values_ptr + cell, value.to(tl.int32), mask=keep)
     tl.store(history_tags_ptr + cell, position, mask=keep)
     if HAS_LOOKBACK:

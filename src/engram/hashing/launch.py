@@ -91,11 +91,7 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
     num_warps = LAUNCH_OVERRIDE.get("num_warps", _NUM_WARPS)
     num_slot_programs = triton_cdiv(write_items, _WRITE_BLOCK) if slot_phase else 0
     num_hash_programs = triton_cdiv(num_tokens if slot_phase else write_items, block_tokens)
-    # One hash program and no slot writers: it writes the request history itself.
-    history_inline = (uses_history and not slot_phase and num_hash_programs == 1
-                      and 0 < num_requests <= _HISTORY_BLOCK)
-    num_history_programs = (triton_cdiv(num_requests, _HISTORY_BLOCK)
-                            if uses_history and num_requests and not history_inline else 0)
+    num_history_programs = triton_cdiv(num_requests, _HISTORY_BLOCK) if uses_history and num_requests else 0
     finisher = 1 if slot_phase or num_history_programs else 0
     ngram_hash_kernel[(num_slot_programs + num_hash_programs + num_history_programs + finisher,)](
         batch.input_ids, batch.positions, batch.query_start_loc,
@@ -123,8 +119,7 @@ def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None)
         HAS_DEAD=batch.dead_mask is not None, HAS_LOOKBACK=lookback is not None,
         HAS_LOOKBACK_DEAD=lookback_dead is not None,
         WRITE_SLOTS=write_slots, WRITE_SEEDS=write_seeds, SLOT_PHASE=slot_phase,
-        READ_SLOTS=read_slots, READ_HISTORY=uses_history, HISTORY_PHASE=num_history_programs > 0,
-        HISTORY_INLINE=history_inline,
+        READ_SLOTS=read_slots, READ_HISTORY=uses_history, HISTORY_PHASE=uses_history and num_history_programs > 0,
         WIDTH_PAD=_next_power_of_2(history.width) if uses_history else 1,
         REPORT_MISSING=missing_shift is not None, BLOCK_TOKENS=block_tokens, WRITE_BLOCK=_WRITE_BLOCK,
         HISTORY_BLOCK=_HISTORY_BLOCK,
