@@ -1,7 +1,10 @@
-"""Launcher of the Triton hash kernel: one launch per batch for every layer.
+"""Launcher of the Triton hash kernel: one launch per batch for every layer and
+every store.
 
-Safe under CUDA-graph capture: no host sync, no host-to-device copies, and the
-batch size is not a specialization key (no recompiling per batch size).
+Safe under CUDA-graph capture: no host sync, no host-to-device copies, persistent
+counters that the launch leaves at zero. Sizes are not specialization keys: the
+compiled variants are bounded (tokens per program: 3 batch-size bands; request ends
+per compare chunk: powers of two up to 128), not one per batch size.
 """
 
 from __future__ import annotations
