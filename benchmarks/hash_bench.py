@@ -58,45 +58,48 @@ VARIANTS = (("triton", "triton", False, False), ("torch", "torch", False, False)
             ("triton_fused", "triton", True, False), ("triton_history", "triton", False, True))
 
 
+def hash_call(layout, vocab, num_tokens: int, rng, backend: str = "triton", fused: bool = False,
+              with_history: bool = False):
+    """A hasher and a batch of ``num_tokens`` on the GPU, as the benchmarks time them:
+    64 requests (fewer at small T), each continuing a 4096-token sequence whose history
+    is in the slot cache (and the request history bound too, with ``with_history``).
+    Returns the call that hashes the batch."""
+    num_requests = min(num_tokens, 64)
+    counts = [num_tokens // num_requests] * num_requests
+    counts[-1] += num_tokens - sum(counts)
+    blocks_per_request = (HISTORY_START + max(counts)) // BLOCK_SIZE + 1
+    hasher = engram.NgramHasher(layout, vocab, device="cuda", validate=False, backend=backend)
+    hasher.bind_slot_cache(num_requests * blocks_per_request * BLOCK_SIZE, BLOCK_SIZE, fused_write=fused)
+    rows = None
+    if with_history:
+        hasher.bind_request_history(num_requests)
+        rows = hasher.request_rows(range(num_requests))
+    table = torch.from_numpy(rng.permutation(num_requests * blocks_per_request).astype(np.int32))
+    table = table.reshape(num_requests, blocks_per_request).cuda()
+    hasher.slot_cache.values[:-1] = torch.randint(0, layout.spec.compressed_vocab_size, (hasher.slot_cache.num_slots,),
+                                                  dtype=torch.int32, device="cuda")
+    request_of_token = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(counts)).cuda()
+    starts = torch.zeros(num_requests + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(counts), 0)
+    starts = starts.cuda()
+    positions = HISTORY_START + torch.arange(num_tokens, device="cuda") - starts.long()[request_of_token]
+    slots = table.long()[request_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    input_ids = torch.randint(0, 129280, (num_tokens,), device="cuda")
+    return lambda: hasher(input_ids, positions, starts, slot_mapping=slots, block_table=table, request_rows=rows)
+
+
 def bench_hash(token_counts=(1, 64, 1024, 8192, 32768), variants=VARIANTS, warm=True) -> list[dict]:
     """Per batch size: ``<name>_graph_us`` (cold L2), ``<name>_graph_warm_us`` and
-    ``<name>_eager_us`` for each variant; 64 requests (fewer at small T), each
-    continuing a 4096-token sequence whose history is in the slot cache."""
+    ``<name>_eager_us`` for each variant, on the batches of :func:`hash_call`."""
     spec = engram.EngramSpec.from_hf_config(CONFIG)
     layout = engram.EngramLayout(spec)
     vocab = _random_vocab(spec)
     rng = np.random.default_rng(1)
     results = []
     for num_tokens in token_counts:
-        num_requests = min(num_tokens, 64)
-        per_request = num_tokens // num_requests
-        counts = [per_request] * num_requests
-        counts[-1] += num_tokens - sum(counts)
-        blocks_per_request = (HISTORY_START + max(counts)) // BLOCK_SIZE + 1
-        row = {"T": num_tokens, "requests": num_requests}
+        row = {"T": num_tokens, "requests": min(num_tokens, 64)}
         for name, backend, fused, with_history in variants:
-            hasher = engram.NgramHasher(layout, vocab, device="cuda", validate=False, backend=backend)
-            hasher.bind_slot_cache(num_requests * blocks_per_request * BLOCK_SIZE, BLOCK_SIZE, fused_write=fused)
-            rows = None
-            if with_history:
-                hasher.bind_request_history(num_requests)
-                rows = hasher.request_rows(range(num_requests))
-            table = torch.from_numpy(rng.permutation(num_requests * blocks_per_request).astype(np.int32))
-            table = table.reshape(num_requests, blocks_per_request).cuda()
-            # History: the slot cache holds every request's previous tokens.
-            hasher.slot_cache.values[:-1] = torch.randint(0, spec.compressed_vocab_size, (hasher.slot_cache.num_slots,),
-                                                          dtype=torch.int32, device="cuda")
-            request_of_token = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(counts)).cuda()
-            starts = torch.zeros(num_requests + 1, dtype=torch.int32)
-            starts[1:] = torch.cumsum(torch.tensor(counts), 0)
-            starts = starts.cuda()
-            positions = HISTORY_START + torch.arange(num_tokens, device="cuda") - starts.long()[request_of_token]
-            slots = table.long()[request_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-            input_ids = torch.randint(0, 129280, (num_tokens,), device="cuda")
-
-            def call():
-                return hasher(input_ids, positions, starts, slot_mapping=slots, block_table=table, request_rows=rows)
-
+            call = hash_call(layout, vocab, num_tokens, rng, backend, fused, with_history)
             row[f"{name}_graph_us"] = _time(call, graph=True)
             if warm:
                 row[f"{name}_graph_warm_us"] = _time(call, graph=True, flush=False)
