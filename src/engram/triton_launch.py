@@ -16,7 +16,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-__all__ = ["CompiledLaunch", "triton_available", "interpreting", "require_triton", "VERIFY_VARIANTS"]
+__all__ = ["CompiledLaunch", "triton_available", "interpreting", "require_triton", "integer_widths", "int_variant",
+           "tensor_variant", "VERIFY_VARIANTS"]
 
 # Tests set this: every launch also asks Triton which variant it would pick and
 # checks that it is the cached one (a wrong key would launch the wrong binary).
@@ -46,6 +47,11 @@ def integer_widths(*values: int) -> tuple[bool, ...]:
     return tuple(not -2**31 <= value < 2**31 for value in values)
 
 
+def int_variant(value: int) -> tuple[bool, bool, bool]:
+    """What Triton specializes a specialized int argument on: 64-bit, ``== 1``, ``% 16 == 0``."""
+    return not -2**31 <= value < 2**31, value == 1, value % 16 == 0
+
+
 def tensor_variant(tensor: torch.Tensor) -> tuple[Any, bool]:
     """What Triton specializes a tensor argument on: dtype and 16-byte alignment."""
     return tensor.dtype, tensor.data_ptr() % 16 == 0
@@ -57,8 +63,8 @@ class CompiledLaunch:
     ``args``: every parameter of the kernel, in order, constexprs included.
     ``variant``: a hashable key that determines which binary Triton would compile
     for ``args``: the constexpr values, each tensor's :func:`tensor_variant` (unless
-    the caller owns it and knows it), :func:`integer_widths` of the ints and
-    ``num_warps``. The first launch of a variant goes through ``kernel[grid]`` and
+    the caller owns it and knows it), :func:`int_variant` of the specialized ints,
+    :func:`integer_widths` of the others, and ``num_warps``. The first launch of a variant goes through ``kernel[grid]`` and
     keeps the compiled kernel; later ones call it directly on the current stream.
     Under the interpreter, or with an older Triton, every launch goes through
     ``kernel[grid]``.
@@ -69,16 +75,19 @@ class CompiledLaunch:
         self.compiled: dict[Hashable, Any] = {}
         self._current_stream = None
 
-    def __call__(self, grid: int, variant: Hashable, args: tuple, num_warps: int, device_index: int = 0) -> None:
-        key = (variant, num_warps, device_index)
+    def __call__(self, grid: int, variant: Hashable, args: tuple, num_warps: int, device_index: int = 0,
+                 num_stages: int | None = None) -> Any:
+        """Launch; returns the compiled kernel (None under the interpreter)."""
+        key = (variant, num_warps, num_stages, device_index)
         compiled = self.compiled.get(key)
+        options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
         if compiled is None:
-            compiled = self.kernel[(grid,)](*args, num_warps=num_warps)
+            compiled = self.kernel[(grid,)](*args, **options)
             if compiled is not None and hasattr(compiled, "function") and not interpreting():
                 self.compiled[key] = compiled
-            return
+            return compiled
         if VERIFY_VARIANTS:
-            chosen = self.kernel.warmup(*args, grid=(grid,), num_warps=num_warps)
+            chosen = self.kernel.warmup(*args, grid=(grid,), **options)
             if chosen is not compiled:
                 raise AssertionError(f"{self.kernel.__name__}: variant key {variant!r} maps to another binary")
         if self._current_stream is None:
@@ -86,3 +95,4 @@ class CompiledLaunch:
 
             self._current_stream = driver.active.get_current_stream
         compiled[(grid, 1, 1)](*args, stream=self._current_stream(device_index))
+        return compiled
