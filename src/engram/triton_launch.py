@@ -41,6 +41,29 @@ def require_triton(what: str) -> None:
                          "(pip install 'engram[triton]'), or pass backend='torch'")
 
 
+def jit_without_alignment(**options):
+    """``triton.jit`` with every argument excluded from 16-byte-alignment specialization,
+    so a launch's variant depends on the tensors' dtypes alone (no ``data_ptr()`` per
+    tensor per call). For kernels whose loads are gathers, where alignment buys nothing.
+    A Triton without the option compiles as plain ``triton.jit`` (and
+    :class:`CompiledLaunch` keys must then include alignment: see ``ALIGNMENT_SPECIALIZED``)."""
+    import triton
+
+    def decorate(function):
+        names = list(function.__code__.co_varnames[:function.__code__.co_argcount])
+        try:
+            return triton.jit(do_not_specialize_on_alignment=names, **options)(function)
+        except TypeError:
+            ALIGNMENT_SPECIALIZED.add(function.__name__)
+            return triton.jit(**options)(function)
+
+    return decorate
+
+
+# Kernels decorated by jit_without_alignment on a Triton that still specializes alignment.
+ALIGNMENT_SPECIALIZED: set[str] = set()
+
+
 def integer_widths(*values: int) -> tuple[bool, ...]:
     """Per integer argument: whether Triton passes it as a 64-bit value (its signature
     types ints by range, even where it does not specialize on the value)."""

@@ -20,6 +20,8 @@ Every index computed from caller data is clamped or masked: malformed metadata
 import triton
 import triton.language as tl
 
+from ..triton_launch import jit_without_alignment
+
 DEAD_CODE = tl.constexpr(-1)       # engram.hashing.stores.DEAD
 UNWRITTEN_CODE = tl.constexpr(-2)  # engram.hashing.stores.UNWRITTEN
 
@@ -167,8 +169,8 @@ def _write_slots(block, batch_end, input_ids_ptr, positions_ptr, query_start_ptr
         tl.store(slot_values_ptr + own_slot, own_value.to(tl.int32), mask=own_mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "block_size", "num_slots",
-                               "block_table_width", "block_table_stride"])
+@jit_without_alignment(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "block_size", "num_slots",
+                                          "block_table_width", "block_table_stride"])
 def slot_write_kernel(
     input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
     slot_mapping_ptr, block_table_ptr, slot_values_ptr,
@@ -244,7 +246,8 @@ def _write_history(block, input_ids_ptr, positions_ptr, query_start_ptr, dead_pt
         tl.store(history_tags_ptr + seed_cell, seed_position, mask=seed_known)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "history_width", "history_rows"])
+@jit_without_alignment(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "history_width",
+                                          "history_rows"])
 def history_write_kernel(
     input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
     history_rows_ptr, history_values_ptr, history_tags_ptr,
@@ -343,9 +346,9 @@ def _hash_tokens(
     return ids, first_missing
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "pad_id",
-                               "block_size", "num_slots", "block_table_width", "block_table_stride",
-                               "history_width", "history_rows"])
+@jit_without_alignment(do_not_specialize=["num_tokens", "num_requests", "vocab_size", "pad_id",
+                                          "block_size", "num_slots", "block_table_width", "block_table_stride",
+                                          "history_width", "history_rows"])
 def ngram_hash_kernel(
     input_ids_ptr, positions_ptr, query_start_ptr, dead_ptr, token_map_ptr,
     lookback_ids_ptr, lookback_dead_ptr,

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..triton_launch import CompiledLaunch, integer_widths, tensor_variant
+from ..triton_launch import ALIGNMENT_SPECIALIZED, CompiledLaunch, integer_widths, tensor_variant
 
 __all__ = ["HashConstants", "launch_hash_kernels", "block_tokens_for"]
 
@@ -69,7 +69,15 @@ class HashConstants(NamedTuple):
     n_heads: int
     device_index: int
 
+    @property
+    def padded_sizes(self) -> tuple[int, int, int]:
+        """Powers of two >= layers, columns and history length (the kernels' tile sizes)."""
+        history = self.max_ngram_size - 1
+        return (next_power_of_2(self.num_layers), next_power_of_2(history * self.n_heads),
+                next_power_of_2(history))
 
+
+_ALIGNMENT_IN_KEY: bool | None = None  # decided once the kernels are imported
 _hash_launch: CompiledLaunch | None = None
 _slot_launch: CompiledLaunch | None = None
 _history_launch: CompiledLaunch | None = None
@@ -86,6 +94,17 @@ def _launchers() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
     return _hash_launch, _slot_launch, _history_launch
 
 
+_PADDED_SIZES: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _padded_sizes(constants: HashConstants) -> tuple[int, int, int]:
+    key = (constants.num_layers, constants.max_ngram_size, constants.n_heads)
+    sizes = _PADDED_SIZES.get(key)
+    if sizes is None:
+        sizes = _PADDED_SIZES[key] = constants.padded_sizes
+    return sizes
+
+
 def launch_hash_kernels(constants: HashConstants, batch, slot_cache=None, history=None, fused_slot_write=False,
                         missing_shift: torch.Tensor | None = None) -> torch.Tensor:
     """Hash ids int32 ``[T, L, C]`` of ``batch`` (a shape-checked
@@ -95,6 +114,9 @@ def launch_hash_kernels(constants: HashConstants, batch, slot_cache=None, histor
     it. ``missing_shift`` (int8 ``[T]``), if given, receives per token the first
     shift whose history no source knew (0 = none)."""
     hash_launch, slot_launch, history_launch = _launchers()
+    global _ALIGNMENT_IN_KEY
+    if _ALIGNMENT_IN_KEY is None:
+        _ALIGNMENT_IN_KEY = bool(ALIGNMENT_SPECIALIZED)
     num_tokens, num_requests = batch.num_tokens, batch.num_requests
     history_length = constants.max_ngram_size - 1
     num_columns = history_length * constants.n_heads
@@ -145,13 +167,16 @@ def launch_hash_kernels(constants: HashConstants, batch, slot_cache=None, histor
     table = block_table if block_table is not None else placeholder
     has_dead, has_lookback = batch.dead_mask is not None, lookback is not None
     has_lookback_dead = lookback_dead is not None
-    history_pad = next_power_of_2(history_length)
+    layers_pad, columns_pad, history_pad = _padded_sizes(constants)
     width_pad = next_power_of_2(history.width) if uses_history else 1
     # What decides the compiled binaries beyond the constexprs: the caller's tensors'
-    # dtypes and alignment, and which ints need 64 bits.
-    caller_tensors = tuple(tensor_variant(t) for t in (*inputs[:4], inputs[5], inputs[6], slot_mapping, table,
-                                                       history_rows))
-    widths = integer_widths(num_tokens, num_requests, *slot_geometry, *history_geometry)
+    # dtypes (the kernels do not specialize on alignment), and which ints need 64 bits.
+    caller = (*inputs[:4], inputs[5], inputs[6], slot_mapping, table, history_rows)
+    caller_tensors = (tuple(tensor_variant(t) for t in caller) if _ALIGNMENT_IN_KEY
+                      else (caller[0].dtype, caller[1].dtype, caller[2].dtype, caller[3].dtype, caller[4].dtype,
+                            caller[5].dtype, caller[6].dtype, caller[7].dtype, caller[8].dtype))
+    largest = max(slot_geometry[1], slot_geometry[3], num_requests)  # the ints that can grow large
+    widths = integer_widths(num_tokens, num_requests, *slot_geometry, *history_geometry) if largest >= 2**31 else ()
 
     if (write_slots or write_seeds) and not slots_in_hash:
         constexprs = (history_length, history_pad, has_dead, has_lookback_dead, write_slots, write_seeds,
@@ -160,8 +185,8 @@ def launch_hash_kernels(constants: HashConstants, batch, slot_cache=None, histor
                     (*inputs, slot_mapping, table, slot_values, num_tokens, num_requests, constants.vocab_size,
                      *slot_geometry, *constexprs), num_warps=1, device_index=constants.device_index)
 
-    constexprs = (constants.num_layers, next_power_of_2(constants.num_layers), constants.max_ngram_size,
-                  history_pad, constants.n_heads, next_power_of_2(num_columns),
+    constexprs = (constants.num_layers, layers_pad, constants.max_ngram_size,
+                  history_pad, constants.n_heads, columns_pad,
                   has_dead, has_lookback, has_lookback_dead, read_slots, uses_history,
                   write_slots and slots_in_hash, write_seeds and slots_in_hash,
                   slots_before_reads, history_in_hash,

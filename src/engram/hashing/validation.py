@@ -52,7 +52,7 @@ _TENSOR_FIELDS = ("input_ids", "positions", "query_start_loc", "dead_mask", "loo
 def _check_integer(name: str, tensor: torch.Tensor, shape: tuple[int, ...] | None, ndim: int | None = None) -> None:
     if tensor.dtype not in _INTEGER_DTYPES:
         raise ValueError(f"{name}: expected an integer tensor, found dtype {tensor.dtype}")
-    if shape is not None and tuple(tensor.shape) != shape:
+    if shape is not None and tensor.shape != shape:
         raise ValueError(f"{name}: expected shape {list(shape)}, found {list(tensor.shape)}")
     if ndim is not None and tensor.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor, found shape {list(tensor.shape)}")
@@ -61,7 +61,7 @@ def _check_integer(name: str, tensor: torch.Tensor, shape: tuple[int, ...] | Non
 def _check_bool(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tensor.dtype != torch.bool:
         raise ValueError(f"{name}: expected a bool tensor, found dtype {tensor.dtype}")
-    if tuple(tensor.shape) != shape:
+    if tensor.shape != shape:
         raise ValueError(f"{name}: expected shape {list(shape)}, found {list(tensor.shape)}")
 
 

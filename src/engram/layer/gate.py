@@ -189,6 +189,7 @@ class GateLaunchConfig:
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def gate_launch_config(tokens: int, hc_mult: int, hidden: int) -> GateLaunchConfig:
     """The default :class:`GateLaunchConfig` (``tokens`` is kept for a per-T choice).
 

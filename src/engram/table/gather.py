@@ -10,11 +10,11 @@ outputs, and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes
 from ..triton_launch import CompiledLaunch, int_variant, tensor_variant
@@ -80,15 +80,20 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.lru_cache(maxsize=4)
+def _default_config(packed: bool, interpreted: bool) -> GatherConfig:
+    config = _GPU_PACKED_CONFIG if packed else _GPU_BF16_CONFIG
+    if interpreted:
+        decode = "fp8_nan_select" if config.decode == "fp8" else config.decode
+        config = dataclasses.replace(config, block_rows=64, decode=decode)
+    return config
+
+
 def default_config(packed: bool) -> GatherConfig:
     """The launch shape used when none is given: the H200's, or under the interpreter the same
     layout in blocks of 64 rows (about 1 ms per program; an ``"fp8"`` decode becomes
     ``"fp8_nan_select"``, as the interpreter's fp8 cast knows no E4M3 NaN)."""
-    config = _GPU_PACKED_CONFIG if packed else _GPU_BF16_CONFIG
-    if _interpreted():
-        decode = "fp8_nan_select" if config.decode == "fp8" else config.decode
-        config = dataclasses.replace(config, block_rows=64, decode=decode)
-    return config
+    return _default_config(packed, _interpreted())
 
 
 def _check_inputs(value_bytes, scale_bytes, hash_ids, row_start, column_start, column_end):
@@ -154,14 +159,14 @@ def _launch(kernel, outputs, value_bytes, scale_bytes, hash_ids, row_start, colu
     if total_rows >= 2**31 - config.block_rows:  # the kernels' flattened row index is int32
         raise ValueError(f"hash_ids: T * C_local = {total_rows} rows per launch; expected fewer than 2**31")
     groups = head_dim // BLOCK_SIZE
-    grid = (triton.cdiv(total_rows, config.block_rows),)
+    grid = (-(-total_rows // config.block_rows),)
     if local_ids.is_cuda and local_ids.device.index != torch.cuda.current_device():
         with torch.cuda.device(local_ids.device):  # Triton launches on the current device
             return _launch(kernel, outputs, value_bytes, scale_bytes, hash_ids, row_start, column_start,
                            column_end, config, extra)
     ints = (total_rows, local_columns, local_ids.stride(0), local_ids.stride(1),
             row_start, num_rows, value_bytes.stride(0), scale_bytes.stride(0))
-    constexprs = (head_dim, triton.next_power_of_2(groups), config.block_rows, *extra,
+    constexprs = (head_dim, 1 << (groups - 1).bit_length(), config.block_rows, *extra,
                   config.value_eviction, config.out_cache)
     variant = (tensor_variant(local_ids), tensor_variant(value_bytes), tensor_variant(scale_bytes),
                tuple(int_variant(i) for i in ints), constexprs)
