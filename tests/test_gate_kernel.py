@@ -29,10 +29,6 @@ EPS = 1e-6
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
 def _kernel_device() -> str:
     """'cpu' under the interpreter, 'cuda' on a GPU, else skip."""
     if not INTERPRET and not torch.cuda.is_available():
@@ -118,9 +114,8 @@ INTERPRETER_CASES = [
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("tokens,hc_mult,hidden,copies,masked", INTERPRETER_CASES)
-def test_kernel_matches_float64_reference(tokens, hc_mult, hidden, copies, masked):
+def test_kernel_matches_float64_reference(tokens, hc_mult, hidden, copies, masked, seed):
     device = _kernel_device()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(tokens, hc_mult, hidden, seed, device)
     mask = mask if masked else None
     out = _poisoned(hidden_states)
@@ -131,11 +126,10 @@ def test_kernel_matches_float64_reference(tokens, hc_mult, hidden, copies, maske
 
 
 @pytest.mark.interpreter
-def test_kernel_entry_points_agree():
+def test_kernel_entry_points_agree(seed):
     """engram_gate_kv (kv read in place), engram_gate on split views and on copies, and an
     in-place update (out = hidden_states): one kernel, same bits."""
     device = _kernel_device()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(7, 4, 80, seed, device)
     key, value = split_kv(kv, 4)
     from_kv = engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=_poisoned(hidden_states),
@@ -152,10 +146,9 @@ def test_kernel_entry_points_agree():
 
 
 @pytest.mark.interpreter
-def test_kernel_masked_tokens_are_bit_identical():
+def test_kernel_masked_tokens_are_bit_identical(seed):
     """Garbage (NaN, inf) keys and values of masked tokens do not leak; -0.0 survives."""
     device = _kernel_device()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(7, 2, 48, seed, device, masked_fraction=0.5)
     mask[0], mask[1] = False, True
     kv[~mask, : 2 * 48] = float("nan")
@@ -168,11 +161,10 @@ def test_kernel_masked_tokens_are_bit_identical():
 
 
 @pytest.mark.interpreter
-def test_kernel_fp32_output_and_strided_inputs():
+def test_kernel_fp32_output_and_strided_inputs(seed):
     """out_dtype float32 (no rounding: the update to fp32 accuracy), hidden_states with a
     padded token stride, fp32 weights."""
     device = _kernel_device()
-    seed = _fresh_seed()
     tokens, hc_mult, hidden = 7, 2, 80
     hidden_states, kv, q_weight, k_weight, mask = _inputs(tokens, hc_mult, hidden, seed, device)
     padded = torch.full((tokens, hc_mult, hidden + 16), 7.0, dtype=hidden_states.dtype, device=device)
@@ -208,9 +200,8 @@ def _cuda() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 63, 1024, 8192])
 @pytest.mark.parametrize("masked", [False, True])
-def test_gpu_kernel_matches_reference_and_torch(tokens, masked):
+def test_gpu_kernel_matches_reference_and_torch(tokens, masked, seed):
     _cuda()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(tokens, 4, 5120, seed, "cuda", masked_fraction=0.1)
     mask = mask if masked else None
     out = engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=_poisoned(hidden_states),
@@ -240,9 +231,8 @@ def test_gpu_kernel_matches_reference_and_torch(tokens, masked):
 @pytest.mark.parametrize("config", [
     GateLaunchConfig(1, 4), GateLaunchConfig(1, 16, early_value=False), GateLaunchConfig(2, 8, cache_hints=True),
     GateLaunchConfig(4, 8, early_value=False, cache_hints=True)])
-def test_gpu_launch_configs(config):
+def test_gpu_launch_configs(config, seed):
     _cuda()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(63, 4, 5120, seed, "cuda")
     out = _poisoned(hidden_states)
     _launch_gate_kernel(hidden_states, kv, kv.stride(0), 5120, kv, 4 * 5120, kv.stride(0), q_weight, k_weight,
@@ -252,9 +242,8 @@ def test_gpu_launch_configs(config):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_and_replay():
+def test_gpu_cuda_graph_capture_and_replay(seed):
     _cuda()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(63, 4, 5120, seed, "cuda")
     out = _poisoned(hidden_states)
     engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=out)  # compile outside the capture
@@ -279,9 +268,8 @@ def test_gpu_cuda_graph_capture_and_replay():
 
 
 # ---- dispatch and argument checks (CPU, no kernel) ---------------------------------------------
-def test_cpu_auto_dispatch_is_the_torch_path(monkeypatch):
+def test_cpu_auto_dispatch_is_the_torch_path(monkeypatch, seed):
     monkeypatch.delenv(GATE_BACKEND_ENV, raising=False)
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(9, 2, 64, seed, "cpu")
     key, value = split_kv(kv, 2)
     expected = engram_gate_torch(hidden_states, key, value, q_weight, k_weight, EPS, mask)

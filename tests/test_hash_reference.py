@@ -51,8 +51,7 @@ def test_reference_matches_scalar_rule(data, order, heads):
     assert ((ids >= low) & (ids < low + layout.column_primes[None])).all()
 
 
-def test_dead_token_blocks_larger_shifts(small_layout, small_vocab):
-    rng = np.random.default_rng()
+def test_dead_token_blocks_larger_shifts(small_layout, small_vocab, rng):
     token_ids = rng.integers(0, 300, 12)
     dead = np.zeros(12, dtype=bool)
     dead[5] = True

@@ -12,14 +12,16 @@ from conftest import random_vocab, small_config
 
 
 @pytest.fixture
-def hasher():
+def hasher(rng):
     spec = engram.EngramSpec.from_hf_config(small_config())
-    vocab = random_vocab(spec.compressed_vocab_size, 300, np.random.default_rng())
+    vocab = random_vocab(spec.compressed_vocab_size, 300, rng)
     return engram.NgramHasher(engram.EngramLayout(spec), vocab)
 
 
-def batch(count=6, first=0):
-    return dict(input_ids=torch.randint(0, 300, (count,)), positions=torch.arange(first, first + count),
+def batch(count=6, first=0, seed=0):
+    """A one-request batch of ``count`` tokens at positions ``first, ...``; the token ids do not matter here."""
+    generator = torch.Generator().manual_seed(seed)
+    return dict(input_ids=torch.randint(0, 300, (count,), generator=generator), positions=torch.arange(first, first + count),
                 query_start_loc=torch.tensor([0, count]))
 
 
