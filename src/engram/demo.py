@@ -59,6 +59,8 @@ def _tokenize_requests(texts: list[tuple[str, str]], tokenizer_file: Path, seed:
     requests = []
     for name, text in texts:
         token_ids = np.array(raw_tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        if token_ids.size == 0:
+            continue  # nothing to hash
         dead = np.zeros(len(token_ids), dtype=bool)
         if len(token_ids) > 64:
             start = int(rng.integers(0, len(token_ids) - 32))
@@ -81,6 +83,9 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
     ``config.json`` a synthetic checkpoint is written there (default: a temporary directory).
     """
     console = console or Console()
+    for flag, value in (("--texts", num_texts), ("--max-chars", max_chars)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag}: expected an integer >= 1, found {value!r}")
     spec = EngramSpec.from_hf_config(config or packaged_config())
     layout = EngramLayout(spec)
     started = time.perf_counter()
