@@ -416,6 +416,41 @@ def test_nan_scale_byte_is_reported_with_its_row(tmp_path):
         load_all(synthetic.directory)
 
 
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_nan_value_byte_is_reported_with_its_row(tmp_path, byte, rng):
+    synthetic = fresh(tmp_path, num_shards=2)
+    name = "layers.1.engram.embed.weight"
+    values = load_file(synthetic.directory / synthetic.weight_map[name])[name].view(torch.uint8).clone()
+    values.view(-1)[values.view(-1) & 0x7F == 0x7F] = 0x00  # no NaN but the one put in
+    row, column = int(rng.integers(1, values.shape[0])), int(rng.integers(0, values.shape[1]))
+    values[row, column] = byte
+    path = rewrite(synthetic.directory, name, values.view(torch.float8_e4m3fn))
+    message = rf"tensor '{name}' in file '.*{path.name}': row {row} holds value byte {byte:#04x} \(E4M3 NaN\) at column {column}"
+    with pytest.raises(ValueError, match=message):
+        load_all(synthetic.directory)
+    checkpoint = SafetensorsCheckpoint(synthetic.directory)
+    layout = EngramLayout(synthetic.spec)
+    for chunk_bytes in (64, 64 * 7, 2**20):  # the row in the first, a middle or the only chunk
+        with pytest.raises(ValueError, match=message):
+            load_engram_table(checkpoint, layout, 0, chunk_bytes=chunk_bytes)
+    # A rank whose rows hold the NaN names the file's row too; check_values=False loads it as it is.
+    shard = next(s for s in (layout.shard(r, 2) for r in range(2)) if s.row_ranges[0][0] <= row < s.row_ranges[0][1])
+    with pytest.raises(ValueError, match=message):
+        load_engram_table(checkpoint, layout, 0, shard)
+    trusted = load_engram_table(checkpoint, layout, 0, check_values=False)
+    assert int(trusted.storage.value_bytes[row, column]) == byte
+    offsets = np.asarray(layout.column_offsets[0], dtype=np.int64)
+    owner = int(np.searchsorted(offsets, row, side="right")) - 1     # the hash column whose rows hold it
+    ids = torch.from_numpy(offsets.copy())[None]
+    ids[0, owner] = row
+    rows = trusted.lookup(ids)
+    assert bool(torch.isnan(rows[0, owner, column])) and int(torch.isnan(rows).sum()) == 1
+    with pytest.raises(ValueError, match=r"check_values: expected True or False, found 1"):
+        load_engram_table(checkpoint, layout, 0, check_values=1)
+    memory = EngramMemory.from_pretrained(synthetic.directory, placement="cpu", progress=False, check_values=False)
+    assert int(memory.table(1).storage.value_bytes[row, column]) == byte
+
+
 def test_wkv_scales_must_match_the_weight_dtype(tmp_path):
     synthetic = fresh(tmp_path, num_shards=2)
     name = "layers.1.engram.wkv.scale"

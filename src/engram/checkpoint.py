@@ -22,7 +22,9 @@ preallocated storage (CPU memory, pinned host memory or CUDA memory).
 Every error is a ``ValueError`` naming the tensor and the file, and the expected
 and found dtype or shape. safetensors itself detects corrupt headers and
 truncated files when a file is opened; scale byte 255 (NaN in UE8M0, never in a
-table) is reported with its row while streaming.
+table) and value bytes 0x7F/0xFF (NaN in E4M3, never in a table) are reported with
+their row while streaming (``check_values=False`` skips the value check on trusted
+checkpoints).
 
 One place reads the safetensors format by hand: a torch without
 ``float8_e8m0fnu`` cannot turn an ``F8_E8M0`` tensor into a torch tensor through
@@ -82,6 +84,7 @@ _WKV_DTYPES = ("F8_E4M3", "BF16")
 _WKV_SCALE_DTYPES = ("F8_E8M0", "U8", "F32")
 _GATE_DTYPES = ("BF16",)
 _UE8M0_NAN = 255
+_E4M3_NAN_BITS = 0x7F   # a byte b is E4M3 NaN when b & 0x7F == 0x7F (0x7F and 0xFF)
 
 
 def engram_tensor_name(layer_id: int, kind: str, prefix: str = "") -> str:
@@ -261,7 +264,8 @@ class SafetensorsCheckpoint:
                 raise ValueError(f"{info.where()}: could not be read ({error})") from None
 
     def read_rows_into(self, info: TensorInfo, out: torch.Tensor, row_start: int, *,
-                       chunk_rows: int, progress: "ByteProgress | None" = None, check_ue8m0: bool = False) -> None:
+                       chunk_rows: int, progress: "ByteProgress | None" = None, check_ue8m0: bool = False,
+                       check_e4m3: bool = False) -> None:
         """Copy rows ``[row_start, row_start + len(out))`` of a 2-D one-byte tensor into ``out``.
 
         Args:
@@ -271,6 +275,10 @@ class SafetensorsCheckpoint:
             chunk_rows: rows per memory-mapped slice read.
             progress: gets ``update(bytes)`` after each chunk.
             check_ue8m0: raise on byte 255 (UE8M0 NaN, never in a table), naming the row.
+            check_e4m3: raise on bytes 0x7F/0xFF (E4M3 NaN, never in a table), naming the row.
+
+        The checks look at each chunk as it passes (one temporary of the chunk's size), never at
+        a second copy of the table.
         """
         num_rows = out.shape[0]
         raw = _raw_tensor_bytes(info).reshape(info.shape) if (info.dtype == "F8_E8M0" and _E8M0 is None) else None
@@ -293,6 +301,14 @@ class SafetensorsCheckpoint:
                         row, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
                         raise ValueError(f"{info.where()}: row {row_start + first + row} holds scale byte 255 "
                                          f"(UE8M0 NaN) at column {column}; expected bytes 0..254, the file is corrupt")
+                if check_e4m3:
+                    bad = (chunk & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
+                    if bool(bad.any()):
+                        row, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
+                        byte = int(chunk[row, column])
+                        raise ValueError(f"{info.where()}: row {row_start + first + row} holds value byte "
+                                         f"{byte:#04x} (E4M3 NaN) at column {column}; a table holds no NaN, the file "
+                                         f"is corrupt (check_values=False skips this check on trusted checkpoints)")
                 out[first:last].copy_(chunk)
                 if progress is not None:
                     progress.update(chunk.numel())
@@ -450,6 +466,7 @@ def load_engram_table(
     validate: bool | None = None,
     progress: ByteProgress | bool | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    check_values: bool = True,
 ) -> EngramTable:
     """The :class:`EngramTable` of layer ``layout.spec.layer_ids[layer_index]``: the whole
     table (``shard`` None) or the rows ``shard.row_ranges[layer_index]`` of one
@@ -458,12 +475,18 @@ def load_engram_table(
 
     ``progress``: True for a bar of its own, or an object with ``update(bytes)``
     (one bar shared by several tables), or None/False.
+
+    ``check_values``: refuse E4M3 NaN value bytes (0x7F, 0xFF) while streaming, naming the
+    tensor, row and file (about one extra pass over each chunk while it is in cache); False
+    skips it for trusted checkpoints. Scale byte 255 (UE8M0 NaN) is always refused.
     """
     spec = layout.spec
     if placement not in available_placements():
         raise ValueError(f"placement: expected one of {list(available_placements())}, found {placement!r}")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes: expected a positive integer, found {chunk_bytes!r}")
+    if not isinstance(check_values, bool):
+        raise ValueError(f"check_values: expected True or False, found {check_values!r}")
     layer_id = spec.layer_ids[layer_index]
     expected = expected_layer_tensors(spec, layout, layer_index)
     values_info = checkpoint.check(checkpoint.name(layer_id, "embed.weight"), *expected["embed.weight"])
@@ -477,7 +500,8 @@ def load_engram_table(
     bar = table_progress(num_rows * spec.row_bytes, f"layer {layer_id} table") if own_bar else (progress or None)
     try:
         chunk_rows = max(1, chunk_bytes // head_dim)
-        checkpoint.read_rows_into(values_info, value_bytes, row_start, chunk_rows=chunk_rows, progress=bar)
+        checkpoint.read_rows_into(values_info, value_bytes, row_start, chunk_rows=chunk_rows, progress=bar,
+                                  check_e4m3=check_values)
         checkpoint.read_rows_into(scales_info, scale_bytes, row_start, chunk_rows=chunk_rows, progress=bar,
                                   check_ue8m0=True)
     finally:

@@ -148,6 +148,7 @@ class EngramMemory:
         sequence_parallel: bool = False,
         sp_group: Any = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        check_values: bool = True,
     ) -> "EngramMemory":
         """Load every Engram layer of the checkpoint in ``model_dir``.
 
@@ -165,6 +166,8 @@ class EngramMemory:
                 (on tensor-parallel rank 0 only).
             sequence_parallel, sp_group: passed to every :class:`Engram` module.
             chunk_bytes: bytes read per memory-mapped slice.
+            check_values: refuse table rows holding E4M3 NaN bytes while they stream in
+                (False skips the check on trusted checkpoints).
 
         Every tensor's dtype and shape is checked against the config before any
         table row is read. Errors are ``ValueError`` naming the tensor or field and the file.
@@ -199,7 +202,7 @@ class EngramMemory:
                 tables[layer_id] = load_engram_table(
                     checkpoint, layout, index, shard, placement=placement,
                     device=None if placement == "cpu" else compute_device, validate=validate, progress=bar,
-                    chunk_bytes=chunk_bytes)
+                    chunk_bytes=chunk_bytes, check_values=check_values)
         finally:
             bar.close()
 
