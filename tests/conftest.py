@@ -56,15 +56,23 @@ SEED_ENV = "ENGRAM_TEST_SEED"
 _SEED_KEY = pytest.StashKey[int]()
 
 
-def fresh_seed() -> int:
-    """``ENGRAM_TEST_SEED`` when set (to replay a failure), else 63 fresh random bits."""
+_MODULE_SEEDS: dict[str, int] = {}
+
+
+def fresh_seed(module: str | None = None) -> int:
+    """``ENGRAM_TEST_SEED`` when set (to replay a failure), else 63 fresh random bits. A test
+    module that draws one seed for all its tests passes its ``__name__``: failures report it."""
     given = os.environ.get(SEED_ENV)
     if given:
         try:
-            return int(given)
+            value = int(given)
         except ValueError:
             raise pytest.UsageError(f"{SEED_ENV}: expected an integer, found {given!r}") from None
-    return int(np.random.SeedSequence().entropy % 2**63)
+    else:
+        value = int(np.random.SeedSequence().entropy % 2**63)
+    if module is not None:
+        _MODULE_SEEDS[module] = value
+    return value
 
 
 @pytest.fixture
@@ -86,10 +94,10 @@ def rng(seed) -> np.random.Generator:
 def pytest_runtest_makereport(item, call):
     report = yield
     if report.failed:
-        # The test's own seed, or a module's session-wide SEED (drawn with fresh_seed()).
+        # The test's own seed, or its module's (drawn with fresh_seed(__name__)).
         value = item.stash.get(_SEED_KEY, None)
         if value is None:
-            value = getattr(getattr(item, "module", None), "SEED", None)
+            value = _MODULE_SEEDS.get(getattr(getattr(item, "module", None), "__name__", None))
         if value is not None:
             report.sections.append(("random seed", f"seed {value}: replay with {SEED_ENV}={value} pytest '{item.nodeid}'"))
     return report

@@ -6,6 +6,7 @@ the tensor and the file."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import engram.checkpoint
 from engram.checkpoint import (INDEX_FILE, SafetensorsCheckpoint, load_engram_layer_weights, load_engram_table,
                                write_engram_checkpoint)
 from engram.cli import main
+from engram.table import available_placements
 from engram.layout import EngramLayout
 from engram.memory import EngramMemory
 from engram.spec import EngramSpec
@@ -514,14 +516,55 @@ def test_info_lists_files_tensors_and_bytes_per_rank(written, capsys, monkeypatc
         assert file_name in out
     assert "layers.14.engram.embed.scale" in out and "F8_E8M0" in out
     assert out.count(" ok ") >= 12                  # every Engram tensor checked against the config
-    for column in ("tp=1", "tp=2", "tp=4", "tp=8", "HBM, per GPU", "pinned host memory"):
+    for column in ("tp=1", "tp=2", "tp=4", "tp=8", "HBM, per GPU"):
         assert column in out
+    host = next(line for line in out.splitlines() if line.strip("│ ").startswith("host"))
+    assert ("pinned host memory" in host) == ("host" in available_placements())
+    assert "cached" not in out  # no row for a placement that does not exist
     assert main(["info", "--checkpoint", str(synthetic.directory), "--config", str(synthetic.directory)]) == 2
 
 
-def test_info_marks_a_bad_tensor(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
+def _truncate(directory: Path, name: str) -> str:
+    path = SafetensorsCheckpoint(directory).file_of(name)
+    path.write_bytes(path.read_bytes()[:-100])
+    return rf"tensor '{name}': file '.*{path.name}' is not a readable safetensors file, it may be truncated or corrupt"
+
+
+def _remove(directory: Path, name: str) -> str:
+    path = rewrite(directory, name, None)
+    return rf"tensor '{name}' is missing from file '.*{path.name}', where the index file '.*{INDEX_FILE}' places it"
+
+
+def _wrong_dtype(directory: Path, name: str) -> str:
+    path = rewrite(directory, name, torch.zeros(4, 64, dtype=torch.float32))
+    return rf"tensor '{name}' in file '.*{path.name}': expected dtype BF16, found F32"
+
+
+def _wrong_shape(directory: Path, name: str) -> str:
+    path = rewrite(directory, name, torch.zeros(4, 63, dtype=torch.bfloat16))
+    return rf"tensor '{name}' in file '.*{path.name}': expected shape \[4, 64\] \(hc_mult, hidden_size\), found \[4, 63\]"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _remove, _wrong_dtype, _wrong_shape])
+@pytest.mark.parametrize("columns", [None, "80"])
+def test_info_on_a_broken_checkpoint_exits_1_with_each_problem_in_full(tmp_path, capsys, monkeypatch, damage, columns):
+    """Exit 1, and each problem on its own numbered line, whole, even at 80 columns."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
     synthetic = fresh(tmp_path, num_shards=2)
-    rewrite(synthetic.directory, "layers.1.engram.q_weight", torch.zeros(4, 64, dtype=torch.float32))
-    assert main(["info", "--checkpoint", str(synthetic.directory)]) == 0
-    assert "expected dtype BF16, found F32" in capsys.readouterr().out
+    expected = damage(synthetic.directory, "layers.14.engram.k_weight")
+    assert main(["info", "--checkpoint", str(synthetic.directory)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"\d+ problem\(s\) in checkpoint", out)
+    lines = [line for line in out.splitlines() if re.match(r"  \d+\. ", line)]
+    assert any(re.search(expected, line) for line in lines), out  # the problem whole, on one line
+
+
+def test_info_on_a_sound_checkpoint_exits_0(written, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["info", "--checkpoint", str(written["sharded_index"].directory)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint ok" in out and "problem" not in out
+    assert "layers.14.engram.embed.scale" in out   # whole names: stdout is not a terminal

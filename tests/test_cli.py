@@ -42,3 +42,13 @@ def test_demo_checks_every_id(deepseek_tokenizer_path, capsys):
     assert main(["demo", "--texts", "2", "--max-chars", "1500", "--tokenizer", str(deepseek_tokenizer_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("match") >= 3
+
+
+def test_info_is_not_cut_when_stdout_is_not_a_terminal(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    layout = engram.EngramLayout(engram.EngramSpec.from_hf_config(PACKAGED_CONFIG))
+    for table_bytes in [*layout.table_bytes, sum(layout.table_bytes)]:
+        assert f"{table_bytes:,}" in out
+    assert "…" not in out

@@ -60,7 +60,7 @@ from engram.table import EngramTable, quantize_rows
 
 from conftest import fresh_seed
 
-SEED = fresh_seed()  # one per session (the spawned worlds share it); ENGRAM_TEST_SEED replays
+SEED = fresh_seed(__name__)  # one per session (the spawned worlds share it); ENGRAM_TEST_SEED replays
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=240)
 
 

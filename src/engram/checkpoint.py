@@ -199,6 +199,11 @@ class SafetensorsCheckpoint:
 
     # ---- queries -------------------------------------------------------------
     @property
+    def unreadable_files(self) -> dict[Path, str]:
+        """Files found without an index whose header could not be read -> the reader's error."""
+        return dict(self._unreadable)
+
+    @property
     def files(self) -> list[Path]:
         """The shard files, sorted (those of the index, or every ``*.safetensors``)."""
         return sorted(set(self.weight_map.values()) | set(self._unreadable))

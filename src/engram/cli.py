@@ -1,9 +1,16 @@
-"""The ``engram`` command: ``info``, ``hash`` and ``demo``."""
+"""The ``engram`` command: ``info``, ``hash`` and ``demo``.
+
+Exit codes: 0 success; 1 the work ran and found a problem (``info --checkpoint`` on a
+broken checkpoint, a ``demo`` mismatch); 2 bad arguments or input (the message names them).
+When stdout is not a terminal (a pipe, a file) tables are printed at their full width
+(``COLUMNS`` still wins when set), so no cell is cut.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from rich.console import Console
@@ -15,6 +22,8 @@ from .spec import EngramSpec
 __all__ = ["main"]
 
 GIB = 2**30
+UNWRAPPED_WIDTH = 10_000
+"""Console width when stdout is not a terminal: tables keep their natural width."""
 
 
 def _spec_and_layout(config: str | None) -> tuple[EngramSpec, EngramLayout]:
@@ -54,9 +63,16 @@ def command_info(args: argparse.Namespace, console: Console) -> int:
         parallel.add_row(str(world_size), "/".join(str(s.num_columns) for s in shards), f"{max(per_rank):,}",
                          f"{max(per_rank) / GIB:.1f}", f"{min(per_rank):,}")
     console.print(parallel)
-    if args.checkpoint is not None:
-        _checkpoint_info(args.checkpoint, spec, layout, console)
-    return 0
+    if args.checkpoint is None:
+        return 0
+    problems = _checkpoint_info(args.checkpoint, spec, layout, console)
+    if not problems:
+        console.print("[green]checkpoint ok[/]: every Engram tensor matches the config")
+        return 0
+    console.print(f"[red]{len(problems)} problem(s)[/] in checkpoint {args.checkpoint}:", highlight=False)
+    for number, problem in enumerate(problems, 1):
+        console.print(f"  {number}. {problem}", markup=False, highlight=False, soft_wrap=True)
+    return 1
 
 
 def _format_bytes(count: int) -> str:
@@ -66,10 +82,12 @@ def _format_bytes(count: int) -> str:
     return f"{count} B"
 
 
-def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, console: Console) -> None:
+def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, console: Console) -> list[str]:
     """Where each Engram tensor is (file, dtype, shape, checked against the config), which file
-    holds what, and the table bytes each placement keeps per tensor-parallel rank."""
+    holds what, and the table bytes each placement keeps per tensor-parallel rank.
+    Returns every problem found, each a whole message (the table only points to it)."""
     from .checkpoint import SafetensorsCheckpoint, expected_layer_tensors
+    from .table import available_placements
 
     checkpoint = SafetensorsCheckpoint(directory)
     source = (f"index {checkpoint.index_file.name}" if checkpoint.index_file is not None
@@ -78,6 +96,12 @@ def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, con
     for column in ("tensor", "file", "dtype", "shape", "bytes", "check"):
         tensors.add_column(column, justify="right" if column == "bytes" else "left")
     per_file: dict[str, list[int]] = {}
+    problems: list[str] = []
+
+    def problem(message: str) -> str:
+        problems.append(message)
+        return f"[red]problem {len(problems)}[/]"
+
     for index, layer_id in enumerate(spec.layer_ids):
         for kind, (dtypes, shape, why) in expected_layer_tensors(spec, layout, index).items():
             name = checkpoint.name(layer_id, kind)
@@ -86,18 +110,20 @@ def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, con
             try:
                 info = checkpoint.info(name)
             except ValueError as error:
-                tensors.add_row(name, "", "", "", "", f"[red]{error}[/]")
+                tensors.add_row(name, "", "", "", "", problem(str(error)))
                 continue
             try:
                 checkpoint.check(name, dtypes, shape, why)
                 verdict = "[green]ok[/]"
             except ValueError as error:
-                verdict = f"[red]{str(error).split(': ', 1)[-1]}[/]"
+                verdict = problem(str(error))
             tensors.add_row(name, info.file.name, info.dtype, str(list(info.shape)), f"{info.nbytes:,}", verdict)
             counts = per_file.setdefault(info.file.name, [0, 0])
             counts[0] += 1
             counts[1] += info.nbytes
     console.print(tensors)
+    for path, error in checkpoint.unreadable_files.items():
+        problem(f"file {str(path)!r} is not a readable safetensors file, it may be truncated or corrupt ({error})")
     files = Table(title="files")
     for column in ("file", "Engram tensors", "Engram bytes", "other tensors"):
         files.add_column(column, justify="left" if column == "file" else "right")
@@ -125,15 +151,19 @@ def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, con
         largest = max(sum(s.num_rows(l) for l in range(spec.num_layers)) for s in shards) * spec.row_bytes
         per_rank.append(_format_bytes(largest))
         per_node.append(_format_bytes(sum(layout.table_bytes)))
+    available = available_placements()
     placements.add_row("cpu", "process memory, per rank", *per_rank)
     placements.add_row("device", "HBM, per GPU", *per_rank)
-    placements.add_row("host / cached", "pinned host memory, per node (all ranks' shards)", *per_node)
+    if "host" in available:
+        placements.add_row("host", "pinned host memory, per node (all ranks' shards)", *per_node)
+    else:
+        placements.add_row("host", "[dim]not available in this version[/]", *[""] * len(world_sizes))
     wkv_bytes = spec.num_layers * (spec.kv_dim * spec.num_columns * spec.head_dim + 2 * spec.hc_mult * spec.hidden_size) * 2
     placements.add_row("(any)", "wkv, q/k weights in bf16, on every rank's compute device",
                        *[_format_bytes(wkv_bytes)] * len(world_sizes))
     console.print(placements)
-    console.print("[dim]'no split': ceil(C/tp) columns per rank leave a rank without a column; "
-                  "'cached' adds its hot rows in HBM on top of the host table[/]")
+    console.print("[dim]'no split': ceil(C/tp) columns per rank leave a rank without a column[/]")
+    return problems
 
 
 def command_hash(args: argparse.Namespace, console: Console) -> int:
@@ -212,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
+    wide = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    console = Console(width=UNWRAPPED_WIDTH if wide else None)
     try:
         return args.run(args, console)
     except ValueError as error:
