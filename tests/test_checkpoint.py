@@ -289,7 +289,7 @@ def test_torch_without_e8m0_reads_scale_bytes(written, monkeypatch):
     checkpoint = SafetensorsCheckpoint(synthetic.directory)
     expected = load_engram_table(checkpoint, layout, 1)
     expected_weights = load_engram_layer_weights(checkpoint, synthetic.spec, layout, 1)
-    monkeypatch.setattr(engram.checkpoint, "_E8M0", None)
+    monkeypatch.setattr(engram.checkpoint, "E8M0_DTYPE", None)
     table = load_engram_table(checkpoint, layout, 1, layout.shard(0, 2), chunk_bytes=640)
     assert torch.equal(table.storage.scale_bytes, expected.storage.scale_bytes[: table.num_rows])
     weights = load_engram_layer_weights(checkpoint, synthetic.spec, layout, 1)

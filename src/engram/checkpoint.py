@@ -47,9 +47,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .common import ceil_div, resolve_cuda_device
 from .layout import ColumnShard, EngramLayout
 from .spec import EngramSpec
 from .table import BLOCK_SIZE, EngramTable, available_placements
+from .table.fp8 import E8M0_DTYPE
 
 __all__ = [
     "INDEX_FILE",
@@ -74,7 +76,6 @@ TENSOR_KINDS = ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale", "q_wei
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 """Bytes of E4M3 values read per chunk while streaming a table."""
 
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
 # safetensors dtype strings -> bytes per element (for sizes in `engram info`).
 _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
@@ -92,10 +93,6 @@ def engram_tensor_name(layer_id: int, kind: str, prefix: str = "") -> str:
     if kind not in TENSOR_KINDS:
         raise ValueError(f"kind: expected one of {TENSOR_KINDS}, found {kind!r}")
     return f"{prefix}layers.{layer_id}.engram.{kind}"
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------
@@ -260,7 +257,7 @@ class SafetensorsCheckpoint:
     def read_tensor(self, info: TensorInfo) -> torch.Tensor:
         """The whole tensor (for the small ones: wkv, q/k weights) as a CPU tensor; UE8M0 tensors
         come as ``float8_e8m0fnu``, or as ``uint8`` bytes on a torch without that dtype."""
-        if info.dtype == "F8_E8M0" and _E8M0 is None:
+        if info.dtype == "F8_E8M0" and E8M0_DTYPE is None:
             return torch.from_numpy(np.array(_raw_tensor_bytes(info))).reshape(info.shape)
         with _open(info.file, f"tensor {info.name!r}") as handle:
             try:
@@ -286,7 +283,7 @@ class SafetensorsCheckpoint:
         a second copy of the table.
         """
         num_rows = out.shape[0]
-        raw = _raw_tensor_bytes(info).reshape(info.shape) if (info.dtype == "F8_E8M0" and _E8M0 is None) else None
+        raw = _raw_tensor_bytes(info).reshape(info.shape) if (info.dtype == "F8_E8M0" and E8M0_DTYPE is None) else None
         with _open(info.file, f"tensor {info.name!r}") as handle:
             tensor_slice = handle.get_slice(info.name) if raw is None else None
             for first in range(0, num_rows, chunk_rows):
@@ -379,7 +376,7 @@ def expected_layer_tensors(spec: EngramSpec, layout: EngramLayout, layer_index: 
     }
     if spec.weight_block_size is not None:
         block_rows, block_cols = spec.weight_block_size
-        expected["wkv.scale"] = (_WKV_SCALE_DTYPES, [_ceil_div(spec.kv_dim, block_rows), _ceil_div(in_features, block_cols)],
+        expected["wkv.scale"] = (_WKV_SCALE_DTYPES, [ceil_div(spec.kv_dim, block_rows), ceil_div(in_features, block_cols)],
                                  f"ceil([{spec.kv_dim}, {in_features}] / weight_block_size {[block_rows, block_cols]})")
     return expected
 
@@ -499,7 +496,8 @@ def load_engram_table(
     row_start, row_end = (0, layout.num_embeddings[layer_index]) if shard is None else shard.row_ranges[layer_index]
     num_rows, head_dim = row_end - row_start, spec.head_dim
 
-    storage_device = torch.device("cpu") if placement == "cpu" else _cuda_device(device)
+    storage_device = (torch.device("cpu") if placement == "cpu"
+                      else resolve_cuda_device(device, f"placement {placement!r}"))
     value_bytes, scale_bytes = allocate_table_storage(placement, num_rows, head_dim, storage_device)
     own_bar = progress is True
     bar = table_progress(num_rows * spec.row_bytes, f"layer {layer_id} table") if own_bar else (progress or None)
@@ -514,19 +512,6 @@ def load_engram_table(
             bar.close()
     return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
                                    device=None if placement == "cpu" else storage_device, validate=validate)
-
-
-def _cuda_device(device) -> torch.device:
-    if device is None:
-        if not torch.cuda.is_available():
-            raise ValueError("device: this placement needs a CUDA device, and torch.cuda.is_available() is False")
-        return torch.device("cuda", torch.cuda.current_device())
-    resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if resolved.type != "cuda":
-        raise ValueError(f"device: this placement needs a CUDA device, found {device!r}")
-    if resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
 
 
 # ---------------------------------------------------------------------------
@@ -559,8 +544,8 @@ class EngramLayerTensors:
 
 
 def _as_ue8m0(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype == torch.uint8 and _E8M0 is not None:
-        return tensor.view(_E8M0)
+    if tensor.dtype == torch.uint8 and E8M0_DTYPE is not None:
+        return tensor.view(E8M0_DTYPE)
     return tensor
 
 

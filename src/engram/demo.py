@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .common import resolve_device
 from .corpus import english_texts
 from .layer.gate import engram_gate
 from .hashing.batch import NgramHasher
@@ -86,6 +87,7 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
     for flag, value in (("--texts", num_texts), ("--max-chars", max_chars)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag}: expected an integer >= 1, found {value!r}")
+    resolve_device(device, "engram demo --device")  # one clear error before any work
     spec = EngramSpec.from_hf_config(config or packaged_config())
     layout = EngramLayout(spec)
     started = time.perf_counter()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .checkpoint import (DEFAULT_CHUNK_BYTES, SafetensorsCheckpoint, expected_layer_tensors,
                          load_engram_layer_weights, load_engram_table, table_progress)
+from .common import as_device, resolve_cuda_device
 from .hashing import NgramHasher
 from .layer import Engram
 from .layout import ColumnShard, EngramLayout
@@ -29,42 +30,30 @@ from .vocab import TokenCompressor
 __all__ = ["EngramMemory", "resolve_placement"]
 
 
-def _as_device(device: torch.device | str | int) -> torch.device:
-    if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device)
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, found {device!r} "
-                         f"({error})") from None
-
-
 def resolve_placement(placement: str, device: torch.device | str | int | None = None) -> tuple[str, torch.device]:
     """``(placement, compute device)``: where lookups, wkv and gate run.
 
-    ``"auto"``: ``"device"`` when CUDA is available (and ``device`` is not a CPU
-    device), else ``"cpu"``. ``"cpu"`` runs on the CPU; every other placement
-    (``"device"``; host-memory placements when registered) on a CUDA device,
-    ``device`` or the current one.
+    ``"auto"``: ``"cpu"`` for a CPU ``device``, ``"device"`` for a CUDA one; without a
+    ``device``, ``"device"`` when CUDA is available, else ``"cpu"``. ``"cpu"`` runs on the
+    CPU; every other placement (``"device"``; host-memory placements when registered)
+    on a CUDA device, ``device`` or the current one. Errors name the placement the
+    caller gave and the device.
     """
+    asked = placement
     if placement == "auto":
-        wants_cpu = device is not None and _as_device(device).type == "cpu"
-        placement = "device" if torch.cuda.is_available() and not wants_cpu else "cpu"
+        wanted = None if device is None else as_device(device)
+        if wanted is None:
+            placement = "device" if torch.cuda.is_available() else "cpu"
+        else:
+            placement = "cpu" if wanted.type == "cpu" else "device"
     available = available_placements()
     if placement not in available:
         raise ValueError(f"placement: expected 'auto' or one of {list(available)}, found {placement!r}")
     if placement == "cpu":
-        if device is not None and _as_device(device).type != "cpu":
+        if device is not None and as_device(device).type != "cpu":
             raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
         return placement, torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"placement {placement!r} needs a CUDA device, and torch.cuda.is_available() is False")
-    if device is None:
-        return placement, torch.device("cuda", torch.cuda.current_device())
-    resolved = _as_device(device)
-    if resolved.type != "cuda":
-        raise ValueError(f"device: placement {placement!r} needs a CUDA device, found {device!r}")
-    return placement, resolved if resolved.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return placement, resolve_cuda_device(device, f"placement {asked!r}")
 
 
 def _read_spec(model_dir: Path) -> EngramSpec:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .primes import bucket_primes
+
 __all__ = ["EngramSpec"]
 
 _PAD_KEYS = ("engram_pad_token_id", "engram_pad_id")
@@ -175,9 +177,8 @@ class EngramSpec:
 
     def check_row_counts(self) -> None:
         """Raise unless ``num_embeddings`` equals the sums of primes of DESIGN §2."""
-        from .layout import table_primes  # layout depends on spec, not the other way round
-
-        for index, (layer_id, primes) in enumerate(zip(self.layer_ids, table_primes(self))):
+        primes_per_layer = bucket_primes(len(self.layer_ids), self.max_ngram_size, self.n_heads, self.vocab_size)
+        for index, (layer_id, primes) in enumerate(zip(self.layer_ids, primes_per_layer)):
             expected = sum(sum(order) for order in primes)
             if expected != self.num_embeddings[index]:
                 raise ValueError(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .checkpoint import EngramLayerTensors, write_engram_checkpoint
+from .common import ceil_div
 from .layout import EngramLayout
 from .spec import EngramSpec
 from .table import BLOCK_SIZE, quantize_rows
@@ -154,7 +155,7 @@ def synthetic_layer_tensors(spec: EngramSpec, layout: EngramLayout, layer_index:
             raise ValueError("wkv_dtype 'fp8' needs quantization_config.weight_block_size in the config")
         block_rows, block_cols = spec.weight_block_size
         wkv_weight = (torch.randn(out_features, in_features, generator=generator) * 16).to(torch.float8_e4m3fn)
-        scale_shape = (-(-out_features // block_rows), -(-in_features // block_cols))
+        scale_shape = (ceil_div(out_features, block_rows), ceil_div(in_features, block_cols))
         center = 127 - 4 - round(0.5 * torch.log2(torch.tensor(float(in_features))).item())
         wkv_scale = torch.randint(center - 1, center + 2, scale_shape, generator=generator, dtype=torch.int32).to(torch.uint8)
     elif wkv_dtype == "bf16":

@@ -34,6 +34,8 @@ import os
 
 import torch
 
+from ..common import next_power_of_2
+
 __all__ = ["engram_gate", "engram_gate_kv", "engram_gate_torch", "gate_launch_config", "GateLaunchConfig",
            "GATE_BACKEND_ENV"]
 
@@ -156,8 +158,9 @@ def _use_triton(backend: str, hidden_states: torch.Tensor, tensors, out_dtype: t
     return True
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def _head_block(hidden: int) -> int:
+    """The largest power of two ``<= hidden``: the kernel's main block of the head dimension."""
+    return 1 << (hidden.bit_length() - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +193,7 @@ def gate_launch_config(tokens: int, hc_mult: int, hidden: int) -> GateLaunchConf
     copies in one program: 10 us); eager, that machine's host launch overhead
     dominates (27 us through Triton's launcher alone, 59 us through engram_gate_kv).
     """
-    head_block = 1 << (hidden.bit_length() - 1)
+    head_block = _head_block(hidden)
     return GateLaunchConfig(copies_per_program=1, num_warps=min(16, max(1, head_block // (32 * 16))))
 
 
@@ -222,8 +225,8 @@ def _launch_gate_kernel(
     copies = config.copies_per_program
     if copies < 1 or hc_mult % copies:
         raise ValueError(f"config.copies_per_program: expected a divisor of hc = {hc_mult}, found {copies}")
-    head_block = 1 << (hidden.bit_length() - 1)
-    tail_block = _next_power_of_2(hidden - head_block) if hidden > head_block else 0
+    head_block = _head_block(hidden)
+    tail_block = next_power_of_2(hidden - head_block) if hidden > head_block else 0
 
     hidden_states = _contiguous_rows(hidden_states)
     q_weight, k_weight = _contiguous_rows(q_weight), _contiguous_rows(k_weight)

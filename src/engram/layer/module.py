@@ -45,23 +45,19 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..common import HASH_ID_DTYPES, ceil_div
 from .gate import engram_gate_kv
 from .wkv import WkvProjection
 
 __all__ = ["Engram", "tensor_parallel_columns", "sequence_parallel_sizes"]
 
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_HASH_ID_DTYPES = (torch.int32, torch.int64)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def tensor_parallel_columns(num_columns: int, rank: int, world_size: int) -> tuple[int, int]:
     """Columns ``[rank * P, min(C, (rank + 1) * P))`` with ``P = ceil(C / world_size)``
     (the rule of :meth:`EngramLayout.shard`); ValueError when the rank gets none."""
-    per_rank = _ceil_div(num_columns, world_size)
+    per_rank = ceil_div(num_columns, world_size)
     start, end = rank * per_rank, min(num_columns, (rank + 1) * per_rank)
     if start >= end:
         raise ValueError(f"tp_group: rank {rank} of {world_size} gets no hash column ({num_columns} columns, "
@@ -72,7 +68,7 @@ def tensor_parallel_columns(num_columns: int, rank: int, world_size: int) -> tup
 def sequence_parallel_sizes(num_tokens: int, world_size: int) -> list[int]:
     """Contiguous token shards of the ceil split: rank ``r`` gets
     ``[r * ceil(T / sp), min(T, (r + 1) * ceil(T / sp)))`` (possibly empty)."""
-    per_rank = _ceil_div(num_tokens, world_size) if num_tokens else 0
+    per_rank = ceil_div(num_tokens, world_size) if num_tokens else 0
     return [max(0, min(num_tokens, (r + 1) * per_rank) - r * per_rank) for r in range(world_size)]
 
 
@@ -192,7 +188,7 @@ class Engram(torch.nn.Module):
                              f"meeting tp_group only in this rank (a 2-D mesh), found ranks {sp_ranks}")
 
         self.column_start, self.column_end = tensor_parallel_columns(num_columns, self.tp_rank, self.tp_size)
-        self.columns_per_rank = _ceil_div(num_columns, self.tp_size)
+        self.columns_per_rank = ceil_div(num_columns, self.tp_size)
         self.table = table
         self._check_table(table)
 
@@ -337,7 +333,7 @@ class Engram(torch.nn.Module):
             raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
         if hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
             raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {list(hash_ids.shape)}")
-        if hash_ids.dtype not in _HASH_ID_DTYPES:
+        if hash_ids.dtype not in HASH_ID_DTYPES:
             raise ValueError(f"hash_ids: expected dtype torch.int32 or torch.int64, found {hash_ids.dtype}")
         num_tokens = hash_ids.shape[0]
         counts, starts = self._token_layout(num_tokens, sp_token_counts)

@@ -27,18 +27,14 @@ from typing import Sequence
 
 import torch
 
-from ..table.fp8 import scale_bytes_to_float
+from ..common import ceil_div
+from ..table.fp8 import E8M0_DTYPE, scale_bytes_to_float
 
 __all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv"]
 
 _FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn,)
 _PLAIN_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_block_size(block_size) -> tuple[int, int]:
@@ -51,7 +47,7 @@ def _check_block_size(block_size) -> tuple[int, int]:
 def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     """fp32 multipliers of a scale tensor: UE8M0 (``float8_e8m0fnu`` or raw ``uint8``
     bytes, value ``2 ** (byte - 127)``) or floating values taken as they are."""
-    if _E8M0 is not None and scale.dtype == _E8M0:
+    if E8M0_DTYPE is not None and scale.dtype == E8M0_DTYPE:
         scale = scale.view(torch.uint8)
     if scale.dtype == torch.uint8:
         if bool((scale == 255).any()):
@@ -103,7 +99,7 @@ def dequantize_wkv_weight(
                          "for a float8_e4m3fn weight, found None")
     block_rows, block_cols = _check_block_size(block_size)
     out_features, in_features = weight.shape
-    expected = [_ceil_div(out_features, block_rows), _ceil_div(in_features, block_cols)]
+    expected = [ceil_div(out_features, block_rows), ceil_div(in_features, block_cols)]
     if list(scale.shape) != expected:
         raise ValueError(
             f"scale: expected shape {expected} (ceil([{out_features}, {in_features}] / [{block_rows}, {block_cols}])), "

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..common import HASH_ID_DTYPES
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes
 from .kernels import gather_rows_bf16_kernel, gather_rows_packed_kernel
 
 __all__ = ["GatherConfig", "default_config", "gather_rows", "gather_rows_packed"]
 
-_HASH_ID_DTYPES = (torch.int32, torch.int64)
 _DECODE_MODES = {"integer": 0, "fp8": 1, "fp8_nan_select": 2}  # the kernels' DECODE
 
 
@@ -106,7 +106,7 @@ def _check_inputs(value_bytes, scale_bytes, hash_ids, row_start, column_start, c
     if value_bytes.stride(1) != 1 or scale_bytes.stride(1) != 1:
         raise ValueError(f"values/scales: rows must be contiguous (last stride 1), found strides "
                          f"{value_bytes.stride()} and {scale_bytes.stride()}")
-    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in _HASH_ID_DTYPES or hash_ids.dim() != 2:
+    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
         found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
                  else type(hash_ids).__name__)
         raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from ..common import HASH_ID_DTYPES, resolve_cuda_device
 from ..layout import ColumnShard, EngramLayout
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, dequantize_rows
 
@@ -36,7 +37,6 @@ __all__ = [
 ]
 
 _PLANNED_PLACEMENTS = ("host", "cached")
-_HASH_ID_DTYPES = (torch.int32, torch.int64)
 
 GATHER_BACKEND_ENV = "ENGRAM_GATHER"
 """Environment variable choosing the lookup path of ``device`` tables: ``auto`` (default: the
@@ -194,7 +194,7 @@ class DevicePlacement(TablePlacement):
     name = "device"
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
-        target = _resolve_cuda_device(device)
+        target = resolve_cuda_device(device, "placement 'device'")
         super().__init__(value_bytes.to(target), scale_bytes.to(target), target)
 
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,21 +209,6 @@ class DevicePlacement(TablePlacement):
         if packed:
             return gather.gather_rows_packed(self._value_bytes, self._scale_bytes, global_ids, row_start)
         return gather.gather_rows(self._value_bytes, self._scale_bytes, global_ids, row_start)
-
-
-def _resolve_cuda_device(device) -> torch.device:
-    if device is None:
-        if not torch.cuda.is_available():
-            raise ValueError("placement 'device' needs a CUDA device, and torch.cuda.is_available() is False")
-        return torch.device("cuda", torch.cuda.current_device())
-    resolved = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if resolved.type != "cuda":
-        raise ValueError(f"device: placement 'device' needs a CUDA device, found {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device: placement 'device' needs a CUDA device ({device!r}), and torch.cuda.is_available() is False")
-    if resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
 
 
 # ---------------------------------------------------------------------------
@@ -426,7 +411,7 @@ class EngramTable:
         """Check ``hash_ids [T, C]`` and return its columns ``[column_start, column_end)``."""
         if not isinstance(hash_ids, torch.Tensor):
             raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
-        if hash_ids.dtype not in _HASH_ID_DTYPES:
+        if hash_ids.dtype not in HASH_ID_DTYPES:
             raise ValueError(f"hash_ids: expected dtype torch.int32 or torch.int64, found {hash_ids.dtype}")
         if hash_ids.dim() != 2:
             raise ValueError(f"hash_ids: expected shape [T, C], found {list(hash_ids.shape)}")
