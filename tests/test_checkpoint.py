@@ -6,6 +6,7 @@ the tensor and the file."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -568,3 +569,29 @@ def test_info_on_a_sound_checkpoint_exits_0(written, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "checkpoint ok" in out and "problem" not in out
     assert "layers.14.engram.embed.scale" in out   # whole names: stdout is not a terminal
+
+
+# ---------------------------------------------------------------------------
+# writing: shards split by bytes, files with the umask's permissions
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("num_shards", [2, 3])
+def test_shards_are_split_by_bytes(tmp_path, num_shards):
+    synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word", scale="small", num_shards=num_shards)
+    sizes = [(synthetic.directory / name).stat().st_size for name in sorted(set(synthetic.weight_map.values()))]
+    assert len(sizes) == num_shards
+    tables = [(synthetic.directory / synthetic.weight_map[f"layers.{i}.engram.embed.weight"]) for i in (1, 14)]
+    assert tables[0] != tables[1]                          # the two tables in different files
+    if num_shards == 2:
+        assert max(sizes) < 1.25 * min(sizes), sizes       # about half the bytes each (was 2.98 GB + 92 MB at scale)
+    load_all(synthetic.directory)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_written_files_follow_the_umask(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word", num_shards=2)
+    finally:
+        os.umask(previous)
+    for path in synthetic.directory.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path.name

@@ -549,6 +549,28 @@ def _as_ue8m0(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _split_by_bytes(named: Mapping[str, torch.Tensor], num_shards: int) -> list[dict[str, torch.Tensor]]:
+    """``num_shards`` groups of about equal bytes: largest tensor first, each into the lightest
+    group so far (ties: the first group); every group gets a tensor when there are enough."""
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in named.items()}
+    totals = [0] * num_shards
+    owner: dict[str, int] = {}
+    for name in sorted(named, key=lambda n: -sizes[n]):
+        lightest = min(range(num_shards), key=lambda k: (totals[k], k))
+        owner[name] = lightest
+        totals[lightest] += sizes[name]
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
+    for name, tensor in named.items():  # each file keeps the tensors in their given order
+        groups[owner[name]][name] = tensor
+    return groups
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_engram_checkpoint(
     directory: str | os.PathLike,
     layers: Mapping[int, EngramLayerTensors],
@@ -560,11 +582,13 @@ def write_engram_checkpoint(
 ) -> dict[str, str]:
     """Write the layers' tensors as safetensors shards; returns the weight map (name -> file name).
 
-    Tensors go round-robin (layer order, then :data:`TENSOR_KINDS` order, then
-    ``extra_tensors``) into ``num_shards`` files ``model-0000k-of-0000n.safetensors``
-    (``model.safetensors`` for one shard without index), so one layer's tensors
-    spread over several files. With ``with_index`` also ``model.safetensors.index.json``.
-    Meant for tests, demos and converted tables of moderate size (each file is built in memory).
+    Tensors are split by bytes into ``num_shards`` files ``model-0000k-of-0000n.safetensors``
+    (``model.safetensors`` for one shard without index): largest first, each into the
+    file holding the fewest bytes so far (so the tables land in different files, and
+    one layer's tensors spread over several). With ``with_index`` also
+    ``model.safetensors.index.json``. Files get the permissions of the process umask,
+    as any file the process creates. Meant for tests, demos and converted tables of
+    moderate size (each file is built in memory).
     """
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards: expected a positive integer, found {num_shards!r}")
@@ -583,13 +607,13 @@ def write_engram_checkpoint(
         file_names = ["model.safetensors"]
     else:
         file_names = [f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
-    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
-    for position, (name, tensor) in enumerate(named.items()):
-        groups[position % num_shards][name] = tensor
+    groups = _split_by_bytes(named, num_shards)
+    mode = 0o666 & ~_current_umask()
     weight_map: dict[str, str] = {}
     for file_name, group in zip(file_names, groups):
         temporary = directory / (file_name + ".tmp")
         save_file(group, str(temporary), metadata={"format": "pt"})
+        os.chmod(temporary, mode)  # safetensors creates its files 0600
         os.replace(temporary, directory / file_name)
         weight_map.update({name: file_name for name in group})
     if with_index:
