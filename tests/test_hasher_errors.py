@@ -142,3 +142,22 @@ def test_wrong_device_and_vocab(hasher):
 def test_empty_batch(hasher):
     out = hasher(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.tensor([0]))
     assert out.shape == (0, 2, 9) and out.dtype == torch.int32
+
+
+def _huge_allocations_fail_at_once() -> bool:
+    """True where the kernel refuses a 4 TB allocation outright (overcommit heuristic or strict)."""
+    try:
+        return open("/proc/sys/vm/overcommit_memory").read().strip() in ("0", "2")
+    except OSError:
+        return False
+
+
+def test_a_store_too_large_to_allocate_is_named(hasher, monkeypatch):
+    if not _huge_allocations_fail_at_once():  # never touch 4 TB of pages: fail the allocation as torch would
+        def refuse(*args, **kwargs):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4000000000004 bytes")
+        monkeypatch.setattr(engram.hashing.stores.torch, "full", refuse)
+    with pytest.raises(ValueError, match=r"num_slots: 1000000000000 needs 4,000,000,000,004 bytes of cpu memory for "
+                                         r"the store, which could not be allocated \(.*\)"):
+        hasher.bind_slot_cache(10**12, 16)
+

@@ -72,8 +72,9 @@ def _read_vocab(model_dir: Path, spec: EngramSpec) -> TokenCompressor:
     tokenizer_path, config_path = model_dir / "tokenizer.json", model_dir / "config.json"
     if not tokenizer_path.is_file():
         raise ValueError(f"tokenizer file {str(tokenizer_path)!r} does not exist")
+    vocab = TokenCompressor.from_tokenizer(tokenizer_path)  # an unreadable file is its own error
     try:
-        vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=spec)
+        vocab.check_spec(spec)
     except ValueError as error:
         raise ValueError(f"tokenizer file {str(tokenizer_path)!r} and config file {str(config_path)!r} "
                          f"disagree: {error}") from None
@@ -249,8 +250,30 @@ class EngramMemory:
             found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
             raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
                              f"hash columns), found {found}")
+        if self.tables[layer_id].validate:
+            self._check_columns(index, hash_ids[:, index, :])
         return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask,
                                       sp_token_counts=sp_token_counts)
+
+    def _check_columns(self, index: int, hash_ids: torch.Tensor) -> None:
+        """Each column's ids must lie in that column's rows ``[offset, offset + prime)`` of layer
+        ``index`` (``hash_ids [T, C]``); an id of another column or layer is named (a host sync)."""
+        layer_id = self.spec.layer_ids[index]
+        low = torch.as_tensor(self.layout.column_offsets[index], dtype=torch.int64, device=hash_ids.device)
+        high = low + torch.as_tensor(self.layout.column_primes[index], dtype=torch.int64, device=hash_ids.device)
+        ids = hash_ids.to(torch.int64)
+        bad = (ids < low) | (ids >= high)
+        if not bool(bad.any()):
+            return
+        token, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
+        found = int(ids[token, column])
+        owner = int(torch.searchsorted(low.cpu(), torch.tensor(found), right=True)) - 1
+        if 0 <= owner and found < int(high[owner]):
+            where = f"it is a row of column {owner}: hash ids of another column, or of another layer's table?"
+        else:
+            where = f"it is outside the layer's {self.layout.num_embeddings[index]} table rows"
+        raise ValueError(f"hash_ids[{token}, {index}, {column}] = {found}: column {column} of layer {layer_id} owns "
+                         f"rows [{int(low[column])}, {int(high[column])}); {where}")
 
     def __repr__(self) -> str:
         shard = "" if self.shard is None else f", rank={self.shard.rank}/{self.shard.world_size}"

@@ -211,7 +211,10 @@ def _weight_block_size(config: Mapping[str, Any]) -> tuple[int, int] | None:
     found, quant = _lookup(config, "quantization_config")
     if not found or quant is None:
         return None
-    block = quant.get("weight_block_size") if isinstance(quant, Mapping) else None
+    if not isinstance(quant, Mapping):
+        raise ValueError(f"config field 'quantization_config': expected an object such as "
+                         f"{{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128]}}, found {quant!r}")
+    block = quant.get("weight_block_size")
     if block is None:
         return None
     if (not isinstance(block, (list, tuple)) or len(block) != 2

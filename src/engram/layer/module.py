@@ -357,8 +357,9 @@ class Engram(torch.nn.Module):
             if list(token_mask.shape) == [num_tokens]:
                 token_mask = token_mask[start:start + count]
             elif list(token_mask.shape) != [count]:
-                raise ValueError(f"token_mask: expected shape [{num_tokens}] (all tokens) or [{count}] "
-                                 f"(this rank's), found {list(token_mask.shape)}")
+                expected = (f"[{num_tokens}] (all tokens) or [{count}] (this rank's)" if count != num_tokens
+                            else f"[{num_tokens}] (T from hash_ids)")
+                raise ValueError(f"token_mask: expected shape {expected}, found {list(token_mask.shape)}")
             token_mask = token_mask.to(hidden_states.device)
 
         rows = self.gather_rows(hash_ids, counts, starts, hidden_states.device)
