@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from engram.layer import reference_gate, split_kv
-from engram.layer.gate import (GATE_BACKEND_ENV, GateLaunchConfig, _launch_gate_kernel, _triton_kernel, engram_gate,
+import engram.backends
+from engram.backends import triton_import_error
+from engram.layer.gate import (GateLaunchConfig, _launch_gate_kernel, _triton_kernel, engram_gate,
                                engram_gate_kv, engram_gate_torch)
 
 EPS = 1e-6
@@ -268,8 +270,7 @@ def test_gpu_cuda_graph_capture_and_replay(seed):
 
 
 # ---- dispatch and argument checks (CPU, no kernel) ---------------------------------------------
-def test_cpu_auto_dispatch_is_the_torch_path(monkeypatch, seed):
-    monkeypatch.delenv(GATE_BACKEND_ENV, raising=False)
+def test_cpu_auto_dispatch_is_the_torch_path(seed):
     hidden_states, kv, q_weight, k_weight, mask = _inputs(9, 2, 64, seed, "cpu")
     key, value = split_kv(kv, 2)
     expected = engram_gate_torch(hidden_states, key, value, q_weight, k_weight, EPS, mask)
@@ -277,21 +278,17 @@ def test_cpu_auto_dispatch_is_the_torch_path(monkeypatch, seed):
         for result in (engram_gate(hidden_states, key, value, q_weight, k_weight, EPS, mask),
                        engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask)):
             assert torch.equal(result.view(torch.int16), expected.view(torch.int16)), f"seed {seed}"
-    monkeypatch.setenv(GATE_BACKEND_ENV, "torch")
     out = _poisoned(hidden_states)
-    result = engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=out)
+    result = engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=out, backend="torch")
     assert result is out and torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"seed {seed}"
 
 
 def test_backend_and_argument_errors(monkeypatch):
-    monkeypatch.delenv(GATE_BACKEND_ENV, raising=False)
+    monkeypatch.setenv("ENGRAM_GATE_BACKEND", "fast")  # no longer read: the argument alone chooses
     hidden_states, kv, q_weight, k_weight, mask = _inputs(5, 2, 64, 1, "cpu")
-    with pytest.raises(ValueError, match="backend: expected one of 'auto', 'triton', 'torch'"):
+    engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS)
+    with pytest.raises(ValueError, match="backend: expected one of 'auto', 'triton', 'torch', found 'cuda'"):
         engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, backend="cuda")
-    monkeypatch.setenv(GATE_BACKEND_ENV, "fast")
-    with pytest.raises(ValueError, match=f"{GATE_BACKEND_ENV}: expected one of auto, triton, torch, found 'fast'"):
-        engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS)
-    monkeypatch.delenv(GATE_BACKEND_ENV)
     with pytest.raises(ValueError, match=r"kv: expected shape \[5, 192\]"):
         engram_gate_kv(hidden_states, kv[:, :128], q_weight, k_weight, EPS)
     with pytest.raises(ValueError, match=r"kv: expected shape \[5, 192\]"):
@@ -306,12 +303,13 @@ def test_backend_and_argument_errors(monkeypatch):
         engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask.int())
     with pytest.raises(ValueError, match=r"q_weight: expected shape \[2, 64\]"):
         engram_gate_kv(hidden_states, kv, q_weight[:1], k_weight, EPS)
-    if _triton_kernel() is None:
-        with pytest.raises(ValueError, match="backend: 'triton' needs the triton package"):
+    if triton_import_error() is not None:
+        with pytest.raises(ValueError, match="backend: 'triton' for the Engram gate needs the triton package"):
             engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, backend="triton")
         return
-    with pytest.raises(ValueError, match="backend: 'triton' takes bfloat16, float16 or float32"):
-        engram_gate_kv(hidden_states, kv.double(), q_weight, k_weight, EPS, backend="triton")
     if not INTERPRET:
         with pytest.raises(ValueError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
             engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, backend="triton")
+    monkeypatch.setattr(engram.backends, "triton_interpreter", lambda: True)  # the dtype check comes next
+    with pytest.raises(ValueError, match="backend: 'triton' takes bfloat16, float16 or float32"):
+        engram_gate_kv(hidden_states, kv.double(), q_weight, k_weight, EPS, backend="triton")

@@ -387,7 +387,7 @@ def test_gpu_cuda_graph_replay(seed):
 
 @pytest.mark.gpu
 def test_gpu_engram_table_dispatch(monkeypatch, seed):
-    """A device table's lookups run the Triton kernel; ENGRAM_GATHER=torch gives the same bits."""
+    """A device table's lookups run the Triton kernel; backend='torch' gives the same bits."""
     device = _cuda_device()
     gather = _gather_module()
     generator = torch.Generator().manual_seed(seed)
@@ -407,9 +407,13 @@ def test_gpu_engram_table_dispatch(monkeypatch, seed):
     assert calls, "the device table did not use the Triton kernel"
     packed_values, packed_scales = table.lookup_packed(ids)
     assert packed_values.dtype == torch.float8_e4m3fn and packed_scales.dtype == torch.uint8
-    monkeypatch.setenv("ENGRAM_GATHER", "torch")
-    torch_rows = table.lookup(ids)
-    torch_values, torch_scales = table.lookup_packed(ids)
+    assert table.backend == "triton"
+    torch_table = EngramTable(value_bytes.view(torch.float8_e4m3fn), scale_bytes, column_start=6, column_end=12,
+                              row_start=1_000, num_columns_total=24, num_rows_total=10_000, placement="device",
+                              backend="torch")
+    assert torch_table.backend == "torch"
+    torch_rows = torch_table.lookup(ids)
+    torch_values, torch_scales = torch_table.lookup_packed(ids)
     assert len(calls) == 1
     _assert_bf16_equal(found, torch_rows, seed, interpret=False)
     assert torch.equal(packed_values.view(torch.uint8), torch_values.view(torch.uint8))
