@@ -41,7 +41,7 @@ class SlotCache:
     another request of the same batch writes (a prefix-cache hit on blocks this step
     fills); the GPU kernel orders them inside its one launch (slot writers first,
     readers check their reads after the writers). ``fused_write=True`` drops that
-    ordering (8.8 against 9.8 us at T = 8192 on an H200); the engine then promises
+    ordering (``benchmarks/NOTES.md`` has the cost); the engine then promises
     that no request reads a slot the same batch writes, and validation checks it.
     """
 

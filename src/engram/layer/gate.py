@@ -164,13 +164,7 @@ def gate_launch_config(tokens: int, hc_mult: int, hidden: int) -> GateLaunchConf
 
     One copy per program (``T * hc`` programs; at T = 1 the hc copies run side by
     side), about 16 head elements per thread (8 warps at D = 5120), value loaded after
-    the sums. H200, Triton 3.6, T = 8192, D = 5120, hc = 4, sweep of 20 configs
-    (two runs): this one 267 us (4,080 GB/s, 95% of the 4,274 GB/s copy; 64
-    registers, 4 programs per SM); value loaded first 278 us (74 registers);
-    eviction hints 273 us; 4 warps 295-317 us; 16 warps 324-450 us; 2 or 4 copies
-    per program 304-351 us. T = 1: 2.9 us per launch replayed in a CUDA graph (4
-    copies in one program: 10 us); eager, that machine's host launch overhead
-    dominates (27 us through Triton's launcher alone, 59 us through engram_gate_kv).
+    the sums: the best of the H200 sweep in ``benchmarks/NOTES.md`` ("Gate launch shapes").
     """
     head_block = _head_block(hidden)
     return GateLaunchConfig(copies_per_program=1, num_warps=min(16, max(1, head_block // (32 * 16))))

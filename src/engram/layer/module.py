@@ -34,8 +34,8 @@ sequence-parallel modes run the wkv GEMM on fewer rows, so they are bit-identica
 only where the GEMM's per-row result does not depend on the row count: true of
 torch's CPU bf16 GEMM single-threaded (what the tests pin), not promised with
 several threads (a probe at K=256, N=192, 2 threads differed for some row counts)
-nor by cuBLAS (split-K heuristics); the Triton GEMM is to be row-invariant (fixed
-tiles, no split-K). Lookups, the all-gather / all-to-all and the gate are exact.
+nor by cuBLAS (split-K heuristics). Lookups, the all-gather / all-to-all and the
+gate are exact.
 """
 
 from __future__ import annotations

@@ -10,12 +10,12 @@ outputs, and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from ..backends import triton_interpreter
 from ..common import HASH_ID_DTYPES
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes
 from .kernels import gather_rows_bf16_kernel, gather_rows_packed_kernel
@@ -62,21 +62,14 @@ class GatherConfig:
             raise ValueError(f"GatherConfig.decode: expected one of {sorted(_DECODE_MODES)}, found {self.decode!r}")
 
 
-# H200, torch 2.11 / Triton 3.6, T = 8192 x C = 24 x D = 256, uniform random ids in a 384M-row
-# table (benchmarks/gather_bench.py sweep, do_bench medians, 5-7 repeats on fresh ids agreeing
-# within 1 us; the eager timings of whole phases of that run were host-bound and are left out):
-#   bf16   rows 8, 2 warps, 16-byte loads, integer decode: 49.4 us (3.09 TB/s of row + output bytes;
-#          copy ceiling 4.28 TB/s); chunk_outer + fp8 converter, 16 rows, 4 warps: 49.9 us (same);
-#          the common per-row kernel's best launch shape: 61 us (DESIGN §4).
-#   packed rows 16, 4 warps: 39.7 us (2.61 TB/s); rows 8, 2 warps with evict_first row loads:
-#          38.1 us on uniform ids, not taken: n-gram traffic is Zipfian, its hot rows belong in L2.
-# The integer decode is exact under the interpreter too, so CPU tests run the GPU's code path.
+# The best launch shapes of the H200 sweep (benchmarks/NOTES.md, "Gather launch shapes"). The
+# integer decode is exact under the interpreter too, so CPU tests run the GPU's code path.
 _GPU_BF16_CONFIG = GatherConfig(block_rows=8, num_warps=2, vector=16)
 _GPU_PACKED_CONFIG = GatherConfig(block_rows=16, num_warps=4)
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_interpreter()
 
 
 def default_config(packed: bool) -> GatherConfig:

@@ -7,9 +7,9 @@ row range they span (:meth:`EngramLayout.shard`).
 
 Where the bytes live is a *placement* (DESIGN §3): a :class:`TablePlacement` owns
 the storage and gathers rows by local row id onto the device lookups run on.
-``"cpu"`` (plain tensors) and ``"device"`` (CUDA memory) exist now; host-memory
-placements (``"host"``: pinned memory read by the GPU, ``"cached"``: hot rows in
-HBM) subclass :class:`TablePlacement` and :func:`register_placement` themselves.
+``"cpu"`` (plain tensors) and ``"device"`` (CUDA memory) are defined here; other
+placements subclass :class:`TablePlacement` and :func:`register_placement` themselves
+(:func:`available_placements` lists what exists).
 """
 
 from __future__ import annotations
