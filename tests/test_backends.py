@@ -23,13 +23,13 @@ CPU = torch.device("cpu")
 @pytest.fixture
 def no_triton(monkeypatch):
     """As on a machine where ``import triton`` fails."""
-    monkeypatch.setattr(backends, "triton_import_error", lambda: "No module named 'triton'")
+    monkeypatch.setattr(backends, "triton_available", lambda: False)
     monkeypatch.setattr(backends, "_warned_missing_triton", False)
 
 
 def test_choices_with_triton_installed(monkeypatch):
-    monkeypatch.setattr(backends, "triton_import_error", lambda: None)
-    monkeypatch.setattr(backends, "triton_interpreter", lambda: False)
+    monkeypatch.setattr(backends, "triton_available", lambda: True)
+    monkeypatch.setattr(backends, "interpreting", lambda: False)
     assert resolve_backend("auto", CUDA, "x") == resolve_backend(None, CUDA, "x") == "triton"
     assert resolve_backend("auto", CPU, "x") == "torch"
     assert resolve_backend("torch", CUDA, "x") == "torch"
@@ -37,22 +37,22 @@ def test_choices_with_triton_installed(monkeypatch):
     with pytest.raises(ValueError, match=r"backend: 'triton' for x on cpu tensors needs CUDA tensors, or "
                                          r"TRITON_INTERPRET=1 set before triton is imported"):
         resolve_backend("triton", CPU, "x")
-    monkeypatch.setattr(backends, "triton_interpreter", lambda: True)
+    monkeypatch.setattr(backends, "interpreting", lambda: True)
     assert resolve_backend("triton", CPU, "x") == "triton"
     with pytest.raises(ValueError, match=r"backend: expected one of 'auto', 'triton', 'torch', found 'cuda'"):
         resolve_backend("cuda", CUDA, "x")
 
 
 def test_missing_triton_is_said_once(no_triton):
-    with pytest.warns(RuntimeWarning, match=r"table lookups run the torch path on CUDA tensors because triton cannot "
-                                            r"be imported \(No module named 'triton'\).*pip install 'engram\[triton\]'"):
+    with pytest.warns(RuntimeWarning, match=r"table lookups run the torch path on CUDA tensors because the 'triton' "
+                                            r"package is not installed.*pip install 'engram\[triton\]'"):
         assert resolve_backend("auto", CUDA, "table lookups") == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve_backend("auto", CUDA, "the Engram gate") == "torch"   # said once per process
         assert resolve_backend("auto", CPU, "x") == "torch"                  # the CPU path is no fallback
-    with pytest.raises(ValueError, match=r"backend: 'triton' for x needs the triton package \(pip install "
-                                         r"'engram\[triton\]'\), which could not be imported"):
+    with pytest.raises(ValueError, match=r"backend: 'triton' for x needs the 'triton' package \(pip install "
+                                         r"'engram\[triton\]'\), which is not installed"):
         resolve_backend("triton", CUDA, "x")
 
 

@@ -11,40 +11,21 @@ takes ``backend``, one of :data:`BACKENDS`, default ``"auto"``:
 * ``"torch"``: plain torch on any device.
 
 The choice is made once per object where there is one (an ``EngramTable`` resolves it
-when built) and costs no environment lookup per call.
+when built) and costs no environment lookup per call. Whether Triton is there and
+whether it interprets comes from :mod:`engram.triton_launch`.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import os
 import warnings
 
 import torch
 
-__all__ = ["BACKENDS", "triton_import_error", "triton_interpreter", "resolve_backend"]
+from .triton_launch import interpreting, triton_available
+
+__all__ = ["BACKENDS", "resolve_backend"]
 
 BACKENDS = ("auto", "triton", "torch")
-
-
-@functools.cache
-def triton_import_error() -> str | None:
-    """None when ``triton`` imports, else why not (checked once per process)."""
-    try:
-        importlib.import_module("triton")
-    except ImportError as error:
-        return str(error) or type(error).__name__
-    return None
-
-
-@functools.cache
-def triton_interpreter() -> bool:
-    """Whether Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, read once: Triton
-    itself reads it when it is imported)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 _warned_missing_triton = False
 
 
@@ -52,9 +33,9 @@ def _warn_missing_triton(purpose: str) -> None:
     global _warned_missing_triton
     if not _warned_missing_triton:
         _warned_missing_triton = True
-        warnings.warn(f"{purpose} run the torch path on CUDA tensors because triton cannot be imported "
-                      f"({triton_import_error()}); the Triton kernels are many times faster: "
-                      f"pip install 'engram[triton]', or pass backend='torch' to choose the torch path",
+        warnings.warn(f"{purpose} run the torch path on CUDA tensors because the 'triton' package is not "
+                      f"installed; the Triton kernels are many times faster: pip install 'engram[triton]', "
+                      f"or pass backend='torch' to choose the torch path",
                       RuntimeWarning, stacklevel=3)
 
 
@@ -73,14 +54,14 @@ def resolve_backend(backend: str | None, device: torch.device, purpose: str) -> 
     if backend == "auto":
         if not on_cuda:
             return "torch"
-        if triton_import_error() is not None:
+        if not triton_available():
             _warn_missing_triton(purpose)
             return "torch"
         return "triton"
-    if triton_import_error() is not None:
-        raise ValueError(f"backend: 'triton' for {purpose} needs the triton package (pip install 'engram[triton]'), "
-                         f"which could not be imported ({triton_import_error()})")
-    if not on_cuda and not triton_interpreter():
+    if not triton_available():
+        raise ValueError(f"backend: 'triton' for {purpose} needs the 'triton' package (pip install "
+                         f"'engram[triton]'), which is not installed; or pass backend='torch'")
+    if not on_cuda and not interpreting():
         raise ValueError(f"backend: 'triton' for {purpose} on {device} tensors needs CUDA tensors, or "
                          f"TRITON_INTERPRET=1 set before triton is imported (Triton's CPU interpreter)")
     return "triton"
