@@ -39,10 +39,10 @@ class SlotCache:
 
     A batch's writes land before its reads, so a request may read history that
     another request of the same batch writes (a prefix-cache hit on blocks this step
-    fills); the GPU kernel orders them inside its one launch (slot writers first,
-    readers check their reads after the writers). ``fused_write=True`` drops that
-    ordering (``benchmarks/NOTES.md`` has the cost); the engine then promises
-    that no request reads a slot the same batch writes, and validation checks it.
+    fills): on the GPU the slot writes are their own launch, ordered before the hash
+    by the stream (:mod:`engram.hashing.launch`). ``fused_write=True`` lets the hash
+    launch make the writes itself; the engine then promises that no request reads a
+    slot the same batch writes, and validation checks it.
     """
 
     def __init__(self, num_slots: int, block_size: int, device: torch.device, fused_write: bool = False):
