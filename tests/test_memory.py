@@ -252,3 +252,13 @@ def test_forward_layer_refuses_an_id_of_another_column(checkpoints, rng):
     with pytest.raises(ValueError, match=r"hash_ids\[0, 0, 5\] = \d+: column 5 of layer 1 owns rows .* outside the "
                                          r"layer's \d+ table rows"):
         memory.forward_layer(1, hidden, beyond)
+
+
+def test_one_backend_argument_for_every_stage(checkpoints):
+    memory = EngramMemory.from_pretrained(checkpoints["fp8"].directory, placement="cpu", progress=False,
+                                          backend="torch")
+    assert memory.hasher.backend == "torch"
+    for layer_id in memory.layer_ids:
+        assert memory.table(layer_id).backend == "torch" and memory.layer(layer_id).gate_backend == "torch"
+    with pytest.raises(ValueError, match=r"backend: expected one of 'auto', 'triton', 'torch', found 'fast'"):
+        EngramMemory.from_pretrained(checkpoints["fp8"].directory, placement="cpu", progress=False, backend="fast")

@@ -469,6 +469,7 @@ def load_engram_table(
     progress: ByteProgress | bool | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     check_values: bool = True,
+    backend: str = "auto",
 ) -> EngramTable:
     """The :class:`EngramTable` of layer ``layout.spec.layer_ids[layer_index]``: the whole
     table (``shard`` None) or the rows ``shard.row_ranges[layer_index]`` of one
@@ -481,6 +482,8 @@ def load_engram_table(
     ``check_values``: refuse E4M3 NaN value bytes (0x7F, 0xFF) while streaming, naming the
     tensor, row and file (about one extra pass over each chunk while it is in cache); False
     skips it for trusted checkpoints. Scale byte 255 (UE8M0 NaN) is always refused.
+
+    ``backend``: the table's lookup backend (:class:`EngramTable`).
     """
     spec = layout.spec
     if placement not in available_placements():
@@ -511,7 +514,8 @@ def load_engram_table(
         if own_bar:
             bar.close()
     return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
-                                   device=None if placement == "cpu" else storage_device, validate=validate)
+                                   device=None if placement == "cpu" else storage_device, validate=validate,
+                                   backend=backend)
 
 
 # ---------------------------------------------------------------------------

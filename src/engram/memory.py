@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .checkpoint import (DEFAULT_CHUNK_BYTES, SafetensorsCheckpoint, expected_layer_tensors,
                          load_engram_layer_weights, load_engram_table, table_progress)
+from .backends import BACKENDS
 from .common import as_device, resolve_cuda_device
 from .hashing import NgramHasher
 from .layer import Engram
@@ -139,6 +140,7 @@ class EngramMemory:
         sp_group: Any = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         check_values: bool = True,
+        backend: str = "auto",
     ) -> "EngramMemory":
         """Load every Engram layer of the checkpoint in ``model_dir``.
 
@@ -158,10 +160,14 @@ class EngramMemory:
             chunk_bytes: bytes read per memory-mapped slice.
             check_values: refuse table rows holding E4M3 NaN bytes while they stream in
                 (False skips the check on trusted checkpoints).
+            backend: ``"auto"`` (default), ``"triton"`` or ``"torch"`` for the table
+                lookups and the gate of every layer (:mod:`engram.backends`).
 
         Every tensor's dtype and shape is checked against the config before any
         table row is read. Errors are ``ValueError`` naming the tensor or field and the file.
         """
+        if backend not in BACKENDS:  # before any byte is read
+            raise ValueError(f"backend: expected one of {', '.join(repr(b) for b in BACKENDS)}, found {backend!r}")
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ValueError(f"model_dir {str(model_dir)!r} is not a directory")
@@ -192,7 +198,7 @@ class EngramMemory:
                 tables[layer_id] = load_engram_table(
                     checkpoint, layout, index, shard, placement=placement,
                     device=None if placement == "cpu" else compute_device, validate=validate, progress=bar,
-                    chunk_bytes=chunk_bytes, check_values=check_values)
+                    chunk_bytes=chunk_bytes, check_values=check_values, backend=backend)
         finally:
             bar.close()
 
@@ -202,8 +208,8 @@ class EngramMemory:
             layers[layer_id] = Engram.from_weights(
                 spec, table, wkv_weight=weight.wkv_weight.to(compute_device), wkv_scale=scale,
                 q_weight=weight.q_weight.to(compute_device), k_weight=weight.k_weight.to(compute_device),
-                tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group)
-        hasher = NgramHasher(layout, vocab, device=compute_device, validate=validate)
+                tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group, gate_backend=backend)
+        hasher = NgramHasher(layout, vocab, device=compute_device, validate=validate, backend=backend)
         return cls(spec, layout, vocab, hasher, layers, tables, placement=placement, device=compute_device,
                    shard=shard, model_dir=model_dir)
 

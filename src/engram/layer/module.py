@@ -45,6 +45,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..backends import resolve_backend
 from ..common import HASH_ID_DTYPES, ceil_div
 from .gate import engram_gate_kv
 from .wkv import WkvProjection
@@ -108,6 +109,8 @@ class Engram(torch.nn.Module):
         tp_group: tensor-parallel ``ProcessGroup`` or None.
         sequence_parallel: True when ``hidden_states`` holds only this rank's tokens.
         sp_group: the sequence-parallel ``ProcessGroup`` (required with ``sequence_parallel``).
+        gate_backend: ``"auto"`` (default), ``"triton"`` or ``"torch"`` for the gate
+            (:mod:`engram.backends`), resolved once here for the device of ``q_weight``.
 
     The module-level docstring describes the data movement of each mode.
     """
@@ -127,6 +130,7 @@ class Engram(torch.nn.Module):
         tp_group: Any = None,
         sequence_parallel: bool = False,
         sp_group: Any = None,
+        gate_backend: str = "auto",
     ):
         super().__init__()
         if not isinstance(wkv, WkvProjection):
@@ -156,6 +160,7 @@ class Engram(torch.nn.Module):
         self.num_columns = num_columns
         self.head_dim = wkv.in_features // num_columns
         self.eps = float(eps)
+        self.gate_backend = resolve_backend(gate_backend, q_weight.device, "the Engram gate")
         self.wkv = wkv
         self.register_buffer("q_weight", q_weight.contiguous())
         self.register_buffer("k_weight", k_weight.contiguous())
@@ -205,6 +210,7 @@ class Engram(torch.nn.Module):
         tp_group: Any = None,
         sequence_parallel: bool = False,
         sp_group: Any = None,
+        gate_backend: str = "auto",
     ) -> "Engram":
         """Build from an :class:`EngramSpec` and one layer's checkpoint tensors
         (``engram.wkv.weight`` [+ ``.scale``], ``engram.q_weight``, ``engram.k_weight``)."""
@@ -218,7 +224,8 @@ class Engram(torch.nn.Module):
                 raise ValueError(f"{name}: expected shape [{spec.hc_mult}, {spec.hidden_size}] (hc_mult, hidden_size), found {found}")
         wkv = WkvProjection(wkv_weight, wkv_scale, spec.weight_block_size if wkv_scale is not None else None)
         return cls(table, wkv, q_weight, k_weight, eps=spec.rms_norm_eps, num_columns=spec.num_columns,
-                   tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group)
+                   tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group,
+                   gate_backend=gate_backend)
 
     # ---- checks --------------------------------------------------------------
     def _check_table(self, table: Any) -> None:
@@ -365,7 +372,8 @@ class Engram(torch.nn.Module):
         rows = self.gather_rows(hash_ids, counts, starts, hidden_states.device)
         kv = self.wkv(rows)
         # The fused Triton gate on CUDA (keys and value read in place from kv), torch on the CPU.
-        return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask)
+        return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask,
+                              backend=self.gate_backend)
 
     def extra_repr(self) -> str:
         return (f"hc_mult={self.hc_mult}, hidden_size={self.hidden_size}, num_columns={self.num_columns}, "
