@@ -2,6 +2,8 @@
 # One entry point for a fresh machine: sets up .venv, then runs the demo or the tests.
 #   bash scripts/dev.sh demo [engram demo options]
 #   bash scripts/dev.sh test [pytest options]
+# Python packages go into .venv only. As root, `demo` may install two Debian packages
+# system-wide (it says so first); ENGRAM_NO_SYSTEM_PACKAGES=1 skips that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv
@@ -24,7 +26,13 @@ english_text_packages() {
   # Real English text for the demo (Debian fortunes-min and python3-doc); best effort,
   # the demo falls back to the Python standard library's sources.
   if [ -d /usr/share/games/fortunes ] && ls /usr/share/doc/python3*-doc/html/_sources >/dev/null 2>&1; then return; fi
+  if [ -n "${ENGRAM_NO_SYSTEM_PACKAGES:-}" ]; then
+    echo "note: ENGRAM_NO_SYSTEM_PACKAGES set: not installing fortunes-min/python3-doc; using the Python sources as text"
+    return
+  fi
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "note: installing the Debian packages fortunes-min and python3-doc system-wide (apt-get, as root) for real"
+    echo "      English text; set ENGRAM_NO_SYSTEM_PACKAGES=1 to skip this"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes-min python3-doc) \
       >/dev/null 2>&1 || echo "note: could not install fortunes-min/python3-doc; using the Python sources as text"
   fi

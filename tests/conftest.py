@@ -1,4 +1,10 @@
-"""Shared fixtures: a small Engram geometry, a random token map, the real tokenizer."""
+"""Shared fixtures: a small Engram geometry, a random token map, the real tokenizer, and the
+seed every random test draws from.
+
+Random tests take the ``seed`` fixture (or ``rng``, a numpy Generator made from it): a fresh
+seed per test, reported in the failure's output; ``ENGRAM_TEST_SEED=<seed>`` replays it.
+Hypothesis tests draw their seeds from a strategy instead (Hypothesis prints and replays them).
+"""
 
 from __future__ import annotations
 
@@ -46,6 +52,57 @@ def random_vocab(compressed_size: int, raw_size: int, rng: np.random.Generator) 
     return engram.TokenCompressor(rank[inverse].astype(np.int32))
 
 
+SEED_ENV = "ENGRAM_TEST_SEED"
+_SEED_KEY = pytest.StashKey[int]()
+
+
+_MODULE_SEEDS: dict[str, int] = {}
+
+
+def fresh_seed(module: str | None = None) -> int:
+    """``ENGRAM_TEST_SEED`` when set (to replay a failure), else 63 fresh random bits. A test
+    module that draws one seed for all its tests passes its ``__name__``: failures report it."""
+    given = os.environ.get(SEED_ENV)
+    if given:
+        try:
+            value = int(given)
+        except ValueError:
+            raise pytest.UsageError(f"{SEED_ENV}: expected an integer, found {given!r}") from None
+    else:
+        value = int(np.random.SeedSequence().entropy % 2**63)
+    if module is not None:
+        _MODULE_SEEDS[module] = value
+    return value
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """This test's seed; a failing test's report names it (``ENGRAM_TEST_SEED=... pytest <test id>``).
+    Tests that need several streams derive them (``seed + k``)."""
+    value = fresh_seed()
+    request.node.stash[_SEED_KEY] = value
+    return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    """A numpy Generator seeded with :func:`seed`."""
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        # The test's own seed, or its module's (drawn with fresh_seed(__name__)).
+        value = item.stash.get(_SEED_KEY, None)
+        if value is None:
+            value = _MODULE_SEEDS.get(getattr(getattr(item, "module", None), "__name__", None))
+        if value is not None:
+            report.sections.append(("random seed", f"seed {value}: replay with {SEED_ENV}={value} pytest '{item.nodeid}'"))
+    return report
+
+
 @pytest.fixture
 def small_spec() -> engram.EngramSpec:
     return engram.EngramSpec.from_hf_config(small_config())
@@ -57,8 +114,7 @@ def small_layout(small_spec) -> EngramLayout:
 
 
 @pytest.fixture
-def small_vocab(small_spec) -> engram.TokenCompressor:
-    rng = np.random.default_rng()
+def small_vocab(small_spec, rng) -> engram.TokenCompressor:
     return random_vocab(small_spec.compressed_vocab_size, 300, rng)
 
 

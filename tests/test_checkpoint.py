@@ -6,6 +6,8 @@ the tensor and the file."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ import engram.checkpoint
 from engram.checkpoint import (INDEX_FILE, SafetensorsCheckpoint, load_engram_layer_weights, load_engram_table,
                                write_engram_checkpoint)
 from engram.cli import main
+from engram.table import available_placements
 from engram.layout import EngramLayout
 from engram.memory import EngramMemory
 from engram.spec import EngramSpec
@@ -287,7 +290,7 @@ def test_torch_without_e8m0_reads_scale_bytes(written, monkeypatch):
     checkpoint = SafetensorsCheckpoint(synthetic.directory)
     expected = load_engram_table(checkpoint, layout, 1)
     expected_weights = load_engram_layer_weights(checkpoint, synthetic.spec, layout, 1)
-    monkeypatch.setattr(engram.checkpoint, "_E8M0", None)
+    monkeypatch.setattr(engram.checkpoint, "E8M0_DTYPE", None)
     table = load_engram_table(checkpoint, layout, 1, layout.shard(0, 2), chunk_bytes=640)
     assert torch.equal(table.storage.scale_bytes, expected.storage.scale_bytes[: table.num_rows])
     weights = load_engram_layer_weights(checkpoint, synthetic.spec, layout, 1)
@@ -416,6 +419,41 @@ def test_nan_scale_byte_is_reported_with_its_row(tmp_path):
         load_all(synthetic.directory)
 
 
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_nan_value_byte_is_reported_with_its_row(tmp_path, byte, rng):
+    synthetic = fresh(tmp_path, num_shards=2)
+    name = "layers.1.engram.embed.weight"
+    values = load_file(synthetic.directory / synthetic.weight_map[name])[name].view(torch.uint8).clone()
+    values.view(-1)[values.view(-1) & 0x7F == 0x7F] = 0x00  # no NaN but the one put in
+    row, column = int(rng.integers(1, values.shape[0])), int(rng.integers(0, values.shape[1]))
+    values[row, column] = byte
+    path = rewrite(synthetic.directory, name, values.view(torch.float8_e4m3fn))
+    message = rf"tensor '{name}' in file '.*{path.name}': row {row} holds value byte {byte:#04x} \(E4M3 NaN\) at column {column}"
+    with pytest.raises(ValueError, match=message):
+        load_all(synthetic.directory)
+    checkpoint = SafetensorsCheckpoint(synthetic.directory)
+    layout = EngramLayout(synthetic.spec)
+    for chunk_bytes in (64, 64 * 7, 2**20):  # the row in the first, a middle or the only chunk
+        with pytest.raises(ValueError, match=message):
+            load_engram_table(checkpoint, layout, 0, chunk_bytes=chunk_bytes)
+    # A rank whose rows hold the NaN names the file's row too; check_values=False loads it as it is.
+    shard = next(s for s in (layout.shard(r, 2) for r in range(2)) if s.row_ranges[0][0] <= row < s.row_ranges[0][1])
+    with pytest.raises(ValueError, match=message):
+        load_engram_table(checkpoint, layout, 0, shard)
+    trusted = load_engram_table(checkpoint, layout, 0, check_values=False)
+    assert int(trusted.storage.value_bytes[row, column]) == byte
+    offsets = np.asarray(layout.column_offsets[0], dtype=np.int64)
+    owner = int(np.searchsorted(offsets, row, side="right")) - 1     # the hash column whose rows hold it
+    ids = torch.from_numpy(offsets.copy())[None]
+    ids[0, owner] = row
+    rows = trusted.lookup(ids)
+    assert bool(torch.isnan(rows[0, owner, column])) and int(torch.isnan(rows).sum()) == 1
+    with pytest.raises(ValueError, match=r"check_values: expected True or False, found 1"):
+        load_engram_table(checkpoint, layout, 0, check_values=1)
+    memory = EngramMemory.from_pretrained(synthetic.directory, placement="cpu", progress=False, check_values=False)
+    assert int(memory.table(1).storage.value_bytes[row, column]) == byte
+
+
 def test_wkv_scales_must_match_the_weight_dtype(tmp_path):
     synthetic = fresh(tmp_path, num_shards=2)
     name = "layers.1.engram.wkv.scale"
@@ -479,14 +517,81 @@ def test_info_lists_files_tensors_and_bytes_per_rank(written, capsys, monkeypatc
         assert file_name in out
     assert "layers.14.engram.embed.scale" in out and "F8_E8M0" in out
     assert out.count(" ok ") >= 12                  # every Engram tensor checked against the config
-    for column in ("tp=1", "tp=2", "tp=4", "tp=8", "HBM, per GPU", "pinned host memory"):
+    for column in ("tp=1", "tp=2", "tp=4", "tp=8", "HBM, per GPU"):
         assert column in out
+    host = next(line for line in out.splitlines() if line.strip("│ ").startswith("host"))
+    assert ("pinned host memory" in host) == ("host" in available_placements())
+    assert "cached" not in out  # no row for a placement that does not exist
     assert main(["info", "--checkpoint", str(synthetic.directory), "--config", str(synthetic.directory)]) == 2
 
 
-def test_info_marks_a_bad_tensor(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
+def _truncate(directory: Path, name: str) -> str:
+    path = SafetensorsCheckpoint(directory).file_of(name)
+    path.write_bytes(path.read_bytes()[:-100])
+    return rf"tensor '{name}': file '.*{path.name}' is not a readable safetensors file, it may be truncated or corrupt"
+
+
+def _remove(directory: Path, name: str) -> str:
+    path = rewrite(directory, name, None)
+    return rf"tensor '{name}' is missing from file '.*{path.name}', where the index file '.*{INDEX_FILE}' places it"
+
+
+def _wrong_dtype(directory: Path, name: str) -> str:
+    path = rewrite(directory, name, torch.zeros(4, 64, dtype=torch.float32))
+    return rf"tensor '{name}' in file '.*{path.name}': expected dtype BF16, found F32"
+
+
+def _wrong_shape(directory: Path, name: str) -> str:
+    path = rewrite(directory, name, torch.zeros(4, 63, dtype=torch.bfloat16))
+    return rf"tensor '{name}' in file '.*{path.name}': expected shape \[4, 64\] \(hc_mult, hidden_size\), found \[4, 63\]"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _remove, _wrong_dtype, _wrong_shape])
+@pytest.mark.parametrize("columns", [None, "80"])
+def test_info_on_a_broken_checkpoint_exits_1_with_each_problem_in_full(tmp_path, capsys, monkeypatch, damage, columns):
+    """Exit 1, and each problem on its own numbered line, whole, even at 80 columns."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
     synthetic = fresh(tmp_path, num_shards=2)
-    rewrite(synthetic.directory, "layers.1.engram.q_weight", torch.zeros(4, 64, dtype=torch.float32))
-    assert main(["info", "--checkpoint", str(synthetic.directory)]) == 0
-    assert "expected dtype BF16, found F32" in capsys.readouterr().out
+    expected = damage(synthetic.directory, "layers.14.engram.k_weight")
+    assert main(["info", "--checkpoint", str(synthetic.directory)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"\d+ problem\(s\) in checkpoint", out)
+    lines = [line for line in out.splitlines() if re.match(r"  \d+\. ", line)]
+    assert any(re.search(expected, line) for line in lines), out  # the problem whole, on one line
+
+
+def test_info_on_a_sound_checkpoint_exits_0(written, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["info", "--checkpoint", str(written["sharded_index"].directory)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint ok" in out and "problem" not in out
+    assert "layers.14.engram.embed.scale" in out   # whole names: stdout is not a terminal
+
+
+# ---------------------------------------------------------------------------
+# writing: shards split by bytes, files with the umask's permissions
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("num_shards", [2, 3])
+def test_shards_are_split_by_bytes(tmp_path, num_shards):
+    synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word", scale="small", num_shards=num_shards)
+    sizes = [(synthetic.directory / name).stat().st_size for name in sorted(set(synthetic.weight_map.values()))]
+    assert len(sizes) == num_shards
+    tables = [(synthetic.directory / synthetic.weight_map[f"layers.{i}.engram.embed.weight"]) for i in (1, 14)]
+    assert tables[0] != tables[1]                          # the two tables in different files
+    if num_shards == 2:
+        assert max(sizes) < 1.25 * min(sizes), sizes       # about half the bytes each (was 2.98 GB + 92 MB at scale)
+    load_all(synthetic.directory)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_written_files_follow_the_umask(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word", num_shards=2)
+    finally:
+        os.umask(previous)
+    for path in synthetic.directory.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path.name

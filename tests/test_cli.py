@@ -8,6 +8,7 @@ import numpy as np
 
 import engram
 from engram.cli import main
+from engram.testing import write_synthetic_checkpoint
 
 from conftest import PACKAGED_CONFIG
 
@@ -42,3 +43,35 @@ def test_demo_checks_every_id(deepseek_tokenizer_path, capsys):
     assert main(["demo", "--texts", "2", "--max-chars", "1500", "--tokenizer", str(deepseek_tokenizer_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("match") >= 3
+
+
+def test_info_is_not_cut_when_stdout_is_not_a_terminal(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    layout = engram.EngramLayout(engram.EngramSpec.from_hf_config(PACKAGED_CONFIG))
+    for table_bytes in [*layout.table_bytes, sum(layout.table_bytes)]:
+        assert f"{table_bytes:,}" in out
+    assert "…" not in out
+
+
+def test_hash_json_gives_the_raw_token_and_its_text(deepseek_tokenizer_path, capsys):
+    assert main(["hash", "--json", "--tokenizer", str(deepseek_tokenizer_path), "In the beginning"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["text"] for row in rows] == ["In", " the", " beginning"]
+    assert [row["token"] for row in rows] == ["In", "\u0120the", "\u0120beginning"]  # byte-level: U+0120 is a space
+
+
+def test_hash_uses_the_tokenizer_beside_the_config(tmp_path, capsys):
+    synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word")
+    assert main(["hash", "--json", "--config", str(synthetic.directory), "the table and the memory"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    vocab = engram.TokenCompressor.from_tokenizer(synthetic.directory / "tokenizer.json", spec=synthetic.spec)
+    ids = engram.hash_ngrams([r["token_id"] for r in rows], engram.EngramLayout(synthetic.spec), vocab)
+    assert [r["text"] for r in rows] == ["the", "table", "and", "the", "memory"]
+    for t, row in enumerate(rows):
+        assert np.array_equal(np.array([row["hash_ids"]["1"], row["hash_ids"]["14"]]), ids[t])
+    assert main(["hash", "--config", str(synthetic.directory / "config.json"), "the memory"]) == 0
+    assert str(synthetic.directory / "tokenizer.json") in capsys.readouterr().out
+    assert main(["hash", "--tokenizer", str(tmp_path / "nothing"), "x"]) == 2
+    assert "--tokenizer: expected a tokenizer.json or a directory holding one" in capsys.readouterr().out

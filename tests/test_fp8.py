@@ -157,8 +157,8 @@ def test_dequantize_exhaustive_bit_exact():
 
 
 @pytest.mark.skipif(E8M0_DTYPE is None, reason="this torch has no float8_e8m0fnu")
-def test_dequantize_accepts_e8m0_scales():
-    generator = torch.Generator().manual_seed(int(np.random.SeedSequence().entropy % 2**63))
+def test_dequantize_accepts_e8m0_scales(seed):
+    generator = torch.Generator().manual_seed(seed)
     values = torch.randint(0, 256, (5, 64), dtype=torch.uint8, generator=generator)
     scales = torch.randint(0, 255, (5, 2), dtype=torch.uint8, generator=generator)
     expected = dequantize_rows(values, scales)
@@ -326,9 +326,9 @@ def test_dequantize_validation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_codec_on_cuda_matches_cpu():
+def test_codec_on_cuda_matches_cpu(rng):
     """Same bytes and bits on the GPU (no flush of subnormals, same E4M3 rounding)."""
-    x = torch.from_numpy(random_rows(np.random.default_rng(), (257,), 256))
+    x = torch.from_numpy(random_rows(rng, (257,), 256))
     values, scales = quantize_rows(x)
     cuda_values, cuda_scales = quantize_rows(x.cuda())
     assert torch.equal(cuda_values.cpu().view(torch.uint8), values.view(torch.uint8))

@@ -24,15 +24,13 @@ import pytest
 import torch
 
 from engram.layer import reference_gate, split_kv
-from engram.layer.gate import (GATE_BACKEND_ENV, GateLaunchConfig, _launch_gate_kernel, _triton_kernel, engram_gate,
+import engram.backends
+from engram.triton_launch import triton_available
+from engram.layer.gate import (GateLaunchConfig, _launch_gate_kernel, _triton_kernel, engram_gate,
                                engram_gate_kv, engram_gate_torch)
 
 EPS = 1e-6
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def _kernel_device() -> str:
@@ -146,9 +144,8 @@ INTERPRETER_CASES = [
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("tokens,hc_mult,hidden,copies,masked", INTERPRETER_CASES)
-def test_kernel_matches_float64_reference(tokens, hc_mult, hidden, copies, masked):
+def test_kernel_matches_float64_reference(tokens, hc_mult, hidden, copies, masked, seed):
     device = _kernel_device()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(tokens, hc_mult, hidden, seed, device)
     mask = mask if masked else None
     out = _poisoned(hidden_states)
@@ -159,11 +156,10 @@ def test_kernel_matches_float64_reference(tokens, hc_mult, hidden, copies, maske
 
 
 @pytest.mark.interpreter
-def test_kernel_entry_points_agree():
+def test_kernel_entry_points_agree(seed):
     """engram_gate_kv (kv read in place), engram_gate on split views and on copies, and an
     in-place update (out = hidden_states): one kernel, same bits."""
     device = _kernel_device()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(7, 4, 80, seed, device)
     key, value = split_kv(kv, 4)
     from_kv = engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=_poisoned(hidden_states),
@@ -180,10 +176,9 @@ def test_kernel_entry_points_agree():
 
 
 @pytest.mark.interpreter
-def test_kernel_masked_tokens_are_bit_identical():
+def test_kernel_masked_tokens_are_bit_identical(seed):
     """Garbage (NaN, inf) keys and values of masked tokens do not leak; -0.0 survives."""
     device = _kernel_device()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(7, 2, 48, seed, device, masked_fraction=0.5)
     mask[0], mask[1] = False, True
     kv[~mask, : 2 * 48] = float("nan")
@@ -196,11 +191,10 @@ def test_kernel_masked_tokens_are_bit_identical():
 
 
 @pytest.mark.interpreter
-def test_kernel_fp32_output_and_strided_inputs():
+def test_kernel_fp32_output_and_strided_inputs(seed):
     """out_dtype float32 (no rounding: the update to fp32 accuracy), hidden_states with a
     padded token stride, fp32 weights."""
     device = _kernel_device()
-    seed = _fresh_seed()
     tokens, hc_mult, hidden = 7, 2, 80
     hidden_states, kv, q_weight, k_weight, mask = _inputs(tokens, hc_mult, hidden, seed, device)
     padded = torch.full((tokens, hc_mult, hidden + 16), 7.0, dtype=hidden_states.dtype, device=device)
@@ -236,9 +230,8 @@ def _cuda() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 63, 1024, 8192])
 @pytest.mark.parametrize("masked", [False, True])
-def test_gpu_kernel_matches_reference_and_torch(tokens, masked):
+def test_gpu_kernel_matches_reference_and_torch(tokens, masked, seed):
     _cuda()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(tokens, 4, 5120, seed, "cuda", masked_fraction=0.1)
     mask = mask if masked else None
     out = engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=_poisoned(hidden_states),
@@ -271,9 +264,8 @@ def test_gpu_kernel_matches_reference_and_torch(tokens, masked):
 @pytest.mark.parametrize("config", [
     GateLaunchConfig(1, 4), GateLaunchConfig(1, 16, early_value=False), GateLaunchConfig(2, 8, cache_hints=True),
     GateLaunchConfig(4, 8, early_value=False, cache_hints=True)])
-def test_gpu_launch_configs(config):
+def test_gpu_launch_configs(config, seed):
     _cuda()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(63, 4, 5120, seed, "cuda")
     out = _poisoned(hidden_states)
     _launch_gate_kernel(hidden_states, kv, kv.stride(0), 5120, kv, 4 * 5120, kv.stride(0), q_weight, k_weight,
@@ -283,9 +275,8 @@ def test_gpu_launch_configs(config):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_and_replay():
+def test_gpu_cuda_graph_capture_and_replay(seed):
     _cuda()
-    seed = _fresh_seed()
     hidden_states, kv, q_weight, k_weight, mask = _inputs(63, 4, 5120, seed, "cuda")
     out = _poisoned(hidden_states)
     engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=out)  # compile outside the capture
@@ -310,9 +301,7 @@ def test_gpu_cuda_graph_capture_and_replay():
 
 
 # ---- dispatch and argument checks (CPU, no kernel) ---------------------------------------------
-def test_cpu_auto_dispatch_is_the_torch_path(monkeypatch):
-    monkeypatch.delenv(GATE_BACKEND_ENV, raising=False)
-    seed = _fresh_seed()
+def test_cpu_auto_dispatch_is_the_torch_path(seed):
     hidden_states, kv, q_weight, k_weight, mask = _inputs(9, 2, 64, seed, "cpu")
     key, value = split_kv(kv, 2)
     expected = engram_gate_torch(hidden_states, key, value, q_weight, k_weight, EPS, mask)
@@ -320,21 +309,17 @@ def test_cpu_auto_dispatch_is_the_torch_path(monkeypatch):
         for result in (engram_gate(hidden_states, key, value, q_weight, k_weight, EPS, mask),
                        engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask)):
             assert torch.equal(result.view(torch.int16), expected.view(torch.int16)), f"seed {seed}"
-    monkeypatch.setenv(GATE_BACKEND_ENV, "torch")
     out = _poisoned(hidden_states)
-    result = engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=out)
+    result = engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask, out=out, backend="torch")
     assert result is out and torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"seed {seed}"
 
 
 def test_backend_and_argument_errors(monkeypatch):
-    monkeypatch.delenv(GATE_BACKEND_ENV, raising=False)
+    monkeypatch.setenv("ENGRAM_GATE_BACKEND", "fast")  # no longer read: the argument alone chooses
     hidden_states, kv, q_weight, k_weight, mask = _inputs(5, 2, 64, 1, "cpu")
-    with pytest.raises(ValueError, match="backend: expected one of 'auto', 'triton', 'torch'"):
+    engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS)
+    with pytest.raises(ValueError, match="backend: expected one of 'auto', 'triton', 'torch', found 'cuda'"):
         engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, backend="cuda")
-    monkeypatch.setenv(GATE_BACKEND_ENV, "fast")
-    with pytest.raises(ValueError, match=f"{GATE_BACKEND_ENV}: expected one of auto, triton, torch, found 'fast'"):
-        engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS)
-    monkeypatch.delenv(GATE_BACKEND_ENV)
     with pytest.raises(ValueError, match=r"kv: expected shape \[5, 192\]"):
         engram_gate_kv(hidden_states, kv[:, :128], q_weight, k_weight, EPS)
     with pytest.raises(ValueError, match=r"kv: expected shape \[5, 192\]"):
@@ -349,12 +334,13 @@ def test_backend_and_argument_errors(monkeypatch):
         engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, mask.int())
     with pytest.raises(ValueError, match=r"q_weight: expected shape \[2, 64\]"):
         engram_gate_kv(hidden_states, kv, q_weight[:1], k_weight, EPS)
-    if _triton_kernel() is None:
-        with pytest.raises(ValueError, match="backend: 'triton' needs the triton package"):
+    if not triton_available():
+        with pytest.raises(ValueError, match="backend: 'triton' for the Engram gate needs the 'triton' package"):
             engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, backend="triton")
         return
-    with pytest.raises(ValueError, match="backend: 'triton' takes bfloat16, float16 or float32"):
-        engram_gate_kv(hidden_states, kv.double(), q_weight, k_weight, EPS, backend="triton")
     if not INTERPRET:
         with pytest.raises(ValueError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
             engram_gate_kv(hidden_states, kv, q_weight, k_weight, EPS, backend="triton")
+    monkeypatch.setattr(engram.backends, "interpreting", lambda: True)  # the dtype check comes next
+    with pytest.raises(ValueError, match="backend: 'triton' takes bfloat16, float16 or float32"):
+        engram_gate_kv(hidden_states, kv.double(), q_weight, k_weight, EPS, backend="triton")

@@ -27,10 +27,6 @@ BF16_MIN_NORMAL = 2.0 ** -126
 POISON_BYTE = 0xAA
 
 
-def _fresh_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
-
-
 def _gather_module():
     try:
         from engram.table import gather
@@ -197,12 +193,11 @@ SMALL_CASES = [
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: f"T{c[0]}-C{c[1]}[{c[2]}:{c[3]}]-D{c[4]}-r{c[6]}")
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-def test_gather_matches_reference(case, id_dtype):
+def test_gather_matches_reference(case, id_dtype, seed):
     device = _kernel_device()
     gather = _gather_module()
     tokens, columns, column_start, column_end, head_dim, num_rows, row_start = case
     layout = ("contiguous", "layer_slice", "column_major")[(tokens + head_dim + id_dtype.itemsize) % 3]
-    seed = _fresh_seed()
     _check_case(gather, device, tokens=tokens, columns=columns, column_start=column_start, column_end=column_end,
                 head_dim=head_dim, num_rows=num_rows, row_start=row_start, id_dtype=id_dtype, layout=layout,
                 seed=seed)
@@ -211,7 +206,7 @@ def test_gather_matches_reference(case, id_dtype):
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("layout", ["layer_slice", "column_major"])
-def test_gather_launch_shapes(layout):
+def test_gather_launch_shapes(layout, seed):
     """Blocks smaller than the work (tails), 16-byte vectors, the fp8-converter decode."""
     device = _kernel_device()
     gather = _gather_module()
@@ -223,16 +218,16 @@ def test_gather_launch_shapes(layout):
     if not INTERPRET:  # the interpreter's float8e4nv cast knows no E4M3 NaN; the GPU's converter does
         configs.append(gather.GatherConfig(block_rows=16, num_warps=4, decode="fp8"))
     for config in configs:
-        seed = _fresh_seed()
+        seed += 1  # a fresh stream per case, derived from the test's seed
         _check_case(gather, device, tokens=9, columns=5, column_start=1, column_end=5, head_dim=256, num_rows=20,
                     row_start=3, id_dtype=torch.int32, layout=layout, seed=seed, config=config)
 
 
 @pytest.mark.interpreter
-def test_empty_and_single_row():
+def test_empty_and_single_row(seed):
     device = _kernel_device()
     gather = _gather_module()
-    generator = torch.Generator().manual_seed(_fresh_seed())
+    generator = torch.Generator().manual_seed(seed)
     value_bytes, scale_bytes = _random_table(4, 64, generator, device)
     empty = torch.empty((0, 3), dtype=torch.int32, device=device)
     assert gather.gather_rows(value_bytes, scale_bytes, empty).shape == (0, 3, 64)
@@ -247,11 +242,10 @@ def test_empty_and_single_row():
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_row_start_past_int32():
+def test_row_start_past_int32(seed):
     """A shard of a table past 2**31 rows: int64 ids and row_start, ids on both sides of the shard."""
     device = _kernel_device()
     gather = _gather_module()
-    seed = _fresh_seed()
     _check_case(gather, device, tokens=7, columns=4, column_start=1, column_end=4, head_dim=64, num_rows=21,
                 row_start=3_000_000_000, id_dtype=torch.int64, layout="layer_slice", seed=seed)
 
@@ -295,21 +289,21 @@ def test_argument_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 7, 63, 1024, 8192])
 @pytest.mark.parametrize("shard", ["whole", "middle", "last"])
-def test_gpu_sweep_bit_exact(tokens, shard):
+def test_gpu_sweep_bit_exact(tokens, shard, seed):
     device = _cuda_device()
     gather = _gather_module()
     columns, head_dim = 24, 256
     column_start, column_end, row_start = {"whole": (0, 24, 0), "middle": (6, 12, 70_001),
                                            "last": (18, 24, 123_457)}[shard]
     for id_dtype, layout in ((torch.int32, "layer_slice"), (torch.int64, "contiguous")):
-        seed = _fresh_seed()
+        seed += 1  # a fresh stream per case, derived from the test's seed
         _check_case(gather, device, tokens=tokens, columns=columns, column_start=column_start,
                     column_end=column_end, head_dim=head_dim, num_rows=50_000, row_start=row_start,
                     id_dtype=id_dtype, layout=layout, seed=seed, interpret=False)
 
 
 @pytest.mark.gpu
-def test_gpu_launch_shapes_bit_exact():
+def test_gpu_launch_shapes_bit_exact(seed):
     """Every launch shape the benchmark sweeps gives the same bits."""
     device = _cuda_device()
     gather = _gather_module()
@@ -321,18 +315,17 @@ def test_gpu_launch_shapes_bit_exact():
                    (16, 4, 8, "fp8", True), (32, 4, 8, "integer", True), (64, 8, 8, "fp8", True),
                    (16, 2, 8, "fp8", True))]
     for config in configs:
-        seed = _fresh_seed()
+        seed += 1  # a fresh stream per case, derived from the test's seed
         _check_case(gather, device, tokens=300, columns=24, column_start=3, column_end=21, head_dim=256,
                     num_rows=9_000, row_start=500, id_dtype=torch.int32, layout="layer_slice", seed=seed,
                     config=config, interpret=False)
 
 
 @pytest.mark.gpu
-def test_gpu_table_past_int32_offsets():
+def test_gpu_table_past_int32_offsets(seed):
     """A table of 8.5M rows x 256 B (2.2 GB): row offsets past 2**31 bytes need int64 arithmetic."""
     device = _cuda_device()
     gather = _gather_module()
-    seed = _fresh_seed()
     generator = torch.Generator().manual_seed(seed)
     num_rows, head_dim, tokens, columns = 8_500_000, 256, 512, 24
     value_bytes = torch.empty((num_rows, head_dim), dtype=torch.uint8, device=device)
@@ -354,11 +347,10 @@ def test_gpu_table_past_int32_offsets():
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay():
+def test_gpu_cuda_graph_replay(seed):
     """Capture both launchers once; new ids copied into the captured input give the new rows."""
     device = _cuda_device()
     gather = _gather_module()
-    seed = _fresh_seed()
     generator = torch.Generator().manual_seed(seed)
     num_rows, row_start, tokens = 20_000, 4_000, 256
     value_bytes, scale_bytes = _random_table(num_rows, 256, generator, device)
@@ -394,11 +386,10 @@ def test_gpu_cuda_graph_replay():
 
 
 @pytest.mark.gpu
-def test_gpu_engram_table_dispatch(monkeypatch):
-    """A device table's lookups run the Triton kernel; ENGRAM_GATHER=torch gives the same bits."""
+def test_gpu_engram_table_dispatch(monkeypatch, seed):
+    """A device table's lookups run the Triton kernel; backend='torch' gives the same bits."""
     device = _cuda_device()
     gather = _gather_module()
-    seed = _fresh_seed()
     generator = torch.Generator().manual_seed(seed)
     value_bytes, scale_bytes = _random_table(5_000, 256, generator, "cpu")
     table = EngramTable(value_bytes.view(torch.float8_e4m3fn), scale_bytes, column_start=6, column_end=12,
@@ -416,9 +407,13 @@ def test_gpu_engram_table_dispatch(monkeypatch):
     assert calls, "the device table did not use the Triton kernel"
     packed_values, packed_scales = table.lookup_packed(ids)
     assert packed_values.dtype == torch.float8_e4m3fn and packed_scales.dtype == torch.uint8
-    monkeypatch.setenv("ENGRAM_GATHER", "torch")
-    torch_rows = table.lookup(ids)
-    torch_values, torch_scales = table.lookup_packed(ids)
+    assert table.backend == "triton"
+    torch_table = EngramTable(value_bytes.view(torch.float8_e4m3fn), scale_bytes, column_start=6, column_end=12,
+                              row_start=1_000, num_columns_total=24, num_rows_total=10_000, placement="device",
+                              backend="torch")
+    assert torch_table.backend == "torch"
+    torch_rows = torch_table.lookup(ids)
+    torch_values, torch_scales = torch_table.lookup_packed(ids)
     assert len(calls) == 1
     _assert_bf16_equal(found, torch_rows, seed, interpret=False)
     assert torch.equal(packed_values.view(torch.uint8), torch_values.view(torch.uint8))

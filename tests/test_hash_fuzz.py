@@ -5,20 +5,14 @@ the interpreter in test_hash_kernel.py, and under compute-sanitizer on a GPU.)""
 
 from __future__ import annotations
 
-import numpy as np
-
 from hash_fuzz import run_fuzz
 from test_hash_kernel import small_hasher
 
 
-def test_torch_path_survives_malformed_metadata():
-    seed = int(np.random.default_rng().integers(2**31))
-    print(f"fuzz seed {seed}")
+def test_torch_path_survives_malformed_metadata(seed):
 
     def torch_hasher(hasher_seed):
-        hasher = small_hasher(hasher_seed, device="cpu", validate=False)
-        hasher.backend = "torch"
-        return hasher
+        return small_hasher(hasher_seed, device="cpu", validate=False, backend="torch")
 
     def check(hasher, batch, ids):
         assert ids.shape == (batch["input_ids"].shape[0], 2, 9)

@@ -29,7 +29,8 @@ def small_hasher(seed: int, device=DEVICE, **kwargs) -> engram.NgramHasher:
     spec = engram.EngramSpec.from_hf_config(small_config(n_heads=kwargs.pop("heads", 3), layer_ids=kwargs.pop("layers", (1, 3)),
                                                          vocab_size=kwargs.pop("vocab_size", 1009)))
     vocab = random_vocab(spec.compressed_vocab_size, 300, np.random.default_rng(seed))
-    return engram.NgramHasher(engram.EngramLayout(spec), vocab, device=device, backend="triton", **kwargs)
+    backend = kwargs.pop("backend", "triton")
+    return engram.NgramHasher(engram.EngramLayout(spec), vocab, device=device, backend=backend, **kwargs)
 
 
 def serve_and_check(hasher, source, rng, lengths, budget, fused_slot_write=False):
@@ -161,7 +162,7 @@ def test_kernel_reports_missing_history_and_undoes_writes_interpreted():
     before = cache.values.clone(), history.values.clone(), history.tags.clone()
     with pytest.raises(ValueError, match=r"request 0 starts at position 10, but the token at position 9 is unknown"):
         hasher(token_ids, positions, torch.tensor([0, 4, 6]), block_table=table,
-               slot_mapping=torch.tensor([10, 11, 12, 13, 20, 21]), request_rows=rows)
+               slot_mapping=torch.tensor([10, 11, 12, 13, 0, 1]), request_rows=rows)  # the slots block_table gives
     assert torch.equal(cache.values, before[0])
     assert torch.equal(history.values, before[1]) and torch.equal(history.tags, before[2])
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 import engram
@@ -51,8 +53,7 @@ def test_reference_matches_scalar_rule(data, order, heads):
     assert ((ids >= low) & (ids < low + layout.column_primes[None])).all()
 
 
-def test_dead_token_blocks_larger_shifts(small_layout, small_vocab):
-    rng = np.random.default_rng()
+def test_dead_token_blocks_larger_shifts(small_layout, small_vocab, rng):
     token_ids = rng.integers(0, 300, 12)
     dead = np.zeros(12, dtype=bool)
     dead[5] = True
@@ -65,3 +66,24 @@ def test_dead_token_blocks_larger_shifts(small_layout, small_vocab):
     # A dead token itself hashes an all-pad window.
     pad = small_layout.spec.pad_token_id
     assert (with_dead[5] == engram.hash_ngrams([pad], small_layout, small_vocab)[0]).all()
+
+
+def test_hash_ngrams_checks_ids_as_the_hasher_does(small_layout, small_vocab, rng):
+    """Float, bool and 2-D ids are refused (NgramHasher refuses them too); lists, numpy arrays
+    and CPU tensors of integers give the same numpy int64 ids."""
+    token_ids = rng.integers(0, 300, 9)
+    expected = engram.hash_ngrams(token_ids, small_layout, small_vocab)
+    assert isinstance(expected, np.ndarray) and expected.dtype == np.int64
+    for same in (token_ids.tolist(), token_ids.astype(np.int32), torch.from_numpy(token_ids)):
+        assert np.array_equal(engram.hash_ngrams(same, small_layout, small_vocab), expected)
+    with pytest.raises(ValueError, match=r"token_ids: expected integer token ids, found dtype float64"):
+        engram.hash_ngrams(token_ids.astype(np.float64), small_layout, small_vocab)
+    with pytest.raises(ValueError, match=r"token_ids: expected integer token ids, found dtype bool"):
+        engram.hash_ngrams(token_ids > 5, small_layout, small_vocab)
+    with pytest.raises(ValueError, match=r"token_ids: expected a 1-D sequence \[T\], found shape \[3, 3\]"):
+        engram.hash_ngrams(token_ids.reshape(3, 3), small_layout, small_vocab)
+    with pytest.raises(ValueError, match=r"dead_mask: expected bools, found dtype int64"):
+        engram.hash_ngrams(token_ids, small_layout, small_vocab, np.zeros(9, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"dead_mask: expected shape \[9\], found \[8\]"):
+        engram.hash_ngrams(token_ids, small_layout, small_vocab, np.zeros(8, dtype=bool))
+    assert engram.hash_ngrams([], small_layout, small_vocab).shape == (0, *expected.shape[1:])

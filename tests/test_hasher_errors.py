@@ -12,14 +12,16 @@ from conftest import random_vocab, small_config
 
 
 @pytest.fixture
-def hasher():
+def hasher(rng):
     spec = engram.EngramSpec.from_hf_config(small_config())
-    vocab = random_vocab(spec.compressed_vocab_size, 300, np.random.default_rng())
+    vocab = random_vocab(spec.compressed_vocab_size, 300, rng)
     return engram.NgramHasher(engram.EngramLayout(spec), vocab)
 
 
-def batch(count=6, first=0):
-    return dict(input_ids=torch.randint(0, 300, (count,)), positions=torch.arange(first, first + count),
+def batch(count=6, first=0, seed=0):
+    """A one-request batch of ``count`` tokens at positions ``first, ...``; the token ids do not matter here."""
+    generator = torch.Generator().manual_seed(seed)
+    return dict(input_ids=torch.randint(0, 300, (count,), generator=generator), positions=torch.arange(first, first + count),
                 query_start_loc=torch.tensor([0, count]))
 
 
@@ -64,13 +66,14 @@ def test_request_past_zero_without_history(hasher):
 def test_slot_errors_leave_the_cache_untouched(hasher):
     cache = hasher.bind_slot_cache(16, 4)
     table = torch.tensor([[3, 1, 2, 0]], dtype=torch.int32)
-    hasher(**batch(count=8), slot_mapping=torch.arange(12, 20) % 16, block_table=table)
+    hasher(**batch(count=8), slot_mapping=torch.tensor([12, 13, 14, 15, 4, 5, 6, 7]), block_table=table)
     before = cache.values.clone()
     with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 16 is beyond the bound cache of 16 slots"):
         hasher(**batch(count=2, first=8), slot_mapping=torch.tensor([4, 16]), block_table=table)
     with pytest.raises(ValueError, match=r"slot_mapping: a slot appears twice"):
         hasher(**batch(count=2, first=8), slot_mapping=torch.tensor([4, 4]), block_table=table)
-    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 9 is beyond the bound cache of 4 blocks"):
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 9 \(the block of position 5, history of request 0\): "
+                                         r"expected a block id in \[0, 4\) of the bound cache"):
         hasher(**batch(count=2, first=8), slot_mapping=torch.tensor([4, 5]), block_table=torch.tensor([[3, 9, 2, 0]]))
     with pytest.raises(ValueError, match=r"block_table\[0\] has 1 blocks; position 5 needs block index 1"):
         hasher(**batch(count=2, first=8), block_table=torch.tensor([[3]]))
@@ -87,6 +90,25 @@ def test_slot_errors_leave_the_cache_untouched(hasher):
     assert torch.equal(fused.values, before)
     rebound = hasher.bind_slot_cache(16, 4)
     assert (rebound.values == engram.hashing.UNWRITTEN).all()
+
+
+def test_slot_mapping_must_follow_block_table(hasher):
+    """Request B writes slots 0-3 while its block-table row is [1]: that would overwrite request
+    A's block 0 (issue 10, item 4). Refused, naming the token, and nothing is written."""
+    cache = hasher.bind_slot_cache(16, 4)
+    a_then_b = dict(input_ids=torch.arange(8) % 300, positions=torch.cat([torch.arange(4), torch.arange(4)]),
+                    query_start_loc=torch.tensor([0, 4, 8]))
+    table = torch.tensor([[2], [1]], dtype=torch.int32)
+    before = cache.values.clone()
+    with pytest.raises(ValueError, match=r"slot_mapping\[4\] = 0 disagrees with block_table: token 4 \(request 1, "
+                                         r"position 0\) is slot 4 = block_table\[1, 0\] = 1 \* block_size 4 \+ 0"):
+        hasher(**a_then_b, slot_mapping=torch.tensor([8, 9, 10, 11, 0, 1, 2, 3]), block_table=table)
+    assert torch.equal(cache.values, before)
+    # The same batch with B's own slots (a token without a slot, -1, is not checked) passes.
+    hasher(**a_then_b, slot_mapping=torch.tensor([8, 9, 10, 11, 4, 5, 6, -1]), block_table=table)
+    with pytest.raises(ValueError, match=r"slot_mapping\[6\] = 7 disagrees with block_table: token 6 \(request 1, "
+                                         r"position 2\) is slot 6"):
+        hasher(**a_then_b, slot_mapping=torch.tensor([8, 9, 10, 11, 4, 5, 7, 6]), block_table=table)
 
 
 def test_request_history_errors(hasher):
@@ -120,3 +142,22 @@ def test_wrong_device_and_vocab(hasher):
 def test_empty_batch(hasher):
     out = hasher(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.tensor([0]))
     assert out.shape == (0, 2, 9) and out.dtype == torch.int32
+
+
+def _huge_allocations_fail_at_once() -> bool:
+    """True where the kernel refuses a 4 TB allocation outright (overcommit heuristic or strict)."""
+    try:
+        return open("/proc/sys/vm/overcommit_memory").read().strip() in ("0", "2")
+    except OSError:
+        return False
+
+
+def test_a_store_too_large_to_allocate_is_named(hasher, monkeypatch):
+    if not _huge_allocations_fail_at_once():  # never touch 4 TB of pages: fail the allocation as torch would
+        def refuse(*args, **kwargs):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4000000000004 bytes")
+        monkeypatch.setattr(engram.hashing.stores.torch, "full", refuse)
+    with pytest.raises(ValueError, match=r"num_slots: 1000000000000 needs 4,000,000,000,004 bytes of cpu memory for "
+                                         r"the store, which could not be allocated \(.*\)"):
+        hasher.bind_slot_cache(10**12, 16)
+

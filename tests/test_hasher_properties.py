@@ -135,9 +135,8 @@ def test_lookback_takes_priority_over_a_store(seed, first, known):
     assert (got == expected[first:]).all()
 
 
-def test_batch_of_many_requests_at_once():
+def test_batch_of_many_requests_at_once(rng):
     """Whole sequences of several requests laid end to end in one batch, with padding after them."""
-    rng = np.random.default_rng()
     hasher = make_hasher(int(rng.integers(2**31)))
     sequences = [sequence_with_dead_spans(rng, n, 2) for n in (1, 63, 7, 20)]
     token_ids = np.concatenate([s[0] for s in sequences] + [np.zeros(5, dtype=np.int64)])
@@ -154,8 +153,7 @@ def test_batch_of_many_requests_at_once():
 
 # ---- negative controls: the checks above would notice a wrong history -------------
 
-def test_wrong_lookback_changes_the_ids():
-    rng = np.random.default_rng()
+def test_wrong_lookback_changes_the_ids(rng):
     hasher = make_hasher(int(rng.integers(2**31)))
     token_ids = rng.integers(0, 300, 20)
     dead = np.zeros(20, dtype=bool)
@@ -172,8 +170,7 @@ def test_wrong_lookback_changes_the_ids():
         assert (wrong[reach:] == expected[10 + reach:]).all()  # beyond the window nothing changes
 
 
-def test_unseeded_cache_changes_the_ids_or_raises():
-    rng = np.random.default_rng()
+def test_unseeded_cache_changes_the_ids_or_raises(rng):
     seed = int(rng.integers(2**31))
     unchecked = make_hasher(seed, validate=False)
     # Tokens whose compressed id is not pad's, so hashing them as pad must change the ids.
@@ -217,8 +214,7 @@ def same_step_prefix_hit_batch(rng, block_size=4):
 
 
 @pytest.mark.parametrize("repeat", range(3))
-def test_same_step_prefix_hit(repeat):
-    rng = np.random.default_rng()
+def test_same_step_prefix_hit(repeat, rng):
     hasher = make_hasher(int(rng.integers(2**31)))
     hasher.bind_slot_cache(32 * 4, 4)
     batch, a_tokens, b_tokens, hit = same_step_prefix_hit_batch(rng)

@@ -190,7 +190,7 @@ def test_errors_name_the_argument():
         layer(hidden, hash_ids[:, :9])
     with pytest.raises(ValueError, match="hash_ids: expected dtype torch.int32 or torch.int64, found torch.float32"):
         layer(hidden, hash_ids.float())
-    with pytest.raises(ValueError, match=r"token_mask: expected shape \[13\]"):
+    with pytest.raises(ValueError, match=r"token_mask: expected shape \[13\] \(T from hash_ids\), found \[5\]$"):
         layer(hidden, hash_ids, mask[:5])
     with pytest.raises(ValueError, match="token_mask: expected a torch.bool"):
         layer(hidden, hash_ids, mask.to(torch.uint8))

@@ -230,3 +230,35 @@ def test_tensor_parallel_equals_one_process_bit_for_bit(parallel_results):
         for layer_id, out in parallel["outputs"].items():
             assert torch.equal(out.view(torch.int16), single["outputs"][layer_id].view(torch.int16))
             assert torch.equal(out.view(torch.int16), parallel_results[0]["single"]["outputs"][layer_id].view(torch.int16))
+
+
+def test_forward_layer_refuses_an_id_of_another_column(checkpoints, rng):
+    """A row id of another hash column (or another layer) would read the wrong embedding silently."""
+    memory = EngramMemory.from_pretrained(checkpoints["fp8"].directory, placement="cpu", progress=False)
+    layout = memory.layout
+    tokens = 4
+    low = torch.from_numpy(np.asarray(layout.column_offsets, dtype=np.int64))          # [L, C]
+    primes = torch.from_numpy(np.asarray(layout.column_primes, dtype=np.int64))
+    hash_ids = low[None] + torch.from_numpy(rng.integers(0, 2**40, (tokens, *low.shape))) % primes[None]
+    hidden = torch.zeros(tokens, memory.spec.hc_mult, memory.spec.hidden_size, dtype=torch.bfloat16)
+    memory.forward_layer(14, hidden, hash_ids)  # every id in its own column's rows
+    swapped = hash_ids.clone()
+    swapped[2, 1, 3] = hash_ids[2, 1, 4]
+    with pytest.raises(ValueError, match=rf"hash_ids\[2, 1, 3\] = {int(hash_ids[2, 1, 4])}: column 3 of layer 14 "
+                                         r"owns rows \[\d+, \d+\); it is a row of column 4"):
+        memory.forward_layer(14, hidden, swapped)
+    beyond = hash_ids.clone()
+    beyond[0, 0, 5] = layout.num_embeddings[0]
+    with pytest.raises(ValueError, match=r"hash_ids\[0, 0, 5\] = \d+: column 5 of layer 1 owns rows .* outside the "
+                                         r"layer's \d+ table rows"):
+        memory.forward_layer(1, hidden, beyond)
+
+
+def test_one_backend_argument_for_every_stage(checkpoints):
+    memory = EngramMemory.from_pretrained(checkpoints["fp8"].directory, placement="cpu", progress=False,
+                                          backend="torch")
+    assert memory.hasher.backend == "torch"
+    for layer_id in memory.layer_ids:
+        assert memory.table(layer_id).backend == "torch" and memory.layer(layer_id).gate_backend == "torch"
+    with pytest.raises(ValueError, match=r"backend: expected one of 'auto', 'triton', 'torch', found 'fast'"):
+        EngramMemory.from_pretrained(checkpoints["fp8"].directory, placement="cpu", progress=False, backend="fast")

@@ -165,3 +165,10 @@ def test_bad_rank_arguments():
         layout.shard(4, 4)
     with pytest.raises(ValueError, match="world_size"):
         layout.shard(0, 0)
+
+
+def test_quantization_config_must_be_an_object():
+    config = small_config() | {"quantization_config": "fp8"}
+    with pytest.raises(ValueError, match=r"config field 'quantization_config': expected an object such as .*, "
+                                         r"found 'fp8'"):
+        engram.EngramSpec.from_hf_config(config)

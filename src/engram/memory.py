@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from .checkpoint import (DEFAULT_CHUNK_BYTES, SafetensorsCheckpoint, expected_layer_tensors,
                          load_engram_layer_weights, load_engram_table, table_progress)
+from .backends import BACKENDS
+from .common import as_device, resolve_cuda_device
 from .hashing import NgramHasher
 from .layer import Engram
 from .layout import ColumnShard, EngramLayout
@@ -29,42 +31,30 @@ from .vocab import TokenCompressor
 __all__ = ["EngramMemory", "resolve_placement"]
 
 
-def _as_device(device: torch.device | str | int) -> torch.device:
-    if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device)
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device: expected a torch.device, a device string or a CUDA index, found {device!r} "
-                         f"({error})") from None
-
-
 def resolve_placement(placement: str, device: torch.device | str | int | None = None) -> tuple[str, torch.device]:
     """``(placement, compute device)``: where lookups, wkv and gate run.
 
-    ``"auto"``: ``"device"`` when CUDA is available (and ``device`` is not a CPU
-    device), else ``"cpu"``. ``"cpu"`` runs on the CPU; every other placement
-    (``"device"``; host-memory placements when registered) on a CUDA device,
-    ``device`` or the current one.
+    ``"auto"``: ``"cpu"`` for a CPU ``device``, ``"device"`` for a CUDA one; without a
+    ``device``, ``"device"`` when CUDA is available, else ``"cpu"``. ``"cpu"`` runs on the
+    CPU; every other placement (``"device"``; host-memory placements when registered)
+    on a CUDA device, ``device`` or the current one. Errors name the placement the
+    caller gave and the device.
     """
+    asked = placement
     if placement == "auto":
-        wants_cpu = device is not None and _as_device(device).type == "cpu"
-        placement = "device" if torch.cuda.is_available() and not wants_cpu else "cpu"
+        wanted = None if device is None else as_device(device)
+        if wanted is None:
+            placement = "device" if torch.cuda.is_available() else "cpu"
+        else:
+            placement = "cpu" if wanted.type == "cpu" else "device"
     available = available_placements()
     if placement not in available:
         raise ValueError(f"placement: expected 'auto' or one of {list(available)}, found {placement!r}")
     if placement == "cpu":
-        if device is not None and _as_device(device).type != "cpu":
+        if device is not None and as_device(device).type != "cpu":
             raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
         return placement, torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"placement {placement!r} needs a CUDA device, and torch.cuda.is_available() is False")
-    if device is None:
-        return placement, torch.device("cuda", torch.cuda.current_device())
-    resolved = _as_device(device)
-    if resolved.type != "cuda":
-        raise ValueError(f"device: placement {placement!r} needs a CUDA device, found {device!r}")
-    return placement, resolved if resolved.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return placement, resolve_cuda_device(device, f"placement {asked!r}")
 
 
 def _read_spec(model_dir: Path) -> EngramSpec:
@@ -83,8 +73,9 @@ def _read_vocab(model_dir: Path, spec: EngramSpec) -> TokenCompressor:
     tokenizer_path, config_path = model_dir / "tokenizer.json", model_dir / "config.json"
     if not tokenizer_path.is_file():
         raise ValueError(f"tokenizer file {str(tokenizer_path)!r} does not exist")
+    vocab = TokenCompressor.from_tokenizer(tokenizer_path)  # an unreadable file is its own error
     try:
-        vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=spec)
+        vocab.check_spec(spec)
     except ValueError as error:
         raise ValueError(f"tokenizer file {str(tokenizer_path)!r} and config file {str(config_path)!r} "
                          f"disagree: {error}") from None
@@ -148,6 +139,8 @@ class EngramMemory:
         sequence_parallel: bool = False,
         sp_group: Any = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        check_values: bool = True,
+        backend: str = "auto",
     ) -> "EngramMemory":
         """Load every Engram layer of the checkpoint in ``model_dir``.
 
@@ -165,10 +158,16 @@ class EngramMemory:
                 (on tensor-parallel rank 0 only).
             sequence_parallel, sp_group: passed to every :class:`Engram` module.
             chunk_bytes: bytes read per memory-mapped slice.
+            check_values: refuse table rows holding E4M3 NaN bytes while they stream in
+                (False skips the check on trusted checkpoints).
+            backend: ``"auto"`` (default), ``"triton"`` or ``"torch"`` for the table
+                lookups and the gate of every layer (:mod:`engram.backends`).
 
         Every tensor's dtype and shape is checked against the config before any
         table row is read. Errors are ``ValueError`` naming the tensor or field and the file.
         """
+        if backend not in BACKENDS:  # before any byte is read
+            raise ValueError(f"backend: expected one of {', '.join(repr(b) for b in BACKENDS)}, found {backend!r}")
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ValueError(f"model_dir {str(model_dir)!r} is not a directory")
@@ -199,7 +198,7 @@ class EngramMemory:
                 tables[layer_id] = load_engram_table(
                     checkpoint, layout, index, shard, placement=placement,
                     device=None if placement == "cpu" else compute_device, validate=validate, progress=bar,
-                    chunk_bytes=chunk_bytes)
+                    chunk_bytes=chunk_bytes, check_values=check_values, backend=backend)
         finally:
             bar.close()
 
@@ -209,8 +208,8 @@ class EngramMemory:
             layers[layer_id] = Engram.from_weights(
                 spec, table, wkv_weight=weight.wkv_weight.to(compute_device), wkv_scale=scale,
                 q_weight=weight.q_weight.to(compute_device), k_weight=weight.k_weight.to(compute_device),
-                tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group)
-        hasher = NgramHasher(layout, vocab, device=compute_device, validate=validate)
+                tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group, gate_backend=backend)
+        hasher = NgramHasher(layout, vocab, device=compute_device, validate=validate, backend=backend)
         return cls(spec, layout, vocab, hasher, layers, tables, placement=placement, device=compute_device,
                    shard=shard, model_dir=model_dir)
 
@@ -257,8 +256,30 @@ class EngramMemory:
             found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
             raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
                              f"hash columns), found {found}")
+        if self.tables[layer_id].validate:
+            self._check_columns(index, hash_ids[:, index, :])
         return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask,
                                       sp_token_counts=sp_token_counts)
+
+    def _check_columns(self, index: int, hash_ids: torch.Tensor) -> None:
+        """Each column's ids must lie in that column's rows ``[offset, offset + prime)`` of layer
+        ``index`` (``hash_ids [T, C]``); an id of another column or layer is named (a host sync)."""
+        layer_id = self.spec.layer_ids[index]
+        low = torch.as_tensor(self.layout.column_offsets[index], dtype=torch.int64, device=hash_ids.device)
+        high = low + torch.as_tensor(self.layout.column_primes[index], dtype=torch.int64, device=hash_ids.device)
+        ids = hash_ids.to(torch.int64)
+        bad = (ids < low) | (ids >= high)
+        if not bool(bad.any()):
+            return
+        token, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
+        found = int(ids[token, column])
+        owner = int(torch.searchsorted(low.cpu(), torch.tensor(found), right=True)) - 1
+        if 0 <= owner and found < int(high[owner]):
+            where = f"it is a row of column {owner}: hash ids of another column, or of another layer's table?"
+        else:
+            where = f"it is outside the layer's {self.layout.num_embeddings[index]} table rows"
+        raise ValueError(f"hash_ids[{token}, {index}, {column}] = {found}: column {column} of layer {layer_id} owns "
+                         f"rows [{int(low[column])}, {int(high[column])}); {where}")
 
     def __repr__(self) -> str:
         shard = "" if self.shard is None else f", rank={self.shard.rank}/{self.shard.world_size}"

@@ -37,6 +37,11 @@ class Request:
         return self.computed >= len(self.token_ids)
 
 
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
+
+
 class StreamingEngine:
     """Drive ``hasher`` step by step and check every accepted token's ids.
 
@@ -72,7 +77,9 @@ class StreamingEngine:
     def add(self, name: str, token_ids, dead=None, *, share_prefix_with: str | None = None) -> Request:
         """Add a request; with ``share_prefix_with`` (slot cache only) it reuses the other
         request's full blocks of a common, already computed prefix (a prefix-cache hit)."""
-        token_ids = np.asarray(token_ids, dtype=np.int64)
+        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if token_ids.size == 0:
+            raise ValueError(f"token_ids: request {name!r} has no tokens; expected at least one")
         dead = np.zeros(len(token_ids), dtype=bool) if dead is None else np.asarray(dead, dtype=bool)
         request = Request(name, token_ids, dead)
         request.reference = hash_ngrams(token_ids, self.hasher.layout, self.hasher.vocab, dead)
@@ -165,6 +172,13 @@ class StreamingEngine:
             self.mismatches += int((got != expected).any(axis=(1, 2)).sum())
             request.computed = first + fed
 
+    def _step_advancing(self, plan: list[tuple[str, int, int, int]]) -> None:
+        """:meth:`step`, and an error if no request advanced (every loop over steps is bounded)."""
+        before = sum(r.computed for r in self.requests.values())
+        self.step(plan)
+        if sum(r.computed for r in self.requests.values()) == before:
+            raise RuntimeError(f"a step advanced no request (plan {plan}); the schedule would never end")
+
     def _ensure_blocks(self, request: Request, length: int) -> None:
         while len(request.blocks) * self.block_size < length:
             if not self.free_blocks:
@@ -177,13 +191,16 @@ class StreamingEngine:
         """Serve every request to the end: uneven prefill chunks while a request has many
         tokens left, then decode steps (one token plus drafts); requests are paused
         (preempted) at random for a step."""
+        _check_positive("max_batch_tokens", max_batch_tokens)
         while any(not r.done for r in self.requests.values()):
             plan, budget = [], max_batch_tokens
             active = [r for r in self.requests.values() if not r.done]
             order = self.rng.permutation(len(active))
+            paused = self.rng.random(len(active)) < pause_probability
+            paused[order[0]] = False  # one request runs every step
             for index in order:
                 request = active[index]
-                if len(active) > 1 and self.rng.random() < pause_probability:
+                if paused[index]:
                     continue  # preempted this step; its history must survive
                 left = len(request.token_ids) - request.computed
                 if budget <= 0:
@@ -197,15 +214,18 @@ class StreamingEngine:
                     accepted = int(self.rng.integers(0, drafts + 1)) if drafts else 0
                     plan.append((request.name, 1, drafts, accepted))
                     budget -= 1 + drafts
-            if plan:
-                self.step(plan)
+            self._step_advancing(plan)
 
     def run_prefill_then_decode(self, prompt_fraction: float = 0.8, chunk_sizes: tuple[int, int] = (17, 400),
                                 max_batch_tokens: int = 1024, max_decode_steps: int | None = None) -> None:
         """As an engine serves prompts: every request is prefilled in uneven chunks up to
         ``prompt_fraction`` of its tokens (several requests per batch), then the rest is
         decoded one token per step, all running requests in one batch."""
-        prompt_end = {name: max(1, int(len(r.token_ids) * prompt_fraction)) for name, r in self.requests.items()}
+        _check_positive("max_batch_tokens", max_batch_tokens)
+        if len(chunk_sizes) != 2 or not 1 <= chunk_sizes[0] <= chunk_sizes[1]:
+            raise ValueError(f"chunk_sizes: expected (smallest, largest) with 1 <= smallest <= largest, found {chunk_sizes!r}")
+        prompt_end = {name: min(len(r.token_ids), max(1, int(len(r.token_ids) * prompt_fraction)))
+                      for name, r in self.requests.items()}
         while True:
             plan, budget = [], max_batch_tokens
             for name, request in self.requests.items():
@@ -216,10 +236,10 @@ class StreamingEngine:
                     budget -= size
             if not plan:
                 break
-            self.step(plan)
+            self._step_advancing(plan)
         steps = 0
         while any(not r.done for r in self.requests.values()):
             if max_decode_steps is not None and steps >= max_decode_steps:
                 break
-            self.step([(name, 1, 0, 0) for name, r in self.requests.items() if not r.done])
+            self._step_advancing([(name, 1, 0, 0) for name, r in self.requests.items() if not r.done])
             steps += 1

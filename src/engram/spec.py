@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .primes import bucket_primes
+
 __all__ = ["EngramSpec"]
 
 _PAD_KEYS = ("engram_pad_token_id", "engram_pad_id")
@@ -175,9 +177,8 @@ class EngramSpec:
 
     def check_row_counts(self) -> None:
         """Raise unless ``num_embeddings`` equals the sums of primes of DESIGN §2."""
-        from .layout import table_primes  # layout depends on spec, not the other way round
-
-        for index, (layer_id, primes) in enumerate(zip(self.layer_ids, table_primes(self))):
+        primes_per_layer = bucket_primes(len(self.layer_ids), self.max_ngram_size, self.n_heads, self.vocab_size)
+        for index, (layer_id, primes) in enumerate(zip(self.layer_ids, primes_per_layer)):
             expected = sum(sum(order) for order in primes)
             if expected != self.num_embeddings[index]:
                 raise ValueError(
@@ -210,7 +211,10 @@ def _weight_block_size(config: Mapping[str, Any]) -> tuple[int, int] | None:
     found, quant = _lookup(config, "quantization_config")
     if not found or quant is None:
         return None
-    block = quant.get("weight_block_size") if isinstance(quant, Mapping) else None
+    if not isinstance(quant, Mapping):
+        raise ValueError(f"config field 'quantization_config': expected an object such as "
+                         f"{{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128]}}, found {quant!r}")
+    block = quant.get("weight_block_size")
     if block is None:
         return None
     if (not isinstance(block, (list, tuple)) or len(block) != 2

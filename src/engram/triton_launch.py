@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-__all__ = ["CompiledLaunch", "triton_available", "interpreting", "require_triton", "integer_widths", "int_variant",
+__all__ = ["CompiledLaunch", "triton_available", "interpreting", "integer_widths", "int_variant",
            "tensor_variant", "VERIFY_VARIANTS"]
 
 # Tests set this: every launch also asks Triton which variant it would pick and
@@ -32,13 +32,6 @@ def triton_available() -> bool:
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, read at import)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def require_triton(what: str) -> None:
-    """Raise one clear error when ``what`` needs Triton and it is missing or cannot run."""
-    if not triton_available():
-        raise ValueError(f"{what}: the Triton backend needs the 'triton' package "
-                         "(pip install 'engram[triton]'), or pass backend='torch'")
 
 
 def jit_without_alignment(**options):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -131,23 +132,29 @@ class TokenCompressor:
         """
         load_tokenizer, identity = _resolve_tokenizer(tokenizer)
         fingerprint = hashlib.sha256(identity).hexdigest()
-        cache_file = cache_dir() / f"token_map-{_RULE_VERSION}-{fingerprint}.npy"
-        token_map = _load_cached(cache_file) if use_cache else None
+        cache_file = cache_dir() / f"token_map-{_RULE_VERSION}-{fingerprint}.npz"
+        token_map = _load_cached(cache_file, fingerprint) if use_cache else None
         if token_map is None:
             token_map = build_token_map(load_tokenizer())
             if use_cache:
-                _store_cached(cache_file, token_map)
+                _store_cached(cache_file, token_map, fingerprint)
         compressor = cls(token_map, fingerprint)
-        if spec is not None and compressor.size != spec.compressed_vocab_size:
+        if spec is not None:
+            compressor.check_spec(spec)
+        return compressor
+
+    def check_spec(self, spec: EngramSpec) -> None:
+        """Raise unless the map agrees with the config: ``engram_compressed_vocab_size``
+        compressed ids, and ``engram_pad_token_id`` among the token ids."""
+        if self.size != spec.compressed_vocab_size:
             raise ValueError(
                 f"config field 'engram_compressed_vocab_size' is {spec.compressed_vocab_size}, but the tokenizer "
-                f"compresses {compressor.vocab_size} token ids to {compressor.size}"
+                f"compresses {self.vocab_size} token ids to {self.size}"
             )
-        if spec is not None and spec.pad_token_id >= compressor.vocab_size:
+        if spec.pad_token_id >= self.vocab_size:
             raise ValueError(
-                f"config field 'engram_pad_token_id' is {spec.pad_token_id}, beyond the tokenizer's {compressor.vocab_size} ids"
+                f"config field 'engram_pad_token_id' is {spec.pad_token_id}, beyond the tokenizer's {self.vocab_size} ids"
             )
-        return compressor
 
     def compress(self, token_ids: np.ndarray) -> np.ndarray:
         """Compressed ids (int64, same shape) of raw token ids; raises on ids out of range."""
@@ -168,13 +175,22 @@ class TokenCompressor:
         return f"TokenCompressor(vocab_size={self.vocab_size}, size={self.size})"
 
 
-def _load_cached(path: Path) -> np.ndarray | None:
-    """The cached map, or None when absent or damaged (then it is rebuilt)."""
+def _cache_digest(token_map: np.ndarray, fingerprint: str) -> str:
+    """sha256 of the tokenizer's fingerprint and the map's bytes: what a cache file must carry."""
+    return hashlib.sha256(fingerprint.encode("ascii") + token_map.tobytes()).hexdigest()
+
+
+def _load_cached(path: Path, fingerprint: str) -> np.ndarray | None:
+    """The cached map, or None when absent, damaged or not the map of this tokenizer (its
+    digest of fingerprint and map disagrees): then it is rebuilt and the file replaced."""
     try:
-        token_map = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
+        with np.load(path, allow_pickle=False) as archive:
+            token_map, digest = archive["token_map"], str(archive["digest"])
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
         return None
     if token_map.dtype != np.int32 or token_map.ndim != 1 or token_map.size == 0 or token_map.min() < 0:
+        return None
+    if digest != _cache_digest(token_map, fingerprint):
         return None
     # Ids are numbered in order of first appearance: each new id is one above the running max.
     running_max = np.maximum.accumulate(token_map)
@@ -183,12 +199,12 @@ def _load_cached(path: Path) -> np.ndarray | None:
     return token_map
 
 
-def _store_cached(path: Path, token_map: np.ndarray) -> None:
-    """Write atomically (temp file + rename); a read-only cache dir is not an error."""
+def _store_cached(path: Path, token_map: np.ndarray, fingerprint: str) -> None:
+    """Write the map and its digest atomically (temp file + rename); a read-only cache dir is not an error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npy.tmp", delete=False) as handle:
-            np.save(handle, token_map, allow_pickle=False)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz.tmp", delete=False) as handle:
+            np.savez(handle, token_map=token_map, digest=np.array(_cache_digest(token_map, fingerprint)))
         os.replace(handle.name, path)
     except OSError:
         pass

@@ -15,7 +15,8 @@ import torch
 
 from ..layout import EngramLayout
 from ..vocab import TokenCompressor
-from ..triton_launch import require_triton, triton_available
+from ..backends import resolve_backend
+from ..common import resolve_device
 from .launch import HashConstants, launch_hash_kernels
 from .ops import block_windows, hash_windows
 from .stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
@@ -64,12 +65,8 @@ class NgramHasher:
             raise ValueError(f"config field 'engram_pad_token_id' = {spec.pad_token_id} is beyond the tokenizer's {vocab.vocab_size} ids")
         self.layout = layout
         self.vocab = vocab
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device, "NgramHasher")
         self.validate = validate
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', found {backend!r}")
-        if backend == "triton":
-            require_triton("NgramHasher(backend='triton')")
         self._backend = backend
         self.history_length = spec.max_ngram_size - 1
         self.pad_id = int(vocab.token_map[spec.pad_token_id])
@@ -109,12 +106,15 @@ class NgramHasher:
         self._validating = validate if validate is not None else self.device.type == "cpu"
 
     def _decide_backend(self) -> None:
-        """Whether calls run the Triton kernels: decided when the backend is set, not per call."""
-        if self._backend == "triton":
-            self._triton = True
-        else:
-            self._triton = (self._backend == "auto" and self.device.type == "cuda"
-                            and self.out_dtype == torch.int32 and triton_available())
+        """Whether calls run the Triton kernels: decided when the backend is set, not per call
+        (:func:`engram.backends.resolve_backend`; hash ids beyond int32 take the torch path)."""
+        chosen = resolve_backend(self._backend, self.device, "NgramHasher")
+        if chosen == "triton" and self.out_dtype != torch.int32:
+            if self._backend == "triton":
+                raise ValueError("backend: 'triton' hashes into int32 ids, but a table of this layout has "
+                                 f"{max(self.layout.num_embeddings)} rows; use backend='torch'")
+            chosen = "torch"
+        self._triton = chosen == "triton"
 
     # ---- history stores ------------------------------------------------------
     def bind_slot_cache(self, num_slots: int, block_size: int, fused_write: bool = False) -> SlotCache:
@@ -389,18 +389,6 @@ class NgramHasher:
             f"request {k} starts at position {first}, but the token at position {position} is unknown "
             f"({why}); hashing it as pad would be silently wrong"
         )
-
-
-def _resolve_device(device: torch.device | str) -> torch.device:
-    """``"cuda"`` means the current CUDA device, so tensors on ``cuda:0`` compare equal."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device: {str(device)!r} was asked for, but this machine has no usable CUDA device "
-                             "(torch.cuda.is_available() is False); use device='cpu'")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class _LookbackSeeds(NamedTuple):

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..common import ceil_div, next_power_of_2
 from ..triton_launch import ALIGNMENT_SPECIALIZED, CompiledLaunch, integer_widths, tensor_variant
 
 __all__ = ["HashConstants", "launch_hash_kernels", "block_tokens_for"]
@@ -44,14 +45,6 @@ def block_tokens_for(num_tokens: int) -> int:
         if num_tokens <= limit:
             return block_tokens
     return _BLOCK_TOKENS_LARGEST
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class HashConstants(NamedTuple):

@@ -1,7 +1,7 @@
 """Torch ops shared by the batch hasher: n-gram windows -> hash ids.
 
-The Triton hash kernel (a later stage) must give the same ids; this is its
-torch twin, vectorized over tokens, layers and heads.
+The Triton hash kernel (:mod:`engram.hashing.kernels`) gives the same ids; these
+are its torch twin (the hasher's CPU path), vectorized over tokens, layers and heads.
 """
 
 from __future__ import annotations

@@ -31,22 +31,43 @@ def ngram_windows(compressed_ids: np.ndarray, dead_mask: np.ndarray, max_ngram_s
     return windows
 
 
+def _as_1d(values, name: str, *, integer: bool) -> np.ndarray:
+    """``values`` as a 1-D int64 (``integer``) or bool numpy array; ValueError naming ``name``."""
+    if hasattr(values, "detach"):  # a torch tensor
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence [T], found shape {list(array.shape)}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64 if integer else bool)
+    if integer and (array.dtype == bool or not np.issubdtype(array.dtype, np.integer)):
+        raise ValueError(f"{name}: expected integer token ids, found dtype {array.dtype}")
+    if not integer and array.dtype != bool:
+        raise ValueError(f"{name}: expected bools, found dtype {array.dtype}")
+    return array.astype(np.int64 if integer else bool)
+
+
 def hash_ngrams(
     token_ids,
     layout: EngramLayout,
     vocab: TokenCompressor,
     dead_mask=None,
 ) -> np.ndarray:
-    """Hash ids of one whole sequence: int64 ``[T, L, C]``.
+    """Hash ids of one whole sequence: a numpy int64 array ``[T, L, C]`` (the reference;
+    :class:`~engram.hashing.NgramHasher` gives the same ids as an int32 tensor).
+
+    ``token_ids``: ``T`` integer token ids, 1-D (a list, numpy array or CPU tensor);
+    ``dead_mask``: ``T`` bools or None. Float, bool or n-D ids are refused, as
+    :class:`~engram.hashing.NgramHasher` refuses them.
 
     ``ids[t, l, (s-1)*H + h] = rolling_s % prime[l][s-1][h] + offset[l][(s-1)*H + h]``
     with ``rolling_s = XOR_{k<=s} window[t, k] * multiplier[l][k]``.
     """
     spec = layout.spec
-    token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-    dead = np.zeros(token_ids.shape, dtype=bool) if dead_mask is None else np.asarray(dead_mask, dtype=bool).reshape(-1)
+    token_ids = _as_1d(token_ids, "token_ids", integer=True)
+    dead = np.zeros(token_ids.shape, dtype=bool) if dead_mask is None else _as_1d(dead_mask, "dead_mask", integer=False)
     if dead.shape != token_ids.shape:
-        raise ValueError(f"dead_mask: expected shape {token_ids.shape}, found {dead.shape}")
+        raise ValueError(f"dead_mask: expected shape {list(token_ids.shape)}, found {list(dead.shape)}")
     pad_id = int(vocab.token_map[spec.pad_token_id])
     windows = ngram_windows(vocab.compress(token_ids), dead, spec.max_ngram_size, pad_id)
 

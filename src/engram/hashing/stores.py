@@ -6,6 +6,7 @@ part in n-grams) and ``UNWRITTEN`` (nothing was ever stored there).
 
 from __future__ import annotations
 
+import math
 from typing import Hashable, Iterable
 
 import torch
@@ -14,6 +15,17 @@ __all__ = ["SlotCache", "RequestHistory", "DEAD", "UNWRITTEN"]
 
 DEAD = -1
 UNWRITTEN = -2
+
+
+def _allocate(name: str, value: int, shape: tuple[int, ...], fill: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.full(shape, fill)``; a failed allocation is a ValueError naming ``name`` and the bytes."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    try:
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"{name}: {value} needs {nbytes:,} bytes of {torch.device(device)} memory for the store, "
+                         f"which could not be allocated ({reason})") from None
 
 
 class SlotCache:
@@ -27,10 +39,10 @@ class SlotCache:
 
     A batch's writes land before its reads, so a request may read history that
     another request of the same batch writes (a prefix-cache hit on blocks this step
-    fills); the GPU kernel orders them inside its one launch (slot writers first,
-    readers check their reads after the writers). ``fused_write=True`` drops that
-    ordering (8.8 against 9.8 us at T = 8192 on an H200); the engine then promises
-    that no request reads a slot the same batch writes, and validation checks it.
+    fills): on the GPU the slot writes are their own launch, ordered before the hash
+    by the stream (:mod:`engram.hashing.launch`). ``fused_write=True`` lets the hash
+    launch make the writes itself; the engine then promises that no request reads a
+    slot the same batch writes, and validation checks it.
     """
 
     def __init__(self, num_slots: int, block_size: int, device: torch.device, fused_write: bool = False):
@@ -45,7 +57,7 @@ class SlotCache:
         self.num_blocks = num_slots // block_size
         # One spare slot at the end absorbs the writes of tokens with no slot (-1),
         # so writing needs no host sync; reads never reach it.
-        self.values = torch.full((num_slots + 1,), UNWRITTEN, dtype=torch.int32, device=device)
+        self.values = _allocate("num_slots", num_slots, (num_slots + 1,), UNWRITTEN, torch.int32, device)
 
     def write(self, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
         """``values[slot_mapping[t]] = values[t]``; ``-1`` slots are skipped."""
@@ -98,8 +110,9 @@ class RequestHistory:
         self.width = history_length + max_draft_tokens + 1
         self.device = torch.device(device)
         # One spare row at the end absorbs skipped writes (no host sync); reads never reach it.
-        self.values = torch.full((max_requests + 1, self.width), UNWRITTEN, dtype=torch.int32, device=device)
-        self.tags = torch.full((max_requests + 1, self.width), -1, dtype=torch.int64, device=device)
+        self.values = _allocate("max_requests", max_requests, (max_requests + 1, self.width), UNWRITTEN, torch.int32,
+                                device)
+        self.tags = _allocate("max_requests", max_requests, (max_requests + 1, self.width), -1, torch.int64, device)
         self._row_of: dict[Hashable, int] = {}
         self._free_rows = list(range(max_requests - 1, -1, -1))
 

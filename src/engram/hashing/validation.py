@@ -109,6 +109,30 @@ def check_shapes(batch: BatchMetadata, history_length: int, device_index: int = 
         _check_integer("request_rows", batch.request_rows, (num_requests,))
 
 
+def _check_slots_follow_block_table(slots: torch.Tensor, table: torch.Tensor, positions: torch.Tensor,
+                                    token_request: torch.Tensor, num_requests: int, block_size: int) -> None:
+    """Every token with a slot (``slot_mapping[t] >= 0``) and a block-table entry for its
+    position ``p`` (request ``r``) must write ``block_table[r, p // B] * B + p % B``: a slot
+    that disagrees would overwrite another request's history. All int64 ``[T]`` / ``[R, W]``."""
+    block_index = positions // block_size
+    has_both = (slots >= 0) & (token_request < num_requests) & (block_index < table.shape[1])
+    tokens = has_both.nonzero().flatten()
+    if tokens.numel() == 0:
+        return
+    requests, indices = token_request[tokens], block_index[tokens]
+    expected = table[requests, indices] * block_size + positions[tokens] % block_size
+    wrong = (slots[tokens] != expected).nonzero().flatten()
+    if wrong.numel():
+        j = int(wrong[0])
+        t, k, index = int(tokens[j]), int(requests[j]), int(indices[j])
+        raise ValueError(
+            f"slot_mapping[{t}] = {int(slots[t])} disagrees with block_table: token {t} (request {k}, position "
+            f"{int(positions[t])}) is slot {int(expected[j])} = block_table[{k}, {index}] = {int(table[k, index])} "
+            f"* block_size {block_size} + {int(positions[t]) % block_size}; a slot the block table does not give "
+            f"would overwrite another request's history"
+        )
+
+
 def validate_batch(
     batch: BatchMetadata,
     *,
@@ -212,7 +236,8 @@ def validate_batch(
                 block = int(table[k, index])
                 if not 0 <= block < num_blocks:
                     raise ValueError(
-                        f"block_table[{k}, {index}] = {block} is beyond the bound cache of {num_blocks} blocks"
+                        f"block_table[{k}, {index}] = {block} (the block of position {position}, history of request "
+                        f"{k}): expected a block id in [0, {num_blocks}) of the bound cache"
                     )
                 slot = block * block_size + position % block_size
                 if slot in written:
@@ -222,6 +247,10 @@ def validate_batch(
                         f"batch writes (slot_mapping[{written[slot]}]); a cache bound with fused_write=True needs "
                         f"history from earlier steps"
                     )
+
+    if batch.slot_mapping is not None and batch.block_table is not None:
+        _check_slots_follow_block_table(batch.slot_mapping.cpu().long(), batch.block_table.cpu().long()[:num_requests],
+                                        positions, token_request, num_requests, block_size)
 
     if batch.request_rows is not None:
         if max_requests is None:

@@ -18,10 +18,10 @@ Entry points:
   straight from it, with no split views.
 * :func:`engram_gate_torch`: the torch path, always.
 
-Dispatch (``backend`` argument, else the environment variable ``ENGRAM_GATE_BACKEND``,
-else ``"auto"``): ``"auto"`` runs the Triton kernel on CUDA tensors when Triton is
-importable and every dtype is bf16/fp16/fp32, torch otherwise; ``"triton"`` forces the
-kernel (CPU tensors need ``TRITON_INTERPRET=1``); ``"torch"`` forces torch. The
+Dispatch: the ``backend`` argument (:mod:`engram.backends`), default ``"auto"``: the Triton
+kernel for CUDA tensors of bf16/fp16/fp32, torch for CPU tensors or other dtypes (and,
+with a warning once, for CUDA tensors where Triton is not installed); ``"triton"`` forces
+the kernel (CPU tensors need ``TRITON_INTERPRET=1``), ``"torch"`` forces torch. The
 kernel launch does no host sync: it can be captured in a CUDA graph.
 """
 
@@ -30,17 +30,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import torch
 
+from ..backends import resolve_backend
+from ..common import next_power_of_2
 from ..triton_launch import CompiledLaunch, int_variant, tensor_variant
 
-__all__ = ["engram_gate", "engram_gate_kv", "engram_gate_torch", "gate_launch_config", "GateLaunchConfig",
-           "GATE_BACKEND_ENV"]
+__all__ = ["engram_gate", "engram_gate_kv", "engram_gate_torch", "gate_launch_config", "GateLaunchConfig"]
 
-GATE_BACKEND_ENV = "ENGRAM_GATE_BACKEND"
-_BACKENDS = ("auto", "triton", "torch")
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -132,44 +130,27 @@ def _gate_launcher():
 
 @functools.lru_cache(maxsize=1)
 def _triton_kernel():
-    """The jitted kernel, or None when Triton (or the kernel module) cannot be imported."""
-    try:
-        from .gate_kernels import engram_gate_kernel
-    except Exception:  # ImportError, or a Triton too old for the kernel module
-        return None
+    """The jitted kernel (imported on first use; Triton is known to be importable then)."""
+    from .gate_kernels import engram_gate_kernel
+
     return engram_gate_kernel
 
 
-def _resolve_backend(backend) -> str:
-    if backend is None:
-        backend = os.environ.get(GATE_BACKEND_ENV) or "auto"
-        if backend not in _BACKENDS:
-            raise ValueError(f"{GATE_BACKEND_ENV}: expected one of {', '.join(_BACKENDS)}, found {backend!r}")
-    elif backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(repr(b) for b in _BACKENDS)} or None, found {backend!r}")
-    return backend
-
-
-def _use_triton(backend: str, hidden_states: torch.Tensor, tensors, out_dtype: torch.dtype) -> bool:
-    if backend == "torch":
+def _use_triton(backend: str | None, hidden_states: torch.Tensor, tensors, out_dtype: torch.dtype) -> bool:
+    """Whether this call runs the kernel (see the module docstring)."""
+    if resolve_backend(backend, hidden_states.device, "the Engram gate") == "torch":
         return False
-    kernel_dtypes = all(t.dtype in _KERNEL_DTYPES for t in tensors) and out_dtype in _KERNEL_DTYPES
-    if backend == "auto":
-        return hidden_states.is_cuda and kernel_dtypes and _triton_kernel() is not None
-    if _triton_kernel() is None:
-        raise ValueError("backend: 'triton' needs the triton package (pip install 'engram[triton]'), "
-                         "which could not be imported")
-    if not kernel_dtypes:
+    if all(t.dtype in _KERNEL_DTYPES for t in tensors) and out_dtype in _KERNEL_DTYPES:
+        return True
+    if backend == "triton":
         found = sorted({str(t.dtype) for t in tensors} | {str(out_dtype)})
         raise ValueError(f"backend: 'triton' takes bfloat16, float16 or float32 tensors, found dtypes {found}")
-    if not hidden_states.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"backend: 'triton' on {hidden_states.device} tensors needs CUDA tensors, "
-                         "or TRITON_INTERPRET=1 set before triton is imported")
-    return True
+    return False  # "auto": other dtypes run the torch path, as documented
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def _head_block(hidden: int) -> int:
+    """The largest power of two ``<= hidden``: the kernel's main block of the head dimension."""
+    return 1 << (hidden.bit_length() - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,15 +176,9 @@ def gate_launch_config(tokens: int, hc_mult: int, hidden: int) -> GateLaunchConf
 
     One copy per program (``T * hc`` programs; at T = 1 the hc copies run side by
     side), about 16 head elements per thread (8 warps at D = 5120), value loaded after
-    the sums. H200, Triton 3.6, T = 8192, D = 5120, hc = 4, sweep of 20 configs
-    (two runs): this one 267 us (4,080 GB/s, 95% of the 4,274 GB/s copy; 64
-    registers, 4 programs per SM); value loaded first 278 us (74 registers);
-    eviction hints 273 us; 4 warps 295-317 us; 16 warps 324-450 us; 2 or 4 copies
-    per program 304-351 us. T = 1: 2.9 us per launch replayed in a CUDA graph (4
-    copies in one program: 10 us); eager, that machine's host launch overhead
-    dominates (27 us through Triton's launcher alone, 59 us through engram_gate_kv).
+    the sums: the best of the H200 sweep in ``benchmarks/NOTES.md`` ("Gate launch shapes").
     """
-    head_block = 1 << (hidden.bit_length() - 1)
+    head_block = _head_block(hidden)
     return GateLaunchConfig(copies_per_program=1, num_warps=min(16, max(1, head_block // (32 * 16))))
 
 
@@ -235,8 +210,8 @@ def _launch_gate_kernel(
     copies = config.copies_per_program
     if copies < 1 or hc_mult % copies:
         raise ValueError(f"config.copies_per_program: expected a divisor of hc = {hc_mult}, found {copies}")
-    head_block = 1 << (hidden.bit_length() - 1)
-    tail_block = _next_power_of_2(hidden - head_block) if hidden > head_block else 0
+    head_block = _head_block(hidden)
+    tail_block = next_power_of_2(hidden - head_block) if hidden > head_block else 0
 
     hidden_states = _contiguous_rows(hidden_states)
     q_weight, k_weight = _contiguous_rows(q_weight), _contiguous_rows(k_weight)
@@ -330,15 +305,14 @@ def engram_gate(
         out_dtype: dtype of the result; default ``hidden_states.dtype`` (or ``out``'s).
         out: optional ``[T, hc, D]`` tensor to write (fixed buffers, CUDA graphs); may
             be ``hidden_states`` itself (an in-place update: each row is read before it is written).
-        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring);
-            None reads ``ENGRAM_GATE_BACKEND``, default ``"auto"``.
+        backend: ``"auto"`` (default; None means the same), ``"triton"`` or ``"torch"``
+            (see the module docstring).
 
     Returns:
         ``out``, or a new tensor ``[T, hc, D]`` of ``out_dtype``.
     """
     _check_gate_inputs(hidden_states, key, value, q_weight, k_weight, token_mask)
     out_dtype, out = _resolve_out(hidden_states, out_dtype, out)
-    backend = _resolve_backend(backend)
     if not _use_triton(backend, hidden_states, (hidden_states, key, value, q_weight, k_weight), out_dtype):
         return _gate_torch(hidden_states, key, value, q_weight, k_weight, eps, token_mask, out_dtype, out)
     key, value = _contiguous_rows(key), _contiguous_rows(value)
@@ -365,7 +339,6 @@ def engram_gate_kv(
     _check_common_inputs(hidden_states, q_weight, k_weight, token_mask)
     _check_kv(hidden_states, kv)
     out_dtype, out = _resolve_out(hidden_states, out_dtype, out)
-    backend = _resolve_backend(backend)
     tokens, hc_mult, hidden = hidden_states.shape
     if not _use_triton(backend, hidden_states, (hidden_states, kv, q_weight, k_weight), out_dtype):
         key = kv[:, : hc_mult * hidden].unflatten(1, (hc_mult, hidden))

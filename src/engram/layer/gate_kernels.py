@@ -13,10 +13,7 @@ no masked-off lanes for V4.1, where one masked 8192 block would waste 37.5% of
 the registers and lanes). Masked tokens are read like the others (no load waits
 on the mask) and their ``h`` is selected for the store.
 
-Measured (H200, Triton 3.6, T = 8192, hc = 4, D = 5120, 1.09 GB): 267 us, 4,078
-GB/s, 95% of the 4,274 GB/s device copy, with one copy per program, 8 warps and
-the value loaded after the sums; the launcher's ``gate_launch_config`` lists the
-other configs.
+Measurements of its launch shapes: ``benchmarks/NOTES.md`` ("Gate launch shapes").
 
 ``w = q_weight * k_weight`` is formed here in fp32 (exact: a product of two
 bf16 has 16 significant bits) rather than precomputed by the launcher: the bf16

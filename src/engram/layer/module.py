@@ -34,8 +34,8 @@ sequence-parallel modes run the wkv GEMM on fewer rows, so they are bit-identica
 only where the GEMM's per-row result does not depend on the row count: true of
 torch's CPU bf16 GEMM single-threaded (what the tests pin), not promised with
 several threads (a probe at K=256, N=192, 2 threads differed for some row counts)
-nor by cuBLAS (split-K heuristics); the Triton GEMM is to be row-invariant (fixed
-tiles, no split-K). Lookups, the all-gather / all-to-all and the gate are exact.
+nor by cuBLAS (split-K heuristics). Lookups, the all-gather / all-to-all and the
+gate are exact.
 """
 
 from __future__ import annotations
@@ -45,23 +45,20 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from ..backends import resolve_backend
+from ..common import HASH_ID_DTYPES, ceil_div
 from .gate import engram_gate_kv
 from .wkv import WkvProjection
 
 __all__ = ["Engram", "tensor_parallel_columns", "sequence_parallel_sizes"]
 
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_HASH_ID_DTYPES = (torch.int32, torch.int64)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def tensor_parallel_columns(num_columns: int, rank: int, world_size: int) -> tuple[int, int]:
     """Columns ``[rank * P, min(C, (rank + 1) * P))`` with ``P = ceil(C / world_size)``
     (the rule of :meth:`EngramLayout.shard`); ValueError when the rank gets none."""
-    per_rank = _ceil_div(num_columns, world_size)
+    per_rank = ceil_div(num_columns, world_size)
     start, end = rank * per_rank, min(num_columns, (rank + 1) * per_rank)
     if start >= end:
         raise ValueError(f"tp_group: rank {rank} of {world_size} gets no hash column ({num_columns} columns, "
@@ -72,7 +69,7 @@ def tensor_parallel_columns(num_columns: int, rank: int, world_size: int) -> tup
 def sequence_parallel_sizes(num_tokens: int, world_size: int) -> list[int]:
     """Contiguous token shards of the ceil split: rank ``r`` gets
     ``[r * ceil(T / sp), min(T, (r + 1) * ceil(T / sp)))`` (possibly empty)."""
-    per_rank = _ceil_div(num_tokens, world_size) if num_tokens else 0
+    per_rank = ceil_div(num_tokens, world_size) if num_tokens else 0
     return [max(0, min(num_tokens, (r + 1) * per_rank) - r * per_rank) for r in range(world_size)]
 
 
@@ -112,6 +109,8 @@ class Engram(torch.nn.Module):
         tp_group: tensor-parallel ``ProcessGroup`` or None.
         sequence_parallel: True when ``hidden_states`` holds only this rank's tokens.
         sp_group: the sequence-parallel ``ProcessGroup`` (required with ``sequence_parallel``).
+        gate_backend: ``"auto"`` (default), ``"triton"`` or ``"torch"`` for the gate
+            (:mod:`engram.backends`), resolved once here for the device of ``q_weight``.
 
     The module-level docstring describes the data movement of each mode.
     """
@@ -131,6 +130,7 @@ class Engram(torch.nn.Module):
         tp_group: Any = None,
         sequence_parallel: bool = False,
         sp_group: Any = None,
+        gate_backend: str = "auto",
     ):
         super().__init__()
         if not isinstance(wkv, WkvProjection):
@@ -160,6 +160,7 @@ class Engram(torch.nn.Module):
         self.num_columns = num_columns
         self.head_dim = wkv.in_features // num_columns
         self.eps = float(eps)
+        self.gate_backend = resolve_backend(gate_backend, q_weight.device, "the Engram gate")
         self.wkv = wkv
         self.register_buffer("q_weight", q_weight.contiguous())
         self.register_buffer("k_weight", k_weight.contiguous())
@@ -192,7 +193,7 @@ class Engram(torch.nn.Module):
                              f"meeting tp_group only in this rank (a 2-D mesh), found ranks {sp_ranks}")
 
         self.column_start, self.column_end = tensor_parallel_columns(num_columns, self.tp_rank, self.tp_size)
-        self.columns_per_rank = _ceil_div(num_columns, self.tp_size)
+        self.columns_per_rank = ceil_div(num_columns, self.tp_size)
         self.table = table
         self._check_table(table)
 
@@ -209,6 +210,7 @@ class Engram(torch.nn.Module):
         tp_group: Any = None,
         sequence_parallel: bool = False,
         sp_group: Any = None,
+        gate_backend: str = "auto",
     ) -> "Engram":
         """Build from an :class:`EngramSpec` and one layer's checkpoint tensors
         (``engram.wkv.weight`` [+ ``.scale``], ``engram.q_weight``, ``engram.k_weight``)."""
@@ -222,7 +224,8 @@ class Engram(torch.nn.Module):
                 raise ValueError(f"{name}: expected shape [{spec.hc_mult}, {spec.hidden_size}] (hc_mult, hidden_size), found {found}")
         wkv = WkvProjection(wkv_weight, wkv_scale, spec.weight_block_size if wkv_scale is not None else None)
         return cls(table, wkv, q_weight, k_weight, eps=spec.rms_norm_eps, num_columns=spec.num_columns,
-                   tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group)
+                   tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group,
+                   gate_backend=gate_backend)
 
     # ---- checks --------------------------------------------------------------
     def _check_table(self, table: Any) -> None:
@@ -337,7 +340,7 @@ class Engram(torch.nn.Module):
             raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
         if hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
             raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {list(hash_ids.shape)}")
-        if hash_ids.dtype not in _HASH_ID_DTYPES:
+        if hash_ids.dtype not in HASH_ID_DTYPES:
             raise ValueError(f"hash_ids: expected dtype torch.int32 or torch.int64, found {hash_ids.dtype}")
         num_tokens = hash_ids.shape[0]
         counts, starts = self._token_layout(num_tokens, sp_token_counts)
@@ -361,14 +364,16 @@ class Engram(torch.nn.Module):
             if list(token_mask.shape) == [num_tokens]:
                 token_mask = token_mask[start:start + count]
             elif list(token_mask.shape) != [count]:
-                raise ValueError(f"token_mask: expected shape [{num_tokens}] (all tokens) or [{count}] "
-                                 f"(this rank's), found {list(token_mask.shape)}")
+                expected = (f"[{num_tokens}] (all tokens) or [{count}] (this rank's)" if count != num_tokens
+                            else f"[{num_tokens}] (T from hash_ids)")
+                raise ValueError(f"token_mask: expected shape {expected}, found {list(token_mask.shape)}")
             token_mask = token_mask.to(hidden_states.device)
 
         rows = self.gather_rows(hash_ids, counts, starts, hidden_states.device)
         kv = self.wkv(rows)
         # The fused Triton gate on CUDA (keys and value read in place from kv), torch on the CPU.
-        return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask)
+        return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask,
+                              backend=self.gate_backend)
 
     def extra_repr(self) -> str:
         return (f"hc_mult={self.hc_mult}, hidden_size={self.hidden_size}, num_columns={self.num_columns}, "

@@ -16,6 +16,8 @@ from typing import Sequence
 
 import torch
 
+from ..table.fp8 import E8M0_DTYPE
+
 __all__ = ["reference_gate", "reference_dequantize_wkv", "reference_wkv", "reference_engram"]
 
 _F64 = torch.float64
@@ -56,8 +58,7 @@ def reference_gate(
 
 def _reference_scale_values(scale: torch.Tensor) -> torch.Tensor:
     """float64 multipliers: UE8M0 bytes b -> 2 ** (b - 127); floating scales as they are."""
-    e8m0 = getattr(torch, "float8_e8m0fnu", None)
-    if e8m0 is not None and scale.dtype == e8m0:
+    if E8M0_DTYPE is not None and scale.dtype == E8M0_DTYPE:
         scale = scale.view(torch.uint8)
     if scale.dtype == torch.uint8:
         return torch.pow(torch.tensor(2.0, dtype=_F64), scale.to(_F64) - 127.0)

@@ -8,13 +8,13 @@ Checkpoint weights come as bf16, or as FP8 E4M3 with block scales: one scale per
 e.g. ``[128, 128]``), scale tensor ``[ceil(out / block_rows), ceil(in / block_cols)]``,
 UE8M0 (``2 ** (byte - 127)``) or plain fp32. The last block row/column may be partial.
 
-Choices of this (CPU / torch) path:
+Choices of this path (torch's ``linear``: cuBLAS on CUDA, oneDNN/BLAS on the CPU):
 
 * The FP8 weight is dequantized **once, at construction**, to bf16
   (``e4m3 * scale`` in fp32, one rounding to bf16; exact for UE8M0 scales). The
   CPU has no FP8 GEMM, and a per-call dequantization would cost a full pass over
-  the weight for every batch. A GPU FP8 GEMM (later issue) would keep the FP8
-  weight and its scales instead; it plugs in at :meth:`WkvProjection.forward`.
+  the weight for every batch. There is no FP8 GEMM here yet; one would keep the
+  FP8 weight and its scales and replace the ``linear`` in :meth:`WkvProjection.forward`.
 * The output ``kv`` is **bf16** (fp32 accumulation inside the GEMM, one rounding
   to bf16), like every other bf16 linear layer of the model: the gate then reads
   bf16 keys and values and does its own math in fp32. bf16 halves the bytes
@@ -27,18 +27,14 @@ from typing import Sequence
 
 import torch
 
-from ..table.fp8 import scale_bytes_to_float
+from ..common import ceil_div
+from ..table.fp8 import E8M0_DTYPE, scale_bytes_to_float
 
 __all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv"]
 
 _FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn,)
 _PLAIN_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_block_size(block_size) -> tuple[int, int]:
@@ -51,7 +47,7 @@ def _check_block_size(block_size) -> tuple[int, int]:
 def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     """fp32 multipliers of a scale tensor: UE8M0 (``float8_e8m0fnu`` or raw ``uint8``
     bytes, value ``2 ** (byte - 127)``) or floating values taken as they are."""
-    if _E8M0 is not None and scale.dtype == _E8M0:
+    if E8M0_DTYPE is not None and scale.dtype == E8M0_DTYPE:
         scale = scale.view(torch.uint8)
     if scale.dtype == torch.uint8:
         if bool((scale == 255).any()):
@@ -103,7 +99,7 @@ def dequantize_wkv_weight(
                          "for a float8_e4m3fn weight, found None")
     block_rows, block_cols = _check_block_size(block_size)
     out_features, in_features = weight.shape
-    expected = [_ceil_div(out_features, block_rows), _ceil_div(in_features, block_cols)]
+    expected = [ceil_div(out_features, block_rows), ceil_div(in_features, block_cols)]
     if list(scale.shape) != expected:
         raise ValueError(
             f"scale: expected shape {expected} (ceil([{out_features}, {in_features}] / [{block_rows}, {block_cols}])), "
@@ -182,7 +178,7 @@ class WkvProjection(torch.nn.Module):
             raise ValueError(f"rows: expected dtype torch.bfloat16, found {rows.dtype}")
         if rows.device != self.weight.device:
             raise ValueError(f"rows: expected device {self.weight.device} (the weight's), found {rows.device}")
-        # Seam for the GPU kernels: an FP8/bf16 Triton GEMM replaces this call.
+        # The one GEMM of the layer (see the module docstring): an FP8 GEMM would replace this call.
         return torch.nn.functional.linear(flat, self.weight)
 
     def key_value(self, rows: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ..common import HASH_ID_DTYPES
+from ..triton_launch import CompiledLaunch, int_variant, interpreting, tensor_variant
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes
-from ..triton_launch import CompiledLaunch, int_variant, tensor_variant
 from .kernels import gather_rows_bf16_kernel, gather_rows_packed_kernel
 
 __all__ = ["GatherConfig", "default_config", "gather_rows", "gather_rows_packed"]
 
-_HASH_ID_DTYPES = (torch.int32, torch.int64)
 _DECODE_MODES = {"integer": 0, "fp8": 1, "fp8_nan_select": 2}  # the kernels' DECODE
 
 
@@ -63,21 +62,10 @@ class GatherConfig:
             raise ValueError(f"GatherConfig.decode: expected one of {sorted(_DECODE_MODES)}, found {self.decode!r}")
 
 
-# H200, torch 2.11 / Triton 3.6, T = 8192 x C = 24 x D = 256, uniform random ids in a 384M-row
-# table (benchmarks/gather_bench.py sweep, do_bench medians, 5-7 repeats on fresh ids agreeing
-# within 1 us; the eager timings of whole phases of that run were host-bound and are left out):
-#   bf16   rows 8, 2 warps, 16-byte loads, integer decode: 49.4 us (3.09 TB/s of row + output bytes;
-#          copy ceiling 4.28 TB/s); chunk_outer + fp8 converter, 16 rows, 4 warps: 49.9 us (same);
-#          the common per-row kernel's best launch shape: 61 us (DESIGN §4).
-#   packed rows 16, 4 warps: 39.7 us (2.61 TB/s); rows 8, 2 warps with evict_first row loads:
-#          38.1 us on uniform ids, not taken: n-gram traffic is Zipfian, its hot rows belong in L2.
-# The integer decode is exact under the interpreter too, so CPU tests run the GPU's code path.
+# The best launch shapes of the H200 sweep (benchmarks/NOTES.md, "Gather launch shapes"). The
+# integer decode is exact under the interpreter too, so CPU tests run the GPU's code path.
 _GPU_BF16_CONFIG = GatherConfig(block_rows=8, num_warps=2, vector=16)
 _GPU_PACKED_CONFIG = GatherConfig(block_rows=16, num_warps=4)
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=4)
@@ -93,7 +81,7 @@ def default_config(packed: bool) -> GatherConfig:
     """The launch shape used when none is given: the H200's, or under the interpreter the same
     layout in blocks of 64 rows (about 1 ms per program; an ``"fp8"`` decode becomes
     ``"fp8_nan_select"``, as the interpreter's fp8 cast knows no E4M3 NaN)."""
-    return _default_config(packed, _interpreted())
+    return _default_config(packed, interpreting())
 
 
 def _check_inputs(value_bytes, scale_bytes, hash_ids, row_start, column_start, column_end):
@@ -112,7 +100,7 @@ def _check_inputs(value_bytes, scale_bytes, hash_ids, row_start, column_start, c
     if value_bytes.stride(1) != 1 or scale_bytes.stride(1) != 1:
         raise ValueError(f"values/scales: rows must be contiguous (last stride 1), found strides "
                          f"{value_bytes.stride()} and {scale_bytes.stride()}")
-    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in _HASH_ID_DTYPES or hash_ids.dim() != 2:
+    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
         found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
                  else type(hash_ids).__name__)
         raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")

@@ -11,7 +11,7 @@ from HBM needs.
 
 Memory offsets are int64 (a 384M-row table of 256-byte rows spans 98 GB); the
 flattened row index is int32, since an int64 division costs a subroutine call per
-row (H200, bf16, 8 rows x 4 warps, 16-byte loads: 58.2 us -> 52.1 us at T = 8192).
+row (measured: ``benchmarks/NOTES.md``, "Gather launch shapes").
 """
 
 from __future__ import annotations
@@ -104,9 +104,7 @@ def gather_rows_bf16_kernel(
     ``[32 // VECTOR, BLOCK_ROWS, GROUPS_PADDED, VECTOR]`` instead of ``[BLOCK_ROWS, GROUPS_PADDED,
     32 // VECTOR, VECTOR]``; with Triton 3.6 (16 rows, 4 warps) that gives each thread 32 values of
     one row instead of 8 values of each of 4 rows, so the per-row index arithmetic is paid once.
-    H200, T = 8192 x 24 rows of 256 B: row-major, 16-byte loads, 8 rows, 2 warps: 49.4 us;
-    chunk-outer with the fp8 converter, 16 rows, 4 warps: 49.9 us; row-major 8-byte loads,
-    8 rows, 4 warps: 63.2 us.
+    Timings of these layouts: ``benchmarks/NOTES.md`` ("Gather launch shapes").
     """
     program = tl.program_id(0)
     row_index, in_bounds, inside, local_id = _tile_row_ids(

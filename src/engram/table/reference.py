@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of a table lookup, written for clarity.
 
-Fast gather kernels (Triton, host-memory placements) are tested against
+The Triton gather kernels and every placement's lookups are tested against
 :func:`lookup_reference`, bit for bit.
 """
 

@@ -7,21 +7,20 @@ row range they span (:meth:`EngramLayout.shard`).
 
 Where the bytes live is a *placement* (DESIGN §3): a :class:`TablePlacement` owns
 the storage and gathers rows by local row id onto the device lookups run on.
-``"cpu"`` (plain tensors) and ``"device"`` (CUDA memory) exist now; host-memory
-placements (``"host"``: pinned memory read by the GPU, ``"cached"``: hot rows in
-HBM) subclass :class:`TablePlacement` and :func:`register_placement` themselves.
+``"cpu"`` (plain tensors) and ``"device"`` (CUDA memory) are defined here; other
+placements subclass :class:`TablePlacement` and :func:`register_placement` themselves
+(:func:`available_placements` lists what exists).
 """
 
 from __future__ import annotations
 
 import abc
-
-import functools
-import os
 from typing import ClassVar
 
 import torch
 
+from ..backends import resolve_backend
+from ..common import HASH_ID_DTYPES, resolve_cuda_device
 from ..layout import ColumnShard, EngramLayout
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, dequantize_rows
 
@@ -36,34 +35,12 @@ __all__ = [
 ]
 
 _PLANNED_PLACEMENTS = ("host", "cached")
-_HASH_ID_DTYPES = (torch.int32, torch.int64)
-
-GATHER_BACKEND_ENV = "ENGRAM_GATHER"
-"""Environment variable choosing the lookup path of ``device`` tables: ``auto`` (default: the
-Triton kernel when Triton is importable), ``triton`` (required) or ``torch`` (index_select + dequant)."""
-
-
-@functools.cache
-def _import_triton_gather():
-    try:
-        from . import gather
-    except ImportError:
-        return None
-    return gather
-
 
 def _triton_gather():
-    """The Triton launchers (:mod:`engram.table.gather`), or None where ``ENGRAM_GATHER`` asks for torch
-    or Triton is not importable (``ENGRAM_GATHER=triton`` then raises)."""
-    choice = os.environ.get(GATHER_BACKEND_ENV, "auto")
-    if choice == "torch":
-        return None
-    if choice not in ("auto", "triton"):
-        raise ValueError(f"{GATHER_BACKEND_ENV}: expected 'auto', 'triton' or 'torch', found {choice!r}")
-    module = _import_triton_gather()
-    if module is None and choice == "triton":
-        raise RuntimeError(f"{GATHER_BACKEND_ENV}=triton, but Triton cannot be imported")
-    return module
+    """The Triton launchers (:mod:`engram.table.gather`); only called once Triton is known to import."""
+    from . import gather
+
+    return gather
 
 
 # ---------------------------------------------------------------------------
@@ -77,10 +54,14 @@ class TablePlacement(abc.ABC):
     given and gathered rows land; the storage itself may live elsewhere (host memory).
 
     Subclasses set ``name``, place the storage in ``__init__`` and implement
-    :meth:`gather`; ``gather`` must not sync with the host.
+    :meth:`gather`; ``gather`` must not sync with the host. A subclass with a Triton
+    lookup sets ``has_triton_lookup`` and honours :attr:`backend` in :meth:`gather_fused`.
     """
 
     name: ClassVar[str] = ""
+    has_triton_lookup: ClassVar[bool] = False
+    backend: str = "torch"
+    """``"triton"`` or ``"torch"``: set once by :class:`EngramTable` from its ``backend`` argument."""
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device: torch.device):
         self._value_bytes = value_bytes
@@ -187,14 +168,14 @@ class DevicePlacement(TablePlacement):
     """The whole table in one CUDA device's memory (HBM); lookups run there.
 
     ``device`` defaults to the current CUDA device. Lookups run the Triton gather kernel
-    (:mod:`engram.table.gather`) when Triton is importable, else index_select + dequantize;
-    ``ENGRAM_GATHER=torch`` forces the latter (:data:`GATHER_BACKEND_ENV`).
+    (:mod:`engram.table.gather`) with backend ``"triton"``, else index_select + dequantize.
     """
 
     name = "device"
+    has_triton_lookup = True
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
-        target = _resolve_cuda_device(device)
+        target = resolve_cuda_device(device, "placement 'device'")
         super().__init__(value_bytes.to(target), scale_bytes.to(target), target)
 
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,28 +183,13 @@ class DevicePlacement(TablePlacement):
                 self._scale_bytes.index_select(0, local_row_ids))
 
     def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
-        """The Triton gather kernel (one launch, no host sync), unless ``ENGRAM_GATHER=torch``."""
-        gather = _triton_gather()
-        if gather is None:
+        """The Triton gather kernel (one launch, no host sync) with backend ``"triton"``."""
+        if self.backend != "triton":
             return None
+        gather = _triton_gather()
         if packed:
             return gather.gather_rows_packed(self._value_bytes, self._scale_bytes, global_ids, row_start)
         return gather.gather_rows(self._value_bytes, self._scale_bytes, global_ids, row_start)
-
-
-def _resolve_cuda_device(device) -> torch.device:
-    if device is None:
-        if not torch.cuda.is_available():
-            raise ValueError("placement 'device' needs a CUDA device, and torch.cuda.is_available() is False")
-        return torch.device("cuda", torch.cuda.current_device())
-    resolved = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if resolved.type != "cuda":
-        raise ValueError(f"device: placement 'device' needs a CUDA device, found {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device: placement 'device' needs a CUDA device ({device!r}), and torch.cuda.is_available() is False")
-    if resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
 
 
 # ---------------------------------------------------------------------------
@@ -260,6 +226,9 @@ class EngramTable:
         device: the CUDA device of placement ``"device"`` (default: current).
         validate: check hash ids on every lookup (a host sync); default on for the
             CPU and off for CUDA.
+        backend: ``"auto"`` (default), ``"triton"`` or ``"torch"`` (:mod:`engram.backends`),
+            resolved once here: placements with a Triton lookup (``"device"``) use the kernel
+            for ``"auto"`` on CUDA; the others always run torch and refuse ``"triton"``.
     """
 
     def __init__(
@@ -275,6 +244,7 @@ class EngramTable:
         placement: str = "cpu",
         device: torch.device | str | int | None = None,
         validate: bool | None = None,
+        backend: str = "auto",
     ):
         value_bytes = as_value_bytes(values, "values")
         scale_bytes = as_scale_bytes(scales, "scales")
@@ -319,6 +289,17 @@ class EngramTable:
         self._num_columns_total = num_columns_total
         self._num_rows_total = num_rows_total
         self.validate = self._storage.device.type == "cpu" if validate is None else validate
+        if self._storage.has_triton_lookup:
+            self._storage.backend = resolve_backend(backend, self._storage.device, "EngramTable lookups")
+        elif backend == "triton":
+            raise ValueError(f"backend: placement {placement!r} has no Triton lookup; expected 'auto' or 'torch'")
+        else:
+            resolve_backend(backend, torch.device("cpu"), "EngramTable lookups")  # checks the value only
+
+    @property
+    def backend(self) -> str:
+        """``"triton"`` or ``"torch"``: what the lookups run (decided when the table was built)."""
+        return self._storage.backend
 
     @classmethod
     def from_layout(
@@ -331,6 +312,7 @@ class EngramTable:
         placement: str = "cpu",
         device: torch.device | str | int | None = None,
         validate: bool | None = None,
+        backend: str = "auto",
     ) -> "EngramTable":
         """The table of layer ``layout.spec.layer_ids[layer_index]``, whole (``shard`` None)
         or one rank's shard; ``values``/``scales`` hold exactly the rows of that range
@@ -365,7 +347,7 @@ class EngramTable:
                 raise ValueError(f"{name}: expected shape {list(expected)} for {what}, found {list(tensor.shape)}")
         return cls(values, scales, column_start=column_start, column_end=column_end, row_start=row_start,
                    num_columns_total=num_columns, num_rows_total=num_rows_total,
-                   placement=placement, device=device, validate=validate)
+                   placement=placement, device=device, validate=validate, backend=backend)
 
     # ---- properties ----------------------------------------------------------
     @property
@@ -426,7 +408,7 @@ class EngramTable:
         """Check ``hash_ids [T, C]`` and return its columns ``[column_start, column_end)``."""
         if not isinstance(hash_ids, torch.Tensor):
             raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
-        if hash_ids.dtype not in _HASH_ID_DTYPES:
+        if hash_ids.dtype not in HASH_ID_DTYPES:
             raise ValueError(f"hash_ids: expected dtype torch.int32 or torch.int64, found {hash_ids.dtype}")
         if hash_ids.dim() != 2:
             raise ValueError(f"hash_ids: expected shape [T, C], found {list(hash_ids.shape)}")
