@@ -3,5 +3,9 @@
 ``engram.integrations.transformers``: DeepSeek-V4.1's Engram layers on 🤗 transformers'
 ``DeepseekV4ForCausalLM`` (:func:`~engram.integrations.transformers.attach_engram`,
 :func:`~engram.integrations.transformers.load_model`). Submodules import their
-framework only when imported themselves.
+framework only when used (importing them is cheap).
 """
+
+from . import transformers
+
+__all__ = ["transformers"]
