@@ -115,6 +115,25 @@ def test_incremental_generate_matches_full_forward(model, mode):
     assert moved > 100 * tolerance, f"seed={seed}: attaching Engram moved the logits only by {moved:.3g}"
 
 
+def test_chunked_prefill_through_the_cache_matches_full_forward(model):
+    """Forwards of uneven chunks (1 to 9 tokens) on one DynamicCache: each chunk's first
+    tokens take their n-grams from the per-request history."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    ids = torch.stack(_prompts(rng, model.config.vocab_size, [int(rng.integers(12, 40))] * int(rng.integers(1, 4))))
+    cuts = sorted({0, ids.shape[1], *rng.integers(1, ids.shape[1], int(rng.integers(1, 8))).tolist()})
+    cache, pieces = None, []
+    with torch.no_grad():
+        for start, end in zip(cuts[:-1], cuts[1:]):
+            out = model(ids[:, start:end], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            pieces.append(out.logits)
+    chunked, full = torch.cat(pieces, dim=1), _full_logits(model, ids)
+    difference, tolerance = float((chunked - full).abs().max()), _tolerance(full)
+    assert difference <= tolerance, (f"seed={seed} chunks at {cuts}: logits differ from a full forward by "
+                                     f"{difference:.3g} > {tolerance:.3g}")
+
+
 def test_beam_search_beams_match_full_forward(model):
     seed = _seed()
     rng = np.random.default_rng(seed)

@@ -258,9 +258,13 @@ def write_synthetic_checkpoint(
 TINY_DEEPSEEK_V4: dict[str, Any] = dict(
     # Every attention kind (sliding, CSA, HCA) and both MoE kinds, with windows short
     # enough that a few dozen tokens close compressor windows and slide past the window.
+    # Every expert and (up to 32 compressed entries, 128 tokens) every CSA entry is picked:
+    # no top-k near-tie that fp32 rounding could flip. With top-2 routing and top-4 entries,
+    # transformers' own model moved a logit by up to 9% of the largest between a prefix
+    # forward and a full one; this way incremental and full forwards agree to ~2e-7.
     num_hidden_layers=4, num_attention_heads=2, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=32,
-    o_groups=2, o_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    index_n_heads=2, index_head_dim=16, index_topk=4, sliding_window=8, hc_sinkhorn_iters=5,
+    o_groups=2, o_lora_rank=16, n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32,
+    index_n_heads=2, index_head_dim=16, index_topk=32, sliding_window=8, hc_sinkhorn_iters=5,
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
     layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                  "compressed_sparse_attention"],
