@@ -314,3 +314,11 @@ def test_misuse_gets_clear_errors(model):
     attach_engram(model, memory)
     with torch.no_grad(), pytest.raises(ValueError, match="the cache holds 6 tokens"):
         model(ids[:, :1], past_key_values=cache)
+
+
+def test_demo_generates_from_real_text(checkpoint, deepseek_tokenizer_path, capsys):
+    from engram.cli import main
+
+    assert main(["demo", "--transformers", "--texts", "2", "--tokenizer", str(deepseek_tokenizer_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "Engram hash" in printed and "decode" in printed and "match" in printed
