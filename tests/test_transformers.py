@@ -316,6 +316,7 @@ def test_misuse_gets_clear_errors(model):
         model(ids[:, :1], past_key_values=cache)
 
 
+@pytest.mark.slow
 def test_demo_generates_from_real_text(checkpoint, deepseek_tokenizer_path, capsys):
     from engram.cli import main
 
