@@ -56,32 +56,36 @@ def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, t
 
 
 class _ForwardTimer:
-    """Wraps ``model.forward``: per call the tokens, the wall time, and the Engram hash and
-    layer seconds the handle's timers gained during it."""
+    """Hooks on the model: per forward the tokens, the wall time, the Engram hash and layer
+    seconds the handle's timers gained during it, and the hash ids it used."""
 
     def __init__(self, model, handle, device: torch.device):
-        self.model, self.handle, self.device = model, handle, device
-        self.records: list[dict[str, float]] = []
-        self._forward = model.forward
-        model.forward = self
+        self.handle, self.device = handle, device
+        self.records: list[dict] = []
+        self._started, self._before = 0.0, dict(handle.timings)
+        self._hooks = [model.register_forward_pre_hook(self._start, with_kwargs=True),
+                       model.register_forward_hook(self._stop, with_kwargs=True)]
 
-    def __call__(self, *args, **kwargs):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        before = dict(self.handle.timings)
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        started = time.perf_counter()
-        out = self._forward(*args, **kwargs)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.records.append({"tokens": int(input_ids.numel()), "seconds": time.perf_counter() - started,
-                             "hash": self.handle.timings["hash"] - before["hash"],
-                             "layers": self.handle.timings["layers"] - before["layers"],
+
+    def _start(self, module, args, kwargs):
+        self._sync()
+        self._before = dict(self.handle.timings)
+        self._started = time.perf_counter()
+
+    def _stop(self, module, args, kwargs, output):
+        self._sync()
+        seconds = time.perf_counter() - self._started
+        timings, before = self.handle.timings, self._before
+        self.records.append({"tokens": int(self.handle.token_mask.numel()), "seconds": seconds,
+                             "hash": timings["hash"] - before["hash"], "layers": timings["layers"] - before["layers"],
                              "hash_ids": self.handle.hash_ids.cpu(), "token_mask": self.handle.token_mask.cpu()})
-        return out
 
     def restore(self) -> None:
-        del self.model.forward
+        for hook in self._hooks:
+            hook.remove()
 
 
 def run_transformers_demo(*, tokenizer: str | None = None, device: str = "cpu", num_texts: int = 4,
