@@ -271,6 +271,10 @@ def test_load_model_reads_the_checkpoint_once(checkpoint, model):
         name = f"model.layers.{layer_id}.engram.q_weight"
         with safe_open(str(checkpoint.directory / checkpoint.weight_map[name]), framework="pt") as handle:
             assert torch.equal(memory.layer(layer_id).q_weight, handle.get_tensor(name))
+    from engram.integrations.transformers import _model_class
+
+    _, info = _model_class().from_pretrained(checkpoint.directory, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"], info  # Engram tensors are engram's, quietly
     name = "model.layers.0.attn_hc.fn"
     with safe_open(str(checkpoint.directory / checkpoint.weight_map[name]), framework="pt") as handle:
         assert torch.equal(model.model.layers[0].attn_hc.fn.detach(), handle.get_tensor(name))
