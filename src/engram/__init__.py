@@ -7,9 +7,10 @@ from .hashing import NgramHasher, hash_ngrams
 from .table import EngramTable
 from .layer import Engram
 from .memory import EngramMemory
+from . import integrations
 
 __all__ = [
     "EngramSpec", "EngramLayout", "ColumnShard", "TokenCompressor", "NgramHasher", "hash_ngrams",
-    "EngramTable", "Engram", "EngramMemory",
+    "EngramTable", "Engram", "EngramMemory", "integrations",
 ]
 __version__ = "0.1.0"

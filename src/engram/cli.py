@@ -218,6 +218,12 @@ def command_hash(args: argparse.Namespace, console: Console) -> int:
 
 
 def command_demo(args: argparse.Namespace, console: Console) -> int:
+    if args.transformers:
+        from .demo_transformers import run_transformers_demo
+
+        ok = run_transformers_demo(tokenizer=args.tokenizer, device=args.device, num_texts=args.texts, seed=args.seed,
+                                   console=console)
+        return 0 if ok else 1
     from .demo import run_demo
 
     ok = run_demo(config=args.config, tokenizer=args.tokenizer, device=args.device, num_texts=args.texts,
@@ -253,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run the layers of this checkpoint; a synthetic one is written there when it holds no "
                            "config.json (default: a temporary directory)")
     demo.add_argument("--skip-layers", action="store_true", help="only the hashing part")
+    demo.add_argument("--transformers", action="store_true",
+                      help="instead: a tiny random DeepSeek-V4.1 in transformers generating from real text with Engram "
+                           "attached, per-step Engram cost (needs pip install -e '.[transformers]')")
     demo.set_defaults(run=command_demo)
     return parser
 

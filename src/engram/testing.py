@@ -26,7 +26,7 @@ from .table import BLOCK_SIZE, quantize_rows
 from .vocab import TokenCompressor
 
 __all__ = ["SYNTHETIC_SCALES", "SyntheticCheckpoint", "write_synthetic_checkpoint", "word_level_tokenizer",
-           "deepseek_tokenizer_file", "synthetic_layer_tensors"]
+           "deepseek_tokenizer_file", "synthetic_layer_tensors", "TINY_DEEPSEEK_V4", "write_transformers_checkpoint"]
 
 SYNTHETIC_SCALES: dict[str, dict[str, Any]] = {
     # V4.1's layers, orders and hc_mult; fewer heads, narrow rows, small tables (~0.4 MB each).
@@ -242,3 +242,93 @@ def write_synthetic_checkpoint(
     weight_map = write_engram_checkpoint(directory, layers, num_shards=num_shards, with_index=with_index,
                                          prefix=prefix, extra_tensors=extra)
     return SyntheticCheckpoint(directory, spec, config, weight_map, tokenizer_name)
+
+
+# ---------------------------------------------------------------------------
+# a whole tiny DeepSeek-V4.1 model, for transformers
+# ---------------------------------------------------------------------------
+TINY_DEEPSEEK_V4: dict[str, Any] = dict(
+    # Every attention kind (sliding, CSA, HCA) and both MoE kinds, with windows short
+    # enough that a few dozen tokens close compressor windows and slide past the window.
+    # Every expert and (up to 32 compressed entries, 128 tokens) every CSA entry is picked:
+    # no top-k near-tie that fp32 rounding could flip. With top-2 routing and top-4 entries,
+    # transformers' own model moved a logit by up to 9% of the largest between a prefix
+    # forward and a full one; this way incremental and full forwards agree to ~2e-7.
+    num_hidden_layers=4, num_attention_heads=2, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=32,
+    o_groups=2, o_lora_rank=16, n_routed_experts=4, num_experts_per_tok=4, moe_intermediate_size=32,
+    index_n_heads=2, index_head_dim=16, index_topk=32, sliding_window=8, hc_sinkhorn_iters=5,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+)
+"""DeepseekV4Config fields of :func:`write_transformers_checkpoint`'s model (hidden size,
+hc_mult and vocabulary come from the Engram geometry and the tokenizer)."""
+
+
+def write_transformers_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    seed: int = 0,
+    tokenizer: str | os.PathLike | None = "word",
+    layer_ids: tuple[int, ...] = (1, 3),
+    num_shards: int = 2,
+    model_config: dict[str, Any] | None = None,
+    **geometry: Any,
+) -> SyntheticCheckpoint:
+    """Write a whole V4.1-style model directory that
+    :func:`engram.integrations.transformers.load_model` reads: one ``config.json``
+    (a ``DeepseekV4Config`` plus the Engram keys), ``tokenizer.json``, and safetensors
+    shards holding a random ``DeepseekV4ForCausalLM`` (transformers' names) and the
+    Engram tensors (``model.layers.{i}.engram.*``, bf16 ``wkv``) side by side.
+
+    Args:
+        seed: the model weights and the Engram tensors follow from it.
+        tokenizer: as in :func:`write_synthetic_checkpoint` (default the small word-level one).
+        layer_ids: the Engram layers (decoder layers of the model).
+        num_shards: safetensors files (with ``model.safetensors.index.json``).
+        model_config: overrides of :data:`TINY_DEEPSEEK_V4`.
+        geometry: Engram fields of the ``"tiny"`` scale to override (``n_heads``, ``head_dim``, ``hidden_size``, ...).
+    """
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    fields = {**TINY_DEEPSEEK_V4, **(model_config or {})}
+    if fields["num_hidden_layers"] <= max(layer_ids):
+        raise ValueError(f"layer_ids: expected decoder layers below num_hidden_layers = {fields['num_hidden_layers']}, "
+                         f"found {list(layer_ids)}")
+    engram = write_synthetic_checkpoint(directory, seed=seed, scale="tiny", wkv_dtype="bf16", num_shards=1,
+                                        tokenizer=tokenizer, prefix="model.", extra_tensors=False,
+                                        layer_ids=tuple(layer_ids), **geometry)
+    spec, directory = engram.spec, engram.directory
+    engram_keys = {key: value for key, value in engram.config.items()
+                   if key.startswith("engram_") or key in ("hidden_size", "hc_mult", "rms_norm_eps")}
+    vocab_size = engram.config["vocab_size"]
+    special = {"pad_token_id": _PAD_TOKEN_ID, "bos_token_id": 1, "eos_token_id": 3} if engram.tokenizer == "word" \
+        else {"pad_token_id": _PAD_TOKEN_ID, "bos_token_id": 0, "eos_token_id": 1}
+    config = DeepseekV4Config(vocab_size=vocab_size, hidden_size=spec.hidden_size, hc_mult=spec.hc_mult,
+                              rms_norm_eps=spec.rms_norm_eps, **special, **fields)
+
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config)
+    # Hash-MoE routes by a fixed token -> experts table; give it distinct random experts per token.
+    generator = torch.Generator().manual_seed(seed)
+    for layer in model.model.layers:
+        if getattr(layer.mlp, "is_hash", False):
+            picks = torch.rand(vocab_size, config.n_routed_experts, generator=generator).argsort(dim=1)
+            layer.mlp.gate.tid2eid.copy_(picks[:, : config.num_experts_per_tok])
+    model_tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+
+    layout = EngramLayout(spec)
+    layers = {layer_id: synthetic_layer_tensors(spec, layout, index, seed=seed, wkv_dtype="bf16")
+              for index, layer_id in enumerate(spec.layer_ids)}
+    for stale in [*directory.glob("model*.safetensors"), directory / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    weight_map = write_engram_checkpoint(directory, layers, num_shards=num_shards, with_index=True, prefix="model.",
+                                         extra_tensors=model_tensors)
+    full_config = {**config.to_dict(), **engram_keys}
+    full_config["architectures"] = ["DeepseekV4ForCausalLM"]
+    # transformers' dtype="auto" would otherwise sniff the first shard, and it knows no F8_E8M0 tensor.
+    full_config["dtype"] = "float32"
+    (directory / "config.json").write_text(json.dumps(full_config, indent=2) + "\n", encoding="utf-8")
+    return SyntheticCheckpoint(directory, EngramSpec.from_hf_config(full_config), full_config, weight_map,
+                               engram.tokenizer)
