@@ -155,12 +155,13 @@ def _assert_kv_close(found: torch.Tensor, exact_inputs: torch.Tensor, weight64: 
     """``found`` bf16 ``[T, N]`` against float64 ``exact_inputs @ weight64.T``: per element
     ``|found - ref| <= relative * |ref| + 2**-17 * sum_k |x_k w_k|`` (the final bf16 rounding,
     plus fp32 accumulation of K terms; ``relative`` 2**-8 on a GPU, 2**-7 under the interpreter,
-    whose fp32 -> bf16 cast truncates)."""
-    found = found.cpu()
+    whose fp32 -> bf16 cast truncates). The references run on ``found``'s device."""
+    device = found.device
     assert found.dtype == torch.bfloat16, f"seed {seed}: {what}: dtype {found.dtype}"
     assert not bool(torch.isnan(found).any()), f"seed {seed}: {what}: NaN (unwritten) outputs"
-    reference = exact_inputs.cpu() @ weight64.cpu().T
-    magnitude = exact_inputs.cpu().abs() @ weight64.cpu().abs().T
+    inputs, weight64 = exact_inputs.to(device), weight64.to(device)
+    reference = inputs @ weight64.T
+    magnitude = inputs.abs() @ weight64.abs().T
     error = (found.double() - reference).abs()
     bound = relative * reference.abs() + 2.0 ** -17 * magnitude + 1e-30
     bad = error > bound
