@@ -47,6 +47,7 @@ EPS = 1e-6
 PATHS = ("bf16", "a_scaled_mm", "a_triton", "b_fused")
 BACKENDS = {"bf16": "bf16", "a_scaled_mm": "scaled_mm", "a_triton": "triton", "b_fused": "fused"}
 L2_FALLBACK = 60 * 2 ** 20
+DEVICE = "cuda"  # tests/test_bench_layer.py runs the whole script on the CPU (interpreter) at a small geometry
 
 
 def _l2_bytes() -> int:
@@ -70,8 +71,11 @@ class Recorder:
             print(f"FAILED {what}: {_error_text(error)}", flush=True)
             traceback.print_exc(limit=3)
             self.errors.append({"what": what, "error": _error_text(error)})
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            try:  # a sticky CUDA error makes these fail too; the later steps then record their own
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception as sticky:  # noqa: BLE001
+                print(f"after {what}: {_error_text(sticky)}", flush=True)
             return None
 
 
@@ -81,7 +85,7 @@ class Recorder:
 def fp8_weight(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight float8_e4m3fn [N, K], scale uint8 [N / 128, K / 128])`` on the GPU: N(0, 1 / K)
     quantized per 128 x 128 block with power-of-two (UE8M0) scales."""
-    dense = torch.randn(OUT_FEATURES, IN_FEATURES, device="cuda", generator=generator) / IN_FEATURES ** 0.5
+    dense = torch.randn(OUT_FEATURES, IN_FEATURES, device=DEVICE, generator=generator) / IN_FEATURES ** 0.5
     amax = dense.reshape(OUT_FEATURES // 128, 128, IN_FEATURES // 128, 128).abs().amax(dim=(1, 3))
     mantissa, exponent = torch.frexp(amax)
     scale = (exponent - 9 + (mantissa > 0.875).to(exponent.dtype) + 127).to(torch.uint8)
@@ -112,7 +116,7 @@ def fill_rows(values, scales, ids: torch.Tensor, generator: torch.Generator) -> 
     rows = torch.unique(ids.reshape(-1).long())
     for first in range(0, rows.numel(), 1 << 20):
         chunk = rows[first:first + (1 << 20)]
-        q_values, q_scales = quantize_rows(torch.randn(chunk.numel(), HEAD_DIM, device="cuda", generator=generator))
+        q_values, q_scales = quantize_rows(torch.randn(chunk.numel(), HEAD_DIM, device=DEVICE, generator=generator))
         values[chunk] = q_values.view(torch.uint8)
         scales[chunk] = q_scales
 
@@ -124,12 +128,12 @@ def input_sets(tokens: int, table_rows: int, values, scales, generator) -> list[
     count = max(1, min(4, math.ceil(4 * _l2_bytes() / per_set)))
     sets = []
     for _ in range(count):
-        ids = torch.randint(0, table_rows, (tokens, 2, COLUMNS), device="cuda", generator=generator).to(torch.int32)
+        ids = torch.randint(0, table_rows, (tokens, 2, COLUMNS), device=DEVICE, generator=generator).to(torch.int32)
         fill_rows(values, scales, ids[:, 0], generator)
         sets.append({
             "ids": ids[:, 0],
-            "hidden": (torch.randn(tokens, HC, HIDDEN, device="cuda", generator=generator) * 2).to(torch.bfloat16),
-            "mask": torch.rand(tokens, device="cuda", generator=generator) > 0.05,
+            "hidden": (torch.randn(tokens, HC, HIDDEN, device=DEVICE, generator=generator) * 2).to(torch.bfloat16),
+            "mask": torch.rand(tokens, device=DEVICE, generator=generator) > 0.05,
         })
     return sets
 
@@ -239,10 +243,10 @@ def stage_calls(layers: dict, values, scales, inputs: dict, weight, weight_scale
 
     ids, tokens = inputs["ids"], inputs["ids"].shape[0]
     rows = gather_rows(values, scales, ids, out=torch.full((tokens, COLUMNS, HEAD_DIM), float("nan"),
-                                                            dtype=torch.bfloat16, device="cuda"))
+                                                            dtype=torch.bfloat16, device=DEVICE))
     a, a_scale = quantize_gathered_rows(values, scales, ids)
     padded_scale = weight_scale_padded
-    kv = torch.full((tokens, OUT_FEATURES), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kv = torch.full((tokens, OUT_FEATURES), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     fused_gather_gemm(values, scales, ids, weight, padded_scale, (128, 128), out=kv)
     gate_out = torch.full_like(inputs["hidden"], float("nan"))
     engram_gate_kv(inputs["hidden"], kv, layers_q(layers), layers_k(layers), EPS, inputs["mask"], out=gate_out)
@@ -302,19 +306,19 @@ def main() -> None:
     from engram.table import EngramTable
 
     recorder = Recorder()
-    generator = torch.Generator(device="cuda").manual_seed(13)
+    generator = torch.Generator(device=DEVICE).manual_seed(13)
     device_name = torch.cuda.get_device_name()
     print(f"{device_name}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     weight, weight_scale = fp8_weight(generator)
-    q_weight = torch.randn(HC, HIDDEN, device="cuda", generator=generator).to(torch.bfloat16)
-    k_weight = torch.randn(HC, HIDDEN, device="cuda", generator=generator).to(torch.bfloat16)
+    q_weight = torch.randn(HC, HIDDEN, device=DEVICE, generator=generator).to(torch.bfloat16)
+    k_weight = torch.randn(HC, HIDDEN, device=DEVICE, generator=generator).to(torch.bfloat16)
     weight64 = reference_dequantize_wkv(weight, weight_scale, (128, 128))
     weight_bf16 = weight64.to(torch.bfloat16)
     del weight64
     torch.cuda.empty_cache()
 
     # The bf16 GEMM ceiling of this run: the largest shape's rate.
-    ceiling_rows = torch.randn(8192, IN_FEATURES, device="cuda", generator=generator).to(torch.bfloat16)
+    ceiling_rows = torch.randn(8192, IN_FEATURES, device=DEVICE, generator=generator).to(torch.bfloat16)
     ceiling_us = time_us([lambda: torch.nn.functional.linear(ceiling_rows, weight_bf16)], graph=False)
     ceiling = gemm_tflops(8192, ceiling_us)
     del ceiling_rows
@@ -322,7 +326,7 @@ def main() -> None:
           flush=True)
 
     values, scales, table_rows = make_table(recorder)
-    table = EngramTable(values, scales, placement="device", validate=False)
+    table = EngramTable(values, scales, placement="cpu" if DEVICE == "cpu" else "device", validate=False)
     layers = build_layers(table, weight, weight_scale, q_weight, k_weight, recorder)
     weight_scale_padded = torch.exp2(weight_scale.float() - 127)   # [200, 48]: rows already a multiple of 4
     results, stages, sweeps = [], [], []
