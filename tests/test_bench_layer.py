@@ -16,6 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.interpreter
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_bench_layer_runs_end_to_end(tmp_path, monkeypatch):
     if os.environ.get("TRITON_INTERPRET") != "1":
