@@ -201,8 +201,8 @@ def block_scaled_gemm_kernel(
 
     from ``a`` E4M3 ``[padded_T, K]`` with ``a_scale fp32 [ceil(K / 128), padded_T]`` (as
     :func:`gather_quantize_kernel` writes them). Each 128-deep partial sum is one FP8 ``tl.dot``
-    (fp32 accumulator), scaled in fp32 and added in ``k`` order; no split-K, so a token's result
-    does not depend on the other tokens. Needs ``BLOCK_K_W % 128 == 0``.
+    (fp32 accumulator), scaled in fp32 and added in ``k`` order; no split-K, so with one tile
+    configuration a token's result does not depend on the other tokens. Needs ``BLOCK_K_W % 128 == 0``.
     Grid ``(cdiv(T, BLOCK_M) * cdiv(N, BLOCK_N),)``.
     """
     rows, cols = _tile_indices(tokens, out_features, BLOCK_M, BLOCK_N, GROUP_M)
@@ -244,8 +244,8 @@ def fused_gather_gemm_kernel(
     whose internal alignment keeps fewer bits than IEEE fp32 for 32 terms); the partial is then
     multiplied by the row's and the weight's scales (an exact power-of-two product for UE8M0
     weight scales) and added to an fp32 accumulator; one rounding to bf16 at the end. No
-    ``[T, K]`` rows tensor exists in memory. No split-K: a token's result does not depend on the
-    other tokens. Needs ``BLOCK_K_W % 32 == 0`` and ``HEAD_DIM % 32 == 0``.
+    ``[T, K]`` rows tensor exists in memory. No split-K: with one tile configuration a token's
+    result does not depend on the other tokens. Needs ``BLOCK_K_W % 32 == 0`` and ``HEAD_DIM % 32 == 0``.
     Grid ``(cdiv(T, BLOCK_M) * cdiv(N, BLOCK_N),)``.
     """
     rows, cols = _tile_indices(tokens, out_features, BLOCK_M, BLOCK_N, GROUP_M)
