@@ -663,3 +663,30 @@ def test_layer_fp8_tensor_parallel_bit_exact(tmp_path, backend):
     expected = single(inputs["hidden"], inputs["ids"], inputs["mask"])
     for rank in range(2):
         assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), expected), f"seed {seed}: rank {rank}"
+
+
+def test_scaled_mm_probe_logic(monkeypatch):
+    """The construction-time probe on the CPU, with ``torch._scaled_mm`` emulated: a correct
+    block-scaled product passes, one that misreads the weight scales fails, an error is reported."""
+    wkv_gemm = _wkv_gemm()
+
+    def emulated(a, a_scale, tokens, weight, weight_scale_t, transpose_scales=False):
+        in_features = a.shape[1]
+        a_values = a.float() * a_scale.repeat_interleave(128, dim=1)[:, :in_features]
+        blocks = weight_scale_t.t() if not transpose_scales else weight_scale_t.t().flip(0)
+        factors = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)[: weight.shape[0], :in_features]
+        return (a_values @ (weight.float() * factors).T).to(torch.bfloat16)[:tokens]
+
+    layout = wkv_gemm.ScaledMmLayout(4)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(wkv_gemm, "scaled_mm_gemm", emulated)
+    assert wkv_gemm._probe(cpu, 384, 320, layout) is None          # partial N block, K / 128 = 3 (padded to 4)
+    monkeypatch.setattr(wkv_gemm, "scaled_mm_gemm", lambda *args: emulated(*args, transpose_scales=True))
+    assert "wrong results" in wkv_gemm._probe(cpu, 384, 320, layout)
+
+    def failing(*args):
+        raise RuntimeError("Invalid scaling configuration.\nmore")
+
+    monkeypatch.setattr(wkv_gemm, "scaled_mm_gemm", failing)
+    assert wkv_gemm._probe(cpu, 384, 320, layout) == "RuntimeError: Invalid scaling configuration."
+    assert wkv_gemm.probe_scaled_mm_blockwise(cpu, 384, 320) == (None, "not a CUDA device")

@@ -221,7 +221,7 @@ class WkvProjection(torch.nn.Module):
         if wanted in ("auto", "scaled_mm"):
             layout, note = (None, f"block_size {self.block_size} is not [128, 128]")
             if self.block_size == (128, 128):
-                layout, note = wkv_gemm.probe_scaled_mm_blockwise(weight.device, in_features)
+                layout, note = wkv_gemm.probe_scaled_mm_blockwise(weight.device, in_features, weight.shape[0])
             if layout is None and wanted == "scaled_mm":
                 raise ValueError(f"backend: 'scaled_mm' needs torch._scaled_mm with 1x128 / 128x128 block scales, "
                                  f"unavailable here: {note}")

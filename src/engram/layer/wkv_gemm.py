@@ -350,48 +350,53 @@ def scaled_mm_gemm(a: torch.Tensor, a_scale: torch.Tensor, tokens: int, weight: 
     return kv[:tokens]
 
 
-def _probe(device: torch.device, in_features: int, layout: ScaledMmLayout) -> str | None:
-    """None when ``torch._scaled_mm`` runs 1 x 128 / 128 x 128 blocks with ``layout`` at
-    ``K = in_features`` and matches the Triton GEMM's reference within bf16 rounding; else why not."""
-    generator = torch.Generator(device="cpu").manual_seed(13)
-    out_features, tokens = 256, 5
-    weight = (torch.randn(out_features, in_features, generator=generator) * 64).to(torch.float8_e4m3fn).to(device)
-    blocks = (out_features // 128, -(-in_features // 128))
-    weight_scale = torch.pow(2.0, torch.randint(-12, -4, blocks, generator=generator).float()).to(device)
-    rows = torch.randn(tokens, in_features, generator=generator)
-    groups = -(-in_features // 128)
-    a = torch.zeros(padded_tokens(tokens), in_features, dtype=torch.float8_e4m3fn)
-    a[:tokens] = (rows * 16).to(torch.float8_e4m3fn)
-    a_scale = torch.ones(groups, padded_tokens(tokens))
-    a_scale[:, :tokens] = torch.pow(2.0, torch.randint(-6, 2, (groups, tokens), generator=generator).float())
-    a, a_scale = a.to(device), a_scale.to(device).t()
+def _probe(device: torch.device, in_features: int, out_features: int, layout: ScaledMmLayout) -> str | None:
+    """None when ``torch._scaled_mm`` runs 1 x 128 / 128 x 128 blocks with ``layout`` at this
+    ``K x N`` (5 random tokens, random power-of-two scales, partial blocks as the real shape has
+    them) and matches an fp32 reference within bf16 rounding; else why not."""
+    generator = torch.Generator(device=device).manual_seed(13)
+    tokens = 5
+    blocks = (-(-out_features // 128), -(-in_features // 128))
+    weight = (torch.randn(out_features, in_features, device=device, generator=generator) * 64).to(torch.float8_e4m3fn)
+    weight_scale = torch.exp2(torch.randint(-12, -4, blocks, device=device, generator=generator).float())
+    padded = padded_tokens(tokens)
+    a = torch.zeros(padded, in_features, dtype=torch.float8_e4m3fn, device=device)
+    a[:tokens] = (torch.randn(tokens, in_features, device=device, generator=generator) * 16).to(torch.float8_e4m3fn)
+    a_scale = torch.ones(blocks[1], padded, device=device)
+    a_scale[:, :tokens] = torch.exp2(torch.randint(-6, 2, (blocks[1], tokens), device=device, generator=generator).float())
     try:
-        found = scaled_mm_gemm(a, a_scale, tokens, weight, scaled_mm_weight_scale(weight_scale, layout)).float().cpu()
+        found = scaled_mm_gemm(a, a_scale.t(), tokens, weight, scaled_mm_weight_scale(weight_scale, layout)).float()
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    a_values = a[:tokens].float().cpu() * a_scale[:tokens].cpu().repeat_interleave(128, dim=1)[:, :in_features]
-    w_values = (weight.float().cpu() * weight_scale.cpu().repeat_interleave(128, 0).repeat_interleave(128, 1)
-                [:, :in_features])
-    expected = (a_values.double() @ w_values.double().T)
-    error = ((found.double() - expected).abs().max() / expected.abs().max()).item()
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    a_values = a[:tokens].float() * a_scale[:, :tokens].t().repeat_interleave(128, dim=1)[:, :in_features]
+    worst, largest = 0.0, 0.0
+    for first in range(0, out_features, 2048):  # an fp32 reference, 2048 outputs at a time
+        rows = slice(first, min(out_features, first + 2048))
+        factors = weight_scale[first // 128: -(-rows.stop // 128)].repeat_interleave(128, 0)[: rows.stop - first]
+        w_values = weight[rows].float() * factors.repeat_interleave(128, 1)[:, :in_features]
+        expected = a_values @ w_values.T
+        worst = max(worst, float((found[:, rows] - expected).abs().max()))
+        largest = max(largest, float(expected.abs().max()))
+    error = worst / max(largest, 1e-30)
     return None if error < 2 ** -7 else f"wrong results (max error {error:.3g} of the largest output)"
 
 
 @functools.cache
-def probe_scaled_mm_blockwise(device: torch.device, in_features: int) -> tuple[ScaledMmLayout | None, str]:
+def probe_scaled_mm_blockwise(device: torch.device, in_features: int, out_features: int
+                              ) -> tuple[ScaledMmLayout | None, str]:
     """``(layout, note)``: whether this build's ``torch._scaled_mm`` takes DeepSeek-style block
-    scales on ``device`` (checked once per device and ``K`` by running it; sm90 and cuBLAS >= 12.9),
-    and with which scale row stride. ``(None, reason)`` where it does not."""
+    scales on ``device`` at ``K x N`` (checked once per device and shape by running it; sm90 and
+    cuBLAS >= 12.9), and with which scale row stride. ``(None, reason)`` where it does not."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None, "not a CUDA device"
     if not hasattr(torch, "_scaled_mm"):
         return None, "torch has no _scaled_mm"
-    if in_features % 16:
-        return None, f"K = {in_features} is not a multiple of 16"
+    if in_features % 16 or out_features % 16:
+        return None, f"K = {in_features} and N = {out_features} must be multiples of 16"
     reasons = []
     with torch.cuda.device(device):
         for layout in (ScaledMmLayout(4), ScaledMmLayout(1)):
-            reason = _probe(device, in_features, layout)
+            reason = _probe(device, in_features, out_features, layout)
             if reason is None:
                 return layout, f"torch._scaled_mm blockwise, scale rows padded to {layout.row_multiple}"
             reasons.append(f"row stride x{layout.row_multiple}: {reason}")
