@@ -648,7 +648,7 @@ def _tp_worker(rank: int, world: int, init_file: str, out_dir: str, seed: int, b
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("backend", ["fused"])
+@pytest.mark.parametrize("backend", ["fused", "triton"])
 def test_layer_fp8_tensor_parallel_bit_exact(tmp_path, backend):
     """Tensor parallel (gloo, 2 CPU processes, gather-first of FP8 rows): every rank's output is
     bit-identical to one process."""

@@ -27,7 +27,9 @@ Paths (``backend``; default ``"auto"``, or the environment variable ``ENGRAM_WKV
 
 The FP8 paths take FP8 rows (:meth:`WkvProjection.forward_fp8_rows`: table rows by hash id or
 packed rows). Given bf16 rows (:meth:`WkvProjection.forward`), every FP8 path re-quantizes them
-per 1 x 128 group with torch ops (path (a)'s numerics) and runs its block-scaled GEMM.
+per 1 x 128 group with torch ops (path (a)'s numerics) and runs a block-scaled GEMM
+(``torch._scaled_mm`` for ``"scaled_mm"``, else the Triton one, which needs weight blocks
+128-aligned along the input).
 
 The output ``kv`` is **bf16** (fp32 accumulation inside the GEMM, one rounding to bf16), like
 every other bf16 linear layer of the model: the gate then reads bf16 keys and values and does
