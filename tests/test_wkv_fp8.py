@@ -690,3 +690,20 @@ def test_scaled_mm_probe_logic(monkeypatch):
     monkeypatch.setattr(wkv_gemm, "scaled_mm_gemm", failing)
     assert wkv_gemm._probe(cpu, 384, 320, layout) == "RuntimeError: Invalid scaling configuration."
     assert wkv_gemm.probe_scaled_mm_blockwise(cpu, 384, 320) == (None, "not a CUDA device")
+
+
+def test_forward_fp8_rows_errors_name_the_argument():
+    generator = torch.Generator().manual_seed(4)
+    weight, scale = _random_weight(64, 128, (32, 32), generator, "cpu")
+    projection = WkvProjection(weight, scale, (32, 32), backend="bf16")
+    values = torch.zeros(10, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"values: expected C \* head_dim = 128 values per token, found 192 "
+                                         r"\(hash_ids \[4, 3\] and table rows \[10, 64\]\)"):
+        projection.forward_fp8_rows(values, torch.zeros(10, 2, dtype=torch.uint8), torch.zeros(4, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"found 64 \(packed rows \[4, 1, 64\]\)"):
+        projection.forward_fp8_rows(torch.zeros(4, 1, 64, dtype=torch.uint8), torch.zeros(4, 1, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="values: expected a tensor on cpu"):
+        projection.forward_fp8_rows([1, 2], None)
+    kv = projection.forward_fp8_rows(values, torch.full((10, 2), 127, dtype=torch.uint8),
+                                     torch.tensor([[0, 12]], dtype=torch.int32))  # id 12 is outside: a zero row
+    assert kv.shape == (1, 64) and kv.dtype == torch.bfloat16 and bool((kv == 0).all())

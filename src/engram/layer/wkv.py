@@ -336,8 +336,20 @@ class WkvProjection(torch.nn.Module):
         """
         from . import wkv_gemm
 
-        if values.device != self.weight.device:
-            raise ValueError(f"values: expected device {self.weight.device} (the weight's), found {values.device}")
+        if not isinstance(values, torch.Tensor) or values.device != self.weight.device:
+            found = values.device if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(f"values: expected a tensor on {self.weight.device} (the weight's), found {found}")
+        if hash_ids is None:
+            width = values.shape[1] * values.shape[2] if values.dim() == 3 else None
+            what = f"packed rows {list(values.shape)}"
+        else:
+            width = (hash_ids.shape[1] * values.shape[1] if isinstance(hash_ids, torch.Tensor)
+                     and hash_ids.dim() == 2 and values.dim() == 2 else None)
+            what = (f"hash_ids {list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else hash_ids!r} "
+                    f"and table rows {list(values.shape)}")
+        if width is not None and width != self.in_features:
+            raise ValueError(f"values: expected C * head_dim = {self.in_features} values per token, found "
+                             f"{width} ({what})")
         if not self.fp8:
             from ..table.fp8 import dequantize_rows
             from ..table.reference import lookup_reference
@@ -352,9 +364,6 @@ class WkvProjection(torch.nn.Module):
                                               self.block_size, row_start)
         tokens = (values.shape[0] if hash_ids is None else hash_ids.shape[0])
         a, a_scale = wkv_gemm.quantize_gathered_rows(values, scales, hash_ids, row_start)
-        if a.shape[1] != self.in_features:
-            raise ValueError(f"values: expected C * head_dim = {self.in_features} values per token, "
-                             f"found {a.shape[1]}")
         return self._block_scaled_gemm(a, a_scale, tokens)
 
     def key_value(self, rows: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor]:
