@@ -159,18 +159,24 @@ def _tile_indices(tokens, out_features, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _weight_tile(weight_ptr, weight_scale_ptr, cols, col_valid, k, k_valid, in_features, weight_scale_stride,
-                 k0, BLOCK_N_W: tl.constexpr, BLOCK_K_W: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
-    """``(W[cols, k] as fp8 [BLOCK_N, STEP], fp32 scale)``: the scale of ``k0``'s weight block,
-    a scalar when the tile's columns share one block row (``SCALE_PER_TILE``), else ``[BLOCK_N]``."""
+def _weight_values(weight_ptr, cols, col_valid, k, k_valid, in_features):
+    """``W[cols, k]`` as fp8 ``[BLOCK_N, STEP]`` (zeros outside the weight)."""
     tile = tl.load(weight_ptr + cols.to(tl.int64)[:, None] * in_features + k[None, :],
                    mask=col_valid[:, None] & k_valid[None, :], other=0)
+    return tile.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _weight_scale(weight_scale_ptr, cols, col_valid, k0, weight_scale_stride,
+                  BLOCK_N_W: tl.constexpr, BLOCK_K_W: tl.constexpr, SCALE_PER_TILE: tl.constexpr):
+    """fp32 scale of the weight block holding ``k0`` (``< in_features``) for the tile's columns:
+    a scalar when they share one block row (``SCALE_PER_TILE``), else ``[BLOCK_N]``."""
     if SCALE_PER_TILE:
         scale = tl.load(weight_scale_ptr + (tl.min(cols) // BLOCK_N_W) * weight_scale_stride + k0 // BLOCK_K_W)
     else:
         scale = tl.load(weight_scale_ptr + (cols // BLOCK_N_W).to(tl.int64) * weight_scale_stride + k0 // BLOCK_K_W,
                         mask=col_valid, other=0.0)
-    return tile.to(tl.float8e4nv, bitcast=True), scale
+    return scale
 
 
 @triton.jit
@@ -183,9 +189,25 @@ def _store_kv(out_ptr, acc, rows, cols, tokens, out_features):
 @triton.jit
 def _scaled_partial(acc, partial, row_scale, weight_scale, SCALE_PER_TILE: tl.constexpr):
     """``acc + partial * row_scale[:, None] * weight_scale`` (per tile, or per column ``[None, :]``)."""
-    if SCALE_PER_TILE:
-        return acc + partial * (row_scale * weight_scale)[:, None]
-    return acc + partial * row_scale[:, None] * weight_scale[None, :]
+    if SCALE_PER_TILE:  # (if/else, not an early return: the compiler would still build the other branch)
+        result = acc + partial * (row_scale * weight_scale)[:, None]
+    else:
+        result = acc + partial * row_scale[:, None] * weight_scale[None, :]
+    return result
+
+
+@triton.jit
+def _block_row_scale(hash_ids_ptr, scale_ptr, rows, row_valid, k0, local_columns, stride_token,
+                     stride_column, row_start, num_rows, scale_row_stride,
+                     HEAD_DIM: tl.constexpr, IDS_ARE_ROWS: tl.constexpr):
+    """fp32 ``[BLOCK_M]``: ``2**(b - 127)`` of each token's table row at the 32-value block holding
+    ``k0`` (1 for rows outside the table, which read zeros)."""
+    column = k0 // HEAD_DIM
+    within = k0 - column * HEAD_DIM
+    local, inside = _row_locations(hash_ids_ptr, rows, column, row_valid, stride_token,
+                                   stride_column, row_start, num_rows, local_columns, IDS_ARE_ROWS)
+    scale_byte = tl.load(scale_ptr + local * scale_row_stride + within // _SCALE_GROUP, mask=inside, other=127)
+    return _pow2(scale_byte.to(tl.int32) - 127)
 
 
 @triton.jit
@@ -210,14 +232,22 @@ def block_scaled_gemm_kernel(
     col_valid = cols < out_features
     step = tl.arange(0, 128)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The scales feed fp32 math, not the dot, so the compiler's pipeline leaves their loads
+    # synchronous: load them one step ahead by hand (the last step's "next" wraps to step 0, unused).
+    a_scale_next = tl.load(a_scale_ptr + rows, mask=row_valid, other=0.0)
+    w_scale_next = _weight_scale(weight_scale_ptr, cols, col_valid, 0, weight_scale_stride,
+                                 BLOCK_N_W, BLOCK_K_W, SCALE_PER_TILE)
     for k0 in range(0, in_features, 128):
+        a_scale, w_scale = a_scale_next, w_scale_next
+        k_next = (k0 + 128) % in_features
+        a_scale_next = tl.load(a_scale_ptr + (k_next // 128) * padded_tokens + rows, mask=row_valid, other=0.0)
+        w_scale_next = _weight_scale(weight_scale_ptr, cols, col_valid, k_next, weight_scale_stride,
+                                     BLOCK_N_W, BLOCK_K_W, SCALE_PER_TILE)
         k = k0 + step
         k_valid = k < in_features
         a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * in_features + k[None, :],
                     mask=row_valid[:, None] & k_valid[None, :], other=0).to(tl.float8e4nv, bitcast=True)
-        a_scale = tl.load(a_scale_ptr + (k0 // 128) * padded_tokens + rows, mask=row_valid, other=0.0)
-        w, w_scale = _weight_tile(weight_ptr, weight_scale_ptr, cols, col_valid, k, k_valid, in_features,
-                                  weight_scale_stride, k0, BLOCK_N_W, BLOCK_K_W, SCALE_PER_TILE)
+        w = _weight_values(weight_ptr, cols, col_valid, k, k_valid, in_features)
         partial = tl.dot(a, tl.trans(w))
         acc = _scaled_partial(acc, partial, a_scale, w_scale, SCALE_PER_TILE)
     _store_kv(out_ptr, acc, rows, cols, tokens, out_features)
@@ -253,18 +283,29 @@ def fused_gather_gemm_kernel(
     col_valid = cols < out_features
     lane = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Scales are loaded one step ahead by hand (the compiler pipelines only the dot's operands;
+    # the last step's "next" wraps to step 0, unused).
+    row_scale_next = _block_row_scale(hash_ids_ptr, scale_ptr, rows, row_valid, 0, local_columns,
+                                      stride_token, stride_column, row_start, num_rows, scale_row_stride,
+                                      HEAD_DIM, IDS_ARE_ROWS)
+    w_scale_next = _weight_scale(weight_scale_ptr, cols, col_valid, 0, weight_scale_stride,
+                                 BLOCK_N_W, BLOCK_K_W, SCALE_PER_TILE)
     for k0 in range(0, in_features, 32):
+        row_scale, w_scale = row_scale_next, w_scale_next
+        k_next = (k0 + 32) % in_features
+        row_scale_next = _block_row_scale(hash_ids_ptr, scale_ptr, rows, row_valid, k_next,
+                                          local_columns, stride_token, stride_column, row_start, num_rows,
+                                          scale_row_stride, HEAD_DIM, IDS_ARE_ROWS)
+        w_scale_next = _weight_scale(weight_scale_ptr, cols, col_valid, k_next, weight_scale_stride,
+                                     BLOCK_N_W, BLOCK_K_W, SCALE_PER_TILE)
         column = k0 // HEAD_DIM                      # a 32-value block lies inside one row
         within = k0 - column * HEAD_DIM
         local, inside = _row_locations(hash_ids_ptr, rows, column, row_valid, stride_token, stride_column,
                                        row_start, num_rows, local_columns, IDS_ARE_ROWS)
         a = tl.load(value_ptr + local[:, None] * value_row_stride + within + lane[None, :],
                     mask=inside[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-        row_scale_byte = tl.load(scale_ptr + local * scale_row_stride + within // 32, mask=inside, other=127)
-        row_scale = _pow2(row_scale_byte.to(tl.int32) - 127)
         k = k0 + lane
-        w, w_scale = _weight_tile(weight_ptr, weight_scale_ptr, cols, col_valid, k, k < in_features, in_features,
-                                  weight_scale_stride, k0, BLOCK_N_W, BLOCK_K_W, SCALE_PER_TILE)
+        w = _weight_values(weight_ptr, cols, col_valid, k, k < in_features, in_features)
         partial = tl.dot(a, tl.trans(w))
         acc = _scaled_partial(acc, partial, row_scale, w_scale, SCALE_PER_TILE)
     _store_kv(out_ptr, acc, rows, cols, tokens, out_features)
