@@ -12,7 +12,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 status=0
 if [[ $what == tests || $what == all ]]; then
-  python -m pytest tests/test_wkv_fp8.py tests/test_wkv.py tests/test_memory.py tests/test_gather_kernel.py \
+  python -m pytest tests/test_wkv_fp8.py -q -m "gpu or interpreter" -p no:cacheprovider -rs 2>&1 | tee "$OUT/wkv-tests.log" | tail -15 || status=1
+  python -m pytest tests/test_wkv.py tests/test_memory.py tests/test_gather_kernel.py \
       tests/test_gate_kernel.py tests/test_table.py tests/test_fp8.py -q -m gpu -p no:cacheprovider -rs 2>&1 \
     | tee "$OUT/layer-gpu-tests.log" | tail -25 || status=1
   compute-sanitizer --tool memcheck --error-exitcode 9 python benchmarks/memcheck_kernels.py 2>&1 \
