@@ -31,6 +31,7 @@ def main() -> None:
     from gather_bench import bench_gather
     from gate_bench import bench_gate
     from hash_bench import bench_hash, compiled_variants, empty_kernel_floor
+    from host_cost_bench import bench_host_cost
 
     ceiling = copy_ceiling_gbps()
     print(f"HBM copy ceiling: {ceiling:,.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
@@ -39,6 +40,8 @@ def main() -> None:
     hash_rows = bench_hash(TOKEN_COUNTS)
     gate_rows = bench_gate(TOKEN_COUNTS)
     gather_rows = bench_gather(TOKEN_COUNTS)
+    host_cost = bench_host_cost()
+    print("host time per eager call (us): " + ", ".join(f"{k} {v:.1f}" for k, v in host_cost.items()), flush=True)
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -51,8 +54,11 @@ def main() -> None:
         "hash_compiled": compiled_variants(),
         "gather": gather_rows,
         "gate": gate_rows,
+        "host_cost": host_cost,
     }
     report.update(summary_keys(hash_rows, gather_rows, gate_rows))
+    report["layer_host_T64_us"] = host_cost["layer_host_T64_us"]
+    report["hash_host_T1_us"] = host_cost["hash_host_T1_us"]
     out_dir = Path(os.environ.get("OUT", HERE / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "kernels-h200.json").write_text(json.dumps(report, indent=2))
@@ -107,6 +113,13 @@ def print_table(report: dict, ceiling: float) -> None:
     for row in report["gate"]:
         add("gate", row["T"], row["triton_graph_us"], row["bytes"], row["torch_graph_us"])
     Console(width=140).print(table)
+    host = report["host_cost"]
+    host_table = Table(title="host time of one eager call (median us; bare launches for scale)")
+    host_table.add_column("call")
+    host_table.add_column("host us", justify="right")
+    for key, value in host.items():
+        host_table.add_row(key, f"{value:.1f}")
+    Console(width=140).print(host_table)
 
 
 if __name__ == "__main__":

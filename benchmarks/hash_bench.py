@@ -137,7 +137,8 @@ def compiled_variants() -> list[dict]:
             names = ngram_hash_kernel.arg_names
             flags = {(names[k[0]] if isinstance(k, tuple) else str(k)): v for k, v in constants.items()}
             entry = {"registers": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None)}
-            entry.update({name: flags[name] for name in ("BLOCK_TOKENS", "SLOT_PHASE", "HISTORY_PHASE") if name in flags})
+            entry.update({name: flags[name] for name in ("BLOCK_TOKENS", "READ_SLOTS", "WRITE_SLOTS_HERE",
+                                                         "SLOTS_BEFORE_READS", "WRITE_HISTORY_AFTER") if name in flags})
             found.append(entry)
     return found
 

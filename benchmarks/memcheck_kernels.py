@@ -1,4 +1,5 @@
-"""Each Triton kernel once at small awkward shapes, for ``compute-sanitizer --tool memcheck``.
+"""Each Triton kernel at small awkward shapes, and the hash kernels on malformed metadata,
+for ``compute-sanitizer --tool memcheck``.
 
     PYTHONPATH=src compute-sanitizer --tool memcheck python benchmarks/memcheck_kernels.py
 """
@@ -31,10 +32,15 @@ def main():
             engine.add(f"r{k}", rng.integers(0, 300, length), rng.random(length) < 0.1)
         engine.run_random(max_batch_tokens=40)
         assert engine.mismatches == 0, source
-    # Every phase of one launch: slot writers, hashers, history writers.
+    # Every launch of a step: slot writers, hash, history writers.
+    from hash_fuzz import run_fuzz
     from test_hash_kernel import check_same_step_prefix_hits, small_hasher
     check_same_step_prefix_hits(small_hasher(1, device="cuda", validate=False), pairs=5, block_size=4,
                                 prefill_blocks=6, tail=9)
+    # Malformed metadata, validation off: wrong ids allowed, no stray access, every launch returns.
+    calls = run_fuzz(lambda seed: small_hasher(seed, device="cuda", validate=False), seed=2, cases=300,
+                     after_call=lambda hasher, batch, ids: torch.cuda.synchronize())
+    print(f"malformed-metadata fuzz: {calls} calls returned")
     rows = 1000
     values, scales = quantize_rows(torch.randn(rows, 64, device="cuda"))
     values = values.view(torch.uint8)
@@ -58,8 +64,8 @@ def main():
         wkv_gemm.fused_gather_gemm(packed[0], packed[1], None, weight, weight_scale, block)
         wkv_gemm.quantize_gathered_rows(packed[0], packed[1], None)
     torch.cuda.synchronize()
-    print("memcheck workload done: hash (3 sources, all phases), gather (bf16, packed), gate, "
-          "wkv (gather-quantize, block-scaled GEMM, fused gather-GEMM)")
+    print("memcheck workload done: hash (3 sources, all launches, malformed-metadata fuzz), gather (bf16, packed), "
+          "gate, wkv (gather-quantize, block-scaled GEMM, fused gather-GEMM)")
 
 
 if __name__ == "__main__":

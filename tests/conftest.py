@@ -81,6 +81,17 @@ def deepseek_tokenizer_path() -> Path:
     return path
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _verify_compiled_launches():
+    """On a GPU every CompiledLaunch also asks Triton which binary it would pick and
+    checks it is the cached one (a wrong variant key would launch the wrong binary)."""
+    import engram.triton_launch
+
+    engram.triton_launch.VERIFY_VARIANTS = True
+    yield
+    engram.triton_launch.VERIFY_VARIANTS = False
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Token maps go to this test session's own cache directory, never the user's."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 
+import math
+
 import pytest
 import torch
 
@@ -67,6 +69,31 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), exponent - 8)
 
 
+def _gate_sensitivity(hidden_states, key, q_weight, k_weight, mask) -> torch.Tensor:
+    """float64 ``[T, hc, 1]``: how far an fp32 gate may honestly lie from the float64 one.
+
+    ``dot`` is a sum of D products that fp32 gets right to about 1e-5 of the sum of their
+    magnitudes (``dot_error``). ``g = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6)))`` jumps
+    at ``dot = 0`` (by up to 1e-3) and has slope ``sigmoid' / (2 sqrt|dot|)`` beside it,
+    so where ``|dot|`` is within ``dot_error`` of zero the sign, hence ``g``, may differ.
+    The T = 8192 GPU test (32k dots per run) failed once without this allowance;
+    benchmarks/gate_flake_probe.py counts, over many seeds, how often the old bound
+    fails and whether each failure sits at such a dot (benchmarks/NOTES.md)."""
+    h, key = hidden_states.double(), key.double()
+    w = (q_weight.double() * k_weight.double())[None]
+    hidden = h.shape[-1]
+    scale = torch.rsqrt(h.pow(2).mean(-1) * 1.0 + EPS) * torch.rsqrt(key.pow(2).mean(-1) + EPS) / math.sqrt(hidden)
+    dot = (h * w * key).sum(-1) * scale
+    dot_error = 1e-5 * (h * w * key).abs().sum(-1) * scale
+    slope = 0.25 / (2 * torch.sqrt((dot.abs() - dot_error).clamp(min=1e-6)))
+    jump = torch.where(dot.abs() <= dot_error, 2 * 0.25 * torch.sqrt((dot.abs() + dot_error).clamp(min=1e-6)),
+                       torch.zeros_like(dot))
+    gate_error = slope * dot_error + jump
+    if mask is not None:
+        gate_error = gate_error * mask.to(gate_error.device)[:, None]
+    return gate_error[..., None]
+
+
 def _check_output(out, hidden_states, kv, q_weight, k_weight, mask, seed, *, interpret=INTERPRET):
     hc_mult = hidden_states.shape[1]
     key, value = split_kv(kv, hc_mult)
@@ -86,6 +113,7 @@ def _check_output(out, hidden_states, kv, q_weight, k_weight, mask, seed, *, int
     assert relative < limit, f"seed {seed}: update relative error {relative:.3g} (limit {limit:.3g})"
     if out.dtype == torch.bfloat16:
         fp32_noise = 1e-5 * (h.abs() + value.double().abs()[:, None, :])
+        fp32_noise = fp32_noise + _gate_sensitivity(hidden_states, key, q_weight, k_weight, mask) * value.double().abs()[:, None, :]
         allowed = (0.5 + (1.0 if interpret else 0.0)) * _bf16_ulp(reference) + fp32_noise
         error = (out.double() - reference).abs()
         assert bool((error <= allowed).all()), (
@@ -226,7 +254,10 @@ def test_gpu_kernel_matches_reference_and_torch(tokens, masked):
     torch_out = engram_gate_torch(hidden_states, key, value, q_weight, k_weight, EPS, mask)
     difference = (out.double() - torch_out.double()).abs()
     fp32_noise = 1e-5 * (hidden_states.double().abs() + value.double().abs()[:, None, :])
-    assert bool((difference <= _bf16_ulp(torch_out.double()) + fp32_noise).all()), (
+    fp32_noise = fp32_noise + 2 * _gate_sensitivity(hidden_states, key, q_weight, k_weight, mask) * value.double().abs()[:, None, :]
+    # Two roundings that may fall either side of a binade's edge: the ulp of the larger.
+    ulp = torch.maximum(_bf16_ulp(torch_out.double()), _bf16_ulp(out.double()))
+    assert bool((difference <= ulp + fp32_noise).all()), (
         f"seed {seed}: worst {(difference / _bf16_ulp(torch_out.double())).max().item():.3g} ulp")
     identical = (out.view(torch.int16) == torch_out.view(torch.int16)).double().mean().item()
     assert identical >= 0.999, f"seed {seed}: only {identical:.5f} of outputs bit-identical to the torch path"

@@ -15,7 +15,8 @@ import torch
 
 from ..layout import EngramLayout
 from ..vocab import TokenCompressor
-from .launch import launch_hash_kernel, triton_available
+from ..triton_launch import require_triton, triton_available
+from .launch import HashConstants, launch_hash_kernels
 from .ops import block_windows, hash_windows
 from .stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
 from .validation import BatchMetadata, check_shapes, validate_batch
@@ -33,11 +34,23 @@ class NgramHasher:
 
     ``validate``: ``None`` (default) checks every batch when its tensors live on
     the CPU and skips the checks (which sync) on a GPU; ``True``/``False`` force it.
-    With checks off, unavailable history hashes as pad, never out of bounds.
+    With checks off, malformed metadata gives wrong ids (unavailable history hashes
+    as pad), never an out-of-bounds access or a hang; shapes, dtypes and devices are
+    checked on every call (no sync).
 
-    ``backend``: ``"auto"`` runs the Triton kernel (one launch for all layers) on
-    CUDA tensors and torch ops elsewhere; ``"torch"``/``"triton"`` force one (the
-    Triton kernel also runs on the CPU under ``TRITON_INTERPRET=1``).
+    ``backend``: ``"auto"`` (default) runs the Triton kernels (one launch hashes every
+    layer) on CUDA tensors and torch ops elsewhere; ``"torch"``/``"triton"`` force one
+    (the Triton kernels also run on the CPU under ``TRITON_INTERPRET=1``). Decided
+    once, here.
+
+    Sharing. A call enqueues its launches on the current stream and returns; the
+    launches of one call are ordered by that stream, and no program waits on another.
+    Hashers share nothing but compiled kernels, so any number of them may run on any
+    streams at once. The stores (:meth:`bind_slot_cache`, :meth:`bind_request_history`)
+    belong to one hasher: calls that use them must be ordered (one stream, or the
+    engine's own events), as the engine orders its writes to its KV cache. Calls from
+    several host threads need a lock around the call (the history rows' name table is
+    plain Python).
     """
 
     def __init__(self, layout: EngramLayout, vocab: TokenCompressor, device: torch.device | str = "cpu",
@@ -55,9 +68,9 @@ class NgramHasher:
         self.validate = validate
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', found {backend!r}")
-        if backend == "triton" and not triton_available():
-            raise ValueError("backend 'triton': triton is not installed")
-        self.backend = backend
+        if backend == "triton":
+            require_triton("NgramHasher(backend='triton')")
+        self._backend = backend
         self.history_length = spec.max_ngram_size - 1
         self.pad_id = int(vocab.token_map[spec.pad_token_id])
         self.token_map = vocab.device_map(self.device)
@@ -67,13 +80,41 @@ class NgramHasher:
         # The kernel's exact remainder: Barrett multipliers floor((2**64 - 1) / prime), uint64 bits.
         barrett = np.array([(2**64 - 1) // int(p) for p in layout.column_primes.reshape(-1)], dtype=np.uint64)
         self.barrett_multipliers = torch.from_numpy(barrett.view(np.int64).reshape(layout.column_primes.shape)).to(self.device)
-        # The kernel's phase counters, zero between launches (see engram.hashing.kernels).
-        self.kernel_sync = torch.zeros(4, dtype=torch.int32, device=self.device)
         self.out_dtype = torch.int32 if max(layout.num_embeddings) <= _INT32_MAX else torch.int64
-        # Decided once: the per-step path does no import lookups.
-        self._triton_on_device = self.device.type == "cuda" and self.out_dtype == torch.int32 and triton_available()
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
+        self.kernel_constants = HashConstants(
+            self.token_map, self.multipliers, self.column_primes, self.barrett_multipliers, self.column_offsets,
+            vocab.vocab_size, self.pad_id, spec.num_layers, spec.max_ngram_size, spec.n_heads,
+            max(self._device_index, 0))
+        self._decide_backend()
         self.slot_cache: SlotCache | None = None
         self.request_history: RequestHistory | None = None
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: str) -> None:
+        self._backend = backend
+        self._decide_backend()
+
+    @property
+    def validate(self) -> bool | None:
+        return self._validate_setting
+
+    @validate.setter
+    def validate(self, validate: bool | None) -> None:
+        self._validate_setting = validate
+        self._validating = validate if validate is not None else self.device.type == "cpu"
+
+    def _decide_backend(self) -> None:
+        """Whether calls run the Triton kernels: decided when the backend is set, not per call."""
+        if self._backend == "triton":
+            self._triton = True
+        else:
+            self._triton = (self._backend == "auto" and self.device.type == "cuda"
+                            and self.out_dtype == torch.int32 and triton_available())
 
     # ---- history stores ------------------------------------------------------
     def bind_slot_cache(self, num_slots: int, block_size: int, fused_write: bool = False) -> SlotCache:
@@ -138,9 +179,14 @@ class NgramHasher:
         """
         batch = BatchMetadata(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
                               lookback_dead_mask, slot_mapping, block_table, request_rows)
-        self._check_devices(batch)
-        check_shapes(batch, self.history_length)
-        validate = self.validate if self.validate is not None else self.device.type == "cpu"
+        check_shapes(batch, self.history_length, self._device_index, self.device)
+        if slot_mapping is not None and self.slot_cache is None:
+            raise ValueError("slot_mapping: given, but no slot cache is bound (call bind_slot_cache first)")
+        if block_table is not None and self.slot_cache is None:
+            raise ValueError("block_table: given, but no slot cache is bound (call bind_slot_cache first)")
+        if request_rows is not None and self.request_history is None:
+            raise ValueError("request_rows: given, but no request history is bound (call bind_request_history first)")
+        validate = self._validating
         if validate:
             validate_batch(
                 batch,
@@ -151,24 +197,21 @@ class NgramHasher:
                 fused_slot_write=bool(self.slot_cache and self.slot_cache.fused_write),
                 max_requests=self.request_history.max_requests if self.request_history else None,
             )
-        elif slot_mapping is not None and self.slot_cache is None:
-            raise ValueError("slot_mapping: given, but no slot cache is bound (call bind_slot_cache first)")
-        elif request_rows is not None and self.request_history is None:
-            raise ValueError("request_rows: given, but no request history is bound (call bind_request_history first)")
-
-        spec = self.layout.spec
         if batch.num_tokens == 0:
+            spec = self.layout.spec
             return torch.empty((0, spec.num_layers, spec.num_columns), dtype=self.out_dtype, device=self.device)
-        if self._use_triton():
-            ids = self._hash_triton(batch, validate)  # writes the request history too
-        else:
-            ids = self._hash_torch(batch, validate)
-            if request_rows is not None:
-                self._write_request_history(batch)
+        if self._triton:
+            if not validate:
+                return launch_hash_kernels(self.kernel_constants, batch, self.slot_cache, self.request_history,
+                                           bool(self.slot_cache and self.slot_cache.fused_write))
+            return self._hash_triton_validated(batch)  # writes the request history too
+        ids = self._hash_torch(batch, validate)
+        if request_rows is not None:
+            self._write_request_history(batch)
         return ids
 
     def _use_triton(self) -> bool:
-        return self.backend == "triton" or (self.backend == "auto" and self._triton_on_device)
+        return self._triton
 
     def _slot_writes(self, batch: BatchMetadata) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(slots, values) the slot cache receives: lookback seeds, then the batch's tokens."""
@@ -182,17 +225,16 @@ class NgramHasher:
             writes.append((batch.slot_mapping.long(), self._stored_values(batch, self._locate_tokens(batch))))
         return writes
 
-    def _hash_triton(self, batch: BatchMetadata, validate: bool) -> torch.Tensor:
-        """One kernel launch: reads every source, writes both stores, hashes every layer."""
-        if not validate:
-            return launch_hash_kernel(self, batch)
+    def _hash_triton_validated(self, batch: BatchMetadata) -> torch.Tensor:
+        """The kernels, with every store restored if some history was unknown."""
         slots = [slots for slots, _ in self._slot_writes(batch)]
         saved = [self.slot_cache.saved(s) for s in slots]
         history_saved = None
         if self.request_history is not None and batch.request_rows is not None:
             history_saved = self.request_history.saved(batch.request_rows)
         missing_shift = torch.zeros(batch.num_tokens, dtype=torch.int8, device=self.device)
-        ids = launch_hash_kernel(self, batch, missing_shift)
+        ids = launch_hash_kernels(self.kernel_constants, batch, self.slot_cache, self.request_history,
+                                  bool(self.slot_cache and self.slot_cache.fused_write), missing_shift)
         if bool((missing_shift > 0).any()):
             for target, previous in reversed(list(zip(slots, saved))):
                 self.slot_cache.restore(target, previous)
@@ -238,16 +280,9 @@ class NgramHasher:
         return torch.where(self._dead(batch, tokens), torch.full_like(compressed, DEAD), compressed)
 
     # ---- stages --------------------------------------------------------------
-    def _check_devices(self, batch: BatchMetadata) -> None:
-        for name in ("input_ids", "positions", "query_start_loc", "dead_mask", "lookback_token_ids",
-                     "lookback_dead_mask", "slot_mapping", "block_table", "request_rows"):
-            tensor = getattr(batch, name)
-            if tensor is not None and tensor.device != self.device:
-                raise ValueError(f"{name}: expected a tensor on {self.device}, found one on {tensor.device}")
-
     def _locate_tokens(self, batch: BatchMetadata) -> "_TokenPlaces":
         """Per token: its request (clamped into range), index inside the request, padding flag."""
-        starts = batch.query_start_loc.long()
+        starts = batch.query_start_loc.long().clamp(0, batch.num_tokens)  # any value stays in bounds
         token_index = torch.arange(batch.num_tokens, device=self.device)
         request = torch.searchsorted(starts[1:].contiguous(), token_index, right=True)
         padding = request >= batch.num_requests
@@ -260,9 +295,9 @@ class NgramHasher:
         Stores are seeded with them, so a request that arrives with only a lookback
         window (a decode instance after a prefill/decode split) keeps its history.
         """
-        starts = batch.query_start_loc.long()
+        starts = batch.query_start_loc.long().clamp(0, batch.num_tokens)  # any value stays in bounds
         has_tokens = starts[1:] > starts[:-1]
-        first_position = batch.positions.long()[starts[:-1].clamp(max=max(batch.num_tokens - 1, 0))]
+        first_position = batch.positions.long()[starts[:-1].clamp(0, max(batch.num_tokens - 1, 0))]
         columns = torch.arange(self.history_length, device=self.device)
         positions = first_position[:, None] - 1 - columns                          # [R, N-1]
         raw = batch.lookback_token_ids.long()
@@ -324,6 +359,8 @@ class NgramHasher:
         of each request (drafts included), position-tagged. A separate step from the
         hash because a step reads and writes the same ring cells."""
         history = self.request_history
+        if batch.num_requests == 0:
+            return
         rows = batch.request_rows.long()
         if batch.lookback_token_ids is not None:
             seeds = self._lookback_seeds(batch)
@@ -331,7 +368,7 @@ class NgramHasher:
             history.write(seed_rows.reshape(-1), seeds.positions.reshape(-1), seeds.stored.reshape(-1),
                           seeds.known.reshape(-1))
         tokens = self._locate_tokens(batch)
-        starts = batch.query_start_loc.long()
+        starts = batch.query_start_loc.long().clamp(0, batch.num_tokens)  # any value stays in bounds
         length = (starts[1:] - starts[:-1])[tokens.request]
         keep = ~tokens.padding & (tokens.offset_in_request >= length - history.width)
         history.write(rows[tokens.request], batch.positions.long(), self._stored_values(batch, tokens), keep)
@@ -357,8 +394,12 @@ class NgramHasher:
 def _resolve_device(device: torch.device | str) -> torch.device:
     """``"cuda"`` means the current CUDA device, so tensors on ``cuda:0`` compare equal."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {str(device)!r} was asked for, but this machine has no usable CUDA device "
+                             "(torch.cuda.is_available() is False); use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

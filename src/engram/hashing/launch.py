@@ -1,137 +1,208 @@
-"""Launcher of the Triton hash kernel: one launch per batch for every layer and
-every store.
+"""Launcher of the Triton hash kernels (:mod:`engram.hashing.kernels`).
 
-Safe under CUDA-graph capture: no host sync, no host-to-device copies, persistent
-counters that the launch leaves at zero. Sizes are not specialization keys: the
-compiled variants are bounded (tokens per program: 3 batch-size bands; request ends
-per compare chunk: powers of two up to 128), not one per batch size.
+One batch is up to three launches on the caller's stream, in this order: slot
+writes, the hash, history writes. The stream orders them; no program waits on
+another, so any number of hashers and streams may run at once. Where the order
+needs no second launch (a one-program grid orders its own writes and reads; one
+request, or a ``fused_write`` slot cache, reads no slot the batch writes), the
+hash kernel makes the writes itself and the extra launches are skipped: a decode
+step of one token is one launch.
+
+Safe under CUDA-graph capture: no host sync, no host-to-device copies. Sizes are
+not specialization keys: the compiled variants are bounded (tokens per program: 3
+batch-size bands; request ends per compare chunk: powers of two up to 128).
 """
 
 from __future__ import annotations
 
-import importlib.util
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["triton_available", "launch_hash_kernel"]
+from ..triton_launch import ALIGNMENT_SPECIALIZED, CompiledLaunch, integer_widths, tensor_variant
 
-# One warp per program; tokens per program by batch size (a few compiled variants,
-# each captured once per graph). Measured on the H200, graph replay, cold L2, slot
-# writers in the launch (v3 kernel, 64 requests):
-#   tokens/program   T=64   T=1024  T=8192  T=32768
-#        1           9.4    9.9     15.9    33.7   us
-#        4           8.8    9.2     11.4    18.8
-#        8           9.4    9.7      9.5    15.8
-#    16 (2 warps)   10.1   10.0     10.5    17.6
+__all__ = ["HashConstants", "launch_hash_kernels", "block_tokens_for"]
+
+# Tokens per program by batch size, one warp per program; the sweep behind it is in
+# benchmarks/NOTES.md (v3: 8 tokens per program measured 9.5 us at T = 8192, H200).
 _BLOCK_TOKENS_BY_BATCH = ((64, 1), (2048, 4))
 _BLOCK_TOKENS_LARGEST, _NUM_WARPS = 8, 1
-
-
-def block_tokens_for(num_tokens: int) -> int:
-    """Tokens per program for a batch of ``num_tokens`` (see the table above)."""
-    for limit, block_tokens in _BLOCK_TOKENS_BY_BATCH:
-        if num_tokens <= limit:
-            return block_tokens
-    return _BLOCK_TOKENS_LARGEST
-
-
-# Request ends compared per loop step: up to [16 tokens, 128 ends] per program.
+# Request ends compared per loop step: up to [8 tokens, 128 ends] per program.
 _REQUEST_CHUNK_LARGEST = 128
 # Tokens (and requests, for lookback seeds) per slot-writer program; requests per
 # history-writer program (each a row of up to 16 ring cells).
 _WRITE_BLOCK = 64
 _HISTORY_BLOCK = 8
 
-
-# Launch-shape overrides for benchmark sweeps ({"block_tokens": 32, "num_warps": 2});
-# tests set "distrust_speculation" to force the re-hash of speculative slot reads.
+# Launch-shape overrides for benchmark sweeps ({"block_tokens": 32, "num_warps": 2}).
 LAUNCH_OVERRIDE: dict[str, int] = {}
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def block_tokens_for(num_tokens: int) -> int:
+    """Tokens per hash program for a batch of ``num_tokens``."""
+    for limit, block_tokens in _BLOCK_TOKENS_BY_BATCH:
+        if num_tokens <= limit:
+            return block_tokens
+    return _BLOCK_TOKENS_LARGEST
 
 
-def _next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def launch_hash_kernel(hasher, batch, missing_shift: torch.Tensor | None = None) -> torch.Tensor:
-    """Hash ids int32 ``[T, L, C]`` of ``batch`` (a validated
-    :class:`~engram.hashing.validation.BatchMetadata`) in one launch, which also
-    writes the slot cache (before any read of it) and the request history (after
-    every read of it). ``missing_shift`` (int8 ``[T]``), if given, receives per token
-    the first shift whose history no source knew (0 = none).
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
-    The slot writes need ordering only when another request of the batch may read
-    them (a prefix-cache hit on blocks this step fills): not with one request, nor
-    with a cache bound ``fused_write=True`` (the engine promises no such hits;
-    validation checks it). Then the hashers write the cache themselves.
-    """
-    from .kernels import ngram_hash_kernel
 
-    spec = hasher.layout.spec
+class HashConstants(NamedTuple):
+    """What the kernels need of a hasher, built once (:class:`~engram.hashing.batch.NgramHasher`)."""
+
+    token_map: torch.Tensor           # int32 [V]: raw id -> compressed id
+    multipliers: torch.Tensor         # int64 [L, N]
+    column_primes: torch.Tensor       # int64 [L, C]
+    barrett_multipliers: torch.Tensor # int64 [L, C], floor((2**64 - 1) / prime) as uint64 bits
+    column_offsets: torch.Tensor      # int64 [L, C]
+    vocab_size: int                   # raw token ids
+    pad_id: int                       # compressed id of the pad token
+    num_layers: int
+    max_ngram_size: int
+    n_heads: int
+    device_index: int
+
+    @property
+    def padded_sizes(self) -> tuple[int, int, int]:
+        """Powers of two >= layers, columns and history length (the kernels' tile sizes)."""
+        history = self.max_ngram_size - 1
+        return (next_power_of_2(self.num_layers), next_power_of_2(history * self.n_heads),
+                next_power_of_2(history))
+
+
+_ALIGNMENT_IN_KEY: bool | None = None  # decided once the kernels are imported
+_hash_launch: CompiledLaunch | None = None
+_slot_launch: CompiledLaunch | None = None
+_history_launch: CompiledLaunch | None = None
+
+
+def _launchers() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
+    global _hash_launch, _slot_launch, _history_launch
+    if _hash_launch is None:
+        from .kernels import history_write_kernel, ngram_hash_kernel, slot_write_kernel
+
+        _hash_launch = CompiledLaunch(ngram_hash_kernel)
+        _slot_launch = CompiledLaunch(slot_write_kernel)
+        _history_launch = CompiledLaunch(history_write_kernel)
+    return _hash_launch, _slot_launch, _history_launch
+
+
+_PADDED_SIZES: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _padded_sizes(constants: HashConstants) -> tuple[int, int, int]:
+    key = (constants.num_layers, constants.max_ngram_size, constants.n_heads)
+    sizes = _PADDED_SIZES.get(key)
+    if sizes is None:
+        sizes = _PADDED_SIZES[key] = constants.padded_sizes
+    return sizes
+
+
+def launch_hash_kernels(constants: HashConstants, batch, slot_cache=None, history=None, fused_slot_write=False,
+                        missing_shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Hash ids int32 ``[T, L, C]`` of ``batch`` (a shape-checked
+    :class:`~engram.hashing.validation.BatchMetadata`); writes the bound ``slot_cache``
+    (:class:`~engram.hashing.stores.SlotCache`) before any read of it and the
+    ``history`` (:class:`~engram.hashing.stores.RequestHistory`) after every read of
+    it. ``missing_shift`` (int8 ``[T]``), if given, receives per token the first
+    shift whose history no source knew (0 = none)."""
+    hash_launch, slot_launch, history_launch = _launchers()
+    global _ALIGNMENT_IN_KEY
+    if _ALIGNMENT_IN_KEY is None:
+        _ALIGNMENT_IN_KEY = bool(ALIGNMENT_SPECIALIZED)
     num_tokens, num_requests = batch.num_tokens, batch.num_requests
-    out = torch.empty((num_tokens, spec.num_layers, spec.num_columns), dtype=torch.int32, device=hasher.device)
+    history_length = constants.max_ngram_size - 1
+    num_columns = history_length * constants.n_heads
+    out = torch.empty((num_tokens, constants.num_layers, num_columns), dtype=torch.int32,
+                      device=constants.token_map.device)
     if num_tokens == 0:
         return out
-    placeholder = hasher.token_map  # any device tensor stands in for an absent input (never read)
-    slot_cache, history = hasher.slot_cache, hasher.request_history
-    lookback = batch.lookback_token_ids.contiguous() if batch.lookback_token_ids is not None else None
-    lookback_dead = batch.lookback_dead_mask.contiguous() if batch.lookback_dead_mask is not None else None
-    block_table = batch.block_table
+    placeholder = constants.token_map  # any device tensor stands in for an absent input (never read)
+    lookback, lookback_dead, block_table = batch.lookback_token_ids, batch.lookback_dead_mask, batch.block_table
+    if lookback is not None and not lookback.is_contiguous():
+        lookback = lookback.contiguous()
+    if lookback_dead is not None and not lookback_dead.is_contiguous():
+        lookback_dead = lookback_dead.contiguous()
     if block_table is not None and block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     write_slots = slot_cache is not None and batch.slot_mapping is not None
     write_seeds = slot_cache is not None and lookback is not None and block_table is not None
     read_slots = slot_cache is not None and block_table is not None
     uses_history = history is not None and batch.request_rows is not None
-    slot_phase = (write_slots or write_seeds) and read_slots and num_requests > 1 and not slot_cache.fused_write
 
-    # Seeds are written per request, tokens per token: writer grids cover both.
-    write_items = max(num_tokens, num_requests) if write_seeds else num_tokens
     block_tokens = LAUNCH_OVERRIDE.get("block_tokens", block_tokens_for(num_tokens))
     num_warps = LAUNCH_OVERRIDE.get("num_warps", _NUM_WARPS)
-    num_slot_programs = triton_cdiv(write_items, _WRITE_BLOCK) if slot_phase else 0
-    num_hash_programs = triton_cdiv(num_tokens if slot_phase else write_items, block_tokens)
-    num_history_programs = triton_cdiv(num_requests, _HISTORY_BLOCK) if uses_history and num_requests else 0
-    finisher = 1 if slot_phase or num_history_programs else 0
-    ngram_hash_kernel[(num_slot_programs + num_hash_programs + num_history_programs + finisher,)](
-        batch.input_ids, batch.positions, batch.query_start_loc,
-        batch.dead_mask if batch.dead_mask is not None else placeholder, hasher.token_map,
-        lookback if lookback is not None else placeholder,
-        lookback_dead if lookback_dead is not None else placeholder,
-        batch.slot_mapping if batch.slot_mapping is not None else placeholder,
-        block_table if block_table is not None else placeholder,
-        slot_cache.values if slot_cache is not None else placeholder,
-        batch.request_rows if uses_history else placeholder,
-        history.values if uses_history else placeholder,
-        history.tags if uses_history else placeholder,
-        hasher.multipliers, hasher.column_primes, hasher.barrett_multipliers, hasher.column_offsets, out,
-        missing_shift if missing_shift is not None else placeholder, hasher.kernel_sync,
-        num_tokens, num_requests, hasher.vocab.vocab_size, hasher.pad_id,
-        slot_cache.block_size if slot_cache is not None else 1,
-        slot_cache.num_slots if slot_cache is not None else 1,
-        block_table.shape[1] if block_table is not None else 1,
-        block_table.stride(0) if block_table is not None else 0,
-        history.width if uses_history else 1,
-        num_slot_programs, num_hash_programs, num_history_programs,
-        NUM_LAYERS=spec.num_layers, LAYERS_PAD=_next_power_of_2(spec.num_layers),
-        MAX_NGRAM=spec.max_ngram_size, HISTORY_PAD=_next_power_of_2(spec.max_ngram_size - 1),
-        NUM_HEADS=spec.n_heads, COLUMNS_PAD=_next_power_of_2(spec.num_columns),
-        HAS_DEAD=batch.dead_mask is not None, HAS_LOOKBACK=lookback is not None,
-        HAS_LOOKBACK_DEAD=lookback_dead is not None,
-        WRITE_SLOTS=write_slots, WRITE_SEEDS=write_seeds, SLOT_PHASE=slot_phase,
-        READ_SLOTS=read_slots, READ_HISTORY=uses_history, HISTORY_PHASE=uses_history and num_history_programs > 0,
-        WIDTH_PAD=_next_power_of_2(history.width) if uses_history else 1,
-        REPORT_MISSING=missing_shift is not None, BLOCK_TOKENS=block_tokens, WRITE_BLOCK=_WRITE_BLOCK,
-        HISTORY_BLOCK=_HISTORY_BLOCK,
-        REQUEST_CHUNK=min(_REQUEST_CHUNK_LARGEST, _next_power_of_2(max(num_requests, 2))),
-        DISTRUST_SPECULATION=bool(LAUNCH_OVERRIDE.get("distrust_speculation", False)),
-        num_warps=num_warps,
-    )
+    write_items = max(num_tokens, num_requests) if write_seeds else num_tokens
+    lone_program = ceil_div(write_items, block_tokens) == 1
+    slots_in_hash = (write_slots or write_seeds) and (not read_slots or lone_program or num_requests <= 1
+                                                       or fused_slot_write)
+    # A one-program grid that another request of the batch may read from writes first.
+    slots_before_reads = (slots_in_hash and read_slots and lone_program and num_requests > 1
+                          and not fused_slot_write)
+    num_hash_programs = ceil_div(write_items if slots_in_hash else num_tokens, block_tokens)
+    history_in_hash = uses_history and num_hash_programs == 1
+
+    # Arguments shared by the three kernels, in their parameter order.
+    inputs = (batch.input_ids, batch.positions, batch.query_start_loc,
+              batch.dead_mask if batch.dead_mask is not None else placeholder, constants.token_map,
+              lookback if lookback is not None else placeholder,
+              lookback_dead if lookback_dead is not None else placeholder)
+    slot_values = slot_cache.values if slot_cache is not None else placeholder
+    slot_geometry = (slot_cache.block_size if slot_cache is not None else 1,
+                     slot_cache.num_slots if slot_cache is not None else 1,
+                     block_table.shape[1] if block_table is not None else 1,
+                     block_table.stride(0) if block_table is not None else 0)
+    history_rows = batch.request_rows if uses_history else placeholder
+    history_tensors = (history_rows, history.values if uses_history else placeholder,
+                       history.tags if uses_history else placeholder)
+    history_geometry = (history.width if uses_history else 1, history.max_requests if uses_history else 0)
+    slot_mapping = batch.slot_mapping if batch.slot_mapping is not None else placeholder
+    table = block_table if block_table is not None else placeholder
+    has_dead, has_lookback = batch.dead_mask is not None, lookback is not None
+    has_lookback_dead = lookback_dead is not None
+    layers_pad, columns_pad, history_pad = _padded_sizes(constants)
+    width_pad = next_power_of_2(history.width) if uses_history else 1
+    # What decides the compiled binaries beyond the constexprs: the caller's tensors'
+    # dtypes (the kernels do not specialize on alignment), and which ints need 64 bits.
+    caller = (*inputs[:4], inputs[5], inputs[6], slot_mapping, table, history_rows)
+    caller_tensors = (tuple(tensor_variant(t) for t in caller) if _ALIGNMENT_IN_KEY
+                      else (caller[0].dtype, caller[1].dtype, caller[2].dtype, caller[3].dtype, caller[4].dtype,
+                            caller[5].dtype, caller[6].dtype, caller[7].dtype, caller[8].dtype))
+    largest = max(slot_geometry[1], slot_geometry[3], num_requests)  # the ints that can grow large
+    widths = integer_widths(num_tokens, num_requests, *slot_geometry, *history_geometry) if largest >= 2**31 else ()
+
+    if (write_slots or write_seeds) and not slots_in_hash:
+        constexprs = (history_length, history_pad, has_dead, has_lookback_dead, write_slots, write_seeds,
+                      _WRITE_BLOCK)
+        slot_launch(ceil_div(write_items, _WRITE_BLOCK), (caller_tensors, widths, constexprs),
+                    (*inputs, slot_mapping, table, slot_values, num_tokens, num_requests, constants.vocab_size,
+                     *slot_geometry, *constexprs), num_warps=1, device_index=constants.device_index)
+
+    constexprs = (constants.num_layers, layers_pad, constants.max_ngram_size,
+                  history_pad, constants.n_heads, columns_pad,
+                  has_dead, has_lookback, has_lookback_dead, read_slots, uses_history,
+                  write_slots and slots_in_hash, write_seeds and slots_in_hash,
+                  slots_before_reads, history_in_hash,
+                  width_pad, missing_shift is not None, block_tokens, _HISTORY_BLOCK,
+                  min(_REQUEST_CHUNK_LARGEST, next_power_of_2(max(num_requests, 2))))
+    hash_launch(num_hash_programs, (caller_tensors, widths, constexprs),
+                (*inputs, slot_mapping, table, slot_values, *history_tensors,
+                 constants.multipliers, constants.column_primes, constants.barrett_multipliers,
+                 constants.column_offsets, out, missing_shift if missing_shift is not None else placeholder,
+                 num_tokens, num_requests, constants.vocab_size, constants.pad_id, *slot_geometry,
+                 *history_geometry, *constexprs), num_warps=num_warps, device_index=constants.device_index)
+
+    if uses_history and not history_in_hash and num_requests > 0:
+        constexprs = (history_length, history_pad, has_dead, has_lookback, has_lookback_dead, _HISTORY_BLOCK,
+                      width_pad)
+        history_launch(ceil_div(num_requests, _HISTORY_BLOCK), (caller_tensors, widths, constexprs),
+                       (*inputs, *history_tensors, num_tokens, num_requests, constants.vocab_size,
+                        *history_geometry, *constexprs), num_warps=1, device_index=constants.device_index)
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -151,14 +151,16 @@ class RequestHistory:
 
     # ---- device-side access --------------------------------------------------
     def read(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """int64 id stored for ``positions`` of ``rows`` (same shape); ``UNWRITTEN`` where the tag differs."""
+        """int64 id stored for ``positions`` of ``rows`` (same shape); ``UNWRITTEN`` where the tag differs.
+        Rows outside the bound ones read the spare row (validation reports them first)."""
+        rows = rows.clamp(0, self.max_requests)
         column = positions % self.width
         value = self.values[rows, column].long()
         return torch.where(self.tags[rows, column] == positions, value, torch.full_like(value, UNWRITTEN))
 
     def write(self, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> None:
         """Store ``values`` at ``positions`` where ``keep``; each kept (row, position % width) must appear once."""
-        rows = torch.where(keep, rows, torch.full_like(rows, self.max_requests))
+        rows = torch.where(keep & (rows >= 0) & (rows < self.max_requests), rows, torch.full_like(rows, self.max_requests))
         column = positions % self.width
         self.values[rows, column] = values.to(torch.int32)
         self.tags[rows, column] = positions

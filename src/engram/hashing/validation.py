@@ -44,10 +44,15 @@ def _first(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
+_INTEGER_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+_TENSOR_FIELDS = ("input_ids", "positions", "query_start_loc", "dead_mask", "lookback_token_ids",
+                  "lookback_dead_mask", "slot_mapping", "block_table", "request_rows")
+
+
 def _check_integer(name: str, tensor: torch.Tensor, shape: tuple[int, ...] | None, ndim: int | None = None) -> None:
-    if tensor.dtype.is_floating_point or tensor.dtype == torch.bool or tensor.is_complex():
+    if tensor.dtype not in _INTEGER_DTYPES:
         raise ValueError(f"{name}: expected an integer tensor, found dtype {tensor.dtype}")
-    if shape is not None and tuple(tensor.shape) != shape:
+    if shape is not None and tensor.shape != shape:
         raise ValueError(f"{name}: expected shape {list(shape)}, found {list(tensor.shape)}")
     if ndim is not None and tensor.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor, found shape {list(tensor.shape)}")
@@ -56,24 +61,32 @@ def _check_integer(name: str, tensor: torch.Tensor, shape: tuple[int, ...] | Non
 def _check_bool(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tensor.dtype != torch.bool:
         raise ValueError(f"{name}: expected a bool tensor, found dtype {tensor.dtype}")
-    if tuple(tensor.shape) != shape:
+    if tensor.shape != shape:
         raise ValueError(f"{name}: expected shape {list(shape)}, found {list(tensor.shape)}")
 
 
-def check_shapes(batch: BatchMetadata, history_length: int) -> None:
-    """Cheap checks of dtypes and shapes (no sync); run on every call."""
-    if batch.input_ids.dim() != 1:
-        raise ValueError(f"input_ids: expected a 1-D tensor [T], found shape {list(batch.input_ids.shape)}")
-    num_tokens = batch.num_tokens
+def check_shapes(batch: BatchMetadata, history_length: int, device_index: int = -1,
+                 device: torch.device | None = None) -> None:
+    """Dtypes, shapes and devices (no sync), on every call: what the kernels index by
+    must have the shape they assume, so that no value can take a read out of bounds.
+    ``device_index``: the hasher's CUDA device index, -1 for the CPU."""
+    input_ids = batch.input_ids
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids: expected a 1-D tensor [T], found shape {list(input_ids.shape)}")
+    num_tokens = input_ids.shape[0]
     if num_tokens > MAX_POSITION:
         raise ValueError(f"input_ids: {num_tokens} tokens exceed {MAX_POSITION} "
                          "(the hash kernel indexes batch tokens in int32)")
-    _check_integer("input_ids", batch.input_ids, None, 1)
+    for name in _TENSOR_FIELDS:
+        tensor = getattr(batch, name)
+        if tensor is not None and (tensor.get_device() != device_index if device_index >= 0 else not tensor.is_cpu):
+            raise ValueError(f"{name}: expected a tensor on {device}, found one on {tensor.device}")
+    _check_integer("input_ids", input_ids, None, 1)
     _check_integer("positions", batch.positions, (num_tokens,))
     _check_integer("query_start_loc", batch.query_start_loc, None, 1)
     if batch.query_start_loc.shape[0] < 1:
         raise ValueError("query_start_loc: expected R + 1 >= 1 entries, found 0")
-    num_requests = batch.num_requests
+    num_requests = batch.query_start_loc.shape[0] - 1
     if batch.dead_mask is not None:
         _check_bool("dead_mask", batch.dead_mask, (num_tokens,))
     if batch.lookback_token_ids is not None:
@@ -90,6 +103,8 @@ def check_shapes(batch: BatchMetadata, history_length: int) -> None:
             raise ValueError(
                 f"block_table: expected one row per request (>= {num_requests} rows), found shape {list(batch.block_table.shape)}"
             )
+        if batch.block_table.shape[1] < 1:
+            raise ValueError(f"block_table: expected at least one block per row, found shape {list(batch.block_table.shape)}")
     if batch.request_rows is not None:
         _check_integer("request_rows", batch.request_rows, (num_requests,))
 

@@ -34,6 +34,8 @@ import os
 
 import torch
 
+from ..triton_launch import CompiledLaunch, int_variant, tensor_variant
+
 __all__ = ["engram_gate", "engram_gate_kv", "engram_gate_torch", "gate_launch_config", "GateLaunchConfig",
            "GATE_BACKEND_ENV"]
 
@@ -118,6 +120,16 @@ def _resolve_out(hidden_states, out_dtype, out):
 
 
 # ---- dispatch -----------------------------------------------------------------------
+_GATE_LAUNCHER: list = []
+
+
+def _gate_launcher():
+    """The gate kernel's :class:`~engram.triton_launch.CompiledLaunch` (made on first use)."""
+    if not _GATE_LAUNCHER:
+        _GATE_LAUNCHER.append(CompiledLaunch(_triton_kernel()))
+    return _GATE_LAUNCHER[0]
+
+
 @functools.lru_cache(maxsize=1)
 def _triton_kernel():
     """The jitted kernel, or None when Triton (or the kernel module) cannot be imported."""
@@ -177,6 +189,7 @@ class GateLaunchConfig:
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def gate_launch_config(tokens: int, hc_mult: int, hidden: int) -> GateLaunchConfig:
     """The default :class:`GateLaunchConfig` (``tokens`` is kept for a per-T choice).
 
@@ -229,23 +242,17 @@ def _launch_gate_kernel(
     q_weight, k_weight = _contiguous_rows(q_weight), _contiguous_rows(k_weight)
     if token_mask is not None:
         token_mask = token_mask.contiguous().view(torch.uint8)
-    grid = (tokens * (hc_mult // copies),)
-    kernel = _triton_kernel()[grid](
-        hidden_states, key_source, value_source, q_weight, k_weight,
-        hidden_states if token_mask is None else token_mask, out,
-        hidden_states.stride(0), hidden_states.stride(1),
-        key_token_stride, key_copy_stride,
-        value_offset, value_token_stride,
-        q_weight.stride(0), k_weight.stride(0),
-        out.stride(0), out.stride(1),
-        float(eps), math.sqrt(hidden),
-        HIDDEN=hidden, HC_MULT=hc_mult, COPIES_PER_PROGRAM=copies,
-        HEAD_BLOCK=head_block, TAIL_BLOCK=tail_block, HAS_MASK=token_mask is not None,
-        EARLY_VALUE=config.early_value,
-        STREAM_EVICTION="evict_first" if config.cache_hints else "",
-        SHARED_EVICTION="evict_last" if config.cache_hints else "",
-        num_warps=config.num_warps,
-    )
+    ints = (hidden_states.stride(0), hidden_states.stride(1), key_token_stride, key_copy_stride,
+            value_offset, value_token_stride, q_weight.stride(0), k_weight.stride(0), out.stride(0), out.stride(1))
+    constexprs = (hidden, hc_mult, copies, head_block, tail_block, token_mask is not None, config.early_value,
+                  "evict_first" if config.cache_hints else "", "evict_last" if config.cache_hints else "")
+    mask_or_placeholder = hidden_states if token_mask is None else token_mask
+    tensors = (hidden_states, key_source, value_source, q_weight, k_weight, mask_or_placeholder, out)
+    variant = (tuple(tensor_variant(t) for t in tensors), tuple(int_variant(i) for i in ints), constexprs)
+    kernel = _gate_launcher()(tokens * (hc_mult // copies), variant,
+                              (*tensors, *ints, float(eps), math.sqrt(hidden), *constexprs),
+                              num_warps=config.num_warps,
+                              device_index=hidden_states.device.index if hidden_states.is_cuda else 0)
     if compiled is not None:
         compiled.append(kernel)
     return out

@@ -10,13 +10,14 @@ outputs, and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes
+from ..triton_launch import CompiledLaunch, int_variant, tensor_variant
 from .kernels import gather_rows_bf16_kernel, gather_rows_packed_kernel
 
 __all__ = ["GatherConfig", "default_config", "gather_rows", "gather_rows_packed"]
@@ -79,15 +80,20 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.lru_cache(maxsize=4)
+def _default_config(packed: bool, interpreted: bool) -> GatherConfig:
+    config = _GPU_PACKED_CONFIG if packed else _GPU_BF16_CONFIG
+    if interpreted:
+        decode = "fp8_nan_select" if config.decode == "fp8" else config.decode
+        config = dataclasses.replace(config, block_rows=64, decode=decode)
+    return config
+
+
 def default_config(packed: bool) -> GatherConfig:
     """The launch shape used when none is given: the H200's, or under the interpreter the same
     layout in blocks of 64 rows (about 1 ms per program; an ``"fp8"`` decode becomes
     ``"fp8_nan_select"``, as the interpreter's fp8 cast knows no E4M3 NaN)."""
-    config = _GPU_PACKED_CONFIG if packed else _GPU_BF16_CONFIG
-    if _interpreted():
-        decode = "fp8_nan_select" if config.decode == "fp8" else config.decode
-        config = dataclasses.replace(config, block_rows=64, decode=decode)
-    return config
+    return _default_config(packed, _interpreted())
 
 
 def _check_inputs(value_bytes, scale_bytes, hash_ids, row_start, column_start, column_end):
@@ -137,8 +143,13 @@ def _output(name: str, given: torch.Tensor | None, shape: tuple, dtype: torch.dt
     return given
 
 
+_LAUNCHERS = {gather_rows_bf16_kernel: CompiledLaunch(gather_rows_bf16_kernel),
+              gather_rows_packed_kernel: CompiledLaunch(gather_rows_packed_kernel)}
+
+
 def _launch(kernel, outputs, value_bytes, scale_bytes, hash_ids, row_start, column_start, column_end,
-            config: GatherConfig, extra: dict):
+            config: GatherConfig, extra: tuple):
+    """``extra``: the kernel's constexprs after BLOCK_ROWS and before VALUE_EVICTION, in order."""
     local_ids = hash_ids[:, column_start:column_end]  # a view: the kernel reads it through its strides
     tokens, local_columns = local_ids.shape
     num_rows, head_dim = value_bytes.shape
@@ -148,19 +159,20 @@ def _launch(kernel, outputs, value_bytes, scale_bytes, hash_ids, row_start, colu
     if total_rows >= 2**31 - config.block_rows:  # the kernels' flattened row index is int32
         raise ValueError(f"hash_ids: T * C_local = {total_rows} rows per launch; expected fewer than 2**31")
     groups = head_dim // BLOCK_SIZE
-    grid = (triton.cdiv(total_rows, config.block_rows),)
+    grid = (-(-total_rows // config.block_rows),)
     if local_ids.is_cuda and local_ids.device.index != torch.cuda.current_device():
         with torch.cuda.device(local_ids.device):  # Triton launches on the current device
             return _launch(kernel, outputs, value_bytes, scale_bytes, hash_ids, row_start, column_start,
                            column_end, config, extra)
-    kernel[grid](
-        local_ids, value_bytes, scale_bytes, *outputs,
-        total_rows, local_columns, local_ids.stride(0), local_ids.stride(1),
-        row_start, num_rows, value_bytes.stride(0), scale_bytes.stride(0),
-        HEAD_DIM=head_dim, GROUPS_PADDED=triton.next_power_of_2(groups), BLOCK_ROWS=config.block_rows,
-        VALUE_EVICTION=config.value_eviction, OUT_CACHE=config.out_cache,
-        num_warps=config.num_warps, num_stages=1, **extra,
-    )
+    ints = (total_rows, local_columns, local_ids.stride(0), local_ids.stride(1),
+            row_start, num_rows, value_bytes.stride(0), scale_bytes.stride(0))
+    constexprs = (head_dim, 1 << (groups - 1).bit_length(), config.block_rows, *extra,
+                  config.value_eviction, config.out_cache)
+    variant = (tensor_variant(local_ids), tensor_variant(value_bytes), tensor_variant(scale_bytes),
+               tuple(int_variant(i) for i in ints), constexprs)
+    _LAUNCHERS[kernel](grid[0], variant, (local_ids, value_bytes, scale_bytes, *outputs, *ints, *constexprs),
+                       num_warps=config.num_warps, num_stages=1,
+                       device_index=local_ids.device.index if local_ids.is_cuda else 0)
 
 
 def gather_rows(
@@ -198,8 +210,7 @@ def gather_rows(
     shape = (tokens, column_end - column_start, head_dim)
     out = _output("out", out, shape, torch.bfloat16, hash_ids.device)
     _launch(gather_rows_bf16_kernel, (out,), value_bytes, scale_bytes, hash_ids, row_start, column_start,
-            column_end, config, {"DECODE": _DECODE_MODES[config.decode], "VECTOR": config.vector,
-                                      "CHUNK_OUTER": config.chunk_outer})
+            column_end, config, (config.vector, config.chunk_outer, _DECODE_MODES[config.decode]))
     return out
 
 
@@ -232,5 +243,5 @@ def gather_rows_packed(
     out_scales = _output("out[1]", None if out is None else out[1], (tokens, local_columns, head_dim // BLOCK_SIZE),
                          torch.uint8, hash_ids.device)
     _launch(gather_rows_packed_kernel, (out_values, out_scales), value_bytes, scale_bytes, hash_ids, row_start,
-            column_start, column_end, config, {})
+            column_start, column_end, config, ())
     return out_values, out_scales

@@ -1,0 +1,121 @@
+"""Launching Triton kernels with little Python per call.
+
+``kernel[grid](*args)`` binds and specializes every argument on each call before
+it reaches the C launcher: with the ~45 arguments of the hash kernel that is
+most of an eager call's host time (DESIGN §4: 36-37 us for a bare launch of a
+comparable kernel on the H200 host). :class:`CompiledLaunch` does that work
+once per compiled variant, keyed by what the caller knows decides the variant,
+and then launches through the compiled kernel's own runner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Callable, Hashable
+
+import torch
+
+__all__ = ["CompiledLaunch", "triton_available", "interpreting", "require_triton", "integer_widths", "int_variant",
+           "tensor_variant", "VERIFY_VARIANTS"]
+
+# Tests set this: every launch also asks Triton which variant it would pick and
+# checks that it is the cached one (a wrong key would launch the wrong binary).
+VERIFY_VARIANTS = False
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, read at import)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def require_triton(what: str) -> None:
+    """Raise one clear error when ``what`` needs Triton and it is missing or cannot run."""
+    if not triton_available():
+        raise ValueError(f"{what}: the Triton backend needs the 'triton' package "
+                         "(pip install 'engram[triton]'), or pass backend='torch'")
+
+
+def jit_without_alignment(**options):
+    """``triton.jit`` with every argument excluded from 16-byte-alignment specialization,
+    so a launch's variant depends on the tensors' dtypes alone (no ``data_ptr()`` per
+    tensor per call). For kernels whose loads are gathers, where alignment buys nothing.
+    A Triton without the option compiles as plain ``triton.jit`` (and
+    :class:`CompiledLaunch` keys must then include alignment: see ``ALIGNMENT_SPECIALIZED``)."""
+    import triton
+
+    def decorate(function):
+        names = list(function.__code__.co_varnames[:function.__code__.co_argcount])
+        try:
+            return triton.jit(do_not_specialize_on_alignment=names, **options)(function)
+        except TypeError:
+            ALIGNMENT_SPECIALIZED.add(function.__name__)
+            return triton.jit(**options)(function)
+
+    return decorate
+
+
+# Kernels decorated by jit_without_alignment on a Triton that still specializes alignment.
+ALIGNMENT_SPECIALIZED: set[str] = set()
+
+
+def integer_widths(*values: int) -> tuple[bool, ...]:
+    """Per integer argument: whether Triton passes it as a 64-bit value (its signature
+    types ints by range, even where it does not specialize on the value)."""
+    return tuple(not -2**31 <= value < 2**31 for value in values)
+
+
+def int_variant(value: int) -> tuple[bool, bool, bool]:
+    """What Triton specializes a specialized int argument on: 64-bit, ``== 1``, ``% 16 == 0``."""
+    return not -2**31 <= value < 2**31, value == 1, value % 16 == 0
+
+
+def tensor_variant(tensor: torch.Tensor) -> tuple[Any, bool]:
+    """What Triton specializes a tensor argument on: dtype and 16-byte alignment."""
+    return tensor.dtype, tensor.data_ptr() % 16 == 0
+
+
+class CompiledLaunch:
+    """``launch(grid, variant, args, num_warps)`` runs ``kernel`` over ``grid`` programs.
+
+    ``args``: every parameter of the kernel, in order, constexprs included.
+    ``variant``: a hashable key that determines which binary Triton would compile
+    for ``args``: the constexpr values, each tensor's :func:`tensor_variant` (unless
+    the caller owns it and knows it), :func:`int_variant` of the specialized ints,
+    :func:`integer_widths` of the others, and ``num_warps``. The first launch of a variant goes through ``kernel[grid]`` and
+    keeps the compiled kernel; later ones call it directly on the current stream.
+    Under the interpreter, or with an older Triton, every launch goes through
+    ``kernel[grid]``.
+    """
+
+    def __init__(self, kernel: Callable):
+        self.kernel = kernel
+        self.compiled: dict[Hashable, Any] = {}
+        self._current_stream = None
+
+    def __call__(self, grid: int, variant: Hashable, args: tuple, num_warps: int, device_index: int = 0,
+                 num_stages: int | None = None) -> Any:
+        """Launch; returns the compiled kernel (None under the interpreter)."""
+        key = (variant, num_warps, num_stages, device_index)
+        compiled = self.compiled.get(key)
+        options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+        if compiled is None:
+            compiled = self.kernel[(grid,)](*args, **options)
+            if compiled is not None and hasattr(compiled, "function") and not interpreting():
+                self.compiled[key] = compiled
+            return compiled
+        if VERIFY_VARIANTS:
+            chosen = self.kernel.warmup(*args, grid=(grid,), **options)
+            if chosen is not compiled:
+                raise AssertionError(f"{self.kernel.__name__}: variant key {variant!r} maps to another binary")
+        if self._current_stream is None:
+            from triton.runtime import driver
+
+            self._current_stream = driver.active.get_current_stream
+        compiled[(grid, 1, 1)](*args, stream=self._current_stream(device_index))
+        return compiled
