@@ -26,6 +26,11 @@ Stages timed on every rank (median, 10th and 90th percentile of ``--iterations``
 * ``forward``: the whole ``Engram`` forward in tensor-parallel mode (lookup, pad,
   all-gather, unshard, wkv, gate); ``forward_sp``: ``Engram`` in sequence+tensor mode over
   the same group (each rank its ``ceil(T / tp)`` tokens; all-to-all of rows).
+* the two tensor-parallel designs for the wkv (issue 13): gather-first, the library's
+  (``all_gather`` + the whole ``wkv``; with an FP8 wkv the rows travel as FP8 bytes,
+  ``all_gather_fp8``: ``[T, ceil(24 / tp), 256 + 8]`` uint8), against partial kv sums
+  (``partial_wkv``: the rank's columns times its K-slice of ``wkv``, then ``all_reduce_kv``:
+  one all-reduce of the ``[T, 25600]`` bf16 partial kv).
 
 Timing, CUDA: eager calls between CUDA events on the current stream, a 256 MB buffer
 zeroed before every call (the L2 flush of ``triton.testing.do_bench``); before every
@@ -83,8 +88,9 @@ LAYER_INDEX = 0  # Engram layer 1, 384,006,168 rows
 L2_FLUSH_BYTES = 256 << 20
 # ``all_gather_single`` where torch has it (2.13+; ``all_gather_into_tensor`` is deprecated there), as Engram does.
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-STAGES = ("lookup", "all_gather", "wkv", "gate", "forward", "forward_sp")
-COLLECTIVE_STAGES = ("all_gather", "forward", "forward_sp")
+STAGES = ("lookup", "all_gather", "wkv", "gate", "forward", "forward_sp", "all_gather_fp8", "partial_wkv",
+          "all_reduce_kv")
+COLLECTIVE_STAGES = ("all_gather", "forward", "forward_sp", "all_gather_fp8", "all_reduce_kv")
 
 
 def small_spec() -> engram.EngramSpec:
@@ -302,6 +308,21 @@ def bench_tokens(setup: RankSetup, timer: StageTimer, tokens: int, seed: int) ->
                               [:, :columns].clone(memory_format=torch.contiguous_format))
     kv_sets = [setup.wkv(full_rows) for full_rows in full_rows_sets]  # [T, (hc + 1) * D] each
 
+    # The other tensor-parallel design: the rank's own columns times its K-slice of wkv, then an
+    # all-reduce of the partial kv; and the FP8 rows the gather-first design exchanges with an FP8 wkv.
+    local_flat_sets = [padded[:, : setup.column_end - setup.column_start].reshape(tokens, -1).contiguous()
+                       for padded in padded_sets]
+    weight_slice = setup.wkv.weight[:, setup.column_start * head_dim:setup.column_end * head_dim].contiguous()
+    partial_kv = torch.zeros(tokens, spec.kv_dim, dtype=torch.bfloat16, device=device)
+    packed_width = head_dim + head_dim // 32
+    packed_sets = []
+    for ids in id_sets:
+        values, scales = setup.table.lookup_packed(ids)
+        packed = torch.zeros(tokens, columns_per_rank, packed_width, dtype=torch.uint8, device=device)
+        packed[:, : values.shape[1]] = torch.cat([values.view(torch.uint8), scales], dim=-1)
+        packed_sets.append(packed)
+    received_packed = torch.empty(world_size, tokens, columns_per_rank, packed_width, dtype=torch.uint8, device=device)
+
     stage_calls = {
         "lookup": lambda i: setup.table.lookup(id_sets[i % ID_SETS]),
         "all_gather": all_gather,
@@ -311,6 +332,10 @@ def bench_tokens(setup: RankSetup, timer: StageTimer, tokens: int, seed: int) ->
         "forward": lambda i: setup.layer(hidden_sets[i % ID_SETS], id_sets[i % ID_SETS], mask_sets[i % ID_SETS]),
         "forward_sp": lambda i: setup.layer_sp(hidden_sets[i % ID_SETS][sp_start:sp_start + sp_count],
                                                id_sets[i % ID_SETS], mask_sets[i % ID_SETS]),
+        "all_gather_fp8": lambda i: ALL_GATHER(received_packed.view(-1, columns_per_rank, packed_width),
+                                               packed_sets[i % ID_SETS]),
+        "partial_wkv": lambda i: torch.nn.functional.linear(local_flat_sets[i % ID_SETS], weight_slice),
+        "all_reduce_kv": lambda i: dist.all_reduce(partial_kv),
     }
     timings = {stage: timer.time(stage_calls[stage], stage in COLLECTIVE_STAGES) for stage in STAGES}
 
@@ -348,6 +373,10 @@ def bench_tokens(setup: RankSetup, timer: StageTimer, tokens: int, seed: int) ->
     row["all_gather_algo_GBps"] = row["all_gather_output_bytes"] / row["all_gather_us"] / 1e3
     row["wkv_TFLOPs"] = row["wkv_flop"] / row["wkv_us"] / 1e6
     row["gate_GBps"] = gate_bytes / row["gate_us"] / 1e3
+    row["all_reduce_kv_bytes"] = tokens * spec.kv_dim * 2
+    row["all_gather_fp8_received_bytes"] = (world_size - 1) * tokens * columns_per_rank * packed_width
+    row["gather_first_us"] = row["all_gather_us"] + row["wkv_us"]
+    row["partial_sums_us"] = row["partial_wkv_us"] + row["all_reduce_kv_us"]
     if device.type == "cuda":
         row["max_memory_allocated_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     return row
@@ -445,6 +474,10 @@ def print_table(result: dict) -> None:
             end_section=True)
         print(f"T={entry['T']}: stages == forward: {checks['stages_match_forward']}, forward identical on ranks: "
               f"{checks['forward_identical_on_ranks']}, sp+tp tokens == tp: {entry['forward_sp_matches_forward']}")
+        slow = entry["slowest_rank"]
+        print(f"T={entry['T']} wkv across ranks (slowest rank, bf16 GEMMs): gather-first all-gather "
+              f"{slow['all_gather_us']:.1f} (FP8 rows {slow['all_gather_fp8_us']:.1f}) + wkv {slow['wkv_us']:.1f} us; "
+              f"partial sums: own K-slice {slow['partial_wkv_us']:.1f} + all-reduce of kv {slow['all_reduce_kv_us']:.1f} us")
     Console(width=160).print(table)
 
 

@@ -51,8 +51,21 @@ def main():
     kv = torch.randn(63, 5 * 80, device="cuda", dtype=torch.bfloat16)
     weights = torch.randn(2, 4, 80, device="cuda", dtype=torch.bfloat16)
     engram_gate_kv(hidden, kv, weights[0], weights[1], 1e-6, torch.rand(63, device="cuda") < 0.2, backend="triton")
+    # FP8 wkv kernels: ids outside the rows, T = 63 (padded to 64), K = 7 x 64 (a partial 128-group),
+    # N = 200 (a partial tile and weight block), per-column weight scales (block rows 16).
+    from engram.layer import wkv_gemm
+    weight = (torch.randn(200, 7 * 64, device="cuda") * 30).to(torch.float8_e4m3fn)
+    for block in ((128, 128), (16, 128)):
+        weight_scale = torch.full((-(-200 // block[0]), 4), 2.0 ** -8, device="cuda")
+        a, a_scale = wkv_gemm.quantize_gathered_rows(values, scales, ids, row_start=100)
+        wkv_gemm.block_scaled_gemm(a, a_scale, 63, weight, weight_scale, block)
+        wkv_gemm.fused_gather_gemm(values, scales, ids, weight, weight_scale, block, row_start=100)
+        packed = gather_rows_packed(values, scales, ids)
+        wkv_gemm.fused_gather_gemm(packed[0], packed[1], None, weight, weight_scale, block)
+        wkv_gemm.quantize_gathered_rows(packed[0], packed[1], None)
     torch.cuda.synchronize()
-    print("memcheck workload done: hash (3 sources, all launches, malformed-metadata fuzz), gather (bf16, packed), gate")
+    print("memcheck workload done: hash (3 sources, all launches, malformed-metadata fuzz), gather (bf16, packed), "
+          "gate, wkv (gather-quantize, block-scaled GEMM, fused gather-GEMM)")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ each run (``ENGRAM_TEST_SEED`` replays one); every assertion message names it.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -30,7 +29,9 @@ FIRST_WORD = 4  # ids 0..3 are the word tokenizer's specials
 
 
 def _seed() -> int:
-    return int(os.environ.get("ENGRAM_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    from conftest import fresh_seed
+
+    return fresh_seed(__name__)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +309,7 @@ def test_misuse_gets_clear_errors(model):
     memory = model.engram_handle.memory
     with pytest.raises(ValueError, match="already attached"):
         attach_engram(model, memory)
-    ids = torch.randint(FIRST_WORD, model.config.vocab_size, (2, 6))
+    ids = torch.randint(FIRST_WORD, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(_seed()))
     with torch.no_grad(), pytest.raises(ValueError, match="input_ids: Engram hashes token ids"):
         model(inputs_embeds=model.model.embed_tokens(ids))
     memory_handle = model.engram_handle

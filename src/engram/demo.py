@@ -20,6 +20,7 @@ from .common import resolve_device
 from .corpus import english_texts
 from .defaults import default_tokenizer_path, packaged_config
 from .layer.gate import engram_gate
+from .layer.wkv import split_kv
 from .hashing.batch import NgramHasher
 from .layout import EngramLayout
 from .simulation import HISTORY_SOURCES, StreamingEngine
@@ -163,9 +164,14 @@ class _LayerRunner:
         for index, layer_id in enumerate(memory.layer_ids):
             layer = memory.layer(layer_id)
             started = time.perf_counter()
-            rows = layer.table.lookup(hash_ids[:, index, :])                 # bf16 [T, C, head_dim]
-            started = self._time("lookup", started)
-            key, value = layer.wkv.key_value(rows, layer.hc_mult)            # bf16 [T, hc, D], [T, D]
+            if layer.wkv.fp8:  # FP8 wkv on the GPU: FP8 rows, the path the module takes
+                values, scales = layer.table.lookup_packed(hash_ids[:, index, :])   # [T, C, hd], [T, C, hd / 32]
+                started = self._time("lookup", started)
+                key, value = split_kv(layer.wkv.forward_fp8_rows(values, scales), layer.hc_mult)
+            else:
+                rows = layer.table.lookup(hash_ids[:, index, :])                 # bf16 [T, C, head_dim]
+                started = self._time("lookup", started)
+                key, value = layer.wkv.key_value(rows, layer.hc_mult)            # bf16 [T, hc, D], [T, D]
             started = self._time("wkv", started)
             outputs.append(engram_gate(hidden, key, value, layer.q_weight, layer.k_weight, layer.eps, token_mask))
             self._time("gate", started)

@@ -28,6 +28,17 @@ group sizes, ``P = ceil(C / tp)`` columns per rank, bf16 rows of ``2 * hd`` byte
   tensor-parallel peers hold the same token shard): look up own columns for own
   tokens, ``all_gather`` them over ``tp_group``, wkv and gate on own tokens.
 
+FP8 wkv (``wkv.fp8``, issue 13): the same movement with FP8 rows (``uint8 [.., hd + hd / 32]``:
+E4M3 bytes and UE8M0 scale bytes, 264 B per V4.1 row instead of 512 B of bf16), which the wkv
+kernels read as packed rows; without tensor parallelism they read a device table in place, by
+hash id. Tensor parallelism stays **gather-first** rather than partial kv sums (each rank
+multiplying its own columns by its K-slice of ``wkv`` and all-reducing kv): at T = 8192 the
+all-gather moves 8192 x 24 x 264 B x (tp - 1) / tp = 26-45 MB, the all-reduce 2 (tp - 1) / tp x
+8192 x 25,600 x 2 B = 419-734 MB (bf16 kv; fp32 partials double it). With the buses measured on
+two H200 (227 GB/s for the row all-gather, benchmarks/NOTES.md) the all-reduce alone costs
+1.8-3.2 ms, more than the (tp - 1) / tp of a 2.3 ms FP8 GEMM that splitting K would save
+(1.15-2.0 ms); and gather-first keeps every rank's result bit-identical to one process.
+
 Bit-exactness: the tensor-parallel mode is bit-identical to one process by
 construction (every rank runs the single-process GEMM on the same rows). The
 sequence-parallel modes run the wkv GEMM on fewer rows, so they are bit-identical
@@ -211,9 +222,11 @@ class Engram(torch.nn.Module):
         sequence_parallel: bool = False,
         sp_group: Any = None,
         gate_backend: str = "auto",
+        wkv_backend: str | None = None,
     ) -> "Engram":
         """Build from an :class:`EngramSpec` and one layer's checkpoint tensors
-        (``engram.wkv.weight`` [+ ``.scale``], ``engram.q_weight``, ``engram.k_weight``)."""
+        (``engram.wkv.weight`` [+ ``.scale``], ``engram.q_weight``, ``engram.k_weight``), on the
+        device of ``wkv_weight``; ``wkv_backend`` as :class:`WkvProjection`'s ``backend``."""
         expected = [spec.kv_dim, spec.num_columns * spec.head_dim]
         if not isinstance(wkv_weight, torch.Tensor) or list(wkv_weight.shape) != expected:
             found = list(wkv_weight.shape) if isinstance(wkv_weight, torch.Tensor) else type(wkv_weight).__name__
@@ -222,7 +235,8 @@ class Engram(torch.nn.Module):
             if not isinstance(tensor, torch.Tensor) or list(tensor.shape) != [spec.hc_mult, spec.hidden_size]:
                 found = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise ValueError(f"{name}: expected shape [{spec.hc_mult}, {spec.hidden_size}] (hc_mult, hidden_size), found {found}")
-        wkv = WkvProjection(wkv_weight, wkv_scale, spec.weight_block_size if wkv_scale is not None else None)
+        wkv = WkvProjection(wkv_weight, wkv_scale, spec.weight_block_size if wkv_scale is not None else None,
+                            backend=wkv_backend)
         return cls(table, wkv, q_weight, k_weight, eps=spec.rms_norm_eps, num_columns=spec.num_columns,
                    tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group,
                    gate_backend=gate_backend)
@@ -272,47 +286,91 @@ class Engram(torch.nn.Module):
             raise ValueError(f"table.lookup: expected a bfloat16 tensor {expected} [T, C_local, head_dim], found {found}")
         return rows
 
+    def _lookup_packed(self, hash_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's columns for the tokens of ``hash_ids [n, C]`` as FP8 rows:
+        ``uint8 [n, C_local, hd + hd / 32]`` (E4M3 bytes, then the UE8M0 scale bytes of each row)."""
+        local_columns = self.column_end - self.column_start
+        width = self.head_dim + self.head_dim // 32
+        if hash_ids.shape[0] == 0:
+            return torch.empty(0, local_columns, width, dtype=torch.uint8, device=device)
+        values, scales = self.table.lookup_packed(hash_ids)
+        return torch.cat([values.view(torch.uint8), scales], dim=-1)
+
     def _pad_columns(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[n, C_local, hd]`` -> ``[n, P, hd]`` (zeros right of the rank's columns), contiguous."""
+        """``[n, C_local, w]`` -> ``[n, P, w]`` (zeros right of the rank's columns), contiguous."""
         if rows.shape[1] == self.columns_per_rank:
             return rows.contiguous()
-        padded = rows.new_zeros(rows.shape[0], self.columns_per_rank, self.head_dim)
+        padded = rows.new_zeros(rows.shape[0], self.columns_per_rank, rows.shape[2])
         padded[:, : rows.shape[1]] = rows
         return padded
 
     def _unshard_columns(self, received: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """``[tp, >= n, P, hd]`` (chunk ``s`` = rank ``s``'s columns) -> ``[n, C, hd]``."""
+        """``[tp, >= n, P, w]`` (chunk ``s`` = rank ``s``'s columns) -> ``[n, C, w]``."""
+        width = received.shape[-1]
         rows = received[:, :num_tokens].permute(1, 0, 2, 3).reshape(num_tokens, self.tp_size * self.columns_per_rank,
-                                                                     self.head_dim)
+                                                                     width)
         return rows[:, : self.num_columns].contiguous()
 
     def gather_rows(self, hash_ids: torch.Tensor, counts: Sequence[int], starts: Sequence[int],
                     device: torch.device) -> torch.Tensor:
         """bf16 ``[n, C, head_dim]``: all columns' rows of this rank's ``n`` tokens (see the module docstring)."""
+        return self._gather(hash_ids, counts, starts, device, self._lookup, self.head_dim, torch.bfloat16)
+
+    def gather_packed_rows(self, hash_ids: torch.Tensor, counts: Sequence[int], starts: Sequence[int],
+                           device: torch.device) -> torch.Tensor:
+        """FP8 rows ``uint8 [n, C, hd + hd / 32]`` (E4M3 bytes, then scale bytes) of this rank's
+        ``n`` tokens: the same data movement as :meth:`gather_rows` with 264 bytes per V4.1 row
+        instead of 512."""
+        return self._gather(hash_ids, counts, starts, device, self._lookup_packed,
+                            self.head_dim + self.head_dim // 32, torch.uint8)
+
+    def _gather(self, hash_ids, counts, starts, device, lookup, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[n, C, width]`` rows of this rank's tokens, ``lookup(ids, device) -> [m, C_local, width]``."""
         rank = self.sp_rank
         start, count = starts[rank], counts[rank]
         if self.mode in ("single", "sequence"):
-            return self._lookup(hash_ids[start:start + count], device)
+            return lookup(hash_ids[start:start + count], device)
         if self.mode in ("tensor", "sequence x tensor"):
             # The tensor-parallel peers hold the same tokens: gather their columns.
             if count == 0:  # every peer has no token either
-                return torch.empty(0, self.num_columns, self.head_dim, dtype=torch.bfloat16, device=device)
-            local = self._pad_columns(self._lookup(hash_ids[start:start + count], device))
+                return torch.empty(0, self.num_columns, width, dtype=dtype, device=device)
+            local = self._pad_columns(lookup(hash_ids[start:start + count], device))
             received = local.new_empty(self.tp_size, *local.shape)
             _all_gather_stacked(received, local, self.tp_group)
             return self._unshard_columns(received, count)
         # "sequence+tensor": own columns of all tokens, all_to_all so each rank gets its tokens.
         chunk = max(counts)
         if chunk == 0:
-            return torch.empty(0, self.num_columns, self.head_dim, dtype=torch.bfloat16, device=device)
-        local = self._lookup(hash_ids, device)
-        send = local.new_zeros(self.tp_size, chunk, self.columns_per_rank, self.head_dim)
+            return torch.empty(0, self.num_columns, width, dtype=dtype, device=device)
+        local = lookup(hash_ids, device)
+        send = local.new_zeros(self.tp_size, chunk, self.columns_per_rank, width)
         for destination in range(self.tp_size):
             first, n = starts[destination], counts[destination]
             send[destination, :n, : local.shape[1]] = local[first:first + n]
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=self.tp_group)
         return self._unshard_columns(received, count)
+
+    def project(self, hash_ids: torch.Tensor, counts: Sequence[int], starts: Sequence[int],
+                device: torch.device) -> torch.Tensor:
+        """``kv`` bf16 ``[n, (hc + 1) * D]`` of this rank's tokens: rows -> wkv.
+
+        bf16 wkv: :meth:`gather_rows`, then the bf16 GEMM. FP8 wkv: without tensor parallelism,
+        a table whose bytes live on the compute device is read in place by the wkv kernels
+        (:meth:`EngramTable.rows_in_place`); otherwise FP8 rows are gathered first
+        (:meth:`gather_packed_rows`, all-gathered across tensor-parallel ranks) and the kernels
+        read them as packed rows.
+        """
+        if not self.wkv.fp8:
+            return self.wkv(self.gather_rows(hash_ids, counts, starts, device))
+        if self.mode in ("single", "sequence") and hasattr(self.table, "rows_in_place"):
+            start, count = starts[self.sp_rank], counts[self.sp_rank]
+            source = self.table.rows_in_place(hash_ids[start:start + count])
+            if source is not None:
+                values, scales, local_ids, row_start = source
+                return self.wkv.forward_fp8_rows(values, scales, local_ids, row_start)
+        packed = self.gather_packed_rows(hash_ids, counts, starts, device)
+        return self.wkv.forward_fp8_rows(packed[..., : self.head_dim], packed[..., self.head_dim:])
 
     # ---- forward ---------------------------------------------------------------
     def forward(
@@ -369,8 +427,7 @@ class Engram(torch.nn.Module):
                 raise ValueError(f"token_mask: expected shape {expected}, found {list(token_mask.shape)}")
             token_mask = token_mask.to(hidden_states.device)
 
-        rows = self.gather_rows(hash_ids, counts, starts, hidden_states.device)
-        kv = self.wkv(rows)
+        kv = self.project(hash_ids, counts, starts, hidden_states.device)
         # The fused Triton gate on CUDA (keys and value read in place from kv), torch on the CPU.
         return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask,
                               backend=self.gate_backend)

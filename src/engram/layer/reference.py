@@ -18,7 +18,8 @@ import torch
 
 from ..table.fp8 import E8M0_DTYPE
 
-__all__ = ["reference_gate", "reference_dequantize_wkv", "reference_wkv", "reference_engram"]
+__all__ = ["reference_gate", "reference_dequantize_wkv", "reference_wkv", "reference_engram",
+           "reference_quantize_activations", "reference_dequantize_activations", "reference_exact_rows"]
 
 _F64 = torch.float64
 
@@ -117,3 +118,53 @@ def reference_engram(
     key = kv[:, : hc_mult * hidden].reshape(tokens, hc_mult, hidden)
     value = kv[:, hc_mult * hidden:]
     return reference_gate(hidden_states, key, value, q_weight, k_weight, eps, token_mask)
+
+
+ACTIVATION_GROUP = 128
+
+
+def reference_quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 activations of path (a): ``rows [T, K]`` (any float dtype, finite) ->
+    ``(values float8_e4m3fn [T, K], scales float32 [T, ceil(K / 128)])``.
+
+    Per token and group of 128 consecutive values (the last group may be shorter):
+    ``s = 2 ** clamp(ceil(log2(amax / 448)), -127, 127)`` (amax 0 -> 1) and
+    ``values = round_nearest_even_e4m3(x / s)`` -- the table codec's rule with groups of 128.
+    ``ceil(log2(.))`` is taken exactly (float64 ``frexp``: ``amax = m * 2**e``, ``448 = 0.875 * 2**9``).
+    """
+    x = rows.to(_F64)
+    tokens, in_features = x.shape
+    groups = -(-in_features // ACTIVATION_GROUP)
+    padded = torch.zeros(tokens, groups * ACTIVATION_GROUP, dtype=_F64, device=x.device)
+    padded[:, :in_features] = x
+    blocks = padded.reshape(tokens, groups, ACTIVATION_GROUP)
+    amax = blocks.abs().amax(dim=-1)                                          # [T, G]
+    mantissa, exponent = torch.frexp(amax)
+    exponent = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
+    exponent = torch.where(amax == 0, torch.zeros_like(exponent), exponent).clamp(-127, 127)
+    scales = torch.pow(torch.tensor(2.0, dtype=_F64, device=x.device), exponent.to(_F64))   # [T, G]
+    scaled = (blocks / scales[..., None]).reshape(tokens, -1)[:, :in_features]
+    # float64 -> float32 is exact here (a power-of-two rescaling of values with <= 53 bits that fit fp32
+    # whenever the input was fp32/bf16), then torch's fp32 -> E4M3 cast rounds to nearest even.
+    values = scaled.to(torch.float32).to(torch.float8_e4m3fn)
+    return values, scales.to(torch.float32)
+
+
+def reference_dequantize_activations(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 ``[T, K]``: ``values[t, k] * scales[t, k // 128]`` (the inverse of
+    :func:`reference_quantize_activations` up to its rounding)."""
+    in_features = values.shape[1]
+    per_value = scales.to(_F64).repeat_interleave(ACTIVATION_GROUP, dim=1)[:, :in_features]
+    return values.to(_F64) * per_value
+
+
+def reference_exact_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 ``[..., D]``: the exact table values ``e4m3 * 2 ** (b - 127)`` of FP8 rows
+    (``values`` E4M3 or its bytes ``[..., D]``, ``scales`` UE8M0 bytes ``[..., D / 32]``)."""
+    from ..table.fp8 import as_scale_bytes, as_value_bytes
+
+    value_bytes = as_value_bytes(values, "values")
+    scale_bytes = as_scale_bytes(scales, "scales")
+    decoded = value_bytes.view(torch.float8_e4m3fn).to(_F64)
+    factors = torch.pow(torch.tensor(2.0, dtype=_F64), scale_bytes.cpu().to(_F64) - 127.0).to(decoded.device)
+    return decoded * factors.repeat_interleave(32, dim=-1)

@@ -8,29 +8,52 @@ Checkpoint weights come as bf16, or as FP8 E4M3 with block scales: one scale per
 e.g. ``[128, 128]``), scale tensor ``[ceil(out / block_rows), ceil(in / block_cols)]``,
 UE8M0 (``2 ** (byte - 127)``) or plain fp32. The last block row/column may be partial.
 
-Choices of this path (torch's ``linear``: cuBLAS on CUDA, oneDNN/BLAS on the CPU):
+Paths (``backend``; default ``"auto"``, or the environment variable ``ENGRAM_WKV_BACKEND``):
 
-* The FP8 weight is dequantized **once, at construction**, to bf16
-  (``e4m3 * scale`` in fp32, one rounding to bf16; exact for UE8M0 scales). The
-  CPU has no FP8 GEMM, and a per-call dequantization would cost a full pass over
-  the weight for every batch. There is no FP8 GEMM here yet; one would keep the
-  FP8 weight and its scales and replace the ``linear`` in :meth:`WkvProjection.forward`.
-* The output ``kv`` is **bf16** (fp32 accumulation inside the GEMM, one rounding
-  to bf16), like every other bf16 linear layer of the model: the gate then reads
-  bf16 keys and values and does its own math in fp32. bf16 halves the bytes
-  between the GEMM and the gate (8192 tokens x 25600 outputs: 419 MB vs 839 MB).
+* ``"bf16"`` (the CPU path, and the fallback): the FP8 weight is dequantized **once, at
+  construction**, to bf16 (``e4m3 * scale`` in fp32, one rounding to bf16; exact for UE8M0
+  scales); ``kv = rows @ W.T`` by torch (fp32 accumulation, one rounding to bf16).
+* ``"scaled_mm"`` -- path (a): the FP8 weight stays FP8 with fp32 copies of its block scales
+  (157 MB + 38 KB instead of 315 MB for V4.1); the table rows are re-quantized to E4M3 with one
+  power-of-two scale per 1 x 128 group (one Triton pass straight from the table bytes, no bf16
+  rows) and multiplied by ``torch._scaled_mm`` with 1 x 128 / 128 x 128 block scales. Needs a
+  build where that runs (cuBLAS >= 12.9, sm90), probed once at construction.
+* ``"triton"`` -- path (a) with a Triton block-scaled GEMM instead of ``torch._scaled_mm``.
+* ``"fused"`` -- path (b): one Triton kernel reads each token's table rows by hash id as the
+  GEMM's A operand (E4M3 bytes + the rows' own UE8M0 scales per 32 values), with no
+  re-quantization and no rows tensor (numerics: ``wkv_kernels.fused_gather_gemm_kernel``).
+* ``"auto"``: ``"bf16"`` for a bf16 weight or a CPU weight; on CUDA with an FP8 weight,
+  ``"scaled_mm"`` where the probe passes, else ``"fused"``.
+
+The FP8 paths take FP8 rows (:meth:`WkvProjection.forward_fp8_rows`: table rows by hash id or
+packed rows). Given bf16 rows (:meth:`WkvProjection.forward`), every FP8 path re-quantizes them
+per 1 x 128 group with torch ops (path (a)'s numerics) and runs a block-scaled GEMM
+(``torch._scaled_mm`` for ``"scaled_mm"``, else the Triton one, which needs weight blocks
+128-aligned along the input).
+
+The output ``kv`` is **bf16** (fp32 accumulation inside the GEMM, one rounding to bf16), like
+every other bf16 linear layer of the model: the gate then reads bf16 keys and values and does
+its own math in fp32. bf16 halves the bytes between the GEMM and the gate (8192 tokens x 25600
+outputs: 419 MB vs 839 MB).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import os
+
 import torch
 
 from ..common import ceil_div
 from ..table.fp8 import E8M0_DTYPE, scale_bytes_to_float
 
-__all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv"]
+__all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv", "WKV_BACKEND_ENV", "WKV_BACKENDS"]
+
+WKV_BACKEND_ENV = "ENGRAM_WKV_BACKEND"
+"""Environment variable choosing :class:`WkvProjection`'s path when ``backend`` is not given."""
+WKV_BACKENDS = ("auto", "bf16", "scaled_mm", "triton", "fused")
+_FP8_BACKENDS = ("scaled_mm", "triton", "fused")
 
 _FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn,)
 _PLAIN_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -132,27 +155,94 @@ def split_kv(kv: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor
     return key, value
 
 
+def _resolve_backend(backend, weight: torch.Tensor) -> str:
+    """The requested backend (argument, else ``ENGRAM_WKV_BACKEND``, else ``"auto"``), checked."""
+    source = "backend"
+    if backend is None:
+        backend, source = os.environ.get(WKV_BACKEND_ENV, "auto"), WKV_BACKEND_ENV
+    if backend not in WKV_BACKENDS:
+        raise ValueError(f"{source}: expected one of {', '.join(repr(b) for b in WKV_BACKENDS)}, found {backend!r}")
+    if backend == "auto":
+        if weight.dtype not in _FP8_WEIGHT_DTYPES or weight.device.type != "cuda":
+            return "bf16"
+        return "auto"
+    if backend in _FP8_BACKENDS:
+        if weight.dtype not in _FP8_WEIGHT_DTYPES:
+            raise ValueError(f"{source}: {backend!r} needs a float8_e4m3fn weight with block scales, "
+                             f"found a {weight.dtype} weight")
+        if weight.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"{source}: {backend!r} runs on CUDA (or the CPU under TRITON_INTERPRET=1), "
+                             f"found a weight on {weight.device}")
+    return backend
+
+
 class WkvProjection(torch.nn.Module):
-    """``kv [T, out] = rows.flatten(-2) [T, C * head_dim] @ weight.T``, bf16 in and out.
+    """``kv [T, out] = rows.flatten(-2) [T, C * head_dim] @ weight.T``, bf16 out.
 
-    Built from the checkpoint tensors ``(weight, scale=None, block_size=None)``
-    (see :func:`dequantize_wkv_weight`); holds the bf16 weight ``[out, in]`` as the
-    buffer ``weight``. ``out = (hc_mult + 1) * hidden``, ``in = C * head_dim``.
+    Built from the checkpoint tensors ``(weight, scale=None, block_size=None)`` on the device
+    it will run on. ``out = (hc_mult + 1) * hidden``, ``in = C * head_dim``. Buffers:
 
-    Output layout assumption: the first ``hc_mult * hidden`` outputs are the keys
-    of copies ``0 .. hc_mult - 1`` in order (``hidden`` each), the last ``hidden``
-    outputs the value shared by all copies (:func:`split_kv`).
+    * ``backend == "bf16"``: ``weight`` bf16 ``[out, in]`` (see :func:`dequantize_wkv_weight`);
+    * FP8 backends: ``weight`` float8_e4m3fn ``[out, in]`` as in the checkpoint, and
+      ``weight_scale`` fp32 ``[ceil(out / br), >= ceil(in / bc)]`` (its multipliers, rows padded
+      to the stride ``torch._scaled_mm`` wants; :attr:`weight_scale_blocks` is the unpadded view).
+
+    See the module docstring for the paths. Output layout assumption: the first
+    ``hc_mult * hidden`` outputs are the keys of copies ``0 .. hc_mult - 1`` in order (``hidden``
+    each), the last ``hidden`` outputs the value shared by all copies (:func:`split_kv`).
     """
 
     weight: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                 block_size: Sequence[int] | None = None):
+                 block_size: Sequence[int] | None = None, *, backend: str | None = None):
         super().__init__()
         self.source_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
         self.block_size = None if block_size is None else _check_block_size(block_size)
-        self.register_buffer("weight", dequantize_wkv_weight(weight, scale, block_size))
+        dequantized = dequantize_wkv_weight(weight, scale, block_size)  # also checks every argument
+        self.backend = _resolve_backend(backend, weight)
+        self.backend_note = ""
+        self._scaled_mm_layout = None
+        if self.backend == "bf16":
+            self.register_buffer("weight", dequantized)
+            self.weight_scale = None
+            return
+        del dequantized
+        self._setup_fp8(weight, scale)
 
+    def _setup_fp8(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        from . import wkv_gemm
+
+        block_rows, block_cols = self.block_size
+        in_features = weight.shape[1]
+        wanted = self.backend
+        if wanted in ("auto", "scaled_mm"):
+            layout, note = (None, f"block_size {self.block_size} is not [128, 128]")
+            if self.block_size == (128, 128):
+                layout, note = wkv_gemm.probe_scaled_mm_blockwise(weight.device, in_features, weight.shape[0])
+            if layout is None and wanted == "scaled_mm":
+                raise ValueError(f"backend: 'scaled_mm' needs torch._scaled_mm with 1x128 / 128x128 block scales, "
+                                 f"unavailable here: {note}")
+            self.backend = "scaled_mm" if layout is not None else "fused"
+            self._scaled_mm_layout, self.backend_note = layout, note
+        step = wkv_gemm.ACTIVATION_GROUP if self.backend in ("scaled_mm", "triton") else 32
+        if block_cols % step:
+            if wanted != "auto":
+                raise ValueError(f"block_size: backend {self.backend!r} needs weight blocks {step}-aligned along "
+                                 f"the input, found {list(self.block_size)}")
+            self.backend, self.backend_note = "bf16", f"block_size {list(self.block_size)} fits no FP8 kernel"
+            self.register_buffer("weight", dequantize_wkv_weight(weight, scale, self.block_size))
+            self.weight_scale = None
+            return
+        blocks = _scale_values(scale)                              # fp32 [ceil(out / br), ceil(in / bc)]
+        row_multiple = self._scaled_mm_layout.row_multiple if self._scaled_mm_layout is not None else 4
+        stride = ceil_div(blocks.shape[1], row_multiple) * row_multiple
+        padded = torch.zeros(blocks.shape[0], stride, dtype=torch.float32, device=weight.device)
+        padded[:, : blocks.shape[1]] = blocks
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("weight_scale", padded)
+
+    # ---- properties ----------------------------------------------------------------
     @property
     def in_features(self) -> int:
         return self.weight.shape[1]
@@ -161,8 +251,27 @@ class WkvProjection(torch.nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` bf16 ``[T, C, head_dim]`` or ``[T, C * head_dim]`` -> ``kv`` bf16 ``[T, out_features]``."""
+    @property
+    def fp8(self) -> bool:
+        """True when the weight stays FP8 and the layer should be given FP8 rows
+        (:meth:`forward_fp8_rows`)."""
+        return self.backend in _FP8_BACKENDS
+
+    @property
+    def weight_scale_blocks(self) -> torch.Tensor | None:
+        """fp32 ``[ceil(out / br), ceil(in / bc)]`` view of the FP8 weight's block scales (None in bf16)."""
+        if self.weight_scale is None:
+            return None
+        return self.weight_scale[:, : ceil_div(self.in_features, self.block_size[1])]
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes the weight occupies on its device (weight plus scales)."""
+        scale_bytes = 0 if self.weight_scale is None else self.weight_scale.numel() * 4
+        return self.weight.numel() * self.weight.element_size() + scale_bytes
+
+    # ---- forward ---------------------------------------------------------------
+    def _check_flat_rows(self, rows: torch.Tensor) -> torch.Tensor:
         if not isinstance(rows, torch.Tensor):
             raise ValueError(f"rows: expected a torch.Tensor, found {type(rows).__name__}")
         if rows.dim() == 3:
@@ -178,8 +287,80 @@ class WkvProjection(torch.nn.Module):
             raise ValueError(f"rows: expected dtype torch.bfloat16, found {rows.dtype}")
         if rows.device != self.weight.device:
             raise ValueError(f"rows: expected device {self.weight.device} (the weight's), found {rows.device}")
-        # The one GEMM of the layer (see the module docstring): an FP8 GEMM would replace this call.
-        return torch.nn.functional.linear(flat, self.weight)
+        return flat
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` bf16 ``[T, C, head_dim]`` or ``[T, C * head_dim]`` -> ``kv`` bf16 ``[T, out_features]``.
+
+        FP8 backends re-quantize bf16 rows per 1 x 128 group (torch ops, path (a)'s numerics);
+        give them FP8 rows with :meth:`forward_fp8_rows` instead."""
+        flat = self._check_flat_rows(rows)
+        if not self.fp8:
+            return torch.nn.functional.linear(flat, self.weight)
+        from . import wkv_gemm
+        from .reference import reference_quantize_activations
+
+        tokens = flat.shape[0]
+        padded = wkv_gemm.padded_tokens(tokens)
+        values, scales = reference_quantize_activations(flat)
+        a = torch.zeros(padded, self.in_features, dtype=torch.float8_e4m3fn, device=flat.device)
+        a[:tokens] = values
+        a_scale = torch.ones(scales.shape[1], padded, dtype=torch.float32, device=flat.device)
+        a_scale[:, :tokens] = scales.t()
+        return self._block_scaled_gemm(a, a_scale.t(), tokens)
+
+    def _block_scaled_gemm(self, a: torch.Tensor, a_scale: torch.Tensor, tokens: int) -> torch.Tensor:
+        from . import wkv_gemm
+
+        if self.backend == "scaled_mm":
+            return wkv_gemm.scaled_mm_gemm(a, a_scale, tokens, self.weight, self.weight_scale_blocks.t())
+        return wkv_gemm.block_scaled_gemm(a, a_scale, tokens, self.weight, self.weight_scale, self.block_size)
+
+    def forward_fp8_rows(self, values: torch.Tensor, scales: torch.Tensor, hash_ids: torch.Tensor | None = None,
+                         row_start: int = 0) -> torch.Tensor:
+        """``kv`` bf16 ``[T, out_features]`` from FP8 rows, on this projection's path.
+
+        Args:
+            values, scales: packed rows E4M3 ``[T, C, D]`` and UE8M0 bytes ``[T, C, D / 32]``
+                (``hash_ids`` None), or a table's rows ``[R, D]`` / ``[R, D / 32]`` holding global
+                rows ``[row_start, row_start + R)``, read by ``hash_ids``.
+            hash_ids: int32/int64 ``[T, C]`` global row ids of the served columns (any strides);
+                ids outside the table's rows read zero rows.
+
+        ``"bf16"`` dequantizes the rows (torch) and runs its bf16 GEMM; the FP8 paths run their
+        Triton kernels (and ``torch._scaled_mm``) without a host sync.
+        """
+        from . import wkv_gemm
+
+        if not isinstance(values, torch.Tensor) or values.device != self.weight.device:
+            found = values.device if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(f"values: expected a tensor on {self.weight.device} (the weight's), found {found}")
+        if hash_ids is None:
+            width = values.shape[1] * values.shape[2] if values.dim() == 3 else None
+            what = f"packed rows {list(values.shape)}"
+        else:
+            width = (hash_ids.shape[1] * values.shape[1] if isinstance(hash_ids, torch.Tensor)
+                     and hash_ids.dim() == 2 and values.dim() == 2 else None)
+            what = (f"hash_ids {list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else hash_ids!r} "
+                    f"and table rows {list(values.shape)}")
+        if width is not None and width != self.in_features:
+            raise ValueError(f"values: expected C * head_dim = {self.in_features} values per token, found "
+                             f"{width} ({what})")
+        if not self.fp8:
+            from ..table.fp8 import dequantize_rows
+            from ..table.reference import lookup_reference
+
+            if hash_ids is None:
+                rows = dequantize_rows(values, scales, torch.bfloat16)
+            else:
+                rows = lookup_reference(values, scales, hash_ids, row_start)
+            return self.forward(rows)
+        if self.backend == "fused":
+            return wkv_gemm.fused_gather_gemm(values, scales, hash_ids, self.weight, self.weight_scale,
+                                              self.block_size, row_start)
+        tokens = (values.shape[0] if hash_ids is None else hash_ids.shape[0])
+        a, a_scale = wkv_gemm.quantize_gathered_rows(values, scales, hash_ids, row_start)
+        return self._block_scaled_gemm(a, a_scale, tokens)
 
     def key_value(self, rows: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows [T, C, head_dim]`` -> ``key`` bf16 ``[T, hc_mult, D]``, ``value`` bf16 ``[T, D]`` (views of kv)."""
@@ -190,4 +371,4 @@ class WkvProjection(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"source_dtype={self.source_dtype}, block_size={self.block_size}")
+                f"source_dtype={self.source_dtype}, block_size={self.block_size}, backend={self.backend!r}")

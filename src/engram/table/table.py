@@ -470,6 +470,20 @@ class EngramTable:
         return (value_bytes.view(torch.float8_e4m3fn).reshape(tokens, local_columns, head_dim),
                 scale_bytes.reshape(tokens, local_columns, head_dim // BLOCK_SIZE))
 
+    def rows_in_place(self, hash_ids: torch.Tensor):
+        """The stored rows for a kernel that reads them by id itself (the fused wkv paths):
+        ``(values uint8 [rows, D], scales uint8 [rows, D // 32], ids [T, C_local], row_start)``
+        with ``ids`` the served columns of ``hash_ids`` (a view, checked as :meth:`lookup` does),
+        or None when the bytes do not live on :attr:`device` (host placements: use
+        :meth:`lookup_packed`)."""
+        global_ids = self._local_columns(hash_ids)
+        storage = self._storage
+        if not _same_device(storage.value_bytes.device, self.device):
+            return None
+        if self.validate:
+            self._check_ids(global_ids)
+        return storage.value_bytes, storage.scale_bytes, global_ids, self._row_start
+
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows: ``hash_ids`` int32/int64 ``[T, C]`` -> ``bfloat16 [T, C_local, D]``,
         ``out[t, j] = e4m3 * 2**(b - 127)`` of row ``hash_ids[t, column_start + j]``; +0 outside the table's rows."""

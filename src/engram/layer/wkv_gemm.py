@@ -1,0 +1,403 @@
+"""Launchers of the FP8 ``wkv`` kernels (:mod:`engram.layer.wkv_kernels`) and the
+``torch._scaled_mm`` block-scaled GEMM, with its one-time support probe.
+
+* :func:`quantize_gathered_rows`: table rows (by hash id) or packed rows -> E4M3 activations with
+  1 x 128 power-of-two scales (path (a), activation side).
+* :func:`scaled_mm_gemm`: ``torch._scaled_mm`` with 1 x 128 activation / 128 x 128 weight scales
+  (cuBLAS >= 12.9 on sm90; layouts probed once by :func:`probe_scaled_mm_blockwise`).
+* :func:`block_scaled_gemm`: the same GEMM as a Triton kernel (any build, the interpreter too).
+* :func:`fused_gather_gemm`: path (b), rows read by hash id straight into the GEMM.
+
+Every launcher runs where its tensors are (CUDA, or the CPU under ``TRITON_INTERPRET=1``), never
+syncs with the host, allocates only its outputs and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..table.fp8 import BLOCK_SIZE
+from .wkv_kernels import block_scaled_gemm_kernel, fused_gather_gemm_kernel, gather_quantize_kernel
+
+__all__ = [
+    "ACTIVATION_GROUP",
+    "WkvGemmConfig",
+    "default_gemm_config",
+    "padded_tokens",
+    "quantize_gathered_rows",
+    "block_scaled_gemm",
+    "scaled_mm_gemm",
+    "fused_gather_gemm",
+    "probe_scaled_mm_blockwise",
+    "ScaledMmLayout",
+]
+
+ACTIVATION_GROUP = 128
+"""Values per activation scale of path (a) (1 x 128 groups, the DeepSeek FP8 recipe)."""
+_TOKEN_PADDING = 4  # cuBLASLt wants the column-major [T, K / 128] scale's column stride 16-byte aligned
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def padded_tokens(tokens: int) -> int:
+    """Rows of the quantized activation buffer: ``T`` rounded up to a multiple of 4 (at least 4)."""
+    return max(_TOKEN_PADDING, -(-tokens // _TOKEN_PADDING) * _TOKEN_PADDING)
+
+
+@dataclass(frozen=True)
+class WkvGemmConfig:
+    """Tile shape of the GEMM kernels: ``block_m x block_n`` outputs per program, ``group_m``
+    row tiles per column sweep (L2 reuse), ``num_warps``, ``num_stages`` (software pipeline)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "group_m", "num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"WkvGemmConfig.{name}: expected a power of two, found {value!r}")
+        if self.block_m < 16 or self.block_n < 16:
+            raise ValueError(f"WkvGemmConfig: block_m and block_n must be >= 16 (tl.dot), "
+                             f"found {self.block_m} x {self.block_n}")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"WkvGemmConfig.num_stages: expected a positive integer, found {self.num_stages!r}")
+
+
+# Not yet measured on a GPU (issue 13 was built without one); benchmarks/bench_layer.py sweeps
+# the fused kernel's shapes at T = 64 and 8192 and records them for this table.
+_GPU_CONFIGS = (  # (largest T, config)
+    (16, WkvGemmConfig(block_m=16, block_n=64, group_m=1, num_warps=4, num_stages=4)),
+    (64, WkvGemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4)),
+    (None, WkvGemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)),
+)
+
+
+def default_gemm_config(tokens: int, fused: bool) -> WkvGemmConfig:
+    """Tile shape for ``T`` tokens: small tiles for decode, 128 x 128 for prefill (more pipeline
+    stages for the fused kernel, whose steps are 32 deep instead of 128); 16 x 32 tiles under
+    the interpreter (about 1 ms per program instance)."""
+    if _interpreted():
+        return WkvGemmConfig(block_m=16, block_n=32, group_m=2, num_warps=4, num_stages=1)
+    for limit, config in _GPU_CONFIGS:
+        if limit is None or tokens <= limit:
+            return dataclasses.replace(config, num_stages=config.num_stages + 1) if fused else config
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------
+# checks
+# ---------------------------------------------------------------------------
+def _check_rows_source(values, scales, hash_ids, row_start):
+    """``(value_bytes [R, D], scale_bytes [R, D / 32], ids [T, C] or None, T, C)``.
+
+    ``hash_ids`` None: ``values`` / ``scales`` are packed rows ``[T, C, D]`` / ``[T, C, D / 32]``."""
+    from ..table.fp8 import as_scale_bytes, as_value_bytes
+
+    value_bytes = as_value_bytes(values, "values")
+    scale_bytes = as_scale_bytes(scales, "scales")
+    if hash_ids is None:
+        if value_bytes.dim() != 3:
+            raise ValueError(f"values: expected packed rows [T, C, head_dim], found {list(value_bytes.shape)}")
+        tokens, columns, head_dim = value_bytes.shape
+        if tuple(scale_bytes.shape) != (tokens, columns, head_dim // BLOCK_SIZE):
+            raise ValueError(f"scales: expected shape {[tokens, columns, head_dim // BLOCK_SIZE]}, "
+                             f"found {list(scale_bytes.shape)}")
+        value_bytes = value_bytes.reshape(tokens * columns, head_dim)
+        scale_bytes = scale_bytes.reshape(tokens * columns, head_dim // BLOCK_SIZE)
+    else:
+        if value_bytes.dim() != 2:
+            raise ValueError(f"values: expected table rows [rows, head_dim], found {list(value_bytes.shape)}")
+        head_dim = value_bytes.shape[1]
+        if tuple(scale_bytes.shape) != (value_bytes.shape[0], head_dim // BLOCK_SIZE):
+            raise ValueError(f"scales: expected shape {[value_bytes.shape[0], head_dim // BLOCK_SIZE]}, "
+                             f"found {list(scale_bytes.shape)}")
+        if (not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 2
+                or hash_ids.dtype not in (torch.int32, torch.int64)):
+            found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
+                     else type(hash_ids).__name__)
+            raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
+        if hash_ids.device != value_bytes.device:
+            raise ValueError(f"hash_ids: expected device {value_bytes.device} (the rows'), found {hash_ids.device}")
+        tokens, columns = hash_ids.shape
+    if head_dim == 0 or head_dim % BLOCK_SIZE:
+        raise ValueError(f"values: head_dim must be a positive multiple of {BLOCK_SIZE}, found {head_dim}")
+    if value_bytes.stride(-1) != 1 or scale_bytes.stride(-1) != 1:
+        raise ValueError(f"values/scales: rows must be contiguous (last stride 1), found strides "
+                         f"{value_bytes.stride()} and {scale_bytes.stride()}")
+    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
+        raise ValueError(f"row_start: expected a non-negative integer, found {row_start!r}")
+    if scale_bytes.device != value_bytes.device:
+        raise ValueError(f"scales: expected device {value_bytes.device} (the values'), found {scale_bytes.device}")
+    return value_bytes, scale_bytes, hash_ids, tokens, columns
+
+
+def _check_weight(weight, weight_scale, block_size, in_features, step):
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"weight: expected a float8_e4m3fn [N, K] tensor with contiguous rows, "
+                         f"found {weight.dtype} {list(weight.shape)} strides {weight.stride()}")
+    if weight.shape[1] != in_features:
+        raise ValueError(f"weight: expected K = {in_features} input features (C * head_dim of the rows), "
+                         f"found shape {list(weight.shape)}")
+    block_n, block_k = block_size
+    if block_k % step:
+        raise ValueError(f"block_size: expected weight blocks {step}-aligned along K for this kernel, found {block_size}")
+    expected = (-(-weight.shape[0] // block_n), -(-in_features // block_k))
+    if (weight_scale.dtype != torch.float32 or weight_scale.dim() != 2 or weight_scale.shape[0] != expected[0]
+            or weight_scale.shape[1] < expected[1] or weight_scale.stride(1) != 1):
+        raise ValueError(f"weight_scale: expected fp32 [{expected[0]}, >= {expected[1]}] with contiguous rows, "
+                         f"found {weight_scale.dtype} {list(weight_scale.shape)}")
+    if weight.device != weight_scale.device:
+        raise ValueError(f"weight_scale: expected device {weight.device} (the weight's), found {weight_scale.device}")
+
+
+def _kv_out(out, tokens, out_features, device):
+    if out is None:
+        return torch.empty(tokens, out_features, dtype=torch.bfloat16, device=device)
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or list(out.shape) != [tokens, out_features]
+            or not out.is_contiguous() or out.device != device):
+        found = f"{out.dtype} {list(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out: expected a contiguous torch.bfloat16 tensor [{tokens}, {out_features}] on {device}, "
+                         f"found {found}")
+    return out
+
+
+def _on_device(tensor: torch.Tensor):
+    """Triton launches on the current CUDA device: a context for ``tensor``'s device."""
+    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    import contextlib
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------
+def quantize_gathered_rows(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    hash_ids: torch.Tensor | None,
+    row_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows -> E4M3 activations with power-of-two 1 x 128 scales (see ``gather_quantize_kernel``).
+
+    Args:
+        values, scales: table rows ``[R, D]`` / ``[R, D / 32]`` read by ``hash_ids`` (rows
+            ``[row_start, row_start + R)``, ids outside read zeros), or with ``hash_ids`` None
+            packed rows ``[T, C, D]`` / ``[T, C, D / 32]``. E4M3 (or its bytes) and UE8M0 bytes.
+        hash_ids: int32/int64 ``[T, C]`` (the served columns, any strides), or None.
+
+    Returns:
+        ``(a float8_e4m3fn [padded_T, C * D], a_scale fp32 [padded_T, ceil(C * D / 128)])``:
+        ``a_scale`` is the column-major view (strides ``(1, padded_T)``) that ``torch._scaled_mm``
+        takes; rows ``>= T`` are zeros with scale 1 (``padded_T`` = :func:`padded_tokens`).
+    """
+    value_bytes, scale_bytes, hash_ids, tokens, columns = _check_rows_source(values, scales, hash_ids, row_start)
+    head_dim = value_bytes.shape[1]
+    in_features = columns * head_dim
+    padded = padded_tokens(tokens)
+    groups = -(-in_features // ACTIVATION_GROUP)
+    device = value_bytes.device
+    a = torch.empty(padded, in_features, dtype=torch.uint8, device=device)
+    a_scale = torch.empty(groups, padded, dtype=torch.float32, device=device)
+    if in_features == 0:
+        return a.view(torch.float8_e4m3fn), a_scale.t()
+    block_t = 16 if _interpreted() else 32
+    ids_are_rows = hash_ids is None
+    ids = value_bytes if ids_are_rows else hash_ids  # any pointer when unused
+    strides = (0, 0) if ids_are_rows else (hash_ids.stride(0), hash_ids.stride(1))
+    with _on_device(value_bytes):
+        gather_quantize_kernel[(triton.cdiv(padded, block_t), groups)](
+            ids, value_bytes, scale_bytes, a, a_scale,
+            tokens, padded, columns, *strides, row_start, value_bytes.shape[0],
+            value_bytes.stride(0), scale_bytes.stride(0),
+            HEAD_DIM=head_dim, BLOCK_T=block_t, IDS_ARE_ROWS=ids_are_rows, num_warps=4,
+        )
+    return a.view(torch.float8_e4m3fn), a_scale.t()
+
+
+def _weight_launch_args(weight, weight_scale, block_size, config):
+    block_n_w, block_k_w = block_size
+    return dict(BLOCK_N_W=block_n_w, BLOCK_K_W=block_k_w, SCALE_PER_TILE=block_n_w % config.block_n == 0)
+
+
+def _grid(tokens, out_features, config):
+    return (triton.cdiv(tokens, config.block_m) * triton.cdiv(out_features, config.block_n),)
+
+
+def block_scaled_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    tokens: int,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_size: tuple[int, int],
+    *,
+    out: torch.Tensor | None = None,
+    config: WkvGemmConfig | None = None,
+) -> torch.Tensor:
+    """Triton block-scaled FP8 GEMM: ``kv bf16 [T, N]`` from :func:`quantize_gathered_rows`'s
+    ``(a, a_scale)`` (first ``tokens`` rows) and ``weight`` E4M3 ``[N, K]`` with fp32
+    ``weight_scale [ceil(N / bn), >= ceil(K / bk)]`` (``block_size = (bn, bk)``, ``bk % 128 == 0``).
+    Numerics: ``block_scaled_gemm_kernel``."""
+    if a.dtype != torch.float8_e4m3fn or a.dim() != 2 or not a.is_contiguous():
+        raise ValueError(f"a: expected a contiguous float8_e4m3fn [padded_T, K] tensor, found {a.dtype} {list(a.shape)}")
+    padded, in_features = a.shape
+    if list(a_scale.shape) != [padded, -(-in_features // ACTIVATION_GROUP)] or a_scale.stride() != (1, padded):
+        raise ValueError(f"a_scale: expected the column-major fp32 [{padded}, {-(-in_features // ACTIVATION_GROUP)}] "
+                         f"view of quantize_gathered_rows, found shape {list(a_scale.shape)} strides {a_scale.stride()}")
+    if not 0 <= tokens <= padded:
+        raise ValueError(f"tokens: expected 0..{padded} (rows of a), found {tokens}")
+    _check_weight(weight, weight_scale, block_size, in_features, ACTIVATION_GROUP)
+    config = default_gemm_config(tokens, fused=False) if config is None else config
+    out_features = weight.shape[0]
+    out = _kv_out(out, tokens, out_features, a.device)
+    if tokens == 0 or out_features == 0:
+        return out
+    with _on_device(a):
+        block_scaled_gemm_kernel[_grid(tokens, out_features, config)](
+            a.view(torch.uint8), a_scale, weight.view(torch.uint8), weight_scale, out,
+            tokens, padded, in_features, out_features, weight_scale.stride(0),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
+            **_weight_launch_args(weight, weight_scale, block_size, config),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out
+
+
+def fused_gather_gemm(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    hash_ids: torch.Tensor | None,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_size: tuple[int, int],
+    row_start: int = 0,
+    *,
+    out: torch.Tensor | None = None,
+    config: WkvGemmConfig | None = None,
+) -> torch.Tensor:
+    """Path (b): ``kv bf16 [T, N]`` straight from FP8 rows (numerics: ``fused_gather_gemm_kernel``).
+
+    ``values``, ``scales``, ``hash_ids``, ``row_start`` as :func:`quantize_gathered_rows` (table
+    rows by id, or packed rows with ``hash_ids`` None); ``weight`` / ``weight_scale`` /
+    ``block_size`` as :func:`block_scaled_gemm` with ``bk % 32 == 0``."""
+    value_bytes, scale_bytes, hash_ids, tokens, columns = _check_rows_source(values, scales, hash_ids, row_start)
+    head_dim = value_bytes.shape[1]
+    in_features = columns * head_dim
+    _check_weight(weight, weight_scale, block_size, in_features, BLOCK_SIZE)
+    config = default_gemm_config(tokens, fused=True) if config is None else config
+    out_features = weight.shape[0]
+    out = _kv_out(out, tokens, out_features, value_bytes.device)
+    if tokens == 0 or out_features == 0:
+        return out
+    if in_features == 0:
+        return out.zero_()
+    ids_are_rows = hash_ids is None
+    ids = value_bytes if ids_are_rows else hash_ids
+    strides = (0, 0) if ids_are_rows else (hash_ids.stride(0), hash_ids.stride(1))
+    with _on_device(value_bytes):
+        fused_gather_gemm_kernel[_grid(tokens, out_features, config)](
+            ids, value_bytes, scale_bytes, weight.view(torch.uint8), weight_scale, out,
+            tokens, columns, *strides, row_start, value_bytes.shape[0], value_bytes.stride(0), scale_bytes.stride(0),
+            in_features, out_features, weight_scale.stride(0),
+            HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
+            **_weight_launch_args(weight, weight_scale, block_size, config), IDS_ARE_ROWS=ids_are_rows,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# torch._scaled_mm
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScaledMmLayout:
+    """How this torch build takes 128 x 128 weight scales: the row stride of the ``[N / 128, K / 128]``
+    scale tensor (passed transposed) is ``K / 128`` rounded up to ``row_multiple`` (1 or 4:
+    releases differ)."""
+
+    row_multiple: int
+
+
+def scaled_mm_weight_scale(weight_scale: torch.Tensor, layout: ScaledMmLayout) -> torch.Tensor:
+    """fp32 ``[N / 128, K / 128]`` -> the ``[K / 128, N / 128]`` transposed view ``torch._scaled_mm``
+    takes for 128 x 128 blocks, its rows padded to the layout's stride."""
+    blocks_n, blocks_k = weight_scale.shape
+    stride = -(-blocks_k // layout.row_multiple) * layout.row_multiple
+    padded = torch.zeros(blocks_n, stride, dtype=torch.float32, device=weight_scale.device)
+    padded[:, :blocks_k] = weight_scale
+    return padded[:, :blocks_k].t()
+
+
+def scaled_mm_gemm(a: torch.Tensor, a_scale: torch.Tensor, tokens: int, weight: torch.Tensor,
+                   weight_scale_t: torch.Tensor) -> torch.Tensor:
+    """``kv bf16 [T, N]`` (a view of ``[padded_T, N]``) = ``torch._scaled_mm`` of the quantized
+    activations (1 x 128 scales) and ``weight`` ``[N, K]`` (128 x 128 scales,
+    :func:`scaled_mm_weight_scale`); cuBLAS's block-scaled FP8 GEMM, fp32 accumulation."""
+    kv = torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=weight_scale_t, out_dtype=torch.bfloat16)
+    return kv[:tokens]
+
+
+def _probe(device: torch.device, in_features: int, out_features: int, layout: ScaledMmLayout) -> str | None:
+    """None when ``torch._scaled_mm`` runs 1 x 128 / 128 x 128 blocks with ``layout`` at this
+    ``K x N`` (5 random tokens, random power-of-two scales, partial blocks as the real shape has
+    them) and matches an fp32 reference within bf16 rounding; else why not."""
+    generator = torch.Generator(device=device).manual_seed(13)
+    tokens = 5
+    blocks = (-(-out_features // 128), -(-in_features // 128))
+    weight = (torch.randn(out_features, in_features, device=device, generator=generator) * 64).to(torch.float8_e4m3fn)
+    weight_scale = torch.exp2(torch.randint(-12, -4, blocks, device=device, generator=generator).float())
+    padded = padded_tokens(tokens)
+    a = torch.zeros(padded, in_features, dtype=torch.float8_e4m3fn, device=device)
+    a[:tokens] = (torch.randn(tokens, in_features, device=device, generator=generator) * 16).to(torch.float8_e4m3fn)
+    a_scale = torch.ones(blocks[1], padded, device=device)
+    a_scale[:, :tokens] = torch.exp2(torch.randint(-6, 2, (blocks[1], tokens), device=device, generator=generator).float())
+    try:
+        found = scaled_mm_gemm(a, a_scale.t(), tokens, weight, scaled_mm_weight_scale(weight_scale, layout)).float()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    a_values = a[:tokens].float() * a_scale[:, :tokens].t().repeat_interleave(128, dim=1)[:, :in_features]
+    worst, largest = 0.0, 0.0
+    for first in range(0, out_features, 2048):  # an fp32 reference, 2048 outputs at a time
+        rows = slice(first, min(out_features, first + 2048))
+        factors = weight_scale[first // 128: -(-rows.stop // 128)].repeat_interleave(128, 0)[: rows.stop - first]
+        w_values = weight[rows].float() * factors.repeat_interleave(128, 1)[:, :in_features]
+        expected = a_values @ w_values.T
+        worst = max(worst, float((found[:, rows] - expected).abs().max()))
+        largest = max(largest, float(expected.abs().max()))
+    error = worst / max(largest, 1e-30)
+    return None if error < 2 ** -7 else f"wrong results (max error {error:.3g} of the largest output)"
+
+
+@functools.cache
+def probe_scaled_mm_blockwise(device: torch.device, in_features: int, out_features: int
+                              ) -> tuple[ScaledMmLayout | None, str]:
+    """``(layout, note)``: whether this build's ``torch._scaled_mm`` takes DeepSeek-style block
+    scales on ``device`` at ``K x N`` (checked once per device and shape by running it; sm90 and
+    cuBLAS >= 12.9), and with which scale row stride. ``(None, reason)`` where it does not."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, "not a CUDA device"
+    if not hasattr(torch, "_scaled_mm"):
+        return None, "torch has no _scaled_mm"
+    if in_features % 16 or out_features % 16:
+        return None, f"K = {in_features} and N = {out_features} must be multiples of 16"
+    reasons = []
+    with torch.cuda.device(device):
+        for layout in (ScaledMmLayout(4), ScaledMmLayout(1)):
+            reason = _probe(device, in_features, out_features, layout)
+            if reason is None:
+                return layout, f"torch._scaled_mm blockwise, scale rows padded to {layout.row_multiple}"
+            reasons.append(f"row stride x{layout.row_multiple}: {reason}")
+    return None, "; ".join(reasons)
