@@ -453,7 +453,16 @@ def allocate_table_storage(placement: str, num_rows: int, head_dim: int, device:
     ``"cpu"`` allocates CPU memory, ``"device"`` memory on ``device`` (CUDA), and any
     other placement (the host-memory ones) pinned host memory.
     """
-    allocate = _STORAGE_ALLOCATORS.get(placement) or _default_allocator(placement)
+    allocate = _STORAGE_ALLOCATORS.get(placement)
+    if allocate is None and placement == "host":
+        # Packed rows (engram.table.host_rows): values and scales are views of one buffer,
+        # which the host placement pins in place (no second copy).
+        from .table.host_rows import PackedRows, packed_row_bytes
+
+        buffer = torch.empty((num_rows + 1) * packed_row_bytes(head_dim), dtype=torch.uint8)
+        rows = PackedRows.view_of(buffer, num_rows, head_dim)
+        return rows.values, rows.scales
+    allocate = allocate or _default_allocator(placement)
     return allocate(num_rows, head_dim, device), allocate(num_rows, head_dim // BLOCK_SIZE, device)
 
 

@@ -31,22 +31,34 @@ from .vocab import TokenCompressor
 __all__ = ["EngramMemory", "resolve_placement"]
 
 
-def resolve_placement(placement: str, device: torch.device | str | int | None = None) -> tuple[str, torch.device]:
+# "auto" keeps the tables in HBM when they take at most this fraction of the free device
+# memory (the rest of the model needs the remainder), else in host memory.
+AUTO_DEVICE_FRACTION = 0.5
+
+
+def resolve_placement(placement: str, device: torch.device | str | int | None = None,
+                      table_bytes: int | None = None) -> tuple[str, torch.device]:
     """``(placement, compute device)``: where lookups, wkv and gate run.
 
-    ``"auto"``: ``"cpu"`` for a CPU ``device``, ``"device"`` for a CUDA one; without a
-    ``device``, ``"device"`` when CUDA is available, else ``"cpu"``. ``"cpu"`` runs on the
-    CPU; every other placement (``"device"``; host-memory placements when registered)
-    on a CUDA device, ``device`` or the current one. Errors name the placement the
-    caller gave and the device.
+    ``"auto"``: ``"cpu"`` for a CPU ``device`` or on a machine without CUDA; on a CUDA
+    device ``"device"`` when ``table_bytes`` (this rank's tables) fit in
+    :data:`AUTO_DEVICE_FRACTION` of its free memory (or are unknown), else ``"host"``.
+    ``"cpu"`` runs on the CPU; every other placement (``"device"``, ``"host"``) on a CUDA
+    device, ``device`` or the current one. Errors name the placement the caller gave
+    and the device.
     """
     asked = placement
     if placement == "auto":
         wanted = None if device is None else as_device(device)
-        if wanted is None:
-            placement = "device" if torch.cuda.is_available() else "cpu"
+        if (wanted is None and not torch.cuda.is_available()) or (wanted is not None and wanted.type == "cpu"):
+            placement = "cpu"
         else:
-            placement = "cpu" if wanted.type == "cpu" else "device"
+            target = resolve_cuda_device(device, "placement 'auto'")
+            placement = "device"
+            if table_bytes is not None and "host" in available_placements():
+                free, _ = torch.cuda.mem_get_info(target)
+                if table_bytes > AUTO_DEVICE_FRACTION * free:
+                    placement = "host"
     available = available_placements()
     if placement not in available:
         raise ValueError(f"placement: expected 'auto' or one of {list(available)}, found {placement!r}")
@@ -54,6 +66,9 @@ def resolve_placement(placement: str, device: torch.device | str | int | None = 
         if device is not None and as_device(device).type != "cpu":
             raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
         return placement, torch.device("cpu")
+    if placement == "host" and not torch.cuda.is_available():
+        raise ValueError("placement: 'host' keeps the tables in host memory for a CUDA device to read, and this "
+                         "machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
     return placement, resolve_cuda_device(device, f"placement {asked!r}")
 
 
@@ -147,8 +162,10 @@ class EngramMemory:
         Args:
             model_dir: holds ``config.json``, ``tokenizer.json`` and the safetensors
                 shards (with or without ``model.safetensors.index.json``).
-            placement: ``"auto"`` (``"device"`` when CUDA is available, else ``"cpu"``),
-                ``"cpu"``, ``"device"``, or a registered host-memory placement.
+            placement: ``"auto"`` (:func:`resolve_placement`: ``"device"`` when the tables fit
+                in half the free HBM, else ``"host"``; ``"cpu"`` without CUDA), ``"cpu"``,
+                ``"device"`` (HBM) or ``"host"`` (pinned host memory read by the GPU; see
+                :meth:`prefetch`).
             device: the CUDA device of a GPU placement (default: the current one).
             tp_group: tensor-parallel ``ProcessGroup``: this rank reads and keeps only the
                 rows of its hash columns (:meth:`EngramLayout.shard`); the layers gather
@@ -174,11 +191,12 @@ class EngramMemory:
         spec = _read_spec(model_dir)
         layout = EngramLayout(spec)
         vocab = _read_vocab(model_dir, spec)
-        placement, compute_device = resolve_placement(placement, device)
         shard = None
         if tp_group is not None:
             rank, world_size = _tensor_parallel_rank(tp_group)
             shard = layout.shard(rank, world_size)
+        rows = [layout.num_embeddings[i] if shard is None else shard.num_rows(i) for i in range(spec.num_layers)]
+        placement, compute_device = resolve_placement(placement, device, table_bytes=sum(rows) * spec.row_bytes)
 
         checkpoint = SafetensorsCheckpoint(model_dir)
         # Check every tensor header first: a bad tensor fails before gigabytes are read.
@@ -188,7 +206,6 @@ class EngramMemory:
                 checkpoint.check(checkpoint.name(layer_id, kind), *expected[kind])
         weights = [load_engram_layer_weights(checkpoint, spec, layout, index) for index in range(spec.num_layers)]
 
-        rows = [layout.num_embeddings[i] if shard is None else shard.num_rows(i) for i in range(spec.num_layers)]
         what = "engram tables" if shard is None else f"engram tables (rank {shard.rank} of {shard.world_size})"
         # One bar per group: tensor-parallel ranks other than 0 stream silently.
         bar = table_progress(sum(rows) * spec.row_bytes, what, enabled=progress and (shard is None or shard.rank == 0))
@@ -238,6 +255,22 @@ class EngramMemory:
         return self.tables[self.spec.layer_ids[self._index(layer_id)]]
 
     # ---- running -------------------------------------------------------------
+    def prefetch(self, hash_ids: torch.Tensor) -> None:
+        """Start reading every layer's rows of ``hash_ids [T, L, C]`` now, in layer order
+        (call it right after hashing, on the stream that runs the layers). With placement
+        ``"host"`` large batches are gathered on the host and copied by the copy engine
+        while the decoder runs; each :meth:`forward_layer` given the same ``hash_ids``
+        then waits, on the GPU, for its own layer's rows only. Returns at once (no host
+        sync); a no-op where the rows already live on the device, for decode-sized batches
+        (read directly, graph-capturable) and while a CUDA graph is being captured."""
+        expected = [self.spec.num_layers, self.spec.num_columns]
+        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 3 or list(hash_ids.shape[1:]) != expected:
+            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
+            raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
+                             f"hash columns), found {found}")
+        for index, layer_id in enumerate(self.spec.layer_ids):
+            self.tables[layer_id].prefetch(hash_ids[:, index, :])
+
     def forward_layer(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
                       token_mask: torch.Tensor | None = None, *,
                       sp_token_counts: Sequence[int] | None = None) -> torch.Tensor:

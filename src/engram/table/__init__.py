@@ -22,6 +22,7 @@ from .table import (
     make_placement,
     register_placement,
 )
+from .host import HostPlacement  # registers placement "host"
 
 __all__ = [
     "BLOCK_SIZE",
@@ -39,6 +40,7 @@ __all__ = [
     "TablePlacement",
     "CpuPlacement",
     "DevicePlacement",
+    "HostPlacement",
     "available_placements",
     "make_placement",
     "register_placement",

@@ -34,7 +34,7 @@ __all__ = [
     "make_placement",
 ]
 
-_PLANNED_PLACEMENTS = ("host", "cached")
+_PLANNED_PLACEMENTS = ("cached",)
 
 def _triton_gather():
     """The Triton launchers (:mod:`engram.table.gather`); only called once Triton is known to import."""
@@ -483,6 +483,14 @@ class EngramTable:
         if self.validate:
             self._check_ids(global_ids)
         return storage.value_bytes, storage.scale_bytes, global_ids, self._row_start
+
+    def prefetch(self, hash_ids: torch.Tensor) -> None:
+        """Start reading the rows of ``hash_ids [T, C]`` now (placements that read host memory);
+        the next :meth:`lookup` / :meth:`lookup_packed` of the same tensor uses them. A no-op
+        for placements that hold their rows on the device."""
+        prefetch = getattr(self._storage, "prefetch", None)
+        if prefetch is not None:
+            prefetch(self._local_columns(hash_ids), self._row_start)
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows: ``hash_ids`` int32/int64 ``[T, C]`` -> ``bfloat16 [T, C_local, D]``,

@@ -1,0 +1,129 @@
+"""Placement ``"host"``: the table in pinned host memory, read by one CUDA device.
+
+Two read paths, chosen per lookup by its row count (``direct_max_rows``):
+
+* **direct** (a): the gather kernel reads the rows from host memory itself, over
+  unified addressing (:func:`engram.table.host_rows.cuda_alias`): no host thread, no
+  sync, safe under CUDA-graph capture; latency-bound, for decode-sized batches.
+* **host gather** (b): :class:`engram.table.host_gather.HostGather`: the rows are
+  gathered on the host by torch's threads into pinned staging and moved by the copy
+  engine in chunks; the gather kernel then dequantizes them from the device staging.
+  Needs a host thread, so it is never used while a CUDA graph is being captured.
+
+:meth:`HostPlacement.prefetch` starts path (b) early (right after hashing); the lookup
+then waits on that layer's copies only, on the GPU. Every path returns the bytes the
+``device`` placement returns, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common import resolve_cuda_device
+from .host_gather import GatherTicket, HostGather, gather_packed_rows_host
+from .host_rows import PackedRows, cuda_alias, pack_rows, register_with_cuda
+from .table import TablePlacement, register_placement
+
+__all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
+
+# Lookups of at most this many rows read host memory directly (path a); larger ones
+# take the host gather (path b). The crossover measured on the H200 is in
+# benchmarks/NOTES.md (bench_host.py).
+DIRECT_MAX_ROWS = 2048
+
+
+def _gather_launchers():
+    from . import gather
+
+    return gather
+
+
+@register_placement
+class HostPlacement(TablePlacement):
+    """Rows packed ``[D values | D / 32 scales | pad]`` (16-byte aligned, see
+    :mod:`engram.table.host_rows`) in pinned host memory; ``device`` is the CUDA device
+    whose hash ids it takes and where rows land. Separate value / scale tensors are
+    packed (one copy); the loader writes packed views directly (no copy)."""
+
+    name = "host"
+    has_triton_lookup = True
+
+    def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
+        if not torch.cuda.is_available():
+            raise ValueError("placement 'host' keeps the table in host memory for a CUDA device to read, and this "
+                             "machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
+        target = resolve_cuda_device(device, "placement 'host'")
+        rows = PackedRows.matching(value_bytes, scale_bytes)
+        if rows is None:
+            rows = pack_rows(value_bytes.cpu(), scale_bytes.cpu())
+        register_with_cuda(rows.packed)
+        super().__init__(rows.values, rows.scales, target)
+        self.rows = rows
+        self.direct_max_rows = DIRECT_MAX_ROWS
+        head_dim = rows.head_dim
+        alias = cuda_alias(rows.packed, target)  # [rows + 1, row_bytes], host memory, a CUDA tensor
+        self._direct_values = alias[:-1, :head_dim]
+        self._direct_scales = alias[:-1, head_dim: head_dim + head_dim // 32]
+        self._host_gather = HostGather(rows.packed, target)
+        self._prefetched: tuple[tuple, GatherTicket] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory the table takes (packed rows and the zero row)."""
+        return self.rows.packed.numel()
+
+    # ---- torch path ----------------------------------------------------------
+    def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path (backend ``"torch"``): ids to the host (a sync), ``index_select`` there."""
+        staged = torch.empty(local_row_ids.numel(), self.rows.packed.shape[1], dtype=torch.uint8)
+        gather_packed_rows_host(self.rows.packed, local_row_ids.cpu(), 0, staged)
+        staged = staged.to(self.device)
+        head_dim = self.rows.head_dim
+        return staged[:, :head_dim], staged[:, head_dim: head_dim + head_dim // 32]
+
+    # ---- Triton paths --------------------------------------------------------
+    @staticmethod
+    def _key(global_ids: torch.Tensor, row_start: int) -> tuple:
+        return (global_ids.data_ptr(), tuple(global_ids.shape), tuple(global_ids.stride()), global_ids.dtype,
+                row_start)
+
+    def _use_direct(self, global_ids: torch.Tensor) -> bool:
+        return global_ids.numel() <= self.direct_max_rows or torch.cuda.is_current_stream_capturing()
+
+    def prefetch(self, global_ids: torch.Tensor, row_start: int) -> None:
+        """Start the host gather of ``global_ids`` (``[T, C_local]`` on :attr:`device`) now; the
+        lookup of the same tensor picks it up. Decode-sized lookups (the direct path) and
+        lookups under CUDA-graph capture need no prefetch: nothing is started."""
+        if self.backend != "triton" or self._use_direct(global_ids):
+            self._prefetched = None
+            return
+        stream = torch.cuda.current_stream(self.device)
+        self._prefetched = (self._key(global_ids, row_start), self._host_gather.start(global_ids, row_start, stream))
+
+    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
+        if self.backend != "triton":
+            return None
+        gather = _gather_launchers()
+        ticket = None
+        if self._prefetched is not None:
+            key, started = self._prefetched
+            self._prefetched = None
+            if key == self._key(global_ids, row_start):
+                ticket = started
+        if ticket is None:
+            if self._use_direct(global_ids):
+                if packed:
+                    return gather.gather_rows_packed(self._direct_values, self._direct_scales, global_ids, row_start)
+                return gather.gather_rows(self._direct_values, self._direct_scales, global_ids, row_start)
+            ticket = self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
+        stream = torch.cuda.current_stream(self.device)
+        staged = self._host_gather.finish(ticket, stream)
+        head_dim = self.rows.head_dim
+        order = torch.arange(ticket.num_rows, dtype=torch.int32, device=self.device).view(global_ids.shape)
+        values, scales = staged[:, :head_dim], staged[:, head_dim: head_dim + head_dim // 32]
+        if packed:
+            out = gather.gather_rows_packed(values, scales, order, 0)
+        else:
+            out = gather.gather_rows(values, scales, order, 0)
+        self._host_gather.consumed(stream)
+        return out

@@ -1,0 +1,158 @@
+"""Read path (b) of host tables: rows gathered on the host, moved by the copy engine.
+
+The caller's stream copies the hash ids to a pinned buffer and records an event; a
+worker thread waits for that event (the caller never does), gathers the rows with
+``index_select`` (torch's intra-op threads) into pinned staging in chunks, and after
+each chunk enqueues its host-to-device copy on a copy stream, so the copy of one
+chunk overlaps the gather of the next. The consumer makes its stream wait on the
+last copy's event and reads the rows from the device staging buffer.
+
+Buffers are persistent (grown, never shrunk) and guarded by events: the host staging
+is rewritten only after the previous copies finished, the device staging only after
+the previous reader ran.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..common import next_power_of_2
+
+__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host"]
+
+# Rows per chunk: small chunks overlap more but each index_select call costs a thread
+# fork-join; the issue's plain-torch probe found one call over all rows fastest alone.
+_MIN_CHUNK_ROWS = 8192
+_MAX_CHUNKS = 8
+
+
+def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_start: int,
+                            out: torch.Tensor) -> None:
+    """``out[i] = packed[global_ids[i] - row_start]``, the zero row (``packed[-1]``) for ids
+    outside the table. ``packed uint8 [rows + 1, row_bytes]``, ``global_ids`` int ``[N]``,
+    ``out uint8 [N, row_bytes]``, all on the CPU."""
+    zero_row = packed.shape[0] - 1
+    local = global_ids.to(torch.int64) - row_start
+    local = torch.where((local >= 0) & (local < zero_row), local, torch.full_like(local, zero_row))
+    torch.index_select(packed, 0, local, out=out)
+
+
+_WORKER: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
+    """One worker thread for every table of the process: gathers run one at a time, in
+    the order they were started (layer by layer), each with all of torch's intra-op
+    threads, instead of several gathers fighting over the cores."""
+    if not _WORKER:
+        _WORKER.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-host-gather"))
+    return _WORKER[0]
+
+
+@dataclass
+class GatherTicket:
+    """One started gather: ``future`` returns the event of its last copy once every copy is enqueued."""
+
+    future: concurrent.futures.Future
+    num_rows: int
+
+
+class HostGather:
+    """Path (b) for one table: ``start`` on the caller's stream, ``finish`` where the rows
+    are needed (see the module docstring).
+
+    ``packed``: pinned CPU ``uint8 [rows + 1, row_bytes]`` (last row zero); ``device``:
+    where the rows land.
+    """
+
+    def __init__(self, packed: torch.Tensor, device: torch.device):
+        self.packed = packed
+        self.device = device
+        self.row_bytes = packed.shape[1]
+        self.capacity = 0
+        self.copy_stream = torch.cuda.Stream(device)
+        self._worker = _shared_worker()
+        self._copies_done: torch.cuda.Event | None = None  # the last copies: host staging free after it
+        self._consumed: torch.cuda.Event | None = None     # the last reader: device staging free after it
+        self._last_future: concurrent.futures.Future | None = None
+        self._lock = threading.Lock()
+
+    def _ensure_capacity(self, num_rows: int) -> None:
+        if num_rows <= self.capacity:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"host gather of {num_rows} rows needs larger staging buffers, which cannot be "
+                               "allocated during CUDA-graph capture: run one eager step of this size first")
+        # Grown buffers replace ones a pending gather or reader may still use: let them finish.
+        if self._last_future is not None:
+            self._last_future.result()
+        for event in (self._copies_done, self._consumed):
+            if event is not None:
+                event.synchronize()
+        capacity = next_power_of_2(num_rows)
+        self.staging_host = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, pin_memory=True)
+        self.staging_device = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self.device)
+        self.capacity = capacity
+
+    def start(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream) -> GatherTicket:
+        """Begin gathering the rows of ``global_ids`` (int32/int64, any shape, on the device;
+        ``packed[0]`` is row ``row_start``): enqueues the id copy on ``stream`` and returns at once."""
+        num_rows = global_ids.numel()
+        with self._lock:
+            self._ensure_capacity(num_rows)
+            # A pinned id buffer per gather (torch's caching host allocator): the worker may
+            # still be reading the previous one.
+            ids_host = torch.empty(num_rows, dtype=global_ids.dtype, pin_memory=True)
+            ids_ready = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                ids_host.copy_(global_ids.reshape(-1), non_blocking=True)
+                ids_ready.record(stream)
+            if self._consumed is not None:  # the device staging's last reader runs first
+                self.copy_stream.wait_event(self._consumed)
+            future = self._worker.submit(self._gather, ids_host, row_start, ids_ready)
+            self._last_future = future
+            return GatherTicket(future, num_rows)
+
+    def _gather(self, ids_host: torch.Tensor, row_start: int, ids_ready: torch.cuda.Event) -> torch.cuda.Event:
+        """Worker thread (one; tasks run in order): wait for the ids and for the previous
+        task's copies (the host staging is then free), gather chunk by chunk, enqueue each
+        chunk's copy."""
+        ids_ready.synchronize()
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+        num_rows = ids_host.numel()
+        chunks = max(1, min(_MAX_CHUNKS, num_rows // _MIN_CHUNK_ROWS))
+        bounds = [num_rows * k // chunks for k in range(chunks + 1)]
+        with torch.cuda.device(self.device):
+            for begin, end in zip(bounds[:-1], bounds[1:]):
+                gather_packed_rows_host(self.packed, ids_host[begin:end], row_start,
+                                        self.staging_host[begin:end])
+                with torch.cuda.stream(self.copy_stream):
+                    self.staging_device[begin:end].copy_(self.staging_host[begin:end], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        self._copies_done = done
+        return done
+
+    def finish(self, ticket: GatherTicket, stream: torch.cuda.Stream) -> torch.Tensor:
+        """The gathered rows ``uint8 [N, row_bytes]`` on the device, ordered after the copies on
+        ``stream``. Blocks the calling thread only until the worker has enqueued the copies
+        (never until they run). Call :meth:`consumed` once their reader is enqueued."""
+        done = ticket.future.result()
+        stream.wait_event(done)
+        return self.staging_device[: ticket.num_rows]
+
+    def consumed(self, stream: torch.cuda.Stream) -> None:
+        """Mark the device staging free once ``stream``'s work so far has run."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._consumed = event
+
+    def wait_idle(self) -> None:
+        """Block until every started gather has enqueued its copies (tests, shutdown)."""
+        if self._last_future is not None:
+            self._last_future.result()

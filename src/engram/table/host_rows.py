@@ -1,0 +1,139 @@
+"""Host-memory row storage: one packed, pinned byte array per table, readable by the GPU.
+
+Each row is stored as ``[D E4M3 bytes | D / 32 UE8M0 bytes | zero padding]``, padded to
+16 bytes (272 B for D = 256) so that every row starts 16-byte aligned: the GPU's direct
+reads and the host's ``index_select`` each move one contiguous row. One extra all-zero
+row at the end (value +0, scale byte 0) stands in for ids outside the table, so both
+read paths return +0 there without a branch.
+
+The bytes are registered with CUDA (``cudaHostRegister``: pinned, mapped), and a CUDA
+tensor aliasing them (unified addressing) lets Triton kernels read them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..common import ceil_div
+from .fp8 import BLOCK_SIZE
+
+__all__ = ["packed_row_bytes", "PackedRows", "pack_rows", "register_with_cuda", "cuda_alias"]
+
+ROW_ALIGNMENT = 16
+_CUDA_HOST_REGISTER_PORTABLE = 1
+_CUDA_HOST_REGISTER_MAPPED = 2
+
+
+def packed_row_bytes(head_dim: int) -> int:
+    """Bytes per packed row: ``D + D / 32`` rounded up to 16 (272 for D = 256)."""
+    return ceil_div(head_dim + head_dim // BLOCK_SIZE, ROW_ALIGNMENT) * ROW_ALIGNMENT
+
+
+@dataclass
+class PackedRows:
+    """``packed uint8 [rows + 1, row_bytes]`` (CPU) and its value / scale column views.
+
+    ``values uint8 [rows, D]`` and ``scales uint8 [rows, D / 32]`` are strided views of
+    the first ``rows`` rows; row ``rows`` is all zeros."""
+
+    packed: torch.Tensor
+    head_dim: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.packed.shape[0] - 1
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.packed[:-1, : self.head_dim]
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.packed[:-1, self.head_dim: self.head_dim + self.head_dim // BLOCK_SIZE]
+
+    @staticmethod
+    def view_of(buffer: torch.Tensor, num_rows: int, head_dim: int) -> "PackedRows":
+        """Packed rows over the first bytes of ``buffer`` (uint8 ``[>= (rows + 1) * row_bytes]``);
+        the zero row and the padding are written here."""
+        row_bytes = packed_row_bytes(head_dim)
+        needed = (num_rows + 1) * row_bytes
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < needed:
+            raise ValueError(f"buffer: expected uint8 [>= {needed}] bytes for {num_rows} rows of {row_bytes} B, "
+                             f"found {buffer.dtype} {list(buffer.shape)}")
+        packed = buffer[:needed].view(num_rows + 1, row_bytes)
+        packed[-1].zero_()
+        packed[:-1, head_dim + head_dim // BLOCK_SIZE:].zero_()
+        return PackedRows(packed, head_dim)
+
+    @staticmethod
+    def matching(value_bytes: torch.Tensor, scale_bytes: torch.Tensor) -> "PackedRows | None":
+        """The packed rows that ``value_bytes`` / ``scale_bytes`` are views of (as the loader
+        writes them), or None when they are separate tensors."""
+        head_dim = value_bytes.shape[1]
+        row_bytes = packed_row_bytes(head_dim)
+        if (value_bytes.device.type != "cpu" or value_bytes.stride() != (row_bytes, 1)
+                or scale_bytes.stride() != (row_bytes, 1)
+                or scale_bytes.data_ptr() != value_bytes.data_ptr() + head_dim
+                or value_bytes.untyped_storage().data_ptr() != scale_bytes.untyped_storage().data_ptr()):
+            return None
+        storage = value_bytes.untyped_storage()
+        offset = value_bytes.data_ptr() - storage.data_ptr()
+        needed = (value_bytes.shape[0] + 1) * row_bytes
+        if offset + needed > storage.nbytes():
+            return None  # no room for the zero row after the table
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (needed,), (1,))
+        return PackedRows(whole.view(value_bytes.shape[0] + 1, row_bytes), head_dim)
+
+
+def pack_rows(value_bytes: torch.Tensor, scale_bytes: torch.Tensor, buffer: torch.Tensor | None = None) -> PackedRows:
+    """Copy separate ``uint8 [rows, D]`` / ``[rows, D / 32]`` into packed rows (in ``buffer``,
+    or a new CPU tensor)."""
+    num_rows, head_dim = value_bytes.shape
+    if buffer is None:
+        buffer = torch.empty((num_rows + 1) * packed_row_bytes(head_dim), dtype=torch.uint8)
+    rows = PackedRows.view_of(buffer, num_rows, head_dim)
+    rows.values.copy_(value_bytes)
+    rows.scales.copy_(scale_bytes)
+    return rows
+
+
+def register_with_cuda(tensor: torch.Tensor) -> bool:
+    """Pin ``tensor``'s bytes in place and map them for the GPU (``cudaHostRegister``,
+    portable + mapped). Returns False when they were pinned already (torch's own pinned
+    allocations). Raises naming the CUDA error otherwise."""
+    if tensor.is_pinned():
+        return False
+    cudart = torch.cuda.cudart()
+    nbytes = tensor.untyped_storage().nbytes()
+    error = cudart.cudaHostRegister(tensor.untyped_storage().data_ptr(), nbytes,
+                                    _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
+    code = int(getattr(error, "value", error))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes:,} bytes of host table rows failed with CUDA error {code} "
+                           "(pinned memory limit? see `ulimit -l`)")
+    return True
+
+
+def unregister_from_cuda(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(tensor.untyped_storage().data_ptr())
+
+
+class _CudaArrayInterface:
+    def __init__(self, pointer: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False),
+                                         "version": 3, "strides": None}
+
+
+def cuda_alias(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor on ``device`` over the same (pinned, mapped) host bytes as the
+    contiguous CPU ``tensor``: with unified addressing the host pointer is valid on the
+    GPU, so kernels read host memory through it over PCIe."""
+    flat = tensor.reshape(-1)
+    if flat.data_ptr() != tensor.data_ptr():
+        raise ValueError("tensor: expected a contiguous host tensor to alias")
+    with torch.cuda.device(device):
+        alias = torch.as_tensor(_CudaArrayInterface(tensor.data_ptr(), tensor.numel() * tensor.element_size()),
+                                device=device)
+    return alias.view(tensor.shape)

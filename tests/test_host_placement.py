@@ -1,0 +1,164 @@
+"""Placement "host": packed rows, the host-side gather, both read paths and prefetch.
+
+CPU tests cover the row packing and the host gather (pure torch); GPU tests (marked
+``gpu``) check both read paths and the prefetch pipeline bit for bit against the
+``device`` placement, under CUDA-graph capture and with torch's sync debug mode.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import engram
+from engram.table.fp8 import quantize_rows
+from engram.table.host_gather import gather_packed_rows_host
+from engram.table.host_rows import PackedRows, pack_rows, packed_row_bytes
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _table(rows: int, head_dim: int, seed: int, device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    scale = 2.0 ** torch.randint(-6, 4, (rows, 1), generator=generator).float()
+    values, scales = quantize_rows((torch.randn(rows, head_dim, generator=generator) * scale).to(device))
+    return values.view(torch.uint8), scales
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 256, 96])
+def test_packed_rows_hold_values_scales_and_a_zero_row(head_dim, seed):
+    values, scales = _table(37, head_dim, seed)
+    rows = pack_rows(values, scales)
+    assert rows.packed.shape == (38, packed_row_bytes(head_dim)) and packed_row_bytes(head_dim) % 16 == 0
+    assert torch.equal(rows.values, values) and torch.equal(rows.scales, scales)
+    assert int(rows.packed[-1].abs().sum()) == 0 and int(rows.packed[:, head_dim + head_dim // 32:].sum()) == 0
+    # The loader's views are recognized as packed (no second copy).
+    again = PackedRows.matching(rows.values, rows.scales)
+    assert again is not None and again.packed.data_ptr() == rows.packed.data_ptr()
+    assert PackedRows.matching(values, scales) is None
+
+
+@pytest.mark.parametrize("count", [1, 63, 1000])
+def test_host_gather_matches_the_reference_with_out_of_range_ids(count, rng):
+    values, scales = _table(101, 64, int(rng.integers(2**31)))
+    rows = pack_rows(values, scales)
+    row_start = 1000
+    ids = torch.from_numpy(rng.integers(row_start - 20, row_start + 121, count)).to(torch.int32)
+    out = torch.full((count, rows.packed.shape[1]), 0xAB, dtype=torch.uint8)  # poisoned
+    gather_packed_rows_host(rows.packed, ids, row_start, out)
+    local = ids.long() - row_start
+    inside = (local >= 0) & (local < 101)
+    assert torch.equal(out[inside, :64], values[local[inside]])
+    assert torch.equal(out[inside, 64:66], scales[local[inside]])
+    assert int(out[~inside].sum()) == 0
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
+def test_host_placement_without_cuda_names_cpu():
+    values, scales = _table(8, 32, 0)
+    with pytest.raises(ValueError, match="placement='cpu'"):
+        engram.EngramTable(values, scales, placement="host")
+    from engram.memory import resolve_placement
+
+    with pytest.raises(ValueError, match="use placement='cpu'"):
+        resolve_placement("host")
+    assert resolve_placement("auto", table_bytes=10**12)[0] == "cpu"
+
+
+# ---- GPU ---------------------------------------------------------------------------
+def _device_and_host(rows, head_dim, seed, row_start=0):
+    values, scales = _table(rows, head_dim, seed)
+    common = dict(row_start=row_start, validate=False)
+    device = engram.EngramTable(values, scales, placement="device", device="cuda", **common)
+    host = engram.EngramTable(values, scales, placement="host", device="cuda", **common)
+    return device, host
+
+
+def _ids(rng, tokens, columns, rows, row_start=0):
+    ids = rng.integers(row_start - 5, row_start + rows + 5, (tokens, columns))  # a few outside the table
+    return torch.from_numpy(ids.astype(np.int32)).cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 63, 700, 4096])
+@pytest.mark.parametrize("direct_max_rows", [0, 10**9])  # host gather everywhere / direct reads everywhere
+def test_gpu_host_paths_equal_device_placement(tokens, direct_max_rows, rng):
+    device, host = _device_and_host(5000, 256, int(rng.integers(2**31)), row_start=777)
+    host.storage.direct_max_rows = direct_max_rows
+    for _ in range(3):  # the persistent staging reused
+        ids = _ids(rng, tokens, 24, 5000, row_start=777)
+        assert torch.equal(host.lookup(ids).view(torch.int16), device.lookup(ids).view(torch.int16))
+        host_values, host_scales = host.lookup_packed(ids)
+        device_values, device_scales = device.lookup_packed(ids)
+        assert torch.equal(host_values.view(torch.uint8), device_values.view(torch.uint8))
+        assert torch.equal(host_scales, device_scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_prefetch_equals_the_synchronous_path_without_host_sync(rng):
+    """Prefetch of both layers, then the lookups, over several steps of varying size, with
+    torch's sync debug mode raising on any host sync in the caller's calls."""
+    tables = [_device_and_host(20000, 256, int(rng.integers(2**31))) for _ in range(2)]
+    for _, host in tables:
+        host.storage.direct_max_rows = 64
+        host.lookup(_ids(rng, 4096, 24, 20000))  # grow the staging buffers outside the checked region
+    torch.cuda.synchronize()
+    for tokens in (4096, 1000, 4096, 3):
+        hash_ids = torch.stack([_ids(rng, tokens, 24, 20000) for _ in range(2)], dim=1)  # [T, L, C]
+        expected = [device.lookup(hash_ids[:, index, :]) for index, (device, _) in enumerate(tables)]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for index, (_, host) in enumerate(tables):
+                host.prefetch(hash_ids[:, index, :])
+            got = [host.lookup(hash_ids[:, index, :]) for index, (_, host) in enumerate(tables)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for a, b in zip(got, expected):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_direct_path_under_cuda_graph_capture(rng):
+    device, host = _device_and_host(3000, 256, int(rng.integers(2**31)))
+    host.storage.direct_max_rows = 0  # even so, capture takes the direct path
+    static_ids = _ids(rng, 64, 24, 3000)
+    host.lookup(static_ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        host.lookup(static_ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = host.lookup(static_ids)
+    for _ in range(3):
+        static_ids.copy_(_ids(rng, 64, 24, 3000))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_memory_from_pretrained_host_equals_device(tmp_path, rng):
+    from engram.testing import write_synthetic_checkpoint
+
+    model_dir = write_synthetic_checkpoint(tmp_path, tokenizer="word").directory
+    on_device = engram.EngramMemory.from_pretrained(model_dir, placement="device", device="cuda", progress=False)
+    on_host = engram.EngramMemory.from_pretrained(model_dir, placement="host", device="cuda", progress=False)
+    assert on_host.placement == "host"
+    spec = on_device.spec
+    for tokens in (5, 3000):
+        hash_ids = torch.stack([_ids(rng, tokens, spec.num_columns, on_device.layout.num_embeddings[i])
+                                for i in range(spec.num_layers)], dim=1)
+        hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, device="cuda",
+                             generator=torch.Generator("cuda").manual_seed(int(rng.integers(2**31)))).bfloat16()
+        on_host.prefetch(hash_ids)
+        for layer_id in spec.layer_ids:
+            a = on_host.forward_layer(layer_id, hidden, hash_ids)
+            b = on_device.forward_layer(layer_id, hidden, hash_ids)
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
