@@ -1,0 +1,223 @@
+"""Host-table benchmark (GPU, one call): placement "host" at V4.1-Flash row shape.
+
+A host table of ``ROWS`` packed rows (272 B each, >= 32 GiB, pinned), read at T in
+{1, 64, 1024, 8192, 32768} tokens x 24 columns, uniform ids and ids hashed from real
+text (.bench-data/real_ids_v41.npy from make_real_ids.py, folded into the table's
+rows), by both read paths side by side:
+
+* direct: the gather kernel reading host memory over PCIe (median of events;
+  graph replays up to T = 1024);
+* host gather: ids to the host, ``index_select`` into pinned staging, chunked
+  copy-engine transfers, dequantize on the device: wall time from the start of the
+  lookup to its rows on the device (synchronized), median.
+
+Reported against the copy-engine ceiling measured in the same run (one 256 MiB
+pinned -> device copy), as unique-row bytes (264 B per distinct row, the bytes a
+perfect fetch must move) and moved bytes (272 B per row read) per second. Also: the
+load rate of a checkpoint from disk into placement "host", and an overlap run (both
+layers prefetched at T = 8192 while the main stream runs decoder-sized bf16 GEMMs).
+Writes ``host-h200.json`` to ``$OUT`` (or benchmarks/results/).
+
+    PYTHONPATH=src ENGRAM_COMMIT=<sha> python benchmarks/bench_host.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+import triton.testing
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+
+import engram  # noqa: E402
+from engram.table.host_rows import PackedRows, packed_row_bytes, register_with_cuda  # noqa: E402
+
+HEAD_DIM, COLUMNS = 256, 24
+ROWS = 128 * 2**20  # 128 Mi rows x 272 B = 34.2 GiB
+TOKENS = (1, 64, 1024, 8192, 32768)
+ROW_BYTES_ON_DISK = HEAD_DIM + HEAD_DIM // 32  # 264
+
+
+def _median_wall_us(call, repeats: int = 30, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def _gpu_us(call, graph: bool) -> float:
+    if not graph:
+        return triton.testing.do_bench(call, warmup=10, rep=100, return_mode="median") * 1e3
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        call()
+    return triton.testing.do_bench(captured.replay, warmup=10, rep=100, return_mode="median") * 1e3
+
+
+def copy_engine_gbps(nbytes: int = 256 << 20) -> float:
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    seconds = triton.testing.do_bench(lambda: target.copy_(source, non_blocking=True), warmup=5, rep=100,
+                                      return_mode="median") / 1e3
+    return nbytes / seconds / 1e9
+
+
+def host_table(rows: int) -> engram.EngramTable:
+    """A pinned host table of random rows, filled from the GPU (fast) in 1 GiB pieces."""
+    started = time.perf_counter()
+    buffer = torch.empty((rows + 1) * packed_row_bytes(HEAD_DIM), dtype=torch.uint8)
+    packed = PackedRows.view_of(buffer, rows, HEAD_DIM)
+    register_with_cuda(packed.packed)
+    piece = (1 << 30) // packed.packed.shape[1]
+    generator = torch.Generator("cuda").manual_seed(0)
+    for first in range(0, rows, piece):
+        last = min(rows, first + piece)
+        random = torch.randint(0, 0x7F, (last - first, packed.packed.shape[1]), dtype=torch.uint8, device="cuda",
+                               generator=generator)  # E4M3 bytes below NaN; scales 0..126
+        packed.packed[first:last].copy_(random)
+    packed.packed[:-1, HEAD_DIM + HEAD_DIM // 32:].zero_()
+    table = engram.EngramTable(packed.values, packed.scales, placement="host", device="cuda", validate=False)
+    print(f"host table: {rows:,} rows, {packed.packed.numel() / 2**30:.1f} GiB pinned, built in "
+          f"{time.perf_counter() - started:.1f} s", flush=True)
+    return table
+
+
+def id_sets(rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
+    real_path = HERE.parent / ".bench-data" / "real_ids_v41.npy"
+    sets = {"uniform": rng.integers(0, rows, (max(TOKENS), COLUMNS)).astype(np.int32)}
+    if real_path.is_file():
+        real = np.load(real_path)[:, 0, :].astype(np.int64)  # layer 1's ids, folded into this table's rows
+        sets["real_text"] = (real % rows).astype(np.int32)
+    else:
+        print(f"no {real_path}: real-text ids skipped (run benchmarks/make_real_ids.py here first)", flush=True)
+    return sets
+
+
+def bench_paths(table, ids_sets, ceiling) -> list[dict]:
+    storage = table.storage
+    results = []
+    for name, ids_all in ids_sets.items():
+        for tokens in TOKENS:
+            ids = torch.from_numpy(ids_all[:tokens]).cuda()
+            unique = int(np.unique(ids_all[:tokens]).size)
+            row = {"ids": name, "T": tokens, "rows": tokens * COLUMNS, "unique_rows": unique,
+                   "unique_bytes": unique * ROW_BYTES_ON_DISK, "moved_bytes": tokens * COLUMNS * storage.rows.packed.shape[1]}
+            storage.direct_max_rows = 10**12
+            row["direct_us"] = _gpu_us(lambda: table.lookup(ids), graph=tokens <= 1024)
+            storage.direct_max_rows = 0
+            row["host_gather_us"] = _median_wall_us(lambda: table.lookup(ids), repeats=20 if tokens >= 8192 else 50)
+            for path in ("direct", "host_gather"):
+                seconds = row[f"{path}_us"] / 1e6
+                row[f"{path}_unique_GBps"] = row["unique_bytes"] / seconds / 1e9
+                row[f"{path}_moved_GBps"] = row["moved_bytes"] / seconds / 1e9
+            row["best"] = "direct" if row["direct_us"] <= row["host_gather_us"] else "host_gather"
+            results.append(row)
+            print(f"{name:10s} T={tokens:6d}: direct {row['direct_us']:9.1f} us ({row['direct_unique_GBps']:5.1f} GB/s) "
+                  f"| host gather {row['host_gather_us']:9.1f} us ({row['host_gather_unique_GBps']:5.1f} GB/s unique, "
+                  f"{row['host_gather_moved_GBps']:5.1f} moved; ceiling {ceiling:.1f})", flush=True)
+    storage.direct_max_rows = engram.table.host.DIRECT_MAX_ROWS
+    return results
+
+
+def overlap(table, rng, rows) -> dict:
+    """Main stream: decoder-sized bf16 GEMMs (8192 x 7168 x 7168, ~1 ms each), both layers
+    prefetched at T = 8192 before them, layer 1's rows used after 2 GEMMs and layer 14's
+    after 8 (as a decoder reaches them), against the same GEMMs alone."""
+    a = torch.randn(8192, 7168, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(7168, 7168, device="cuda", dtype=torch.bfloat16)
+    gemms = 12
+    # A second placement over the same pinned rows: its own staging, as a second layer has.
+    layers = [table, engram.EngramTable(table.storage.rows.values, table.storage.rows.scales, placement="host",
+                                        device="cuda", validate=False)]
+    ids = [torch.from_numpy(rng.integers(0, rows, (8192, COLUMNS)).astype(np.int32)).cuda() for _ in range(2)]
+    uses = {2: 0, 8: 1}
+
+    def alone():
+        for _ in range(gemms):
+            torch.mm(a, b)
+
+    def with_prefetch():
+        for layer, layer_ids in zip(layers, ids):
+            layer.prefetch(layer_ids)
+        for k in range(gemms):
+            if k in uses:
+                layers[uses[k]].lookup(ids[uses[k]])
+            torch.mm(a, b)
+
+    time_alone = _median_wall_us(alone, repeats=10)
+    time_with = _median_wall_us(with_prefetch, repeats=10)
+    return {"gemm_loop_us": time_alone, "with_prefetch_us": time_with,
+            "overlap_slowdown_pct": 100 * (time_with - time_alone) / time_alone, "gemms": gemms}
+
+
+def load_rate() -> dict:
+    """Load a synthetic V4.1-row checkpoint (written here, so read from the page cache)
+    into placement "host": bytes of table rows per second."""
+    from engram.testing import write_synthetic_checkpoint
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as directory:
+        written = write_synthetic_checkpoint(directory, scale="wide", vocab_size=40_000, tokenizer="word")
+        started = time.perf_counter()
+        memory = engram.EngramMemory.from_pretrained(written.directory, placement="host", device="cuda",
+                                                     progress=False)
+        seconds = time.perf_counter() - started
+        table_bytes = sum(t.num_rows for t in memory.tables.values()) * ROW_BYTES_ON_DISK
+        return {"table_bytes": table_bytes, "seconds": seconds, "load_GBps": table_bytes / seconds / 1e9}
+
+
+def main() -> None:
+    rng = np.random.default_rng(5)
+    ceiling = copy_engine_gbps()
+    print(f"copy engine (pinned -> device, 256 MiB): {ceiling:.1f} GB/s ({torch.cuda.get_device_name()})", flush=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "copy_engine_GBps": ceiling, "rows": ROWS, "threads": torch.get_num_threads()}
+    try:
+        report["load"] = load_rate()
+        print(f"load into host: {report['load']}", flush=True)
+    except Exception as error:  # keep the rest of the run
+        report["load_error"] = f"{type(error).__name__}: {error}"
+        print(report["load_error"], flush=True)
+    table = host_table(ROWS)
+    report["paths"] = bench_paths(table, id_sets(rng, ROWS), ceiling)
+    report["overlap"] = overlap(table, rng, ROWS)
+    print(f"overlap: {report['overlap']}", flush=True)
+    uniform = {r["T"]: r for r in report["paths"] if r["ids"] == "uniform"}
+    best = lambda r: min(r["direct_us"], r["host_gather_us"])  # noqa: E731
+    report["host_T8192_us"] = best(uniform[8192])
+    report["host_T8192_GBps"] = uniform[8192]["unique_bytes"] / (report["host_T8192_us"] / 1e6) / 1e9
+    report["host_T64_us"] = best(uniform[64])
+    report["overlap_slowdown_pct"] = report["overlap"]["overlap_slowdown_pct"]
+    out_dir = Path(os.environ.get("OUT", HERE / "results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "host-h200.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("host_T8192_us", "host_T8192_GBps", "host_T64_us", "copy_engine_GBps",
+                                             "overlap_slowdown_pct")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
