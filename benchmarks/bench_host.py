@@ -90,7 +90,7 @@ def host_table(rows: int) -> engram.EngramTable:
     started = time.perf_counter()
     buffer = torch.empty((rows + 1) * packed_row_bytes(HEAD_DIM), dtype=torch.uint8)
     packed = PackedRows.view_of(buffer, rows, HEAD_DIM)
-    register_with_cuda(packed.packed)
+    release = register_with_cuda(packed.packed)  # the placement below holds its own registration too
     piece = (1 << 30) // packed.packed.shape[1]
     generator = torch.Generator("cuda").manual_seed(0)
     for first in range(0, rows, piece):
@@ -100,6 +100,7 @@ def host_table(rows: int) -> engram.EngramTable:
         packed.packed[first:last].copy_(random)
     packed.packed[:-1, HEAD_DIM + HEAD_DIM // 32:].zero_()
     table = engram.EngramTable(packed.values, packed.scales, placement="host", device="cuda", validate=False)
+    release()
     print(f"host table: {rows:,} rows, {packed.packed.numel() / 2**30:.1f} GiB pinned, built in "
           f"{time.perf_counter() - started:.1f} s", flush=True)
     return table
@@ -173,18 +174,23 @@ def overlap(table, rng, rows) -> dict:
             "overlap_slowdown_pct": 100 * (time_with - time_alone) / time_alone, "gemms": gemms}
 
 
-def load_rate() -> dict:
-    """Load a synthetic V4.1-row checkpoint (written here, so read from the page cache)
-    into placement "host": bytes of table rows per second."""
+def load_rate(vocab_size: int = 120_000) -> dict:
+    """Stream the tables of a synthetic V4.1-row checkpoint (written here, so read from the
+    page cache, not the disk) into placement "host": table bytes per second of
+    ``load_engram_table`` (checks included), without config, tokenizer or wkv."""
+    from engram.checkpoint import SafetensorsCheckpoint, load_engram_table
     from engram.testing import write_synthetic_checkpoint
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as directory:
-        written = write_synthetic_checkpoint(directory, scale="wide", vocab_size=40_000, tokenizer="word")
+        written = write_synthetic_checkpoint(directory, scale="wide", vocab_size=vocab_size, tokenizer="word")
+        spec = engram.EngramSpec.from_hf_config(written.directory)
+        layout = engram.EngramLayout(spec)
+        checkpoint = SafetensorsCheckpoint(Path(written.directory))
         started = time.perf_counter()
-        memory = engram.EngramMemory.from_pretrained(written.directory, placement="host", device="cuda",
-                                                     progress=False)
+        tables = [load_engram_table(checkpoint, layout, index, placement="host", device="cuda", progress=False)
+                  for index in range(spec.num_layers)]
         seconds = time.perf_counter() - started
-        table_bytes = sum(t.num_rows for t in memory.tables.values()) * ROW_BYTES_ON_DISK
+        table_bytes = sum(t.num_rows for t in tables) * ROW_BYTES_ON_DISK
         return {"table_bytes": table_bytes, "seconds": seconds, "load_GBps": table_bytes / seconds / 1e9}
 
 

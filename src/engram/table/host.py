@@ -17,6 +17,8 @@ then waits on that layer's copies only, on the GPU. Every path returns the bytes
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..common import resolve_cuda_device
@@ -56,7 +58,8 @@ class HostPlacement(TablePlacement):
         rows = PackedRows.matching(value_bytes, scale_bytes)
         if rows is None:
             rows = pack_rows(value_bytes.cpu(), scale_bytes.cpu())
-        register_with_cuda(rows.packed)
+        release = register_with_cuda(rows.packed)
+        weakref.finalize(self, release)  # unregistered when the placement goes (before its rows are freed)
         super().__init__(rows.values, rows.scales, target)
         self.rows = rows
         self.direct_max_rows = DIRECT_MAX_ROWS

@@ -99,25 +99,43 @@ def pack_rows(value_bytes: torch.Tensor, scale_bytes: torch.Tensor, buffer: torc
     return rows
 
 
-def register_with_cuda(tensor: torch.Tensor) -> bool:
-    """Pin ``tensor``'s bytes in place and map them for the GPU (``cudaHostRegister``,
-    portable + mapped). Returns False when they were pinned already (torch's own pinned
-    allocations). Raises naming the CUDA error otherwise."""
-    if tensor.is_pinned():
-        return False
-    cudart = torch.cuda.cudart()
-    nbytes = tensor.untyped_storage().nbytes()
-    error = cudart.cudaHostRegister(tensor.untyped_storage().data_ptr(), nbytes,
-                                    _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
-    code = int(getattr(error, "value", error))
-    if code != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes:,} bytes of host table rows failed with CUDA error {code} "
-                           "(pinned memory limit? see `ulimit -l`)")
-    return True
+# Host ranges this process registered with CUDA: storage address -> [bytes, users].
+_REGISTERED: dict[int, list[int]] = {}
 
 
-def unregister_from_cuda(tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(tensor.untyped_storage().data_ptr())
+def register_with_cuda(tensor: torch.Tensor):
+    """Pin ``tensor``'s storage in place and map it for the GPU (``cudaHostRegister``,
+    portable + mapped). Returns ``release()``, to call once the GPU no longer reads it:
+    the last release of a range unregisters it (freed memory must not stay registered,
+    or a later allocation at the same address would look pinned and only partly be).
+    torch's own pinned allocations are left alone. Raises naming the CUDA error."""
+    storage = tensor.untyped_storage()
+    address, nbytes = storage.data_ptr(), storage.nbytes()
+    entry = _REGISTERED.get(address)
+    if entry is None:
+        if tensor.is_pinned():
+            return lambda: None
+        error = torch.cuda.cudart().cudaHostRegister(address, nbytes,
+                                                     _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
+        code = int(getattr(error, "value", error))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes:,} bytes of host table rows failed with CUDA error "
+                               f"{code} (pinned memory limit? see `ulimit -l`)")
+        entry = _REGISTERED[address] = [nbytes, 0]
+    entry[1] += 1
+    released = []
+
+    def release() -> None:
+        if released:
+            return
+        released.append(True)
+        entry[1] -= 1
+        if entry[1] == 0 and _REGISTERED.get(address) is entry:
+            torch.cuda.synchronize()  # no kernel may still read it
+            torch.cuda.cudart().cudaHostUnregister(address)
+            del _REGISTERED[address]
+
+    return release
 
 
 class _CudaArrayInterface:
