@@ -48,16 +48,6 @@ def main():
         print(f"n={n}: index_select worker thread "
               f"{timed(lambda: pool.submit(gather_packed_rows_host, packed, ids, 0, out).result()):.0f} us; "
               f"threads there {pool.submit(torch.get_num_threads).result()}", flush=True)
-        from engram.table.host_gather import _gather_piece, _piece_pool
-
-        def pieces():
-            step = max(1, n // 16)
-            futures = [_piece_pool().submit(_gather_piece, packed.numpy(), ids.numpy()[a:a + step], 0,
-                                            out.numpy()[a:a + step]) for a in range(0, n, step)]
-            for future in futures:
-                future.result()
-
-        print(f"n={n}: numpy take in 16 pieces on 16 threads {timed(pieces):.0f} us", flush=True)
         device_out = torch.empty(n, 272, dtype=torch.uint8, device="cuda")
         print(f"n={n}: H2D copy {timed(lambda: device_out.copy_(out, non_blocking=True)):.0f} us", flush=True)
         gpu_ids = ids.cuda()

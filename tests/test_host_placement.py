@@ -54,20 +54,6 @@ def test_host_gather_matches_the_reference_with_out_of_range_ids(count, rng):
     assert int(out[~inside].sum()) == 0
 
 
-def test_numpy_pieces_equal_the_torch_gather(rng):
-    from engram.table.host_gather import _gather_piece
-
-    values, scales = _table(300, 256, int(rng.integers(2**31)))
-    rows = pack_rows(values, scales)
-    ids = torch.from_numpy(rng.integers(-10, 320, 5000)).to(torch.int32)
-    expected = torch.empty(5000, rows.packed.shape[1], dtype=torch.uint8)
-    gather_packed_rows_host(rows.packed, ids, 5, expected)
-    got = torch.full_like(expected, 0xCD)
-    for a, b in ((0, 1), (1, 2500), (2500, 5000)):
-        _gather_piece(rows.packed.numpy(), ids.numpy()[a:b], 5, got.numpy()[a:b])
-    assert torch.equal(got, expected)
-
-
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
 def test_host_placement_without_cuda_names_cpu():
     values, scales = _table(8, 32, 0)

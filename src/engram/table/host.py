@@ -29,9 +29,10 @@ from .table import TablePlacement, register_placement
 __all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
 
 # Lookups of at most this many rows read host memory directly (path a); larger ones
-# take the host gather (path b). The crossover measured on the H200 is in
-# benchmarks/NOTES.md (bench_host.py).
-DIRECT_MAX_ROWS = 2048
+# take the host gather (path b). H200 (bench_host.py, NOTES "Host tables"): direct reads
+# 19 us at T = 64 and ~7.5 GB/s from T = 1024 on; the host gather 0.7-0.9 ms at small T,
+# on par at T = 8192 (6.8 ms each) and ahead at T = 32768 (17.0 against 27.4 ms).
+DIRECT_MAX_ROWS = 8192 * 24
 
 
 def _gather_launchers():

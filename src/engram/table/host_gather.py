@@ -2,9 +2,9 @@
 
 The caller's stream copies the hash ids to a pinned buffer and records an event; a
 worker thread waits for that event (the caller never does), gathers the rows with
-numpy's ``take`` (one piece per core, GIL released) into pinned staging in waves, and
-after each wave enqueues its host-to-device copy on a copy stream, so the copy of one
-wave overlaps the gather of the next. The consumer makes its stream wait on the
+``index_select`` (torch's intra-op threads) into pinned staging in waves, and after
+each wave enqueues its host-to-device copy on a copy stream, so the copy of one wave
+overlaps the gather of the next. The consumer makes its stream wait on the
 last copy's event and reads the rows from the device staging buffer.
 
 Buffers are persistent (grown, never shrunk) and guarded by events: the host staging
@@ -15,25 +15,22 @@ the previous reader ran.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..common import next_power_of_2
 
 __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host"]
 
-# The gather runs in waves (each wave's copy overlaps the next wave's gather), each wave
-# split over every core. H200 host (16 cores), 196,608 rows of 272 B: one torch
-# index_select over all rows 2.05 ms (2.8 ms from a worker thread), 8 chunked calls 5.4 ms
-# (benchmarks/probe_host_gather.py); numpy's take releases the GIL, so one piece per
-# thread runs truly in parallel.
-_MIN_WAVE_ROWS = 16384
-_MAX_WAVES = 4
-_PIECE_THREADS = max(1, min(16, os.cpu_count() or 1))
+# The gather runs in waves (each wave's copy overlaps the next wave's gather), each one
+# torch index_select over the wave's rows on all intra-op threads. H200 host (16 cores),
+# 196,608 rows of 272 B (benchmarks/probe_host_gather.py, NOTES "Host tables"): one call
+# 2.05-5.1 ms on the main thread, 2.8-11.9 ms from a worker thread; 8 chunked calls 5.4 ms;
+# numpy take in 16 pieces on 16 threads 10.8 ms. Few, large waves.
+_MIN_WAVE_ROWS = 65536
+_MAX_WAVES = 2
 
 
 def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_start: int,
@@ -48,24 +45,6 @@ def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_
 
 
 _WORKER: list[concurrent.futures.ThreadPoolExecutor] = []
-_PIECES: list[concurrent.futures.ThreadPoolExecutor] = []
-
-
-def _piece_pool() -> concurrent.futures.ThreadPoolExecutor:
-    if not _PIECES:
-        _PIECES.append(concurrent.futures.ThreadPoolExecutor(max_workers=_PIECE_THREADS,
-                                                             thread_name_prefix="engram-gather-piece"))
-    return _PIECES[0]
-
-
-def _gather_piece(packed: np.ndarray, ids: np.ndarray, row_start: int, out: np.ndarray) -> None:
-    """numpy twin of :func:`gather_packed_rows_host` for one piece (releases the GIL)."""
-    zero_row = packed.shape[0] - 1
-    local = ids.astype(np.int64) - row_start
-    local[(local < 0) | (local >= zero_row)] = zero_row
-    np.take(packed, local, axis=0, out=out, mode="clip")
-
-
 def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
     """One worker thread for every table of the process: gathers run one at a time, in
     the order they were started (layer by layer), each with all of torch's intra-op
@@ -141,24 +120,17 @@ class HostGather:
 
     def _gather(self, ids_host: torch.Tensor, row_start: int, ids_ready: torch.cuda.Event) -> torch.cuda.Event:
         """Worker thread (one; tasks run in order): wait for the ids and for the previous
-        task's copies (the host staging is then free), gather wave by wave (each wave in
-        pieces on every core), enqueue each wave's copy as soon as it is gathered."""
+        task's copies (the host staging is then free), gather wave by wave, enqueue each
+        wave's copy as soon as it is gathered."""
         ids_ready.synchronize()
         if self._copies_done is not None:
             self._copies_done.synchronize()
         num_rows = ids_host.numel()
         waves = max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
         bounds = [num_rows * k // waves for k in range(waves + 1)]
-        packed, ids, staging = self.packed.numpy(), ids_host.numpy(), self.staging_host.numpy()
-        pool = _piece_pool()
         with torch.cuda.device(self.device):
             for begin, end in zip(bounds[:-1], bounds[1:]):
-                pieces = max(1, min(_PIECE_THREADS, (end - begin) // 1024))
-                cuts = [begin + (end - begin) * k // pieces for k in range(pieces + 1)]
-                futures = [pool.submit(_gather_piece, packed, ids[a:b], row_start, staging[a:b])
-                           for a, b in zip(cuts[:-1], cuts[1:])]
-                for future in futures:
-                    future.result()
+                gather_packed_rows_host(self.packed, ids_host[begin:end], row_start, self.staging_host[begin:end])
                 with torch.cuda.stream(self.copy_stream):
                     self.staging_device[begin:end].copy_(self.staging_host[begin:end], non_blocking=True)
             done = torch.cuda.Event()
