@@ -540,8 +540,7 @@ def _map_cpu_table(values_info: TensorInfo, scales_info: TensorInfo, row_start: 
         tables = []
         for info, check in ((values_info, "e4m3"), (scales_info, "ue8m0")):
             rows = mapped.map_tensor_rows(mapped.tensor_location(info.file, info.name), row_start, row_end)
-            chunk_rows = max(1, chunk_bytes // rows.shape[1])
-            mapped.check_table_rows(rows, info.where(), row_start, chunk_rows=chunk_rows, progress=bar,
+            mapped.check_table_rows(rows, info.where(), row_start, chunk_bytes=chunk_bytes, progress=bar,
                                     check_ue8m0=check == "ue8m0", check_e4m3=check == "e4m3" and check_values)
             tables.append(rows)
     finally:

@@ -21,10 +21,11 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["TensorLocation", "tensor_location", "map_tensor_rows", "check_table_rows"]
+__all__ = ["CHECK_CHUNK_BYTES", "TensorLocation", "tensor_location", "map_tensor_rows", "check_table_rows"]
 
 _MAX_HEADER_BYTES = 100 * 2**20   # safetensors' own limit on the JSON header
-_UE8M0_NAN = 255
+CHECK_CHUNK_BYTES = 4 * 2**20
+"""Most bytes the NaN check looks at per step (its two temporaries are this size)."""
 _E4M3_NAN_BITS = 0x7F   # a byte b is E4M3 NaN when b & 0x7F == 0x7F (0x7F and 0xFF)
 
 
@@ -90,28 +91,34 @@ def map_tensor_rows(location: TensorLocation, row_start: int, row_end: int) -> t
                                                                                                   width)
 
 
-def check_table_rows(rows: torch.Tensor, where: str, row_start: int, *, chunk_rows: int,
+def check_table_rows(rows: torch.Tensor, where: str, row_start: int, *, chunk_bytes: int = CHECK_CHUNK_BYTES,
                      progress: _Progress | None = None, check_ue8m0: bool = False, check_e4m3: bool = False) -> None:
     """One read-only pass over ``rows`` (``uint8 [rows, width]``, row 0 = file row ``row_start``)
-    in chunks of ``chunk_rows``: ValueError naming ``where``, the row and the column on scale
-    byte 255 (UE8M0 NaN, ``check_ue8m0``) or value bytes 0x7F/0xFF (E4M3 NaN, ``check_e4m3``).
-    ``progress.update(bytes)`` after each chunk. Temporaries: a chunk's size, never the table's."""
-    num_rows = rows.shape[0]
+    in chunks of at most ``chunk_bytes`` (capped at :data:`CHECK_CHUNK_BYTES`): ValueError naming
+    ``where``, the row and the column on scale byte 255 (UE8M0 NaN, ``check_ue8m0``) or value
+    bytes 0x7F/0xFF (E4M3 NaN, ``check_e4m3``). ``progress.update(bytes)`` after each chunk.
+    Its temporaries are two buffers of one chunk, reused: never table-sized memory."""
+    num_rows, width = rows.shape
+    chunk_rows = max(1, min(chunk_bytes, CHECK_CHUNK_BYTES) // width)
+    masked = torch.empty(min(num_rows, chunk_rows) * width, dtype=torch.uint8)
+    bad = torch.empty(masked.numel(), dtype=torch.bool)
     for first in range(0, num_rows, chunk_rows):
-        chunk = rows[first:first + chunk_rows]
-        if check_ue8m0:
-            bad = chunk == _UE8M0_NAN
-            if bool(bad.any()):
-                row, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
-                raise ValueError(f"{where}: row {row_start + first + row} holds scale byte 255 "
-                                 f"(UE8M0 NaN) at column {column}; expected bytes 0..254, the file is corrupt")
-        if check_e4m3:
-            bad = (chunk & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
-            if bool(bad.any()):
-                row, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
-                byte = int(chunk[row, column])
-                raise ValueError(f"{where}: row {row_start + first + row} holds value byte "
-                                 f"{byte:#04x} (E4M3 NaN) at column {column}; a table holds no NaN, the file "
-                                 f"is corrupt (check_values=False skips this check on trusted checkpoints)")
+        chunk = rows[first:first + chunk_rows].reshape(-1)   # a view: the mapping is contiguous
+        size = chunk.numel()
+        for enabled, mask, what in ((check_ue8m0, 0xFF, "ue8m0"), (check_e4m3, _E4M3_NAN_BITS, "e4m3")):
+            if not enabled:
+                continue
+            torch.bitwise_and(chunk, mask, out=masked[:size])
+            torch.eq(masked[:size], mask, out=bad[:size])
+            if bool(bad[:size].any()):
+                flat = int(torch.nonzero(bad[:size])[0])
+                row, column = first + flat // width, flat % width
+                byte = int(chunk[flat])
+                if what == "ue8m0":
+                    raise ValueError(f"{where}: row {row_start + row} holds scale byte 255 (UE8M0 NaN) at column "
+                                     f"{column}; expected bytes 0..254, the file is corrupt")
+                raise ValueError(f"{where}: row {row_start + row} holds value byte {byte:#04x} (E4M3 NaN) at column "
+                                 f"{column}; a table holds no NaN, the file is corrupt (check_values=False skips "
+                                 f"this check on trusted checkpoints)")
         if progress is not None:
-            progress.update(chunk.numel())
+            progress.update(size)
