@@ -98,6 +98,9 @@ def complete_worker(nbytes, seed, key, directory, results):
 
 
 def write_after_fill_worker(read_only):
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # the fault below leaves no core file
     buffer = allocate_host_buffer(4096, fill=lambda t: t.fill_(7), read_only=read_only)
     buffer.tensor[0] = 1   # faults when read-only
 
@@ -182,7 +185,7 @@ def test_bad_arguments(arguments, message):
 # shared buffers
 # ---------------------------------------------------------------------------
 def test_three_processes_share_one_copy(shm_dir, seed):
-    nbytes = 48 * 2**20
+    nbytes = 24 * 2**20
     key = f"checkpoint /models/x (sizes 1,2; mtimes 3,4) layer 1 rows [0, {nbytes // 264}) fp8-264 seed {seed}"
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(3), context.Queue()
@@ -272,6 +275,14 @@ def test_size_mismatch_is_refused(shm_dir, seed):
     assert torch.equal(first.tensor, pattern(seed, 4 * 2**20))   # the published copy is untouched
     first.close()
     remove_shared_buffer(key, shm_dir)
+
+
+def test_no_room_is_refused(shm_dir):
+    free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize
+    with pytest.raises(ValueError, match=f"directory: '{shm_dir}' has .* bytes free, nbytes = {free + 2**30} "
+                                         f"do not fit"):
+        allocate_host_buffer(free + 2**30, fill=fill_must_not_run, share_key="too big", directory=shm_dir)
+    assert [name for name in os.listdir(shm_dir) if not name.endswith(".lock")] == []
 
 
 def test_failed_fill_leaves_nothing(shm_dir, seed):

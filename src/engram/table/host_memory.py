@@ -240,8 +240,11 @@ def _finish(mapping: mmap.mmap, tensor: torch.Tensor, length: int, *, huge_pages
 
 def _allocate_private(nbytes: int, fill, huge_pages: bool, read_only: bool) -> HostBuffer:
     length = _round_up(nbytes, HUGE_PAGE_BYTES)
-    mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as error:
+        raise MemoryError(f"nbytes = {nbytes}: could not map {length} bytes of private host memory ({error})") from None
     if huge_pages:
         _advise_huge(mapping)
     tensor = _fill_mapping(mapping, nbytes, fill)
@@ -310,12 +313,23 @@ def _lock_holder(lock_path: Path) -> str:
     return text if text.isdigit() else "unknown"
 
 
+def _check_free_space(directory: Path, nbytes: int) -> None:
+    """Refuse a fill that cannot fit: on a full tmpfs, writing a mapped page kills the process
+    with SIGBUS instead of raising."""
+    stats = os.statvfs(directory)
+    free = stats.f_bavail * stats.f_frsize
+    if free < nbytes:
+        raise ValueError(f"directory: {str(directory)!r} has {free} bytes free, nbytes = {nbytes} do not fit "
+                         f"(a tmpfs such as /dev/shm is sized at mount time: mount -o remount,size=...)")
+
+
 def _fill_shared(path: Path, lock_fd: int, nbytes: int, fill, huge_pages: bool, read_only: bool) -> HostBuffer:
     """Holding the lock: fill ``<path>.tmp`` (removing a dead filler's), publish it by rename."""
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
     temporary = path.with_name(path.name + ".tmp")
     temporary.unlink(missing_ok=True)   # a filler that died left it
+    _check_free_space(path.parent, nbytes)
     fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         os.ftruncate(fd, nbytes)
