@@ -17,7 +17,9 @@ A checkpoint is a directory of ``*.safetensors`` shards, with or without
 Tables are ~100 GB each, so :func:`load_engram_table` reads them memory-mapped
 (``safe_open(...).get_slice(name)[start:end]``), only the rows of one
 tensor-parallel rank, in chunks copied straight into the placement's
-preallocated storage (CPU memory, pinned host memory or CUDA memory).
+preallocated storage (CPU memory, pinned host memory or CUDA memory). The ``cpu``
+placement copies nothing: its rows are views of private memory maps of the files
+(:mod:`engram.mapped`, served from the page cache), checked in one read-only pass.
 
 Every error is a ``ValueError`` naming the tensor and the file, and the expected
 and found dtype or shape. safetensors itself detects corrupt headers and
