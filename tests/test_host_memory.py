@@ -61,6 +61,16 @@ def fill_must_not_run(tensor: torch.Tensor) -> None:
     raise AssertionError("fill ran in a process that should have found the published buffer")
 
 
+def mapped_at(address: int) -> bool:
+    """Whether a mapping of this process covers ``address`` (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(bound, 16) for bound in line.split(" ", 1)[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
 def wait_for(condition, what: str, timeout_s: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -111,7 +121,9 @@ def write_after_fill_worker(read_only):
 def test_private_fill_and_read_back(seed):
     nbytes = 3 * HUGE_PAGE_BYTES + 12345 + seed % 4096
     buffer = allocate_host_buffer(nbytes, fill=functools.partial(fill_pattern, seed))
+    address = buffer.tensor.data_ptr()
     try:
+        assert mapped_at(address)
         assert buffer.tensor.dtype == torch.uint8 and tuple(buffer.tensor.shape) == (nbytes,)
         assert torch.equal(buffer.tensor, pattern(seed, nbytes))
         assert buffer.shared_path is None and buffer.filled_here
@@ -124,6 +136,7 @@ def test_private_fill_and_read_back(seed):
               f"({buffer.huge_page_bytes} bytes in 2 MiB pages; THP enabled = {host_memory._thp_setting('enabled')})")
     finally:
         buffer.close()
+    assert not mapped_at(address)   # no view left: unmapped at once
     buffer.close()   # twice is harmless
     assert buffer.tensor is None
 
