@@ -16,6 +16,7 @@ import json
 import math
 import mmap
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,12 +34,17 @@ class _Progress(Protocol):
     def update(self, n: int) -> Any: ...
 
 
+@dataclass(frozen=True)
 class TensorLocation:
     """Where one tensor's bytes are in its file: ``offset`` (absolute) and ``nbytes``, with
     its header ``dtype`` string and ``shape``."""
 
-    def __init__(self, file: Path, name: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int):
-        self.file, self.name, self.dtype, self.shape, self.offset, self.nbytes = file, name, dtype, shape, offset, nbytes
+    file: Path
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
 
     def where(self) -> str:
         return f"tensor {self.name!r} in file {str(self.file)!r}"
