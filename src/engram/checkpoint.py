@@ -17,7 +17,9 @@ A checkpoint is a directory of ``*.safetensors`` shards, with or without
 Tables are ~100 GB each, so :func:`load_engram_table` reads them memory-mapped
 (``safe_open(...).get_slice(name)[start:end]``), only the rows of one
 tensor-parallel rank, in chunks copied straight into the placement's
-preallocated storage (CPU memory, pinned host memory or CUDA memory).
+preallocated storage (CPU memory, pinned host memory or CUDA memory). The ``cpu``
+placement copies nothing: its rows are views of private memory maps of the files
+(:mod:`engram.mapped`, served from the page cache), checked in one read-only pass.
 
 Every error is a ``ValueError`` naming the tensor and the file, and the expected
 and found dtype or shape. safetensors itself detects corrupt headers and
@@ -47,6 +49,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from . import mapped
 from .common import ceil_div, resolve_cuda_device
 from .layout import ColumnShard, EngramLayout
 from .spec import EngramSpec
@@ -508,6 +511,12 @@ def load_engram_table(
     row_start, row_end = (0, layout.num_embeddings[layer_index]) if shard is None else shard.row_ranges[layer_index]
     num_rows, head_dim = row_end - row_start, spec.head_dim
 
+    if placement == "cpu" and "cpu" not in _STORAGE_ALLOCATORS:
+        value_bytes, scale_bytes = _map_cpu_table(values_info, scales_info, row_start, row_end, chunk_bytes,
+                                                  progress, check_values, f"layer {layer_id} table",
+                                                  num_rows * spec.row_bytes)
+        return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
+                                       device=None, validate=validate, backend=backend)
     storage_device = (torch.device("cpu") if placement == "cpu"
                       else resolve_cuda_device(device, f"placement {placement!r}"))
     value_bytes, scale_bytes = allocate_table_storage(placement, num_rows, head_dim, storage_device)
@@ -525,6 +534,30 @@ def load_engram_table(
     return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
                                    device=None if placement == "cpu" else storage_device, validate=validate,
                                    backend=backend)
+
+
+def _map_cpu_table(values_info: TensorInfo, scales_info: TensorInfo, row_start: int, row_end: int,
+                   chunk_bytes: int, progress: "ByteProgress | bool | None", check_values: bool,
+                   description: str, total_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``cpu`` placement's storage: rows ``[row_start, row_end)`` of the value and scale
+    tensors as ``uint8 [rows, D]`` and ``[rows, D // 32]`` views of private memory maps of
+    their files (:mod:`engram.mapped`; zero copy, the page cache holds the bytes), after one
+    read-only pass that refuses NaN bytes as :meth:`SafetensorsCheckpoint.read_rows_into` does.
+    Every accepted format (``F8_E4M3``, ``F8_E8M0``, ``U8``) is the bytes as stored, so no
+    format needs a copy."""
+    own_bar = progress is True
+    bar = table_progress(total_bytes, description) if own_bar else (progress or None)
+    try:
+        tables = []
+        for info, check in ((values_info, "e4m3"), (scales_info, "ue8m0")):
+            rows = mapped.map_tensor_rows(mapped.tensor_location(info.file, info.name), row_start, row_end)
+            mapped.check_table_rows(rows, info.where(), row_start, chunk_bytes=chunk_bytes, progress=bar,
+                                    check_ue8m0=check == "ue8m0", check_e4m3=check == "e4m3" and check_values)
+            tables.append(rows)
+    finally:
+        if own_bar:
+            bar.close()
+    return tables[0], tables[1]
 
 
 # ---------------------------------------------------------------------------
