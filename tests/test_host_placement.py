@@ -162,3 +162,35 @@ def test_gpu_memory_from_pretrained_host_equals_device(tmp_path, rng):
             a = on_host.forward_layer(layer_id, hidden, hash_ids)
             b = on_device.forward_layer(layer_id, hidden, hash_ids)
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_shared_host_tables_are_filled_once_and_equal(tmp_path, rng):
+    """Two loads with share_host_tables=True: the second maps the first's shared file
+    (filled_here False) and gives the same forward as the device placement."""
+    from engram.table.host_memory import remove_shared_buffer
+    from engram.testing import write_synthetic_checkpoint
+
+    model_dir = write_synthetic_checkpoint(tmp_path, tokenizer="word").directory
+    first = engram.EngramMemory.from_pretrained(model_dir, placement="host", device="cuda", progress=False,
+                                                share_host_tables=True)
+    try:
+        second = engram.EngramMemory.from_pretrained(model_dir, placement="host", device="cuda", progress=False,
+                                                     share_host_tables=True)
+        on_device = engram.EngramMemory.from_pretrained(model_dir, placement="device", device="cuda", progress=False)
+        for layer_id in first.layer_ids:
+            assert first.table(layer_id).storage.host_buffer.shared_path is not None
+            assert first.table(layer_id).storage.host_buffer.filled_here
+            assert not second.table(layer_id).storage.host_buffer.filled_here
+        spec = first.spec
+        hash_ids = torch.stack([_ids(rng, 40, spec.num_columns, first.layout.num_embeddings[i])
+                                for i in range(spec.num_layers)], dim=1)
+        hidden = torch.randn(40, spec.hc_mult, spec.hidden_size, device="cuda",
+                             generator=torch.Generator("cuda").manual_seed(int(rng.integers(2**31)))).bfloat16()
+        for layer_id in spec.layer_ids:
+            expected = on_device.forward_layer(layer_id, hidden, hash_ids).view(torch.int16)
+            assert torch.equal(second.forward_layer(layer_id, hidden, hash_ids).view(torch.int16), expected)
+    finally:
+        for layer_id in first.layer_ids:
+            remove_shared_buffer(first.table(layer_id).storage.share_key)

@@ -482,6 +482,7 @@ def load_engram_table(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     check_values: bool = True,
     backend: str = "auto",
+    share_host_table: bool = False,
 ) -> EngramTable:
     """The :class:`EngramTable` of layer ``layout.spec.layer_ids[layer_index]``: the whole
     table (``shard`` None) or the rows ``shard.row_ranges[layer_index]`` of one
@@ -496,6 +497,12 @@ def load_engram_table(
     skips it for trusted checkpoints. Scale byte 255 (UE8M0 NaN) is always refused.
 
     ``backend``: the table's lookup backend (:class:`EngramTable`).
+
+    ``share_host_table`` (placement ``"host"``): keep the rows in one shared-memory file per
+    node (``/dev/shm``), filled by the first process that loads them and mapped by every
+    other process of the node that loads the same rows of the same files (one copy per
+    node; :mod:`engram.table.host_memory`). The file outlives the processes: remove it
+    with :func:`engram.table.host_memory.remove_shared_buffer` and :func:`host_share_key`.
     """
     spec = layout.spec
     if placement not in available_placements():
@@ -519,6 +526,9 @@ def load_engram_table(
                                        device=None, validate=validate, backend=backend)
     storage_device = (torch.device("cpu") if placement == "cpu"
                       else resolve_cuda_device(device, f"placement {placement!r}"))
+    if placement == "host" and "host" not in _STORAGE_ALLOCATORS:
+        return _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales_info, storage_device,
+                                validate, progress, chunk_bytes, check_values, backend, share_host_table)
     value_bytes, scale_bytes = allocate_table_storage(placement, num_rows, head_dim, storage_device)
     own_bar = progress is True
     bar = table_progress(num_rows * spec.row_bytes, f"layer {layer_id} table") if own_bar else (progress or None)
@@ -534,6 +544,58 @@ def load_engram_table(
     return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
                                    device=None if placement == "cpu" else storage_device, validate=validate,
                                    backend=backend)
+
+
+def host_share_key(values_info: TensorInfo, scales_info: TensorInfo, row_start: int, row_end: int,
+                   head_dim: int) -> str:
+    """What names a host table's shared bytes: the files (path, size, mtime), tensors, row
+    range and packed row format."""
+    from .table.host_rows import packed_row_bytes
+
+    parts = []
+    for info in (values_info, scales_info):
+        stat = os.stat(info.file)
+        parts.append(f"{os.path.realpath(info.file)}:{stat.st_size}:{stat.st_mtime_ns}:{info.name}")
+    return f"{'|'.join(parts)}|rows {row_start}-{row_end}|packed {packed_row_bytes(head_dim)}"
+
+
+def _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales_info, device, validate, progress,
+                     chunk_bytes, check_values, backend, share) -> EngramTable:
+    """Placement "host": packed rows (engram.table.host_rows) streamed from the memory-mapped
+    checkpoint straight into host memory (2 MiB pages where the OS gives them), private or
+    shared per node; the placement pins them in place."""
+    from .table.host_memory import allocate_host_buffer
+    from .table.host_rows import PackedRows, packed_row_bytes
+
+    spec = layout.spec
+    row_start, row_end = (0, layout.num_embeddings[layer_index]) if shard is None else shard.row_ranges[layer_index]
+    num_rows, head_dim = row_end - row_start, spec.head_dim
+    row_bytes = packed_row_bytes(head_dim)
+    nbytes = (num_rows + 1) * row_bytes
+    own_bar = progress is True
+    layer_id = spec.layer_ids[layer_index]
+
+    def fill(buffer: torch.Tensor) -> None:
+        rows = PackedRows.view_of(buffer, num_rows, head_dim)
+        bar = table_progress(num_rows * spec.row_bytes, f"layer {layer_id} table") if own_bar else (progress or None)
+        try:
+            chunk_rows = max(1, chunk_bytes // head_dim)
+            checkpoint.read_rows_into(values_info, rows.values, row_start, chunk_rows=chunk_rows, progress=bar,
+                                      check_e4m3=check_values)
+            checkpoint.read_rows_into(scales_info, rows.scales, row_start, chunk_rows=chunk_rows, progress=bar,
+                                      check_ue8m0=True)
+        finally:
+            if own_bar:
+                bar.close()
+
+    key = host_share_key(values_info, scales_info, row_start, row_end, head_dim) if share else None
+    host_buffer = allocate_host_buffer(nbytes, fill=fill, share_key=key, read_only=False)
+    rows = PackedRows(host_buffer.tensor[:nbytes].view(num_rows + 1, row_bytes), head_dim)
+    table = EngramTable.from_layout(layout, layer_index, shard, rows.values, rows.scales, placement="host",
+                                    device=device, validate=validate, backend=backend)
+    table.storage.host_buffer = host_buffer  # keeps the mapping alive with the table
+    table.storage.share_key = key
+    return table
 
 
 def _map_cpu_table(values_info: TensorInfo, scales_info: TensorInfo, row_start: int, row_end: int,

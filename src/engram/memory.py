@@ -156,6 +156,7 @@ class EngramMemory:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         check_values: bool = True,
         backend: str = "auto",
+        share_host_tables: bool = False,
     ) -> "EngramMemory":
         """Load every Engram layer of the checkpoint in ``model_dir``.
 
@@ -179,6 +180,9 @@ class EngramMemory:
                 (False skips the check on trusted checkpoints).
             backend: ``"auto"`` (default), ``"triton"`` or ``"torch"`` for the table
                 lookups and the gate of every layer (:mod:`engram.backends`).
+            share_host_tables: with placement ``"host"``, one copy of each table per node in
+                shared memory, filled by the first process and mapped by the others (one
+                process per GPU); see :func:`engram.checkpoint.load_engram_table`.
 
         Every tensor's dtype and shape is checked against the config before any
         table row is read. Errors are ``ValueError`` naming the tensor or field and the file.
@@ -215,7 +219,8 @@ class EngramMemory:
                 tables[layer_id] = load_engram_table(
                     checkpoint, layout, index, shard, placement=placement,
                     device=None if placement == "cpu" else compute_device, validate=validate, progress=bar,
-                    chunk_bytes=chunk_bytes, check_values=check_values, backend=backend)
+                    chunk_bytes=chunk_bytes, check_values=check_values, backend=backend,
+                    share_host_table=share_host_tables)
         finally:
             bar.close()
 
