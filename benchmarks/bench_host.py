@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import engram  # noqa: E402
-from engram.table.host_rows import PackedRows, packed_row_bytes, register_with_cuda  # noqa: E402
+from engram.table.host_rows import PackedRows, packed_row_bytes  # noqa: E402
 
 HEAD_DIM, COLUMNS = 256, 24
 ROWS = 128 * 2**20  # 128 Mi rows x 272 B = 34.2 GiB
@@ -86,23 +86,31 @@ def copy_engine_gbps(nbytes: int = 256 << 20) -> float:
 
 
 def host_table(rows: int) -> engram.EngramTable:
-    """A pinned host table of random rows, filled from the GPU (fast) in 1 GiB pieces."""
+    """A host table of random rows in memory from engram.table.host_memory (2 MiB pages
+    where the OS gives them, as a loaded table has), filled from the GPU in 1 GiB pieces."""
+    from engram.table.host_memory import allocate_host_buffer
+
     started = time.perf_counter()
-    buffer = torch.empty((rows + 1) * packed_row_bytes(HEAD_DIM), dtype=torch.uint8)
-    packed = PackedRows.view_of(buffer, rows, HEAD_DIM)
-    release = register_with_cuda(packed.packed)  # the placement below holds its own registration too
-    piece = (1 << 30) // packed.packed.shape[1]
+    row_bytes = packed_row_bytes(HEAD_DIM)
     generator = torch.Generator("cuda").manual_seed(0)
-    for first in range(0, rows, piece):
-        last = min(rows, first + piece)
-        random = torch.randint(0, 0x7F, (last - first, packed.packed.shape[1]), dtype=torch.uint8, device="cuda",
-                               generator=generator)  # E4M3 bytes below NaN; scales 0..126
-        packed.packed[first:last].copy_(random)
-    packed.packed[:-1, HEAD_DIM + HEAD_DIM // 32:].zero_()
+
+    def fill(buffer: torch.Tensor) -> None:
+        packed = PackedRows.view_of(buffer, rows, HEAD_DIM).packed
+        piece = (1 << 30) // row_bytes
+        for first in range(0, rows, piece):
+            last = min(rows, first + piece)
+            random = torch.randint(0, 0x7F, (last - first, row_bytes), dtype=torch.uint8, device="cuda",
+                                   generator=generator)  # E4M3 bytes below NaN; scales 0..126
+            packed[first:last].copy_(random.cpu())
+        packed[:-1, HEAD_DIM + HEAD_DIM // 32:].zero_()
+
+    nbytes = (rows + 1) * row_bytes
+    buffer = allocate_host_buffer(nbytes, fill=fill, read_only=False)
+    packed = PackedRows(buffer.tensor[:nbytes].view(rows + 1, row_bytes), HEAD_DIM)
     table = engram.EngramTable(packed.values, packed.scales, placement="host", device="cuda", validate=False)
-    release()
-    print(f"host table: {rows:,} rows, {packed.packed.numel() / 2**30:.1f} GiB pinned, built in "
-          f"{time.perf_counter() - started:.1f} s", flush=True)
+    table.storage.host_buffer = buffer
+    print(f"host table: {rows:,} rows, {nbytes / 2**30:.1f} GiB, huge pages {buffer.huge_pages} "
+          f"({buffer.huge_page_bytes / 2**30:.1f} GiB), built in {time.perf_counter() - started:.1f} s", flush=True)
     return table
 
 
@@ -201,7 +209,8 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "copy_engine_GBps": ceiling, "rows": ROWS, "threads": torch.get_num_threads()}
+              "copy_engine_GBps": ceiling, "rows": ROWS, "threads": torch.get_num_threads(),
+              "direct_max_rows_default": engram.table.host.DIRECT_MAX_ROWS}
     try:
         report["load"] = load_rate()
         print(f"load into host: {report['load']}", flush=True)

@@ -33,12 +33,14 @@ def timed(call, repeats=20):
 
 
 def main():
-    rows = 16 * 2**20
-    buffer = torch.empty((rows + 1) * 272, dtype=torch.uint8)
-    packed = PackedRows.view_of(buffer, rows, 256).packed
+    from engram.table.host_memory import allocate_host_buffer
+
+    rows = 64 * 2**20  # 17 GiB: far past every cache and TLB reach
+    nbytes = (rows + 1) * 272
+    host = allocate_host_buffer(nbytes, fill=lambda b: b.fill_(7), read_only=False)
+    packed = PackedRows.view_of(host.tensor[:nbytes], rows, 256).packed
     release = register_with_cuda(packed)
-    packed[:-1].random_(0, 120)
-    print("threads", torch.get_num_threads(), flush=True)
+    print("threads", torch.get_num_threads(), "huge pages", host.huge_pages, flush=True)
     for n in (24, 196608):
         ids = torch.randint(0, rows, (n,), dtype=torch.int32)
         out = torch.empty(n, 272, dtype=torch.uint8, pin_memory=True)
@@ -54,6 +56,18 @@ def main():
         print(f"n={n}: pinned alloc + D2H ids "
               f"{timed(lambda: torch.empty(n, dtype=torch.int32, pin_memory=True).copy_(gpu_ids, non_blocking=True)):.0f} us",
               flush=True)
+        for waves in (1, 2, 4):
+            host_gather._MAX_WAVES = waves
+            probe = HostGather(packed, torch.device("cuda"))
+            stream = torch.cuda.current_stream()
+
+            def run_waves():
+                ticket = probe.start(gpu_ids, 0, stream)
+                probe.finish(ticket, stream)
+                probe.consumed(stream)
+
+            print(f"n={n}: HostGather with at most {waves} waves {timed(run_waves):.0f} us", flush=True)
+        host_gather._MAX_WAVES = 2
         pipeline = HostGather(packed, torch.device("cuda"))
         stream = torch.cuda.current_stream()
 
