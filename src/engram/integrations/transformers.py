@@ -17,10 +17,10 @@ per-request history (:meth:`NgramHasher.bind_request_history`); token ``j`` of a
 forward sits at position ``past + j``, where ``past`` is the cache's length
 (every row of a padded batch has the same length). The cache is the forward's
 ``cache`` argument (transformers >= 5.24) or ``past_key_values`` (up to 5.23, and
-5.24's deprecated spelling of ``cache``), read under the name the model's forward takes. Positions whose
-``attention_mask`` is 0 (padding, left or right) are dead tokens: no n-gram
-crosses them and their stream passes through unchanged, so a padded row's ids
-equal the row's alone. A forward that starts at position 0 starts clean; beam
+5.24's deprecated spelling of ``cache``): read under the name the model's forward
+takes. Positions whose ``attention_mask`` is 0 (padding, left or right) are dead
+tokens: no n-gram crosses them and their stream passes through unchanged, so a
+padded row's ids equal the row's alone. A forward that starts at position 0 starts clean; beam
 search's ``cache.reorder_cache(beam_idx)`` reorders the history rows too.
 """
 
