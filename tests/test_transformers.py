@@ -8,6 +8,8 @@ each run (``ENGRAM_TEST_SEED`` replays one); every assertion message names it.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ except ImportError:  # pragma: no cover - reported by the fixture below
     DeepseekV4ForCausalLM = None
 
 from engram import hash_ngrams
-from engram.integrations.transformers import EngramHandle, attach_engram, load_model
+from engram.integrations.transformers import EngramHandle, _cache_argument, _cache_parameter, attach_engram, load_model
 from engram.testing import TINY_DEEPSEEK_V4, write_transformers_checkpoint
 
 PAD = 2
@@ -61,6 +63,27 @@ def _pad(rows: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tenso
         span = slice(width - len(row), width) if side == "left" else slice(0, len(row))
         ids[b, span], mask[b, span] = row, 1
     return ids, mask
+
+
+def _cache_spellings(model) -> list[str]:
+    """The keywords a forward of ``model`` takes its cache under: its own parameter (``cache`` from
+    transformers 5.24 on, ``past_key_values`` before), then ``past_key_values`` if that is 5.24's
+    deprecated spelling of it."""
+    own = _cache_parameter(inspect.signature(model.forward), type(model).__name__)
+    return list(dict.fromkeys([own, "past_key_values"]))
+
+
+def _returned_cache(out):
+    """The cache in a forward's or generate()'s output: ``cache`` (5.24) or ``past_key_values`` (5.23)."""
+    return out["cache"] if "cache" in set(out.keys()) else out["past_key_values"]
+
+
+@torch.no_grad()
+def _forward_with_cache(model, ids: torch.Tensor, cache, spelling: str):
+    """``model(ids, <spelling>=cache, use_cache=True)``; 5.24's deprecation warning for the old spelling is expected."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
+        return model(ids, use_cache=True, **{spelling: cache})
 
 
 def _record_layer_calls(handle: EngramHandle) -> list[dict]:
@@ -117,22 +140,25 @@ def test_incremental_generate_matches_full_forward(model, mode):
 
 
 def test_chunked_prefill_through_the_cache_matches_full_forward(model):
-    """Forwards of uneven chunks (1 to 9 tokens) on one DynamicCache: each chunk's first
-    tokens take their n-grams from the per-request history."""
+    """Forwards of uneven chunks on one DynamicCache: each chunk's first tokens take their
+    n-grams from the per-request history. The cache goes in under every keyword the model's
+    forward takes it by (``cache`` and the deprecated ``past_key_values`` on transformers 5.24)."""
     seed = _seed()
     rng = np.random.default_rng(seed)
-    ids = torch.stack(_prompts(rng, model.config.vocab_size, [int(rng.integers(12, 40))] * int(rng.integers(1, 4))))
-    cuts = sorted({0, ids.shape[1], *rng.integers(1, ids.shape[1], int(rng.integers(1, 8))).tolist()})
-    cache, pieces = None, []
-    with torch.no_grad():
+    spellings = _cache_spellings(model)
+    for spelling in spellings:
+        ids = torch.stack(_prompts(rng, model.config.vocab_size, [int(rng.integers(12, 40))] * int(rng.integers(1, 4))))
+        cuts = sorted({0, ids.shape[1], *rng.integers(1, ids.shape[1], int(rng.integers(1, 8))).tolist()})
+        cache, pieces = None, []
         for start, end in zip(cuts[:-1], cuts[1:]):
-            out = model(ids[:, start:end], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = _forward_with_cache(model, ids[:, start:end], cache, spelling)
+            cache = _returned_cache(out)
             pieces.append(out.logits)
-    chunked, full = torch.cat(pieces, dim=1), _full_logits(model, ids)
-    difference, tolerance = float((chunked - full).abs().max()), _tolerance(full)
-    assert difference <= tolerance, (f"seed={seed} chunks at {cuts}: logits differ from a full forward by "
-                                     f"{difference:.3g} > {tolerance:.3g}")
+        assert cache.get_seq_length() == ids.shape[1], f"seed={seed} {spelling}=: the model did not use the cache"
+        chunked, full = torch.cat(pieces, dim=1), _full_logits(model, ids)
+        difference, tolerance = float((chunked - full).abs().max()), _tolerance(full)
+        assert difference <= tolerance, (f"seed={seed} {spelling}= chunks at {cuts}: logits differ from a full forward "
+                                         f"by {difference:.3g} > {tolerance:.3g}")
 
 
 def test_beam_search_beams_match_full_forward(model):
@@ -252,7 +278,7 @@ def test_attach_changes_logits_and_remove_restores_them_bit_for_bit(model):
     assert float((with_engram - own).abs().max()) > 100 * _tolerance(own), f"seed={seed}: Engram changed nothing"
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=3, num_beams=2, pad_token_id=PAD, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = _returned_cache(out)
     assert "reorder_cache" in vars(cache), "the cache's reorder_cache is not followed"
     again.remove()
     assert "reorder_cache" not in vars(cache), "remove() left the cache patched"
@@ -315,10 +341,38 @@ def test_misuse_gets_clear_errors(model):
     memory_handle = model.engram_handle
     memory_handle.remove()
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values        # tokens Engram never saw
+        cache = _returned_cache(model(ids, use_cache=True))        # tokens Engram never saw
     attach_engram(model, memory)
-    with torch.no_grad(), pytest.raises(ValueError, match="the cache holds 6 tokens"):
-        model(ids[:, :1], past_key_values=cache)
+    own = _cache_spellings(model)[0]
+    for target in (model, model.model):  # the causal LM, and its base model (whose own hook reads the call)
+        for spelling in _cache_spellings(target):
+            with pytest.raises(ValueError, match=f"^{own}: the cache holds 6 tokens, but Engram's history holds no "):
+                _forward_with_cache(target, ids[:, :1], cache, spelling)
+
+
+def test_cache_argument_follows_the_forwards_own_name():
+    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (still renaming the old
+    keyword inside the forward, ``cache`` winning when both come); 5.23's forward takes
+    ``past_key_values`` and drops an unknown ``cache`` keyword into ``**kwargs``."""
+    def new(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs): ...
+    def old(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs): ...
+    def none(self, input_ids=None, **kwargs): ...
+    given, other = object(), object()
+    for forward, own, calls in (
+            (new, "cache", [((), {"cache": given}, given), ((), {"past_key_values": given}, given),
+                            ((None, None, None, None, given), {}, given), ((), {}, None),
+                            ((), {"cache": given, "past_key_values": other}, given),
+                            ((), {"cache": None, "past_key_values": other}, None)]),
+            (old, "past_key_values", [((), {"past_key_values": given}, given), ((), {"cache": other}, None),
+                                      ((None, None, None, None, given), {}, given)])):
+        signature = inspect.signature(forward)
+        assert _cache_parameter(signature, "Model") == own
+        for args, kwargs, expected in calls:
+            found = _cache_argument(signature, own, args, kwargs)
+            assert found is expected, f"{forward.__name__}{args, kwargs}: read {found!r}, expected {expected!r}"
+    with pytest.raises(ValueError, match=r"Model.forward: expected a KV-cache argument named one of \['cache', "
+                                         r"'past_key_values'\], found parameters \['self', 'input_ids', 'kwargs'\]"):
+        _cache_parameter(inspect.signature(none), "Model")
 
 
 @pytest.mark.slow

@@ -15,10 +15,12 @@ Hash ids. A pre-hook on ``model.model`` hashes the forward's ``input_ids`` once 
 all Engram layers. Each batch row is one request with its own row of the
 per-request history (:meth:`NgramHasher.bind_request_history`); token ``j`` of a
 forward sits at position ``past + j``, where ``past`` is the cache's length
-(every row of a padded batch has the same length). Positions whose
-``attention_mask`` is 0 (padding, left or right) are dead tokens: no n-gram
-crosses them and their stream passes through unchanged, so a padded row's ids
-equal the row's alone. A forward that starts at position 0 starts clean; beam
+(every row of a padded batch has the same length). The cache is the forward's
+``cache`` argument (transformers >= 5.24) or ``past_key_values`` (up to 5.23, and
+5.24's deprecated spelling of ``cache``): read under the name the model's forward
+takes. Positions whose ``attention_mask`` is 0 (padding, left or right) are dead
+tokens: no n-gram crosses them and their stream passes through unchanged, so a
+padded row's ids equal the row's alone. A forward that starts at position 0 starts clean; beam
 search's ``cache.reorder_cache(beam_idx)`` reorders the history rows too.
 """
 
@@ -39,6 +41,10 @@ from ..memory import EngramMemory
 __all__ = ["EngramHandle", "attach_engram", "load_model"]
 
 _HANDLE_ATTRIBUTE = "engram_handle"
+# The forward's cache argument: ``cache`` from transformers 5.24 on (which still renames a
+# ``past_key_values`` keyword to it), ``past_key_values`` before. The first of these in the
+# forward's signature is its own name; a later one is an older spelling it may still take.
+_CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
 def _decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
@@ -90,6 +96,36 @@ def _argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str
         return None
 
 
+def _cache_parameter(signature: inspect.Signature, owner: str) -> str:
+    """The name under which a forward with ``signature`` takes its KV cache (see ``_CACHE_ARGUMENTS``)."""
+    for name in _CACHE_ARGUMENTS:
+        if name in signature.parameters:
+            return name
+    raise ValueError(f"{owner}.forward: expected a KV-cache argument named one of {list(_CACHE_ARGUMENTS)}, found "
+                     f"parameters {list(signature.parameters)}; Engram needs the cache to know each token's position")
+
+
+def _cache_argument(signature: inspect.Signature, parameter: str, args: tuple, kwargs: dict) -> Any:
+    """The cache a forward call ``(args, kwargs)`` passes: under ``parameter`` (its own name), else under an
+    older spelling that comes after it in ``_CACHE_ARGUMENTS`` (renamed to ``parameter`` inside the forward;
+    as there, ``parameter`` wins when both are given). None when the call passes no cache."""
+    if parameter not in kwargs:
+        for older in _CACHE_ARGUMENTS[_CACHE_ARGUMENTS.index(parameter) + 1:]:
+            if older in kwargs:
+                return kwargs[older]
+    return _argument(signature, args, kwargs, parameter)
+
+
+def _output_cache(output: Any) -> Any:
+    """The cache a forward returned (``output.cache`` from transformers 5.24 on, ``output.past_key_values``
+    before; read without touching 5.24's deprecated alias). None for a tuple output or no cache."""
+    present = set(output.keys()) if isinstance(output, dict) else set()   # a ModelOutput is a dict
+    for name in _CACHE_ARGUMENTS:
+        if name in present:
+            return output[name]
+    return None
+
+
 class _Step:
     """What one forward hashed: ids ``[B*S, L, C]`` and live tokens ``[B*S]`` on the memory's device."""
 
@@ -133,6 +169,7 @@ class EngramHandle:
         self._cache_ref: weakref.ref | None = None  # the running sequence's cache
         self._patched_caches: weakref.WeakSet = weakref.WeakSet()
         self._signature = inspect.signature(self._stack.forward)
+        self._cache_name = _cache_parameter(self._signature, type(self._stack).__name__)
         self._hooks = [
             self._stack.register_forward_pre_hook(self._before_model, with_kwargs=True),
             self._stack.register_forward_hook(self._after_model, with_kwargs=True, always_call=True),
@@ -172,7 +209,8 @@ class EngramHandle:
         """Hash the forward's tokens once, for every Engram layer."""
         started = self._clock()
         read = functools.partial(_argument, self._signature, args, kwargs)
-        input_ids, attention_mask, cache = read("input_ids"), read("attention_mask"), read("past_key_values")
+        input_ids, attention_mask = read("input_ids"), read("attention_mask")
+        cache = _cache_argument(self._signature, self._cache_name, args, kwargs)
         if input_ids is None:
             raise ValueError("input_ids: Engram hashes token ids, found None (a forward with inputs_embeds only "
                              "cannot run Engram layers)")
@@ -208,7 +246,7 @@ class EngramHandle:
             return self._rows
         if self._rows is None or past != self._next_position:
             held = "no sequence" if self._rows is None else f"positions up to {self._next_position - 1}"
-            raise ValueError(f"past_key_values: the cache holds {past} tokens, but Engram's history holds {held}; "
+            raise ValueError(f"{self._cache_name}: the cache holds {past} tokens, but Engram's history holds {held}; "
                              f"run the sequence from its first token with Engram attached")
         if batch != len(self._rows):
             raise ValueError(f"input_ids: batch of {batch} rows continues a sequence of {len(self._rows)} rows "
@@ -254,9 +292,9 @@ class EngramHandle:
     def _after_model(self, module, args: tuple, kwargs: dict, output: Any):
         """The forward is over; beam search may now reorder its cache, and the history follows."""
         self._step = None
-        cache = getattr(output, "past_key_values", None)
+        cache = _output_cache(output)
         if cache is None:
-            cache = _argument(self._signature, args, kwargs, "past_key_values")
+            cache = _cache_argument(self._signature, self._cache_name, args, kwargs)
         if cache is not None and hasattr(cache, "reorder_cache"):
             self._cache_ref = weakref.ref(cache)
             if cache not in self._patched_caches:
