@@ -18,11 +18,17 @@ import engram
 from engram.hashing.kernels import _remainder
 from engram.simulation import HISTORY_SOURCES, StreamingEngine
 
-from conftest import PACKAGED_CONFIG, random_vocab, small_config
+from conftest import PACKAGED_CONFIG, fresh_seed, random_vocab, small_config
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA and not INTERPRETED else "cpu"
+
+
+def _rng() -> np.random.Generator:
+    """This module's random draws: one seed per test session, reported on failure
+    (``ENGRAM_TEST_SEED`` replays it; tests/conftest.py)."""
+    return np.random.default_rng(fresh_seed(__name__))
 
 
 def small_hasher(seed: int, device=DEVICE, **kwargs) -> engram.NgramHasher:
@@ -51,7 +57,7 @@ def serve_and_check(hasher, source, rng, lengths, budget, fused_slot_write=False
 @pytest.mark.parametrize("heads,layers,vocab_size", [(3, (1, 3), 1009), (5, (2,), 2), (1, (0, 4, 9), 1009),
                                                      (1, (2,), 700_000_000)])  # primes near 2**29.4
 def test_kernel_streaming_interpreted(source, fused, heads, layers, vocab_size):
-    rng = np.random.default_rng()
+    rng = _rng()
     hasher = small_hasher(int(rng.integers(2**31)), heads=heads, layers=layers, vocab_size=vocab_size)
     serve_and_check(hasher, source, rng, lengths=[1, 23, 9], budget=16, fused_slot_write=fused)
 
@@ -61,7 +67,7 @@ def test_kernel_streaming_interpreted(source, fused, heads, layers, vocab_size):
 def test_kernel_matches_torch_path_and_stores_interpreted():
     """Same ids, slot cache and request history afterwards, with lookback, dead tokens
     and padding: every phase of the kernel (slot writers, hashers, history writers)."""
-    rng = np.random.default_rng()
+    rng = _rng()
     seed = int(rng.integers(2**31))
     kernel, torch_path = small_hasher(seed), small_hasher(seed)
     torch_path.backend = "torch"
@@ -99,7 +105,7 @@ def test_kernel_matches_torch_path_and_stores_interpreted():
 def test_history_writers_match_torch_path_interpreted(max_draft_tokens, lengths):
     """The ring after one batch: lookback seeds and the last `width` tokens, wrap-around
     collisions included (chunks longer than the ring, seeds a later token overwrites)."""
-    rng = np.random.default_rng()
+    rng = _rng()
     seed = int(rng.integers(2**31))
     kernel, torch_path = small_hasher(seed, validate=False), small_hasher(seed, validate=False)
     torch_path.backend = "torch"
@@ -113,8 +119,8 @@ def test_history_writers_match_torch_path_interpreted(max_draft_tokens, lengths)
     for hasher in (kernel, torch_path):
         history = hasher.bind_request_history(len(lengths) + 2, max_draft_tokens=max_draft_tokens)
         rows = torch.from_numpy(rng.permutation(len(lengths) + 2)[:len(lengths)])
-        history.values[:-1] = torch.randint(0, 40, history.values[:-1].shape, dtype=torch.int32)  # old history
-        history.tags[:-1] = torch.randint(0, 30, history.tags[:-1].shape)
+        history.values[:-1] = torch.from_numpy(rng.integers(0, 40, tuple(history.values[:-1].shape)).astype(np.int32))
+        history.tags[:-1] = torch.from_numpy(rng.integers(0, 30, tuple(history.tags[:-1].shape)))  # old history
         for row, first in zip(rows.tolist(), first_positions.tolist()):  # most reads find their position
             for back in (1, 2):
                 if first - back >= 0 and rng.random() < 0.8:
@@ -136,7 +142,7 @@ def test_kernel_same_step_prefix_hit_interpreted():
     fused_write=True."""
     from test_hasher_properties import same_step_prefix_hit_batch
 
-    rng = np.random.default_rng()
+    rng = _rng()
     hasher = small_hasher(int(rng.integers(2**31)))
     hasher.bind_slot_cache(32 * 4, 4)
     batch, a_tokens, b_tokens, hit = same_step_prefix_hit_batch(rng)
@@ -152,11 +158,12 @@ def test_kernel_same_step_prefix_hit_interpreted():
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 def test_kernel_reports_missing_history_and_undoes_writes_interpreted():
-    hasher = small_hasher(int(np.random.default_rng().integers(2**31)))
+    rng = _rng()
+    hasher = small_hasher(int(rng.integers(2**31)))
     cache = hasher.bind_slot_cache(32, 1)
     history = hasher.bind_request_history(2)
     table = torch.arange(32, dtype=torch.int32)[None].repeat(2, 1)
-    token_ids = torch.randint(0, 300, (6,))
+    token_ids = torch.from_numpy(rng.integers(0, 300, 6))
     positions = torch.tensor([10, 11, 12, 13, 0, 1])  # request 0 lacks its history; request 1 is fine
     rows = hasher.request_rows(["a", "b"])
     before = cache.values.clone(), history.values.clone(), history.tags.clone()
@@ -177,7 +184,7 @@ def test_malformed_metadata_never_leaves_bounds_interpreted():
     from hash_fuzz import run_fuzz
     from interpreter_bounds import bounds_checked
 
-    seed = int(np.random.default_rng().integers(2**31))
+    seed = int(_rng().integers(2**31))
     print(f"fuzz seed {seed} (replay: run_fuzz(..., seed={seed}, ...))")
     shapes = []
     with bounds_checked() as memory:
@@ -219,7 +226,7 @@ def test_gpu_malformed_metadata_returns():
     reproducer first); compute-sanitizer runs the same fuzz in benchmarks/memcheck_kernels.py."""
     from hash_fuzz import run_fuzz
 
-    seed = int(np.random.default_rng().integers(2**31))
+    seed = int(_rng().integers(2**31))
     print(f"fuzz seed {seed}")
     calls = run_fuzz(lambda s: small_hasher(s, device="cuda", validate=False), seed, cases=200,
                      after_call=lambda hasher, batch, ids: torch.cuda.synchronize())
@@ -250,7 +257,7 @@ def _remainder_test_kernel(value_ptr, prime_ptr, barrett_ptr, out_ptr, BLOCK: tl
 
 
 def check_remainder(device):
-    rng = np.random.default_rng()
+    rng = _rng()
     value, prime = remainder_cases(rng)
     barrett = np.array([(2**64 - 1) // int(p) for p in prime], dtype=np.uint64).view(np.int64)
     out = torch.full((len(value),), -7, dtype=torch.int64, device=device)  # poisoned
@@ -284,7 +291,7 @@ def v41_hasher(device="cuda", **kwargs):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("num_tokens", [1, 7, 63, 1024, 8192])
 def test_gpu_whole_sequences_v41(num_tokens):
-    rng = np.random.default_rng()
+    rng = _rng()
     hasher = v41_hasher(validate=False)
     assert hasher._use_triton()
     token_ids = rng.integers(0, 129280, num_tokens)
@@ -299,7 +306,7 @@ def test_gpu_whole_sequences_v41(num_tokens):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("source,fused", [(source, False) for source in HISTORY_SOURCES] + [("slot_cache", True)])
 def test_gpu_streaming(source, fused):
-    rng = np.random.default_rng()
+    rng = _rng()
     serve_and_check(small_hasher(int(rng.integers(2**31)), device="cuda"), source, rng, [1, 63, 200, 7], budget=96,
                     fused_slot_write=fused)
 
@@ -309,7 +316,7 @@ def test_gpu_streaming(source, fused):
 def test_gpu_same_step_prefix_hit():
     from test_hasher_properties import same_step_prefix_hit_batch
 
-    rng = np.random.default_rng()
+    rng = _rng()
     hasher = small_hasher(int(rng.integers(2**31)), device="cuda", validate=False)
     hasher.bind_slot_cache(32 * 4, 4)
     batch, a_tokens, b_tokens, hit = same_step_prefix_hit_batch(rng)
@@ -322,7 +329,7 @@ def check_same_step_prefix_hits(hasher, pairs, block_size, prefill_blocks, tail)
     """Each request B_k hits a random number of the blocks that request A_k fills in
     this same batch, in a shuffled batch order, with the request history bound too
     (every phase of the launch)."""
-    rng = np.random.default_rng()
+    rng = _rng()
     device = hasher.device
     hasher.bind_slot_cache(pairs * 2 * (prefill_blocks + 8) * block_size, block_size)
     hasher.bind_request_history(2 * pairs)
@@ -365,7 +372,7 @@ def test_kernel_same_step_prefix_hits_many_requests_interpreted(block_tokens, mo
 
     if block_tokens:
         monkeypatch.setitem(launch.LAUNCH_OVERRIDE, "block_tokens", block_tokens)
-    hasher = small_hasher(int(np.random.default_rng().integers(2**31)), validate=False)
+    hasher = small_hasher(int(_rng().integers(2**31)), validate=False)
     check_same_step_prefix_hits(hasher, pairs=3, block_size=4, prefill_blocks=3, tail=5)
 
 
@@ -388,7 +395,7 @@ def test_gpu_same_step_prefix_hits_many_requests(pairs, block_tokens, monkeypatc
 def test_gpu_cuda_graph_capture_and_replay(with_history):
     """Decode steps captured once, replayed with new tokens copied into the static buffers
     (with the request history bound too: every phase of the launch in the graph)."""
-    rng = np.random.default_rng()
+    rng = _rng()
     hasher = v41_hasher(validate=False)
     requests, block_size, steps = 8, 16, 6
     prompt = 40

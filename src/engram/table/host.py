@@ -29,10 +29,10 @@ from .table import TablePlacement, register_placement
 __all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
 
 # Lookups of at most this many rows read host memory directly (path a); larger ones
-# take the host gather (path b). H200 (bench_host.py, NOTES "Host tables"): direct reads
-# 19 us at T = 64 and ~7.5 GB/s from T = 1024 on; the host gather 0.7-0.9 ms at small T,
-# on par at T = 8192 (6.8 ms each) and ahead at T = 32768 (17.0 against 27.4 ms).
-DIRECT_MAX_ROWS = 8192 * 24
+# take the host gather (path b). H200, 34 GiB table on 2 MiB pages (bench_host.py, NOTES
+# "Host tables"): direct reads 19 us at T = 64, 0.88 ms at T = 1024, ~7.3 GB/s beyond; the
+# host gather 0.5-0.8 ms at small T, 1.3 ms at T = 1024, 4.0 ms at T = 8192 (direct 7.1).
+DIRECT_MAX_ROWS = 4096 * 24
 
 
 def _gather_launchers():
