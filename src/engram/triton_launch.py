@@ -43,7 +43,10 @@ def jit_without_alignment(**options):
     import triton
 
     def decorate(function):
-        names = list(function.__code__.co_varnames[:function.__code__.co_argcount])
+        # Pointers and ints only: Triton 3.6 refuses constexpr parameters in the list.
+        annotations = getattr(function, "__annotations__", {})
+        names = [name for name in function.__code__.co_varnames[:function.__code__.co_argcount]
+                 if "constexpr" not in str(annotations.get(name, ""))]
         try:
             return triton.jit(do_not_specialize_on_alignment=names, **options)(function)
         except TypeError:
