@@ -168,14 +168,16 @@ def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, con
         per_rank.append(_format_bytes(largest))
         per_node.append(_format_bytes(sum(layout.table_bytes)))
     available = available_placements()
-    placements.add_row("cpu", "process memory, per rank", *per_rank)
+    placements.add_row("cpu", "page cache (memory-mapped files), per node", *per_rank)
     placements.add_row("device", "HBM, per GPU", *per_rank)
     if "host" in available:
-        placements.add_row("host", "pinned host memory, per node (all ranks' shards)", *per_node)
+        placements.add_row("host", "pinned host memory, all ranks' shards (one copy per node with "
+                           "share_host_tables; rows packed to 272 B there, +3%)", *per_node)
     else:
         placements.add_row("host", "[dim]not available in this version[/]", *[""] * len(world_sizes))
     wkv_bytes = spec.num_layers * (spec.kv_dim * spec.num_columns * spec.head_dim + 2 * spec.hc_mult * spec.hidden_size) * 2
-    placements.add_row("(any)", "wkv, q/k weights in bf16, on every rank's compute device",
+    placements.add_row("(any)", "wkv, q/k weights in bf16 (an FP8 wkv stays FP8 on a GPU: half), "
+                       "on every rank's compute device",
                        *[_format_bytes(wkv_bytes)] * len(world_sizes))
     console.print(placements)
     console.print("[dim]'no split': ceil(C/tp) columns per rank leave a rank without a column[/]")
