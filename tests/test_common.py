@@ -67,3 +67,15 @@ def test_demo_on_cuda_without_cuda_exits_2_with_one_line(capsys):
     out = capsys.readouterr().out
     assert "engram demo --device needs a CUDA device ('cuda')" in out and "Traceback" not in out
     assert len(out.strip().splitlines()) == 1
+
+
+@NO_CUDA
+def test_hasher_and_memory_name_the_missing_cuda_in_one_line(small_layout, small_vocab):
+    """The README's NgramHasher(..., device="cuda") and the hasher's backend="triton" on a
+    machine without CUDA: one ValueError each, not torch's assertion (issue 10 item 6)."""
+    import engram
+
+    with pytest.raises(ValueError, match=r"device: NgramHasher needs a CUDA device \('cuda'\), and this machine has none"):
+        engram.NgramHasher(small_layout, small_vocab, device="cuda")
+    with pytest.raises(ValueError, match=r"TRITON_INTERPRET=1|needs the 'triton' package"):
+        engram.NgramHasher(small_layout, small_vocab, device="cpu", backend="triton")

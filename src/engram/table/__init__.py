@@ -14,15 +14,15 @@ from .fp8 import (
 )
 from .reference import lookup_reference
 from .table import (
-    CpuPlacement,
-    DevicePlacement,
     EngramTable,
     TablePlacement,
     available_placements,
     make_placement,
     register_placement,
 )
-from .host import HostPlacement  # registers placement "host"
+from .cpu import CpuPlacement  # each placement registers itself on import
+from .device import DevicePlacement
+from .host import HostPlacement
 
 __all__ = [
     "BLOCK_SIZE",

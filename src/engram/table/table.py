@@ -7,9 +7,9 @@ row range they span (:meth:`EngramLayout.shard`).
 
 Where the bytes live is a *placement* (DESIGN §3): a :class:`TablePlacement` owns
 the storage and gathers rows by local row id onto the device lookups run on.
-``"cpu"`` (plain tensors) and ``"device"`` (CUDA memory) are defined here; other
-placements subclass :class:`TablePlacement` and :func:`register_placement` themselves
-(:func:`available_placements` lists what exists).
+Each placement lives in its own module beside this one and registers itself:
+``"cpu"`` (:mod:`engram.table.cpu`), ``"device"`` (:mod:`engram.table.device`) and
+``"host"`` (:mod:`engram.table.host`); :func:`available_placements` lists them.
 """
 
 from __future__ import annotations
@@ -20,27 +20,19 @@ from typing import ClassVar
 import torch
 
 from ..backends import resolve_backend
-from ..common import HASH_ID_DTYPES, resolve_cuda_device
+from ..common import HASH_ID_DTYPES
 from ..layout import ColumnShard, EngramLayout
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, dequantize_rows
 
 __all__ = [
     "EngramTable",
     "TablePlacement",
-    "CpuPlacement",
-    "DevicePlacement",
     "register_placement",
     "available_placements",
     "make_placement",
 ]
 
 _PLANNED_PLACEMENTS = ("cached",)
-
-def _triton_gather():
-    """The Triton launchers (:mod:`engram.table.gather`); only called once Triton is known to import."""
-    from . import gather
-
-    return gather
 
 
 # ---------------------------------------------------------------------------
@@ -145,51 +137,6 @@ def make_placement(
             raise ValueError(f"placement {name!r} is planned but not implemented yet; available placements: {available}")
         raise ValueError(f"placement: unknown placement {name!r}; available placements: {available}")
     return placement_class(value_bytes, scale_bytes, device)
-
-
-@register_placement
-class CpuPlacement(TablePlacement):
-    """Plain CPU tensors (memory-mapped ones included); lookups run on the CPU."""
-
-    name = "cpu"
-
-    def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
-        super().__init__(value_bytes.cpu(), scale_bytes.cpu(), torch.device("cpu"))
-
-    def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self._value_bytes.index_select(0, local_row_ids),
-                self._scale_bytes.index_select(0, local_row_ids))
-
-
-@register_placement
-class DevicePlacement(TablePlacement):
-    """The whole table in one CUDA device's memory (HBM); lookups run there.
-
-    ``device`` defaults to the current CUDA device. Lookups run the Triton gather kernel
-    (:mod:`engram.table.gather`) with backend ``"triton"``, else index_select + dequantize.
-    """
-
-    name = "device"
-    has_triton_lookup = True
-
-    def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
-        target = resolve_cuda_device(device, "placement 'device'")
-        super().__init__(value_bytes.to(target), scale_bytes.to(target), target)
-
-    def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self._value_bytes.index_select(0, local_row_ids),
-                self._scale_bytes.index_select(0, local_row_ids))
-
-    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
-        """The Triton gather kernel (one launch, no host sync) with backend ``"triton"``."""
-        if self.backend != "triton":
-            return None
-        gather = _triton_gather()
-        if packed:
-            return gather.gather_rows_packed(self._value_bytes, self._scale_bytes, global_ids, row_start)
-        return gather.gather_rows(self._value_bytes, self._scale_bytes, global_ids, row_start)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,25 @@
+"""Placement ``"cpu"``: plain CPU tensors (memory-mapped ones included); lookups on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from .table import TablePlacement, register_placement
+
+__all__ = ["CpuPlacement"]
+
+
+@register_placement
+class CpuPlacement(TablePlacement):
+    """Plain CPU tensors (memory-mapped ones included); lookups run on the CPU."""
+
+    name = "cpu"
+
+    def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
+        super().__init__(value_bytes.cpu(), scale_bytes.cpu(), torch.device("cpu"))
+
+    def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self._value_bytes.index_select(0, local_row_ids),
+                self._scale_bytes.index_select(0, local_row_ids))
