@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 import engram
 from engram.cli import main
@@ -75,3 +76,13 @@ def test_hash_uses_the_tokenizer_beside_the_config(tmp_path, capsys):
     assert str(synthetic.directory / "tokenizer.json") in capsys.readouterr().out
     assert main(["hash", "--tokenizer", str(tmp_path / "nothing"), "x"]) == 2
     assert "--tokenizer: expected a tokenizer.json or a directory holding one" in capsys.readouterr().out
+
+
+def test_demo_placement_host_without_cuda_exits_2():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the message on a machine without CUDA")
+    from engram.cli import main
+
+    assert main(["demo", "--placement", "host", "--texts", "1", "--max-chars", "300"]) == 2

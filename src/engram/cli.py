@@ -230,7 +230,7 @@ def command_demo(args: argparse.Namespace, console: Console) -> int:
 
     ok = run_demo(config=args.config, tokenizer=args.tokenizer, device=args.device, num_texts=args.texts,
                   max_chars=args.max_chars, seed=args.seed, console=console, checkpoint=args.checkpoint,
-                  layers=not args.skip_layers)
+                  layers=not args.skip_layers, placement=args.placement)
     return 0 if ok else 1
 
 
@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run the layers of this checkpoint; a synthetic one is written there when it holds no "
                            "config.json (default: a temporary directory)")
     demo.add_argument("--skip-layers", action="store_true", help="only the hashing part")
+    demo.add_argument("--placement", default="auto", choices=("auto", "device", "host"),
+                      help="where a CUDA run keeps the tables: HBM, or pinned host memory read by the GPU "
+                           "(default: device for the demo's small tables)")
     demo.add_argument("--transformers", action="store_true",
                       help="instead: a tiny random DeepSeek-V4.1 in transformers generating from real text with Engram "
                            "attached, per-step Engram cost (needs pip install -e '.[transformers]')")

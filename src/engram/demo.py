@@ -63,8 +63,11 @@ def _tokenizer_file(tokenizer: str | Path | None) -> Path:
 
 def run_demo(*, config: str | None = None, tokenizer: str | None = None, device: str = "cpu",
              num_texts: int = 6, max_chars: int = 20_000, seed: int = 0, console: Console | None = None,
-             checkpoint: str | None = None, layers: bool = True) -> bool:
+             checkpoint: str | None = None, layers: bool = True, placement: str = "auto") -> bool:
     """Returns True when every id matched (and, with ``layers``, every layer passed its check).
+
+    ``placement``: where a CUDA run keeps the tables (``"auto"``: ``"device"``; ``"host"``:
+    pinned host memory read by the GPU); a CPU run always uses ``"cpu"``.
 
     ``checkpoint``: a model directory to run the layers of; when it holds no
     ``config.json`` a synthetic checkpoint is written there (default: a temporary directory).
@@ -110,6 +113,7 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
     console.print(results)
     if layers:
         all_match &= run_layer_demo(texts, checkpoint=checkpoint, tokenizer=tokenizer, device=device, seed=seed,
+                                    placement=placement,
                                     console=console)
     return all_match
 
@@ -249,7 +253,8 @@ def _check_layers(memory, runner: _LayerRunner, directory: Path) -> list[dict[st
 
 
 def run_layer_demo(texts: list[tuple[str, str]], *, checkpoint: str | None = None, tokenizer: str | None = None,
-                   device: str = "cpu", seed: int = 0, console: Console | None = None) -> bool:
+                   device: str = "cpu", seed: int = 0, console: Console | None = None,
+                   placement: str = "auto") -> bool:
     """Load a checkpoint with :class:`EngramMemory`, stream ``texts`` through its hasher
     and layers as an engine would, print a per-stage timing table and the reference
     check; True when every layer passed."""
@@ -259,7 +264,11 @@ def run_layer_demo(texts: list[tuple[str, str]], *, checkpoint: str | None = Non
     with tempfile.TemporaryDirectory(prefix="engram-demo-") as workspace:
         directory = _prepare_checkpoint(checkpoint, tokenizer, seed, Path(workspace), console)
         started = time.perf_counter()
-        memory = EngramMemory.from_pretrained(directory, placement="cpu" if device == "cpu" else "device",
+        if device == "cpu" and placement == "host":
+            raise ValueError("--placement host: tables in host memory are read by a CUDA device; "
+                             "use --device cuda, or the CPU's own placement (the default)")
+        chosen = "cpu" if device == "cpu" else ("device" if placement == "auto" else placement)
+        memory = EngramMemory.from_pretrained(directory, placement=chosen,
                                               device=None if device == "cpu" else device, progress=False)
         console.print(f"loaded {memory!r} in {time.perf_counter() - started:.2f} s")
         requests = _tokenize_requests(texts, directory / "tokenizer.json", seed)
