@@ -26,7 +26,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,29 +37,17 @@ import triton
 import triton.testing
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import engram  # noqa: E402
+from wall_clock import median_wall_us  # noqa: E402
 from engram.table.host_rows import PackedRows, packed_row_bytes  # noqa: E402
 
 HEAD_DIM, COLUMNS = 256, 24
 ROWS = 128 * 2**20  # 128 Mi rows x 272 B = 34.2 GiB
 TOKENS = (1, 64, 1024, 8192, 32768)
 ROW_BYTES_ON_DISK = HEAD_DIM + HEAD_DIM // 32  # 264
-
-
-def _median_wall_us(call, repeats: int = 30, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
 
 
 def _gpu_us(call, graph: bool) -> float:
@@ -137,7 +124,7 @@ def bench_paths(table, ids_sets, ceiling) -> list[dict]:
             storage.direct_max_rows = 10**12
             row["direct_us"] = _gpu_us(lambda: table.lookup(ids), graph=tokens <= 1024)
             storage.direct_max_rows = 0
-            row["host_gather_us"] = _median_wall_us(lambda: table.lookup(ids), repeats=20 if tokens >= 8192 else 50)
+            row["host_gather_us"] = median_wall_us(lambda: table.lookup(ids), repeats=20 if tokens >= 8192 else 50)
             for path in ("direct", "host_gather"):
                 seconds = row[f"{path}_us"] / 1e6
                 row[f"{path}_unique_GBps"] = row["unique_bytes"] / seconds / 1e9
@@ -176,8 +163,8 @@ def overlap(table, rng, rows) -> dict:
                 layers[uses[k]].lookup(ids[uses[k]])
             torch.mm(a, b)
 
-    time_alone = _median_wall_us(alone, repeats=10)
-    time_with = _median_wall_us(with_prefetch, repeats=10)
+    time_alone = median_wall_us(alone, repeats=10)
+    time_with = median_wall_us(with_prefetch, repeats=10)
     return {"gemm_loop_us": time_alone, "with_prefetch_us": time_with,
             "overlap_slowdown_pct": 100 * (time_with - time_alone) / time_alone, "gemms": gemms}
 

@@ -13,9 +13,7 @@ hasher at T = 1 and 64; gather, gate and the whole layer at T = 64.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,21 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import engram  # noqa: E402
 from hash_bench import CONFIG, _random_vocab, hash_call  # noqa: E402
+from wall_clock import median_wall_us  # noqa: E402
 
 
 def host_us(call, repeats: int = 300, warmup: int = 20) -> float:
     """Median host microseconds of ``call()``, each run alone after a device sync."""
-    for _ in range(warmup):
-        call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter_ns()
-        call()
-        samples.append((time.perf_counter_ns() - start) / 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+    return median_wall_us(call, repeats, warmup, until_device_done=False)
 
 
 @triton.jit

@@ -7,29 +7,23 @@ the pipeline, on a 4 GiB pinned table. A diagnostic for benchmarks/NOTES.md.
 from __future__ import annotations
 
 import concurrent.futures
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from engram.table import host_gather  # noqa: E402
 from engram.table.host_gather import HostGather, gather_packed_rows_host  # noqa: E402
 from engram.table.host_rows import PackedRows, register_with_cuda  # noqa: E402
+from wall_clock import median_wall_us  # noqa: E402
 
 
 def timed(call, repeats=20):
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
+    return median_wall_us(call, repeats, warmup=0)
 
 
 def main():
