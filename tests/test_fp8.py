@@ -340,3 +340,23 @@ def test_codec_on_cuda_matches_cpu(rng):
     assert torch.equal(torch.isnan(found), torch.isnan(expected))
     same = ~torch.isnan(expected)
     assert torch.equal(found.view(torch.int16)[same], expected.view(torch.int16)[same])
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 64, 1000, 4099])
+@pytest.mark.parametrize("kind", ["e4m3", "ue8m0"])
+def test_first_nan_byte_finds_the_first_anywhere(size, kind, rng):
+    """The word-wise scan against a plain byte-by-byte search, NaN bytes at random places
+    (the tail past the last whole word included), and none."""
+    from engram.table.fp8 import first_nan_byte
+
+    nan_bytes = [0x7F, 0xFF] if kind == "e4m3" else [0xFF]
+    clean = rng.integers(0, 0x7F, size).astype(np.uint8)  # no byte is NaN for either kind
+    assert first_nan_byte(torch.from_numpy(clean), kind) is None
+    for _ in range(5):
+        data = clean.copy()
+        places = rng.choice(size, size=min(size, int(rng.integers(1, 4))), replace=False)
+        data[places] = rng.choice(nan_bytes, size=len(places))
+        data[rng.integers(0, size)] |= 0x80 if kind == "ue8m0" else 0  # 0x80.. bytes are not UE8M0 NaN
+        expected = next(i for i, b in enumerate(data.tolist())
+                        if (b in nan_bytes) and (kind == "e4m3" or b == 0xFF))
+        assert first_nan_byte(torch.from_numpy(data).view(size, 1), kind) == expected

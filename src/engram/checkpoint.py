@@ -54,7 +54,7 @@ from .common import ceil_div, resolve_cuda_device
 from .layout import ColumnShard, EngramLayout
 from .spec import EngramSpec
 from .table import BLOCK_SIZE, EngramTable, available_placements
-from .table.fp8 import E8M0_DTYPE
+from .table.fp8 import E8M0_DTYPE, first_nan_byte
 
 __all__ = [
     "INDEX_FILE",
@@ -87,8 +87,6 @@ _TABLE_SCALE_DTYPES = ("F8_E8M0", "U8")   # U8: the same UE8M0 bytes, as some co
 _WKV_DTYPES = ("F8_E4M3", "BF16")
 _WKV_SCALE_DTYPES = ("F8_E8M0", "U8", "F32")
 _GATE_DTYPES = ("BF16",)
-_UE8M0_NAN = 255
-_E4M3_NAN_BITS = 0x7F   # a byte b is E4M3 NaN when b & 0x7F == 0x7F (0x7F and 0xFF)
 
 
 def engram_tensor_name(layer_id: int, kind: str, prefix: str = "") -> str:
@@ -301,15 +299,15 @@ class SafetensorsCheckpoint:
                                          f"be read ({error})") from None
                     chunk = chunk.view(torch.uint8)
                 if check_ue8m0:
-                    bad = chunk == _UE8M0_NAN
-                    if bool(bad.any()):
-                        row, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
+                    flat = first_nan_byte(chunk, "ue8m0")
+                    if flat is not None:
+                        row, column = divmod(flat, chunk.shape[1])
                         raise ValueError(f"{info.where()}: row {row_start + first + row} holds scale byte 255 "
                                          f"(UE8M0 NaN) at column {column}; expected bytes 0..254, the file is corrupt")
                 if check_e4m3:
-                    bad = (chunk & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
-                    if bool(bad.any()):
-                        row, column = (int(i) for i in torch.nonzero(bad)[0].tolist())
+                    flat = first_nan_byte(chunk, "e4m3")
+                    if flat is not None:
+                        row, column = divmod(flat, chunk.shape[1])
                         byte = int(chunk[row, column])
                         raise ValueError(f"{info.where()}: row {row_start + first + row} holds value byte "
                                          f"{byte:#04x} (E4M3 NaN) at column {column}; a table holds no NaN, the file "

@@ -22,12 +22,13 @@ from typing import Any, Protocol
 
 import torch
 
+from .table.fp8 import first_nan_byte
+
 __all__ = ["CHECK_CHUNK_BYTES", "TensorLocation", "tensor_location", "map_tensor_rows", "check_table_rows"]
 
 _MAX_HEADER_BYTES = 100 * 2**20   # safetensors' own limit on the JSON header
 CHECK_CHUNK_BYTES = 4 * 2**20
-"""Most bytes the NaN check looks at per step (its two temporaries are this size)."""
-_E4M3_NAN_BITS = 0x7F   # a byte b is E4M3 NaN when b & 0x7F == 0x7F (0x7F and 0xFF)
+"""Most bytes the NaN check looks at per step (its temporaries are a few eighths of this)."""
 
 
 class _Progress(Protocol):
@@ -103,21 +104,17 @@ def check_table_rows(rows: torch.Tensor, where: str, row_start: int, *, chunk_by
     in chunks of at most ``chunk_bytes`` (capped at :data:`CHECK_CHUNK_BYTES`): ValueError naming
     ``where``, the row and the column on scale byte 255 (UE8M0 NaN, ``check_ue8m0``) or value
     bytes 0x7F/0xFF (E4M3 NaN, ``check_e4m3``). ``progress.update(bytes)`` after each chunk.
-    Its temporaries are two buffers of one chunk, reused: never table-sized memory."""
+    The scan (:func:`engram.table.fp8.first_nan_byte`) holds no table-sized temporary."""
     num_rows, width = rows.shape
     chunk_rows = max(1, min(chunk_bytes, CHECK_CHUNK_BYTES) // width)
-    masked = torch.empty(min(num_rows, chunk_rows) * width, dtype=torch.uint8)
-    bad = torch.empty(masked.numel(), dtype=torch.bool)
     for first in range(0, num_rows, chunk_rows):
         chunk = rows[first:first + chunk_rows].reshape(-1)   # a view: the mapping is contiguous
         size = chunk.numel()
-        for enabled, mask, what in ((check_ue8m0, 0xFF, "ue8m0"), (check_e4m3, _E4M3_NAN_BITS, "e4m3")):
+        for enabled, what in ((check_ue8m0, "ue8m0"), (check_e4m3, "e4m3")):
             if not enabled:
                 continue
-            torch.bitwise_and(chunk, mask, out=masked[:size])
-            torch.eq(masked[:size], mask, out=bad[:size])
-            if bool(bad[:size].any()):
-                flat = int(torch.nonzero(bad[:size])[0])
+            flat = first_nan_byte(chunk, what)
+            if flat is not None:
                 row, column = first + flat // width, flat % width
                 byte = int(chunk[flat])
                 if what == "ue8m0":

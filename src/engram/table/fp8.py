@@ -19,9 +19,11 @@ including ``b = 0`` (``2 ** -127``, a float32 subnormal).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = [
+    "first_nan_byte",
     "BLOCK_SIZE",
     "E4M3_MAX",
     "SCALE_BYTE_ONE",
@@ -50,6 +52,52 @@ _FLOAT32_SUBNORMAL_2_POW_MINUS_127 = 0x00400000  # bits of 2**-127: exponent fie
 _FLOAT32_QUIET_NAN = 0x7FC00000
 _FLOAT32_MANTISSA_BITS = 23
 _QUANTIZE_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+_HIGH_BITS = np.uint64(0x8080808080808080)
+_LOW_BITS = np.uint64(0x0101010101010101)
+
+
+_SCAN_WORDS = 1 << 15  # 256 KiB per step: the scan's two buffers stay in cache
+
+
+def first_nan_byte(chunk: torch.Tensor, kind: str) -> int | None:
+    """Flat index of the first NaN byte of a CPU ``uint8`` tensor, or None: ``kind``
+    ``"e4m3"`` (bytes 0x7F, 0xFF) or ``"ue8m0"`` (byte 0xFF).
+
+    The scan reads 8 bytes per step (a byte b is NaN when ``b | 0x80`` (E4M3) or ``b``
+    (UE8M0) is 0xFF; a word holds such a byte when ``y = ~word'`` holds a zero byte:
+    ``(y - 0x01..01) & ~y & 0x80..80 != 0``), in cache-sized blocks with two reused
+    buffers; only a block that holds one is searched byte by byte."""
+    if kind not in ("e4m3", "ue8m0"):
+        raise ValueError(f"kind: expected 'e4m3' or 'ue8m0', found {kind!r}")
+    flat = chunk.reshape(-1).numpy()
+    words = flat.size // 8
+    word = flat[: words * 8].view(np.uint64)
+    marked = np.empty(min(words, _SCAN_WORDS), dtype=np.uint64)  # word' = word | 0x80.. (E4M3) or word
+    test = np.empty_like(marked)
+    for start in range(0, words, _SCAN_WORDS):
+        block = word[start:start + _SCAN_WORDS]
+        size = block.size
+        if kind == "e4m3":
+            np.bitwise_or(block, _HIGH_BITS, out=marked[:size])
+        else:
+            marked[:size] = block
+        np.invert(marked[:size], out=test[:size])              # y: a NaN byte -> 0x00
+        np.subtract(test[:size], _LOW_BITS, out=test[:size])   # y - 0x01..01 (wraps)
+        np.bitwise_and(test[:size], marked[:size], out=test[:size])  # & ~y
+        np.bitwise_and(test[:size], _HIGH_BITS, out=test[:size])
+        if test[:size].any():
+            return _first_nan_in(flat[start * 8:(start + size) * 8], kind) + start * 8
+    tail = flat[words * 8:]
+    found = _first_nan_in(tail, kind) if tail.size else -1
+    return None if found < 0 else words * 8 + found
+
+
+def _first_nan_in(data: np.ndarray, kind: str) -> int:
+    bad = ((data | 0x80) == 0xFF) if kind == "e4m3" else (data == 0xFF)
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if hits.size else -1
 
 
 def as_scale_bytes(scales: torch.Tensor, name: str = "scales") -> torch.Tensor:
