@@ -194,3 +194,37 @@ def test_gpu_shared_host_tables_are_filled_once_and_equal(tmp_path, rng):
     finally:
         for layer_id in first.layer_ids:
             remove_shared_buffer(first.table(layer_id).storage.share_key)
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 64 * 7, 2**20])
+def test_host_fill_copies_rows_into_packed_rows_and_names_a_nan(tmp_path, chunk_bytes, rng):
+    """The host placement's fill (CPU part): rows of a checkpoint copied through the memory
+    map into packed rows, chunks in parallel, bit for bit; a NaN byte named with its file row."""
+    from safetensors.torch import load_file, save_file
+
+    from engram.checkpoint import SafetensorsCheckpoint, _copy_checked_rows
+    from engram.testing import write_synthetic_checkpoint
+
+    synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word")
+    checkpoint = SafetensorsCheckpoint(synthetic.directory)
+    infos = [checkpoint.info(checkpoint.name(1, kind)) for kind in ("embed.weight", "embed.scale")]
+    values_file = synthetic.directory / synthetic.weight_map[infos[0].name]
+    values = load_file(values_file)[infos[0].name].view(torch.uint8)
+    scales = load_file(synthetic.directory / synthetic.weight_map[infos[1].name])[infos[1].name].view(torch.uint8)
+    row_start, row_end = 3, values.shape[0] - 2
+    rows = PackedRows.view_of(torch.full(((row_end - row_start + 1) * packed_row_bytes(values.shape[1]),), 0xEE,
+                                         dtype=torch.uint8), row_end - row_start, values.shape[1])
+    _copy_checked_rows(infos[0], rows.values, row_start, row_end, chunk_bytes, None, "e4m3")
+    _copy_checked_rows(infos[1], rows.scales, row_start, row_end, chunk_bytes, None, "ue8m0")
+    assert torch.equal(rows.values, values[row_start:row_end]) and torch.equal(rows.scales, scales[row_start:row_end])
+    assert int(rows.packed[-1].sum()) == 0
+
+    bad = values.clone()
+    bad[bad & 0x7F == 0x7F] = 0
+    row, column = int(rng.integers(row_start, row_end)), int(rng.integers(0, values.shape[1]))
+    bad[row, column] = 0xFF
+    tensors = load_file(values_file)
+    tensors[infos[0].name] = bad.view(torch.float8_e4m3fn)
+    save_file(tensors, values_file)
+    with pytest.raises(ValueError, match=rf"row {row} holds value byte 0xff \(E4M3 NaN\) at column {column}"):
+        _copy_checked_rows(checkpoint.info(infos[0].name), rows.values, row_start, row_end, chunk_bytes, None, "e4m3")

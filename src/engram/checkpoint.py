@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+import concurrent.futures
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -577,11 +578,9 @@ def _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales
         rows = PackedRows.view_of(buffer, num_rows, head_dim)
         bar = table_progress(num_rows * spec.row_bytes, f"layer {layer_id} table") if own_bar else (progress or None)
         try:
-            chunk_rows = max(1, chunk_bytes // head_dim)
-            checkpoint.read_rows_into(values_info, rows.values, row_start, chunk_rows=chunk_rows, progress=bar,
-                                      check_e4m3=check_values)
-            checkpoint.read_rows_into(scales_info, rows.scales, row_start, chunk_rows=chunk_rows, progress=bar,
-                                      check_ue8m0=True)
+            for info, target, kind in ((values_info, rows.values, "e4m3"), (scales_info, rows.scales, "ue8m0")):
+                _copy_checked_rows(info, target, row_start, row_end, chunk_bytes, bar,
+                                   kind if (kind == "ue8m0" or check_values) else None)
         finally:
             if own_bar:
                 bar.close()
@@ -594,6 +593,42 @@ def _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales
     table.storage.host_buffer = host_buffer  # keeps the mapping alive with the table
     table.storage.share_key = key
     return table
+
+
+_LOAD_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def _copy_checked_rows(info: TensorInfo, target: torch.Tensor, row_start: int, row_end: int, chunk_bytes: int,
+                       progress, check: str | None) -> None:
+    """``target[:] = file rows [row_start, row_end)`` of ``info`` (a one-byte 2-D tensor), read
+    through a memory map (no intermediate copy), each chunk scanned for NaN bytes (``check``:
+    ``"e4m3"``, ``"ue8m0"`` or None) while it is in cache, then copied into ``target`` (any
+    row stride: the packed host rows)."""
+    source = mapped.map_tensor_rows(mapped.tensor_location(info.file, info.name), row_start, row_end)
+    width = source.shape[1]
+    chunk_rows = max(1, chunk_bytes // width)
+
+    def one_chunk(first: int) -> int:
+        chunk = source[first:first + chunk_rows]
+        if check is not None:
+            flat = first_nan_byte(chunk, check)
+            if flat is not None:
+                row, column = divmod(flat, width)
+                if check == "ue8m0":
+                    raise ValueError(f"{info.where()}: row {row_start + first + row} holds scale byte 255 (UE8M0 NaN) "
+                                     f"at column {column}; expected bytes 0..254, the file is corrupt")
+                raise ValueError(f"{info.where()}: row {row_start + first + row} holds value byte "
+                                 f"{int(chunk[row, column]):#04x} (E4M3 NaN) at column {column}; a table holds no "
+                                 f"NaN, the file is corrupt (check_values=False skips this check on trusted checkpoints)")
+        target[first:first + chunk.shape[0]].copy_(chunk)
+        return chunk.numel()
+
+    # Chunks in parallel (the scan is numpy, the copy torch: both release the GIL); results
+    # in order, so the first bad row in file order is the one reported.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_LOAD_THREADS) as pool:
+        for done in pool.map(one_chunk, range(0, source.shape[0], chunk_rows)):
+            if progress is not None:
+                progress.update(done)
 
 
 def _map_cpu_table(values_info: TensorInfo, scales_info: TensorInfo, row_start: int, row_end: int,
