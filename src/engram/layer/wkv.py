@@ -47,6 +47,7 @@ import torch
 
 from ..common import ceil_div
 from ..table.fp8 import E8M0_DTYPE, scale_bytes_to_float
+from ..triton_launch import interpreting
 
 __all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv", "WKV_BACKEND_ENV", "WKV_BACKENDS"]
 
@@ -170,7 +171,7 @@ def _resolve_backend(backend, weight: torch.Tensor) -> str:
         if weight.dtype not in _FP8_WEIGHT_DTYPES:
             raise ValueError(f"{source}: {backend!r} needs a float8_e4m3fn weight with block scales, "
                              f"found a {weight.dtype} weight")
-        if weight.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if weight.device.type != "cuda" and not interpreting():
             raise ValueError(f"{source}: {backend!r} runs on CUDA (or the CPU under TRITON_INTERPRET=1), "
                              f"found a weight on {weight.device}")
     return backend

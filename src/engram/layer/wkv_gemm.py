@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from ..table.fp8 import BLOCK_SIZE
+from ..triton_launch import interpreting
 from .wkv_kernels import block_scaled_gemm_kernel, fused_gather_gemm_kernel, gather_quantize_kernel
 
 __all__ = [
@@ -41,10 +41,6 @@ __all__ = [
 ACTIVATION_GROUP = 128
 """Values per activation scale of path (a) (1 x 128 groups, the DeepSeek FP8 recipe)."""
 _TOKEN_PADDING = 4  # cuBLASLt wants the column-major [T, K / 128] scale's column stride 16-byte aligned
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def padded_tokens(tokens: int) -> int:
@@ -88,7 +84,7 @@ def default_gemm_config(tokens: int, fused: bool) -> WkvGemmConfig:
     """Tile shape for ``T`` tokens: small tiles for decode, 128 x 128 for prefill (more pipeline
     stages for the fused kernel, whose steps are 32 deep instead of 128); 16 x 32 tiles under
     the interpreter (about 1 ms per program instance)."""
-    if _interpreted():
+    if interpreting():
         return WkvGemmConfig(block_m=16, block_n=32, group_m=2, num_warps=4, num_stages=1)
     for limit, config in _GPU_CONFIGS:
         if limit is None or tokens <= limit:
@@ -213,7 +209,7 @@ def quantize_gathered_rows(
     a_scale = torch.empty(groups, padded, dtype=torch.float32, device=device)
     if in_features == 0:
         return a.view(torch.float8_e4m3fn), a_scale.t()
-    block_t = 16 if _interpreted() else 32
+    block_t = 16 if interpreting() else 32
     ids_are_rows = hash_ids is None
     ids = value_bytes if ids_are_rows else hash_ids  # any pointer when unused
     strides = (0, 0) if ids_are_rows else (hash_ids.stride(0), hash_ids.stride(1))
