@@ -26,7 +26,7 @@ import torch
 from engram.layer import reference_gate, split_kv
 import engram.backends
 from engram.triton_launch import triton_available
-from engram.layer.gate import (GateLaunchConfig, _launch_gate_kernel, _triton_kernel, engram_gate,
+from engram.layer.gate import (GateLaunchConfig, _launch_gate_kernel, engram_gate,
                                engram_gate_kv, engram_gate_torch)
 
 EPS = 1e-6

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from engram.layer import WkvProjection, reference_wkv
+from engram.layer import WkvProjection
 from engram.layer.reference import (
     reference_dequantize_activations,
     reference_exact_rows,
