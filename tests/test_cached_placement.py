@@ -477,3 +477,35 @@ def test_gpu_lookup_captured_in_a_cuda_graph_follows_updates(seed):
         assert torch.equal(static_scales, expected[1])
     hit, _ = cache.probe(static_ids.reshape(-1), 3000)
     assert int(hit.sum()) > 0
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
+def test_memory_placement_cached_without_cuda_names_cpu():
+    from engram.memory import resolve_placement
+
+    with pytest.raises(ValueError, match="placement: 'cached' keeps the tables in host memory .* use placement='cpu'"):
+        resolve_placement("cached")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_memory_from_pretrained_cached_equals_device(tmp_path, seed):
+    from engram.testing import write_synthetic_checkpoint
+
+    generator = torch.Generator().manual_seed(seed)
+    model_dir = write_synthetic_checkpoint(tmp_path, tokenizer="word").directory
+    on_device = engram.EngramMemory.from_pretrained(model_dir, placement="device", device="cuda", progress=False)
+    cached = engram.EngramMemory.from_pretrained(model_dir, placement="cached", device="cuda", progress=False,
+                                                 placement_options={"cache_fraction": 0.05, "aging_interval": 1})
+    assert cached.placement == "cached"
+    spec = on_device.spec
+    for step, tokens in enumerate((5, 3000, 64, 3000)):
+        hash_ids = torch.stack([_ids(tokens, spec.num_columns, on_device.layout.num_embeddings[i], 0, generator,
+                                     hot=50).cuda() for i in range(spec.num_layers)], dim=1)
+        hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, generator=generator).bfloat16().cuda()
+        for layer_id in spec.layer_ids:
+            a = cached.forward_layer(layer_id, hidden, hash_ids)
+            b = on_device.forward_layer(layer_id, hidden, hash_ids)
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        cached.update_cache(hash_ids)
+    assert all(int((cached.table(layer_id).storage.cache.tags >= 0).sum()) > 0 for layer_id in spec.layer_ids)
