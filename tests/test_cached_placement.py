@@ -215,7 +215,10 @@ def _assert_lookups_equal(cache, rows, hash_ids, row_start, device) -> None:
     assert cached_gather_rows(cache, back_values, back_scales, hash_ids, row_start, out=out) is out
     expected = gather.gather_rows(back_values, back_scales, hash_ids, row_start)
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
-    values, scales = cached_gather_rows_packed(cache, back_values, back_scales, hash_ids, row_start)
+    values = torch.full((tokens, columns, cache.head_dim), POISON_BYTE, dtype=torch.uint8, device=device)
+    scales = torch.full((tokens, columns, cache.head_dim // 32), POISON_BYTE, dtype=torch.uint8, device=device)
+    returned = cached_gather_rows_packed(cache, back_values, back_scales, hash_ids, row_start, out=(values, scales))
+    assert returned[0] is values and returned[1] is scales
     expected_values, expected_scales = gather.gather_rows_packed(back_values, back_scales, hash_ids, row_start)
     assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales)
     reference_values, reference_scales = cached_lookup_reference(cache, back_values, back_scales, hash_ids, row_start)
@@ -253,8 +256,8 @@ def test_cached_lookup_equals_the_gather(case, id_dtype, seed):
 
     device = _kernel_device()
     tokens, columns, head_dim, num_rows, row_start, slots, ways = case
-    if id_dtype == torch.int32 and row_start >= 2**31:
-        pytest.skip("int32 ids cannot name rows past 2**31")
+    if row_start >= 2**31:
+        id_dtype = torch.int64  # int32 ids cannot name rows past 2**31
     generator = torch.Generator().manual_seed(seed)
     rows = _table(num_rows, head_dim, generator)
     cache = RowCache(slots, head_dim, device, ways=ways, aging_interval=2)
@@ -509,3 +512,30 @@ def test_gpu_memory_from_pretrained_cached_equals_device(tmp_path, seed):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         cached.update_cache(hash_ids)
     assert all(int((cached.table(layer_id).storage.cache.tags >= 0).sum()) > 0 for layer_id in spec.layer_ids)
+
+
+def test_launcher_argument_errors():
+    """Checked before any kernel runs (CPU tensors, no interpreter needed)."""
+    try:
+        from engram.table.cache_gather import cached_gather_rows, cached_gather_rows_packed
+    except ImportError:
+        from conftest import missing_dependency
+        missing_dependency("triton is not installed (pip install -e '.[triton]')")
+    rows = _table(10, 64, torch.Generator().manual_seed(4))
+    cache = RowCache(4, 64, "cpu")
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"back_values: expected uint8 \[rows, 64\]"):
+        cached_gather_rows(cache, rows.values.float(), rows.scales, ids)
+    with pytest.raises(ValueError, match=r"back_scales: expected uint8 \[rows, 2\]"):
+        cached_gather_rows(cache, rows.values, rows.values, ids)
+    with pytest.raises(ValueError, match="hash_ids: expected an int32 or int64 tensor"):
+        cached_gather_rows(cache, rows.values, rows.scales, ids.float())
+    with pytest.raises(ValueError, match="row_start: expected an integer >= 0, found -1"):
+        cached_gather_rows(cache, rows.values, rows.scales, ids, -1)
+    with pytest.raises(ValueError, match=r"out: expected a contiguous bfloat16 tensor \[3, 2, 64\]"):
+        cached_gather_rows(cache, rows.values, rows.scales, ids, out=torch.empty(3, 2, 64))
+    with pytest.raises(ValueError, match=r"out\[1\]: expected a contiguous uint8 tensor \[3, 2, 2\]"):
+        cached_gather_rows_packed(cache, rows.values, rows.scales, ids,
+                                  out=(torch.empty(3, 2, 64, dtype=torch.uint8), torch.empty(3, 2, 3, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="cache: expected a RowCache"):
+        cached_gather_rows(object(), rows.values, rows.scales, ids)

@@ -114,14 +114,25 @@ def cached_gather_rows(cache: RowCache, back_values: torch.Tensor, back_scales: 
 
 
 def cached_gather_rows_packed(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor,
-                              hash_ids: torch.Tensor, row_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw FP8 rows through the cache (arguments as :func:`cached_gather_rows`) ->
-    ``(values uint8 [T, C, D], scales uint8 [T, C, D // 32])``, all-zero bytes outside the rows."""
+                              hash_ids: torch.Tensor, row_start: int = 0, *,
+                              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw FP8 rows through the cache (arguments as :func:`cached_gather_rows`; ``out``: optional contiguous
+    ``(uint8 [T, C, D], uint8 [T, C, D // 32])`` to write) -> ``(values uint8 [T, C, D], scales uint8
+    [T, C, D // 32])``, all-zero bytes outside the rows."""
     _check(cache, back_values, back_scales, hash_ids, row_start)
     tokens, columns = hash_ids.shape
     head_dim = cache.head_dim
-    out_values = torch.empty(tokens, columns, head_dim, dtype=torch.uint8, device=hash_ids.device)
-    out_scales = torch.empty(tokens, columns, head_dim // BLOCK_SIZE, dtype=torch.uint8, device=hash_ids.device)
+    shapes = ((tokens, columns, head_dim), (tokens, columns, head_dim // BLOCK_SIZE))
+    if out is None:
+        out_values, out_scales = (torch.empty(shape, dtype=torch.uint8, device=hash_ids.device) for shape in shapes)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(f"out: expected a pair (values, scales) or None, found {type(out).__name__}")
+        for index, (given, shape) in enumerate(zip(out, shapes)):
+            if (not isinstance(given, torch.Tensor) or tuple(given.shape) != shape or given.dtype != torch.uint8
+                    or not given.is_contiguous() or given.device != hash_ids.device):
+                raise ValueError(f"out[{index}]: expected a contiguous uint8 tensor {list(shape)} on {hash_ids.device}")
+        out_values, out_scales = out
     _launch(cached_gather_packed_kernel, (out_values, out_scales), cache, back_values, back_scales, hash_ids,
             row_start, ())
     return out_values, out_scales
