@@ -539,3 +539,54 @@ def test_launcher_argument_errors():
                                   out=(torch.empty(3, 2, 64, dtype=torch.uint8), torch.empty(3, 2, 3, dtype=torch.uint8)))
     with pytest.raises(ValueError, match="cache: expected a RowCache"):
         cached_gather_rows(object(), rows.values, rows.scales, ids)
+
+
+def test_fuzz_update_invariants_and_reference(seed):
+    """Many random steps in plain torch: the invariants hold, the reference lookup returns the table's
+    bytes, and the statistics count what the lookups saw."""
+    generator = torch.Generator().manual_seed(seed)
+    for case in range(8):
+        head_dim = (32, 64, 96, 256)[case % 4]
+        num_rows = int(torch.randint(1, 300, (1,), generator=generator))
+        rows = _table(num_rows, head_dim, generator)
+        cache = RowCache(int(torch.randint(1, 64, (1,), generator=generator)), head_dim, "cpu",
+                         ways=(1, 2, 4, 8, 16)[case % 5], aging_interval=int(torch.randint(1, 5, (1,), generator=generator)))
+        reads = hits = 0
+        for _ in range(25):
+            ids = _ids(int(torch.randint(1, 40, (1,), generator=generator)), 3, num_rows, 0, generator,
+                       hot=int(torch.randint(1, num_rows + 1, (1,), generator=generator)))
+            values, scales = cached_lookup_reference(cache, rows.values, rows.scales, ids)
+            local = ids.reshape(-1)
+            inside = local < num_rows
+            assert torch.equal(values.reshape(-1, head_dim)[inside], rows.values[local[inside]])
+            assert torch.equal(scales.reshape(-1, head_dim // 32)[inside], rows.scales[local[inside]])
+            assert int(values.reshape(-1, head_dim)[~inside].abs().sum()) == 0
+            reads += int(inside.sum())
+            hits += int(cache.probe(local, num_rows)[0].sum())
+            if bool(torch.rand(1, generator=generator) < 0.1):
+                cache.load_hot(torch.randperm(num_rows, generator=generator)[:cache.num_slots], rows.values,
+                               rows.scales)
+            else:
+                cache.update(ids, rows.values, rows.scales)
+            _check_invariants(cache, rows)
+        assert int(cache.stats[0]) <= reads and int(cache.stats[1]) <= hits
+        assert int(cache.stats[1]) <= int(cache.stats[0]) and int(cache.stats[3]) <= int(cache.stats[2])
+
+
+def test_dynamic_policy_holds_a_stationary_hot_set():
+    """Reads half from 24 hot rows (which fit: 32 slots), half spread over 4000 rows: after a few
+    steps nearly every hot read hits, and the cold rows do not push the hot ones out."""
+    generator = torch.Generator().manual_seed(5)
+    rows = _table(4000, 32, generator)
+    cache = RowCache(32, 32, "cpu", ways=8, aging_interval=4)
+    hot = torch.randperm(4000, generator=generator)[:24]
+    for step in range(30):
+        ids = torch.cat([hot[torch.randint(0, 24, (200,), generator=generator)],
+                         torch.randint(0, 4000, (200,), generator=generator)])
+        if step == 20:
+            cache.stats.zero_()
+        cache.update(ids, rows.values, rows.scales)
+    reads, hit_reads, distinct, distinct_missed = cache.stats.tolist()
+    assert reads == 10 * 400
+    assert hit_reads >= 0.45 * reads  # the hot half (a 24-row set may still lose a row to a set conflict)
+    assert distinct_missed < distinct

@@ -73,6 +73,10 @@ class RowCache:
         self._tags = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
         self._counters = torch.zeros(slots + 1, dtype=torch.int32, device=device)
         self.updates = 0
+        self.stats = torch.zeros(4, dtype=torch.int64, device=device)
+        """``int64 [4]`` summed over :meth:`update` calls: reads (ids inside the table), reads that hit,
+        distinct rows per step, distinct missed rows per step (the host rows a step moves after
+        deduplication). Zero it in place to restart."""
 
     # ---- views ---------------------------------------------------------------
     @property
@@ -136,25 +140,27 @@ class RowCache:
         """One step of the dynamic policy (module docstring) for the reads ``local_ids int [...]``
         (local row ids; those outside ``[0, rows)`` are ignored), copying admitted rows from
         ``back_values uint8 [rows, D]`` / ``back_scales uint8 [rows, D // 32]``. Fixed-size torch
-        ops on the cache's device, no host sync."""
+        ops on the cache's device, no host sync. Adds the step's reads to :attr:`stats` (as the
+        step's lookups saw the cache, when called after them with the same ids)."""
         num_rows = back_values.shape[0]
         ids = local_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
-        valid = (ids >= 0) & (ids < num_rows)
+        sentinel = num_rows  # sorts after every real row
+        ids = torch.where((ids >= 0) & (ids < num_rows), ids, sentinel).sort().values
+        valid = ids < sentinel
+        counts = (torch.searchsorted(ids, ids, right=True) - torch.searchsorted(ids, ids)).to(torch.int64)
+        first = torch.ones_like(valid)
+        first[1:] = ids[1:] != ids[:-1]
+        first &= valid
+        hit, slot = self.probe(ids, num_rows)
+        candidate = first & ~hit
+        self.stats += torch.stack([valid.sum(), hit.sum(), first.sum(), candidate.sum()])
         self.updates += 1
         if self.updates % self.aging_interval == 0:
             self._counters.bitwise_right_shift_(1)
-        hit, slot = self.probe(ids, num_rows)
         self._counters.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
         self._counters.clamp_(max=COUNTER_MAX)
         self._counters[-1] = 0
-        # Missed rows, deduplicated, with their read counts in this step.
-        sentinel = num_rows  # sorts after every real row
-        missed = torch.where(valid & ~hit, ids, sentinel).sort().values
-        counts = (torch.searchsorted(missed, missed, right=True) - torch.searchsorted(missed, missed)).to(torch.int64)
-        first = torch.ones_like(missed, dtype=torch.bool)
-        first[1:] = missed[1:] != missed[:-1]
-        candidate = first & (missed < sentinel)
-        self._admit(missed, counts, candidate, back_values, back_scales)
+        self._admit(ids, counts, candidate, back_values, back_scales)
 
     def load_hot(self, local_row_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
                  *, counter: int = 1) -> int:
