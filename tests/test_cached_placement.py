@@ -468,7 +468,11 @@ def test_gpu_lookup_captured_in_a_cuda_graph_follows_updates(seed):
     for step in range(5):
         static_ids.copy_(_ids(64, 24, 3000, 0, generator, hot=100).cuda())
         before = cache.tags.clone()
-        cached.update_cache(static_ids)  # between replays: the index changes in place
+        torch.cuda.set_sync_debug_mode("error")  # the update never waits for the GPU
+        try:
+            cached.update_cache(static_ids)  # between replays: the index changes in place
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         assert step == 0 or not torch.equal(before, cache.tags) or bool((cache.tags >= 0).all())
         static_out.fill_(float("nan"))
         static_values.view(torch.uint8).fill_(POISON_BYTE)

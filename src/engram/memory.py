@@ -43,7 +43,7 @@ def resolve_placement(placement: str, device: torch.device | str | int | None = 
     ``"auto"``: ``"cpu"`` for a CPU ``device`` or on a machine without CUDA; on a CUDA
     device ``"device"`` when ``table_bytes`` (this rank's tables) fit in
     :data:`AUTO_DEVICE_FRACTION` of its free memory (or are unknown), else ``"host"``.
-    ``"cpu"`` runs on the CPU; every other placement (``"device"``, ``"host"``) on a CUDA
+    ``"cpu"`` runs on the CPU; every other placement (``"device"``, ``"host"``, ``"cached"``) on a CUDA
     device, ``device`` or the current one. Errors name the placement the caller gave
     and the device.
     """
@@ -166,8 +166,9 @@ class EngramMemory:
                 shards (with or without ``model.safetensors.index.json``).
             placement: ``"auto"`` (:func:`resolve_placement`: ``"device"`` when the tables fit
                 in half the free HBM, else ``"host"``; ``"cpu"`` without CUDA), ``"cpu"``,
-                ``"device"`` (HBM) or ``"host"`` (pinned host memory read by the GPU; see
-                :meth:`prefetch`).
+                ``"device"`` (HBM), ``"host"`` (pinned host memory read by the GPU; see
+                :meth:`prefetch`) or ``"cached"`` (``"host"`` plus an HBM cache of hot rows; see
+                :meth:`update_cache` and ``placement_options``).
             device: the CUDA device of a GPU placement (default: the current one).
             tp_group: tensor-parallel ``ProcessGroup``: this rank reads and keeps only the
                 rows of its hash columns (:meth:`EngramLayout.shard`); the layers gather

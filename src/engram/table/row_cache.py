@@ -23,6 +23,9 @@ Update rule (:meth:`RowCache.update`, one call per engine step with the step's i
    ``k``-th way when ``n > counter`` (empty ways: always), and the new row's counter is ``n``.
 
 No step writes a slot twice, so the result does not depend on the order of the writes.
+An update is one sort of the step's ids plus fixed-size gathers and scatters, with no host
+sync; it reads only the admitted rows from the backing rows (through the gather kernel,
+whose masked loads skip the others: on the GPU those rows are in host memory).
 """
 
 from __future__ import annotations
