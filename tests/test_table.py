@@ -303,8 +303,6 @@ def test_constructor_and_lookup_errors():
         EngramTable(torch.zeros(10, 48, dtype=torch.uint8), scales)
     with pytest.raises(ValueError, match=r"placement: unknown placement 'gpu'; available placements: 'cpu', 'device'"):
         EngramTable(values, scales, placement="gpu")
-    with pytest.raises(ValueError, match="placement 'cached' is planned but not implemented yet"):
-        EngramTable(values, scales, placement="cached")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="placement 'device' needs a CUDA device"):
             EngramTable(values, scales, placement="device")

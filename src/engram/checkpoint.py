@@ -482,6 +482,7 @@ def load_engram_table(
     check_values: bool = True,
     backend: str = "auto",
     share_host_table: bool = False,
+    placement_options: dict | None = None,
 ) -> EngramTable:
     """The :class:`EngramTable` of layer ``layout.spec.layer_ids[layer_index]``: the whole
     table (``shard`` None) or the rows ``shard.row_ranges[layer_index]`` of one
@@ -502,6 +503,9 @@ def load_engram_table(
     other process of the node that loads the same rows of the same files (one copy per
     node; :mod:`engram.table.host_memory`). The file outlives the processes: remove it
     with :func:`engram.table.host_memory.remove_shared_buffer` and :func:`host_share_key`.
+    Placement ``"cached"`` loads its host rows the same way.
+
+    ``placement_options``: keyword arguments of the placement (``EngramTable(placement_options=)``).
     """
     spec = layout.spec
     if placement not in available_placements():
@@ -522,12 +526,14 @@ def load_engram_table(
                                                   progress, check_values, f"layer {layer_id} table",
                                                   num_rows * spec.row_bytes)
         return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
-                                       device=None, validate=validate, backend=backend)
+                                       device=None, validate=validate, backend=backend,
+                                       placement_options=placement_options)
     storage_device = (torch.device("cpu") if placement == "cpu"
                       else resolve_cuda_device(device, f"placement {placement!r}"))
-    if placement == "host" and "host" not in _STORAGE_ALLOCATORS:
+    if placement in ("host", "cached") and placement not in _STORAGE_ALLOCATORS:
         return _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales_info, storage_device,
-                                validate, progress, chunk_bytes, check_values, backend, share_host_table)
+                                validate, progress, chunk_bytes, check_values, backend, share_host_table,
+                                placement, placement_options)
     value_bytes, scale_bytes = allocate_table_storage(placement, num_rows, head_dim, storage_device)
     own_bar = progress is True
     bar = table_progress(num_rows * spec.row_bytes, f"layer {layer_id} table") if own_bar else (progress or None)
@@ -542,7 +548,7 @@ def load_engram_table(
             bar.close()
     return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
                                    device=None if placement == "cpu" else storage_device, validate=validate,
-                                   backend=backend)
+                                   backend=backend, placement_options=placement_options)
 
 
 def host_share_key(values_info: TensorInfo, scales_info: TensorInfo, row_start: int, row_end: int,
@@ -559,8 +565,9 @@ def host_share_key(values_info: TensorInfo, scales_info: TensorInfo, row_start: 
 
 
 def _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales_info, device, validate, progress,
-                     chunk_bytes, check_values, backend, share) -> EngramTable:
-    """Placement "host": packed rows (engram.table.host_rows) streamed from the memory-mapped
+                     chunk_bytes, check_values, backend, share, placement="host",
+                     placement_options=None) -> EngramTable:
+    """Placements "host" and "cached": packed rows (engram.table.host_rows) streamed from the memory-mapped
     checkpoint straight into host memory (2 MiB pages where the OS gives them), private or
     shared per node; the placement pins them in place."""
     from .table.host_memory import allocate_host_buffer
@@ -588,8 +595,9 @@ def _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales
     key = host_share_key(values_info, scales_info, row_start, row_end, head_dim) if share else None
     host_buffer = allocate_host_buffer(nbytes, fill=fill, share_key=key, read_only=False)
     rows = PackedRows(host_buffer.tensor[:nbytes].view(num_rows + 1, row_bytes), head_dim)
-    table = EngramTable.from_layout(layout, layer_index, shard, rows.values, rows.scales, placement="host",
-                                    device=device, validate=validate, backend=backend)
+    table = EngramTable.from_layout(layout, layer_index, shard, rows.values, rows.scales, placement=placement,
+                                    device=device, validate=validate, backend=backend,
+                                    placement_options=placement_options)
     table.storage.host_buffer = host_buffer  # keeps the mapping alive with the table
     table.storage.share_key = key
     return table

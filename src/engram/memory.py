@@ -43,7 +43,7 @@ def resolve_placement(placement: str, device: torch.device | str | int | None = 
     ``"auto"``: ``"cpu"`` for a CPU ``device`` or on a machine without CUDA; on a CUDA
     device ``"device"`` when ``table_bytes`` (this rank's tables) fit in
     :data:`AUTO_DEVICE_FRACTION` of its free memory (or are unknown), else ``"host"``.
-    ``"cpu"`` runs on the CPU; every other placement (``"device"``, ``"host"``) on a CUDA
+    ``"cpu"`` runs on the CPU; every other placement (``"device"``, ``"host"``, ``"cached"``) on a CUDA
     device, ``device`` or the current one. Errors name the placement the caller gave
     and the device.
     """
@@ -66,9 +66,9 @@ def resolve_placement(placement: str, device: torch.device | str | int | None = 
         if device is not None and as_device(device).type != "cpu":
             raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
         return placement, torch.device("cpu")
-    if placement == "host" and not torch.cuda.is_available():
-        raise ValueError("placement: 'host' keeps the tables in host memory for a CUDA device to read, and this "
-                         "machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
+    if placement in ("host", "cached") and not torch.cuda.is_available():
+        raise ValueError(f"placement: {placement!r} keeps the tables in host memory for a CUDA device to read, and "
+                         "this machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
     return placement, resolve_cuda_device(device, f"placement {asked!r}")
 
 
@@ -157,6 +157,7 @@ class EngramMemory:
         check_values: bool = True,
         backend: str = "auto",
         share_host_tables: bool = False,
+        placement_options: dict | None = None,
     ) -> "EngramMemory":
         """Load every Engram layer of the checkpoint in ``model_dir``.
 
@@ -165,8 +166,9 @@ class EngramMemory:
                 shards (with or without ``model.safetensors.index.json``).
             placement: ``"auto"`` (:func:`resolve_placement`: ``"device"`` when the tables fit
                 in half the free HBM, else ``"host"``; ``"cpu"`` without CUDA), ``"cpu"``,
-                ``"device"`` (HBM) or ``"host"`` (pinned host memory read by the GPU; see
-                :meth:`prefetch`).
+                ``"device"`` (HBM), ``"host"`` (pinned host memory read by the GPU; see
+                :meth:`prefetch`) or ``"cached"`` (``"host"`` plus an HBM cache of hot rows; see
+                :meth:`update_cache` and ``placement_options``).
             device: the CUDA device of a GPU placement (default: the current one).
             tp_group: tensor-parallel ``ProcessGroup``: this rank reads and keeps only the
                 rows of its hash columns (:meth:`EngramLayout.shard`); the layers gather
@@ -182,7 +184,10 @@ class EngramMemory:
                 lookups and the gate of every layer (:mod:`engram.backends`).
             share_host_tables: with placement ``"host"``, one copy of each table per node in
                 shared memory, filled by the first process and mapped by the others (one
-                process per GPU); see :func:`engram.checkpoint.load_engram_table`.
+                process per GPU); see :func:`engram.checkpoint.load_engram_table`. Also for ``"cached"``.
+            placement_options: keyword arguments of the placement, the same for every layer, e.g.
+                ``{"cache_fraction": 0.02}`` for ``"cached"`` (:class:`engram.table.cached.CachedPlacement`;
+                per-layer hot sets: ``memory.table(layer_id).load_hot_rows(ids)``).
 
         Every tensor's dtype and shape is checked against the config before any
         table row is read. Errors are ``ValueError`` naming the tensor or field and the file.
@@ -220,7 +225,7 @@ class EngramMemory:
                     checkpoint, layout, index, shard, placement=placement,
                     device=None if placement == "cpu" else compute_device, validate=validate, progress=bar,
                     chunk_bytes=chunk_bytes, check_values=check_values, backend=backend,
-                    share_host_table=share_host_tables)
+                    share_host_table=share_host_tables, placement_options=placement_options)
         finally:
             bar.close()
 
@@ -275,6 +280,18 @@ class EngramMemory:
                              f"hash columns), found {found}")
         for index, layer_id in enumerate(self.spec.layer_ids):
             self.tables[layer_id].prefetch(hash_ids[:, index, :])
+
+    def update_cache(self, hash_ids: torch.Tensor) -> None:
+        """Between engine steps, with the step's ``hash_ids [T, L, C]``: placement ``"cached"`` admits
+        missed rows into each layer's HBM cache (counts hits, ages counters); a no-op for the other
+        placements. Not inside a captured graph; captured lookups serve the updated content."""
+        expected = [self.spec.num_layers, self.spec.num_columns]
+        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 3 or list(hash_ids.shape[1:]) != expected:
+            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
+            raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
+                             f"hash columns), found {found}")
+        for index, layer_id in enumerate(self.spec.layer_ids):
+            self.tables[layer_id].update_cache(hash_ids[:, index, :])
 
     def forward_layer(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
                       token_mask: torch.Tensor | None = None, *,

@@ -23,6 +23,7 @@ from .table import (
 from .cpu import CpuPlacement  # each placement registers itself on import
 from .device import DevicePlacement
 from .host import HostPlacement
+from .cached import CachedPlacement
 
 __all__ = [
     "BLOCK_SIZE",
@@ -41,6 +42,7 @@ __all__ = [
     "CpuPlacement",
     "DevicePlacement",
     "HostPlacement",
+    "CachedPlacement",
     "available_placements",
     "make_placement",
     "register_placement",

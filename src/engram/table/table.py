@@ -8,8 +8,9 @@ row range they span (:meth:`EngramLayout.shard`).
 Where the bytes live is a *placement* (DESIGN §3): a :class:`TablePlacement` owns
 the storage and gathers rows by local row id onto the device lookups run on.
 Each placement lives in its own module beside this one and registers itself:
-``"cpu"`` (:mod:`engram.table.cpu`), ``"device"`` (:mod:`engram.table.device`) and
-``"host"`` (:mod:`engram.table.host`); :func:`available_placements` lists them.
+``"cpu"`` (:mod:`engram.table.cpu`), ``"device"`` (:mod:`engram.table.device`),
+``"host"`` (:mod:`engram.table.host`) and ``"cached"`` (:mod:`engram.table.cached`);
+:func:`available_placements` lists them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = [
     "make_placement",
 ]
 
-_PLANNED_PLACEMENTS = ("cached",)
+_PLANNED_PLACEMENTS: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------
@@ -110,8 +111,9 @@ _PLACEMENTS: dict[str, type[TablePlacement]] = {}
 def register_placement(placement_class: type[TablePlacement]) -> type[TablePlacement]:
     """Make a :class:`TablePlacement` subclass available under its ``name`` (usable as a decorator).
 
-    The class is constructed as ``placement_class(value_bytes, scale_bytes, device)``
-    with the storage as given (any device) and the ``device`` argument of the table.
+    The class is constructed as ``placement_class(value_bytes, scale_bytes, device, **options)``
+    with the storage as given (any device), the ``device`` argument of the table and the
+    table's ``placement_options`` (keyword arguments; none for most placements).
     """
     if not (isinstance(placement_class, type) and issubclass(placement_class, TablePlacement)):
         raise ValueError(f"placement_class: expected a TablePlacement subclass, found {placement_class!r}")
@@ -127,16 +129,29 @@ def available_placements() -> tuple[str, ...]:
 
 
 def make_placement(
-    name: str, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device: torch.device | str | int | None = None
+    name: str, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device: torch.device | str | int | None = None,
+    options: dict | None = None,
 ) -> TablePlacement:
-    """Build the placement called ``name`` around ``uint8`` storage ``[rows, D]`` and ``[rows, D // 32]``."""
+    """Build the placement called ``name`` around ``uint8`` storage ``[rows, D]`` and ``[rows, D // 32]``;
+    ``options``: keyword arguments of that placement (e.g. ``{"cache_fraction": 0.02}`` for ``"cached"``)."""
     placement_class = _PLACEMENTS.get(name) if isinstance(name, str) else None
     if placement_class is None:
         available = ", ".join(repr(n) for n in _PLACEMENTS)
         if name in _PLANNED_PLACEMENTS:
             raise ValueError(f"placement {name!r} is planned but not implemented yet; available placements: {available}")
         raise ValueError(f"placement: unknown placement {name!r}; available placements: {available}")
-    return placement_class(value_bytes, scale_bytes, device)
+    if not options:
+        return placement_class(value_bytes, scale_bytes, device)
+    if not isinstance(options, dict) or not all(isinstance(key, str) for key in options):
+        raise ValueError(f"placement_options: expected a dict of keyword arguments, found {options!r}")
+    import inspect
+
+    accepted = inspect.signature(placement_class.__init__).parameters
+    unknown = sorted(key for key in options if key not in accepted or key in ("self", "value_bytes", "scale_bytes",
+                                                                                "device"))
+    if unknown:
+        raise ValueError(f"placement_options: placement {name!r} takes no option {unknown[0]!r}")
+    return placement_class(value_bytes, scale_bytes, device, **options)
 
 
 # ---------------------------------------------------------------------------
@@ -169,13 +184,15 @@ class EngramTable:
             Default: ``rows`` when the table is a whole layer (``row_start == 0``,
             ``column_start == 0``, ``column_end`` None or ``num_columns_total``);
             otherwise unknown and validation checks only ``id >= 0``.
-        placement: ``"cpu"`` or ``"device"`` (see :func:`available_placements`).
+        placement: ``"cpu"``, ``"device"``, ``"host"`` or ``"cached"`` (see :func:`available_placements`).
         device: the CUDA device of placement ``"device"`` (default: current).
         validate: check hash ids on every lookup (a host sync); default on for the
             CPU and off for CUDA.
         backend: ``"auto"`` (default), ``"triton"`` or ``"torch"`` (:mod:`engram.backends`),
             resolved once here: placements with a Triton lookup (``"device"``) use the kernel
             for ``"auto"`` on CUDA; the others always run torch and refuse ``"triton"``.
+        placement_options: keyword arguments of the placement, e.g. ``{"cache_fraction": 0.02,
+            "policy": "dynamic"}`` for ``"cached"`` (:class:`engram.table.cached.CachedPlacement`).
     """
 
     def __init__(
@@ -192,6 +209,7 @@ class EngramTable:
         device: torch.device | str | int | None = None,
         validate: bool | None = None,
         backend: str = "auto",
+        placement_options: dict | None = None,
     ):
         value_bytes = as_value_bytes(values, "values")
         scale_bytes = as_scale_bytes(scales, "scales")
@@ -229,7 +247,7 @@ class EngramTable:
         if validate is not None and not isinstance(validate, bool):
             raise ValueError(f"validate: expected True, False or None, found {validate!r}")
 
-        self._storage = make_placement(placement, value_bytes, scale_bytes, device)
+        self._storage = make_placement(placement, value_bytes, scale_bytes, device, placement_options)
         self._column_start = column_start
         self._column_end = column_end
         self._row_start = row_start
@@ -260,6 +278,7 @@ class EngramTable:
         device: torch.device | str | int | None = None,
         validate: bool | None = None,
         backend: str = "auto",
+        placement_options: dict | None = None,
     ) -> "EngramTable":
         """The table of layer ``layout.spec.layer_ids[layer_index]``, whole (``shard`` None)
         or one rank's shard; ``values``/``scales`` hold exactly the rows of that range
@@ -294,7 +313,8 @@ class EngramTable:
                 raise ValueError(f"{name}: expected shape {list(expected)} for {what}, found {list(tensor.shape)}")
         return cls(values, scales, column_start=column_start, column_end=column_end, row_start=row_start,
                    num_columns_total=num_columns, num_rows_total=num_rows_total,
-                   placement=placement, device=device, validate=validate, backend=backend)
+                   placement=placement, device=device, validate=validate, backend=backend,
+                   placement_options=placement_options)
 
     # ---- properties ----------------------------------------------------------
     @property
@@ -438,6 +458,25 @@ class EngramTable:
         prefetch = getattr(self._storage, "prefetch", None)
         if prefetch is not None:
             prefetch(self._local_columns(hash_ids), self._row_start)
+
+    def update_cache(self, hash_ids: torch.Tensor) -> None:
+        """Between engine steps: let a placement with a row cache (``"cached"``) learn from the
+        reads of ``hash_ids [T, C]`` (admit missed rows, count hits, age). A no-op for the others.
+        Never call it inside a captured graph; lookups captured before keep serving the new content."""
+        update = getattr(self._storage, "update", None)
+        if update is not None:
+            update(self._local_columns(hash_ids), self._row_start)
+
+    def load_hot_rows(self, global_row_ids: torch.Tensor) -> int:
+        """Placement ``"cached"``: make the rows ``global_row_ids int [K]`` (hottest first; ids outside
+        this table's rows ignored) the cache's content; returns the rows held. Other placements refuse."""
+        load_hot = getattr(self._storage, "load_hot", None)
+        if load_hot is None:
+            raise ValueError(f"load_hot_rows: placement {self.placement!r} has no row cache; use placement 'cached'")
+        if not isinstance(global_row_ids, torch.Tensor) or global_row_ids.dtype not in HASH_ID_DTYPES:
+            raise ValueError(f"global_row_ids: expected an int32/int64 tensor, found "
+                             f"{getattr(global_row_ids, 'dtype', type(global_row_ids).__name__)}")
+        return load_hot(global_row_ids.to(torch.int64) - self._row_start)
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows: ``hash_ids`` int32/int64 ``[T, C]`` -> ``bfloat16 [T, C_local, D]``,
