@@ -261,9 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run the layers of this checkpoint; a synthetic one is written there when it holds no "
                            "config.json (default: a temporary directory)")
     demo.add_argument("--skip-layers", action="store_true", help="only the hashing part")
-    demo.add_argument("--placement", default="auto", choices=("auto", "device", "host"),
-                      help="where a CUDA run keeps the tables: HBM, or pinned host memory read by the GPU "
-                           "(default: device for the demo's small tables)")
+    demo.add_argument("--placement", default="auto", choices=("auto", "device", "host", "cached"),
+                      help="where a CUDA run keeps the tables: HBM, pinned host memory read by the GPU, or host "
+                           "memory with an HBM cache of hot rows (default: device for the demo's small tables)")
     demo.add_argument("--transformers", action="store_true",
                       help="instead: a tiny random DeepSeek-V4.1 in transformers generating from real text with Engram "
                            "attached, per-step Engram cost (needs pip install -e '.[transformers]')")

@@ -67,7 +67,8 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
     """Returns True when every id matched (and, with ``layers``, every layer passed its check).
 
     ``placement``: where a CUDA run keeps the tables (``"auto"``: ``"device"``; ``"host"``:
-    pinned host memory read by the GPU); a CPU run always uses ``"cpu"``.
+    pinned host memory read by the GPU; ``"cached"``: host memory with an HBM cache of hot
+    rows, updated after every step); a CPU run always uses ``"cpu"``.
 
     ``checkpoint``: a model directory to run the layers of; when it holds no
     ``config.json`` a synthetic checkpoint is written there (default: a temporary directory).
@@ -158,7 +159,9 @@ class _LayerRunner:
         memory = self.memory
         started = time.perf_counter()
         hash_ids = self.hasher(input_ids, positions, query_start_loc, dead_mask=dead_mask, **kwargs)  # [T, L, C]
-        self._time("hash", started)
+        started = self._time("hash", started)
+        memory.prefetch(hash_ids)  # host placements: every layer's reads start now
+        self._time("lookup", started)
         num_tokens = hash_ids.shape[0]
         spec = memory.spec
         hidden = torch.randn(num_tokens, spec.hc_mult, spec.hidden_size, generator=self.generator)
@@ -179,6 +182,9 @@ class _LayerRunner:
             started = self._time("wkv", started)
             outputs.append(engram_gate(hidden, key, value, layer.q_weight, layer.k_weight, layer.eps, token_mask))
             self._time("gate", started)
+        started = time.perf_counter()
+        memory.update_cache(hash_ids)  # placement "cached": admit this step's hot rows (else a no-op)
+        self._time("lookup", started)
         self.tokens += num_tokens
         self.steps.append({"hash_ids": hash_ids.cpu(), "hidden": hidden.cpu(), "token_mask": token_mask.cpu(),
                            "outputs": [out.cpu() for out in outputs]})
@@ -264,8 +270,8 @@ def run_layer_demo(texts: list[tuple[str, str]], *, checkpoint: str | None = Non
     with tempfile.TemporaryDirectory(prefix="engram-demo-") as workspace:
         directory = _prepare_checkpoint(checkpoint, tokenizer, seed, Path(workspace), console)
         started = time.perf_counter()
-        if device == "cpu" and placement == "host":
-            raise ValueError("--placement host: tables in host memory are read by a CUDA device; "
+        if device == "cpu" and placement in ("host", "cached"):
+            raise ValueError(f"--placement {placement}: tables in host memory are read by a CUDA device; "
                              "use --device cuda, or the CPU's own placement (the default)")
         chosen = "cpu" if device == "cpu" else ("device" if placement == "auto" else placement)
         memory = EngramMemory.from_pretrained(directory, placement=chosen,
