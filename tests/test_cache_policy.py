@@ -38,7 +38,7 @@ def reference_dynamic(reads, step_reads, capacity, hot, hot_counts, profile_step
     ways = min(ways, capacity)
     num_sets = max(1, capacity // ways)
     sets = [dict() for _ in range(num_sets)]  # row -> score, at most `ways` rows each
-    for row, count in zip(hot, hot_counts):
+    for row, count in zip(hot[:capacity], hot_counts[:capacity]):
         if len(sets[row % num_sets]) < ways:
             sets[row % num_sets][row] = max(1, -(-count // profile_steps))
     totals = np.zeros(3, dtype=np.int64)
@@ -83,7 +83,7 @@ def test_lru_matches_a_per_read_loop(rng, capacity):
     step_reads = int(rng.integers(1, 200))
     hot = rng.permutation(500)[:int(rng.integers(0, 40))]
     stream = CompactStream(reads, step_reads, extra_rows=hot)
-    got = replay(stream, capacity, "lru", initial_rows=hot)
+    got = replay(stream, capacity, "lru", initial=True)
     assert got.reads == len(reads)
     np.testing.assert_array_equal(_result_totals(got), reference_lru(list(reads), step_reads, capacity, list(hot)))
 
@@ -95,7 +95,7 @@ def test_dynamic_matches_a_per_read_loop(rng, capacity, ways, age_steps):
     hot = rng.permutation(400)[:int(rng.integers(0, 60))]
     hot_counts = rng.integers(1, 50, len(hot))
     stream = CompactStream(reads, step_reads, extra_rows=hot)
-    got = replay(stream, capacity, "dynamic", initial_rows=hot, initial_counts=hot_counts, profile_steps=3,
+    got = replay(stream, capacity, "dynamic", initial=True, initial_counts=hot_counts, profile_steps=3,
                  params=DynamicParams(ways=ways, age_steps=age_steps))
     expected = reference_dynamic(list(reads), step_reads, capacity, list(hot), list(hot_counts), 3, ways, age_steps)
     np.testing.assert_array_equal(_result_totals(got), expected)
@@ -105,7 +105,7 @@ def test_static_and_best_static(rng):
     reads = _stream(rng, 2000, 300)
     hot = rng.permutation(300)[:30]
     stream = CompactStream(reads, 100, extra_rows=hot)
-    got = replay(stream, 20, "static", initial_rows=hot)
+    got = replay(stream, 20, "static", initial=True)
     cached = set(hot[:20].tolist())
     assert got.hits == sum(1 for r in reads if r in cached)
     counts = sorted(collections.Counter(reads.tolist()).values(), reverse=True)

@@ -18,7 +18,7 @@ against a plain loop):
 ``lru``
     After each step the cache holds the ``capacity`` most recently read rows, recency being the
     position of a row's last read in the stream (rows of the initial hot list count as read
-    before the stream, the hottest last). Equivalently: a per-read LRU whose hits are judged
+    before the stream, the hottest last; the first ``capacity`` of them). Equivalently: a per-read LRU whose hits are judged
     against the content at the start of the step.
 
 ``dynamic`` (the default)
@@ -36,7 +36,7 @@ against a plain loop):
        it is dropped. The set thus keeps the ``ways`` best of its rows and candidates, a resident
        winning a tie.
 
-    Initial content: the hot list, hottest first, each row placed in its set while the set has an
+    Initial content: the hot list's first ``capacity`` rows, hottest first, each row placed in its set while the set has an
     empty way, with score ``max(1, ceil(count / profile_steps))`` (its reads per step in the
     profile).
 
@@ -101,6 +101,7 @@ class CompactStream:
         pool = reads if extra_rows is None else np.concatenate([reads, np.asarray(extra_rows, dtype=np.int64)])
         self.rows, inverse = np.unique(pool, return_inverse=True)
         self.ids = inverse[:self.num_reads].astype(np.int64)
+        self.extra_ids = inverse[self.num_reads:].astype(np.int64)  # [H] compact ids of extra_rows
         step = np.arange(self.num_reads, dtype=np.int64) // self.step_reads
         key = (step << 32) | self.ids
         order = np.argsort(key, kind="stable")
@@ -111,15 +112,8 @@ class CompactStream:
         self.step_counts = (last - first + 1).astype(np.int64)
         self.step_last = order[last]
         self.bounds = np.searchsorted(sorted_key[first] >> 32, np.arange(self.num_steps + 1))
-        self.first_touches = int(np.count_nonzero(np.bincount(self.ids, minlength=len(self.rows))))
-
-    def compact(self, rows: np.ndarray) -> np.ndarray:
-        """Compact ids of ``rows`` (each must be a stream or extra row)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        index = np.searchsorted(self.rows, rows)
-        if rows.size and (index.max() >= len(self.rows) or not np.array_equal(self.rows[index], rows)):
-            raise ValueError("rows: some rows are neither read by the stream nor given as extra_rows")
-        return index
+        self.read_counts = np.bincount(self.ids, minlength=len(self.rows))  # [U] reads of each row
+        self.first_touches = int(np.count_nonzero(self.read_counts))
 
     def step(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo, hi = self.bounds[k], self.bounds[k + 1]
@@ -148,35 +142,37 @@ class ReplayResult:
 
 def best_static_hits(stream: CompactStream, capacity: int) -> int:
     """Hits of the best static set for this very stream: its ``capacity`` most-read rows."""
-    counts = np.bincount(stream.ids, minlength=len(stream.rows))
+    counts = stream.read_counts
     if capacity >= len(counts):
         return int(counts.sum())
     return int(np.partition(counts, len(counts) - capacity)[len(counts) - capacity:].sum())
 
 
-def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *,
-           initial_rows: np.ndarray | None = None, initial_counts: np.ndarray | None = None,
-           profile_steps: int = 1, params: DynamicParams = DynamicParams()) -> ReplayResult:
+def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *, initial: bool = False,
+           initial_counts: np.ndarray | None = None, profile_steps: int = 1,
+           params: DynamicParams = DynamicParams()) -> ReplayResult:
     """Serve ``stream`` through a cache of ``capacity`` rows under ``policy`` (module docstring).
 
-    ``initial_rows``: int64 ``[H]`` hot list, hottest first (rows must be in the stream's compact
-    space: pass them as its ``extra_rows``); ``initial_counts`` ``[H]``: their profile reads, and
+    ``initial``: start from the stream's ``extra_rows`` as the hot list (hottest first; its first
+    ``capacity`` rows are used); ``initial_counts`` ``[H]``: their profile reads, and
     ``profile_steps`` the profile's steps (``dynamic``'s initial scores).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, found {policy!r}")
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
         raise ValueError(f"capacity: expected an integer >= 1, found {capacity!r}")
-    hot = np.zeros(0, dtype=np.int64) if initial_rows is None else stream.compact(initial_rows)
+    capacity = int(capacity)
+    hot = stream.extra_ids[:capacity] if initial else np.zeros(0, dtype=np.int64)
     if policy == "static":
-        return _replay_static(stream, hot[:capacity])
+        return _replay_static(stream, hot)
     if policy == "lru":
-        return _replay_lru(stream, int(capacity), hot[:capacity])
-    counts = np.ones(len(hot), dtype=np.int64) if initial_counts is None else np.asarray(initial_counts, dtype=np.int64)
+        return _replay_lru(stream, capacity, hot)
+    counts = np.ones(len(hot), dtype=np.int64) if initial_counts is None else \
+        np.asarray(initial_counts, dtype=np.int64)[:capacity]
     if len(counts) != len(hot):
         raise ValueError(f"initial_counts: expected {len(hot)} counts (one per initial row), found {len(counts)}")
     scores = np.maximum(1, -(-counts // max(1, int(profile_steps))))
-    return _replay_dynamic(stream, int(capacity), hot, scores, params)
+    return _replay_dynamic(stream, capacity, hot, scores, params)
 
 
 def _replay_static(stream: CompactStream, hot: np.ndarray) -> ReplayResult:
