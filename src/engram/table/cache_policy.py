@@ -85,9 +85,9 @@ class CompactStream:
     ``reads``: int64 ``[N]`` row ids; ``step_reads``: reads per step; ``extra_rows``: rows that may
     be cached without being read (an initial hot list), given compact ids too.
 
-    Attributes: ``rows`` int64 ``[U]`` sorted distinct rows (compact id = index); ``ids`` int64
-    ``[N]`` compact ids of the reads; per step ``k`` the slice ``bounds[k]:bounds[k+1]`` of
-    ``step_ids`` (distinct compact ids read in the step, ascending), ``step_counts`` (reads of each)
+    Attributes: ``rows`` int64 ``[U]`` sorted distinct rows (compact id = index); ``read_counts``
+    ``[U]`` reads of each; ``extra_ids`` ``[H]`` compact ids of ``extra_rows``; per step ``k`` the
+    slice ``bounds[k]:bounds[k+1]`` of ``step_ids`` (distinct compact ids read in the step, ascending), ``step_counts`` (reads of each)
     and ``step_last`` (stream position of each one's last read in the step).
     """
 
@@ -98,21 +98,24 @@ class CompactStream:
         self.num_reads = len(reads)
         self.step_reads = int(step_reads)
         self.num_steps = -(-self.num_reads // self.step_reads)
-        pool = reads if extra_rows is None else np.concatenate([reads, np.asarray(extra_rows, dtype=np.int64)])
-        self.rows, inverse = np.unique(pool, return_inverse=True)
-        self.ids = inverse[:self.num_reads].astype(np.int64)
-        self.extra_ids = inverse[self.num_reads:].astype(np.int64)  # [H] compact ids of extra_rows
-        step = np.arange(self.num_reads, dtype=np.int64) // self.step_reads
-        key = (step << 32) | self.ids
-        order = np.argsort(key, kind="stable")
-        sorted_key = key[order]
-        first = np.flatnonzero(np.r_[True, sorted_key[1:] != sorted_key[:-1]])
-        last = np.r_[first[1:], self.num_reads] - 1
-        self.step_ids = sorted_key[first] & 0xFFFFFFFF
-        self.step_counts = (last - first + 1).astype(np.int64)
-        self.step_last = order[last]
-        self.bounds = np.searchsorted(sorted_key[first] >> 32, np.arange(self.num_steps + 1))
-        self.read_counts = np.bincount(self.ids, minlength=len(self.rows))  # [U] reads of each row
+        extra = np.zeros(0, dtype=np.int64) if extra_rows is None else np.asarray(extra_rows, dtype=np.int64)
+        step_rows, step_counts, step_last, sizes = [], [], [], [0]
+        for start in range(0, self.num_reads, self.step_reads):  # small sorts, one per step
+            chunk = reads[start:start + self.step_reads]
+            rows, reversed_first, counts = np.unique(chunk[::-1], return_index=True, return_counts=True)
+            step_rows.append(rows)
+            step_counts.append(counts)
+            step_last.append(start + len(chunk) - 1 - reversed_first)
+            sizes.append(len(rows))
+        step_rows = np.concatenate(step_rows) if step_rows else np.zeros(0, dtype=np.int64)
+        self.rows = np.unique(np.concatenate([step_rows, extra]))
+        self.step_ids = np.searchsorted(self.rows, step_rows)
+        self.step_counts = np.concatenate(step_counts) if step_counts else np.zeros(0, dtype=np.int64)
+        self.step_last = np.concatenate(step_last) if step_last else np.zeros(0, dtype=np.int64)
+        self.bounds = np.cumsum(sizes)
+        self.extra_ids = np.searchsorted(self.rows, extra)  # [H] compact ids of extra_rows
+        self.read_counts = np.bincount(self.step_ids, weights=self.step_counts,
+                                       minlength=len(self.rows)).astype(np.int64)
         self.first_touches = int(np.count_nonzero(self.read_counts))
 
     def step(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
