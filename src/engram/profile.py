@@ -35,10 +35,11 @@ DEFAULT_FRACTIONS = (0.001, 0.005, 0.01, 0.02, 0.05)
 
 def corpus_files(paths: list[str]) -> list[Path]:
     """The files of ``--corpus`` paths, in order: a file as given, a directory's files recursed
-    (sorted, hidden ones skipped). Errors name the flag and the path."""
+    (sorted, hidden ones skipped), each real file once. Errors name the flag and the path."""
     if not paths:
         raise ValueError("--corpus: expected at least one file or directory, found none")
     files: list[Path] = []
+    seen: set[Path] = set()
     for given in paths:
         path = Path(given)
         if path.is_file():
@@ -48,7 +49,12 @@ def corpus_files(paths: list[str]) -> list[Path]:
                       if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)]
         else:
             raise ValueError(f"--corpus: {given!r} is neither a file nor a directory")
-    return files
+    unique = []
+    for path in files:  # a file reached twice (a symbolic link beside it, a path given twice) counts once
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            unique.append(path)
+    return unique
 
 
 def _text(path: Path) -> str | None:
