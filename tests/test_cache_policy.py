@@ -34,7 +34,7 @@ def reference_lru(reads, step_reads, capacity, hot):
     return totals
 
 
-def reference_dynamic(reads, step_reads, capacity, hot, hot_counts, profile_steps, ways, age_steps):
+def reference_dynamic(reads, step_reads, capacity, hot, hot_counts, profile_steps, ways, age_steps, admit_ties):
     ways = min(ways, capacity)
     num_sets = max(1, capacity // ways)
     sets = [dict() for _ in range(num_sets)]  # row -> score, at most `ways` rows each
@@ -56,15 +56,21 @@ def reference_dynamic(reads, step_reads, capacity, hot, hot_counts, profile_step
                 sets[row % num_sets][row] += c
             else:
                 candidates.append((row % num_sets, -c, row))
+        inserted = set()
         for set_index, negative, row in sorted(candidates):
             s = sets[set_index]
             if len(s) < ways:
                 s[row] = -negative
+                inserted.add(row)
                 continue
-            # lowest score; ties: the way filled first (dicts keep insertion order, and a
-            # replaced way's new row takes its place)
-            victim = min(s, key=lambda r: s[r])
-            if -negative > s[victim]:
+            # lowest score among rows not inserted in this step; ties: the way filled first (dicts
+            # keep insertion order, and a replaced way's new row takes its place)
+            old = [r for r in s if r not in inserted]
+            if not old:
+                continue
+            victim = min(old, key=lambda r: s[r])
+            if -negative > s[victim] or (admit_ties and -negative == s[victim]):
+                inserted.add(row)
                 sets[set_index] = {(row if r == victim else r): (-negative if r == victim else v) for r, v in s.items()}
     return totals
 
@@ -88,16 +94,18 @@ def test_lru_matches_a_per_read_loop(rng, capacity):
     np.testing.assert_array_equal(_result_totals(got), reference_lru(list(reads), step_reads, capacity, list(hot)))
 
 
+@pytest.mark.parametrize("admit_ties", [True, False])
 @pytest.mark.parametrize("capacity,ways,age_steps", [(1, 8, 1), (5, 2, 1), (16, 4, 3), (50, 8, 2), (64, 64, 5)])
-def test_dynamic_matches_a_per_read_loop(rng, capacity, ways, age_steps):
+def test_dynamic_matches_a_per_read_loop(rng, capacity, ways, age_steps, admit_ties):
     reads = _stream(rng, 3000, 400)
     step_reads = int(rng.integers(20, 300))
     hot = rng.permutation(400)[:int(rng.integers(0, 60))]
     hot_counts = rng.integers(1, 50, len(hot))
     stream = CompactStream(reads, step_reads, extra_rows=hot)
     got = replay(stream, capacity, "dynamic", initial=True, initial_counts=hot_counts, profile_steps=3,
-                 params=DynamicParams(ways=ways, age_steps=age_steps))
-    expected = reference_dynamic(list(reads), step_reads, capacity, list(hot), list(hot_counts), 3, ways, age_steps)
+                 params=DynamicParams(ways=ways, age_steps=age_steps, admit_ties=admit_ties))
+    expected = reference_dynamic(list(reads), step_reads, capacity, list(hot), list(hot_counts), 3, ways, age_steps,
+                                 admit_ties)
     np.testing.assert_array_equal(_result_totals(got), expected)
 
 

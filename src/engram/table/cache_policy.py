@@ -32,12 +32,12 @@ against a plain loop):
     2. a cached row read in the step adds ``c`` to its score;
     3. each missed row is a candidate with score ``c``. Candidates of one set are taken in
        descending score (ties: smaller row id first); each replaces the lowest-scored row of its
-       set (an empty way first; ties: lowest way index) when its score is strictly greater, else
-       it is dropped. The set thus keeps the ``ways`` best of its rows and candidates, a resident
-       winning a tie.
+       set among those not inserted in this step (an empty way first; ties: lowest way index)
+       when its score is at least that row's (``admit_ties=True``) or strictly greater
+       (``admit_ties=False``), else it is dropped (also when every way was filled in this step).
 
-    Initial content: the hot list's first ``capacity`` rows, hottest first, each row placed in its set while the set has an
-    empty way, with score ``max(1, ceil(count / profile_steps))`` (its reads per step in the
+    Initial content: the hot list's first ``capacity`` rows, hottest first, each row placed in its
+    set while the set has an empty way, with score ``max(1, ceil(count / profile_steps))`` (its reads per step in the
     profile).
 
 The replay works in a compact id space (the stream's distinct rows plus the initial rows), so its
@@ -64,8 +64,11 @@ class DynamicParams:
 
     ways: int = 8
     age_steps: int = 4
+    admit_ties: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.admit_ties, bool):
+            raise ValueError(f"admit_ties: expected a bool, found {self.admit_ties!r}")
         for name in ("ways", "age_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -233,6 +236,7 @@ def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_s
     slot_row = np.full(num_sets * ways, -1, dtype=np.int64)
     slot_score = np.full(num_sets * ways, -1, dtype=np.int64)  # -1: empty way (below any score)
     slot_epoch = np.zeros(num_sets * ways, dtype=np.int64)
+    slot_inserted = np.full(num_sets * ways, -1, dtype=np.int64)  # step of the last insertion
     slot_of = np.full(len(stream.rows), -1, dtype=np.int64)
     if len(hot):  # initial content: each set takes its hottest rows while it has ways
         sets = set_of[hot]
@@ -264,8 +268,9 @@ def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_s
         cand, cand_score, cand_set = cand[order], cand_score[order], cand_set[order]
         starts = np.flatnonzero(np.r_[True, cand_set[1:] != cand_set[:-1]]) if len(cand) else np.zeros(0, np.int64)
         rank = np.arange(len(cand)) - np.repeat(starts, np.diff(np.r_[starts, len(cand)]))
-        # A set takes at most `ways` candidates, in order, and rejects every one after its first
-        # rejection (later ones score no more): ranks >= ways never enter.
+        # A set takes at most `ways` candidates (rows inserted in this step are never replaced in
+        # it), in order, and rejects every one after its first rejection (later ones score no
+        # more, and the rows they could replace only score more): ranks >= ways never enter.
         for r in range(min(ways, int(rank.max()) + 1) if len(cand) else 0):
             pick = rank == r
             c, cs, cset = cand[pick], cand_score[pick], cand_set[pick]
@@ -274,13 +279,16 @@ def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_s
             occupied = block_score >= 0
             shift = np.where(occupied, epoch - slot_epoch[block], 0)
             current = np.where(occupied, block_score >> np.minimum(shift, 63), -1)
+            current = np.where(slot_inserted[block] == k, np.iinfo(np.int64).max, current)
             way = np.argmin(current, axis=1)
-            win = cs > current[np.arange(len(c)), way]
+            lowest = current[np.arange(len(c)), way]
+            win = (cs >= lowest if params.admit_ties else cs > lowest) & (lowest < np.iinfo(np.int64).max)
             target = block[np.arange(len(c)), way][win]
             old = slot_row[target]
             slot_of[old[old >= 0]] = -1
             slot_row[target] = c[win]
             slot_score[target] = cs[win]
             slot_epoch[target] = epoch
+            slot_inserted[target] = k
             slot_of[c[win]] = target
     return ReplayResult(stream.num_reads, hits, len(stream.step_ids), fetch_hits)
