@@ -65,6 +65,12 @@ def run(pairs, max_tokens: int, params: DynamicParams) -> dict:
         started = time.perf_counter()
         rows = evaluate(traces[held_out], layout, list(DEFAULT_FRACTIONS), list(POLICIES), hot=hot_sets[profile],
                         params=params)
+        # The same set-associative structure with recency instead of frequency (what a GPU index
+        # would hold for LRU), beside the fully associative LRU.
+        recency = DynamicParams(params.ways, params.age_steps, params.admit_ties, recency=True)
+        for row in evaluate(traces[held_out], layout, list(DEFAULT_FRACTIONS), ["dynamic"], hot=hot_sets[profile],
+                            params=recency):
+            rows.append({**row, "policy": f"lru-{params.ways}way"})
         for row in rows:
             row.update(profile=profile, evaluated=held_out)
             print(f"{profile:>13} -> {held_out:<13} {row['policy']:>7} {row['fraction']:<6g} hit {row['hit_rate']:.3f} "
@@ -74,7 +80,7 @@ def run(pairs, max_tokens: int, params: DynamicParams) -> dict:
         print(f"pair done in {time.perf_counter() - started:.1f} s", flush=True)
         results += rows
     return {"corpora": corpora, "max_tokens": max_tokens, "step_tokens": 4096,
-            "dynamic": {"ways": params.ways, "age_steps": params.age_steps}, "results": results}
+            "dynamic": {"ways": params.ways, "age_steps": params.age_steps, "admit_ties": params.admit_ties}, "results": results}
 
 
 def plot(combined: dict, out: Path) -> None:

@@ -34,18 +34,19 @@ def reference_lru(reads, step_reads, capacity, hot):
     return totals
 
 
-def reference_dynamic(reads, step_reads, capacity, hot, hot_counts, profile_steps, ways, age_steps, admit_ties):
+def reference_dynamic(reads, step_reads, capacity, hot, hot_counts, profile_steps, ways, age_steps, admit_ties,
+                      recency=False):
     ways = min(ways, capacity)
     num_sets = max(1, capacity // ways)
     sets = [dict() for _ in range(num_sets)]  # row -> score, at most `ways` rows each
     for row, count in zip(hot[:capacity], hot_counts[:capacity]):
         if len(sets[row % num_sets]) < ways:
-            sets[row % num_sets][row] = max(1, -(-count // profile_steps))
+            sets[row % num_sets][row] = 0 if recency else max(1, -(-count // profile_steps))
     totals = np.zeros(3, dtype=np.int64)
     for k, step in enumerate(_steps(reads, step_reads)):
         cached = {r for s in sets for r in s}
         totals += _count(step, cached)
-        if k > 0 and k % age_steps == 0:
+        if k > 0 and k % age_steps == 0 and not recency:
             for s in sets:
                 for r in s:
                     s[r] //= 2
@@ -53,9 +54,9 @@ def reference_dynamic(reads, step_reads, capacity, hot, hot_counts, profile_step
         candidates = []
         for row, c in counts.items():
             if row in cached:
-                sets[row % num_sets][row] += c
+                sets[row % num_sets][row] = k + 1 if recency else sets[row % num_sets][row] + c
             else:
-                candidates.append((row % num_sets, -c, row))
+                candidates.append((row % num_sets, -(k + 1) if recency else -c, row))
         inserted = set()
         for set_index, negative, row in sorted(candidates):
             s = sets[set_index]
@@ -106,6 +107,18 @@ def test_dynamic_matches_a_per_read_loop(rng, capacity, ways, age_steps, admit_t
                  params=DynamicParams(ways=ways, age_steps=age_steps, admit_ties=admit_ties))
     expected = reference_dynamic(list(reads), step_reads, capacity, list(hot), list(hot_counts), 3, ways, age_steps,
                                  admit_ties)
+    np.testing.assert_array_equal(_result_totals(got), expected)
+
+
+@pytest.mark.parametrize("capacity,ways", [(1, 8), (6, 2), (40, 8)])
+def test_set_associative_lru_matches_a_per_read_loop(rng, capacity, ways):
+    reads = _stream(rng, 3000, 400)
+    step_reads = int(rng.integers(20, 300))
+    hot = rng.permutation(400)[:int(rng.integers(0, 60))]
+    stream = CompactStream(reads, step_reads, extra_rows=hot)
+    got = replay(stream, capacity, "dynamic", initial=True, params=DynamicParams(ways=ways, recency=True))
+    expected = reference_dynamic(list(reads), step_reads, capacity, list(hot), [1] * len(hot), 1, ways, 1, True,
+                                 recency=True)
     np.testing.assert_array_equal(_result_totals(got), expected)
 
 

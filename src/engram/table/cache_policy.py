@@ -36,6 +36,10 @@ against a plain loop):
        when its score is at least that row's (``admit_ties=True``) or strictly greater
        (``admit_ties=False``), else it is dropped (also when every way was filled in this step).
 
+    With ``recency=True`` the score is recency instead of frequency (set-associative LRU): a row
+    read or inserted after step ``k`` scores ``k + 1``, there is no aging, and a candidate
+    replaces the set's least recently read row not inserted in this step.
+
     Initial content: the hot list's first ``capacity`` rows, hottest first, each row placed in its
     set while the set has an empty way, with score ``max(1, ceil(count / profile_steps))`` (its reads per step in the
     profile).
@@ -63,12 +67,14 @@ class DynamicParams:
     """Parameters of the ``dynamic`` policy (module docstring)."""
 
     ways: int = 8
-    age_steps: int = 4
+    age_steps: int = 16
     admit_ties: bool = True
+    recency: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.admit_ties, bool):
-            raise ValueError(f"admit_ties: expected a bool, found {self.admit_ties!r}")
+        for name in ("admit_ties", "recency"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, found {getattr(self, name)!r}")
         for name in ("ways", "age_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -178,6 +184,8 @@ def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *
     if len(counts) != len(hot):
         raise ValueError(f"initial_counts: expected {len(hot)} counts (one per initial row), found {len(counts)}")
     scores = np.maximum(1, -(-counts // max(1, int(profile_steps))))
+    if params.recency:
+        scores = np.zeros(len(hot), dtype=np.int64)  # read "before step 0"
     return _replay_dynamic(stream, capacity, hot, scores, params)
 
 
@@ -259,10 +267,14 @@ def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_s
         fetch_hits += int(hit.sum())
         # Residents read in the step: age lazily, then add the step's reads.
         s = slots[hit]
-        slot_score[s] = (slot_score[s] >> np.minimum(epoch - slot_epoch[s], 63)) + counts[hit]
+        if params.recency:
+            slot_score[s] = k + 1
+            epoch = 0  # no aging
+        else:
+            slot_score[s] = (slot_score[s] >> np.minimum(epoch - slot_epoch[s], 63)) + counts[hit]
         slot_epoch[s] = epoch
         # Candidates, per set in descending score then ascending row id (= compact id).
-        cand, cand_score = ids[~hit], counts[~hit]
+        cand, cand_score = ids[~hit], (np.full(int((~hit).sum()), k + 1) if params.recency else counts[~hit])
         cand_set = set_of[cand]
         order = np.lexsort((cand, -cand_score, cand_set))
         cand, cand_score, cand_set = cand[order], cand_score[order], cand_set[order]
