@@ -94,6 +94,29 @@ def plot(combined: dict, out: Path) -> None:
                                       "started from a hot set of other text")
 
 
+def markdown(combined: dict) -> str:
+    """The NOTES table: per (profile -> evaluated) pair and policy, the hit rate at each fraction,
+    then the pair's best static set and ceiling; last column: host fetches kept at 2%."""
+    fractions = sorted({r["fraction"] for r in combined["results"]})
+    head = ["hot set from -> evaluated", "policy", *[f"{f:.1%}" for f in fractions], "host fetches kept at 2%"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    pairs = list(dict.fromkeys((r["profile"], r["evaluated"]) for r in combined["results"]))
+    for pair in pairs:
+        rows = [r for r in combined["results"] if (r["profile"], r["evaluated"]) == pair]
+        by = {(r["policy"], r["fraction"]): r for r in rows}
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            at2 = by.get((policy, 0.02))
+            lines.append(f"| {pair[0]} -> {pair[1]} | {policy} | "
+                         + " | ".join(f"{by[(policy, f)]['hit_rate']:.1%}" for f in fractions)
+                         + (f" | {at2['host_fetch_ratio']:.1%} |" if at2 else " | |"))
+        first = rows[0]["policy"]
+        lines.append(f"| {pair[0]} -> {pair[1]} | best static (chosen on the evaluated text) | "
+                     + " | ".join(f"{by[(first, f)]['best_static_hit_rate']:.1%}" for f in fractions) + " | |")
+        lines.append(f"| {pair[0]} -> {pair[1]} | ceiling (1 - first touches / reads) | "
+                     + " | ".join(f"{by[(first, f)]['ceiling']:.1%}" for f in fractions) + " | |")
+    return "\n".join(lines)
+
+
 DEFAULT_PAIRS = {("python-docs", "fortunes"), ("fortunes", "python-docs"), ("python-docs", "python-stdlib")}
 
 
@@ -106,6 +129,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "cache-policies-cpu.json")
     parser.add_argument("--combine", nargs="+", type=Path, help="merge these partial result files into --out")
     parser.add_argument("--plot", action="store_true", help="also write the PNG beside --out")
+    parser.add_argument("--table", action="store_true", help="print the markdown table of NOTES.md")
     args = parser.parse_args()
     if args.combine:
         parts = [json.loads(p.read_text()) for p in args.combine]
@@ -116,6 +140,8 @@ def main() -> None:
         combined = run(pairs, args.max_tokens, DynamicParams(args.ways, args.age_steps))
     args.out.write_text(json.dumps(combined, indent=1))
     print(f"-> {args.out}")
+    if args.table:
+        print(markdown(combined))
     if args.plot:
         plot(combined, args.out.with_suffix(".png"))
         print(f"-> {args.out.with_suffix('.png')}")
