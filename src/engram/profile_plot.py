@@ -8,7 +8,7 @@ from pathlib import Path
 
 __all__ = ["require_matplotlib", "plot_hit_rates"]
 
-_MARKERS = {"dynamic": "o", "lru": "s", "static": "^"}
+_MARKERS = {"dynamic": "o", "lru": "s", "static": "^", "lru-8way": "D"}
 
 
 def require_matplotlib():
@@ -28,7 +28,7 @@ def plot_hit_rates(curves: dict[str, list[dict]], out: str | Path, title: str = 
     """``curves``: corpus name -> :func:`engram.profile.evaluate` results (dicts with ``policy``,
     ``fraction``, ``hit_rate``, ``ceiling``, ``best_static_hit_rate``). Writes a PNG to ``out``."""
     plt = require_matplotlib()
-    figure, axes = plt.subplots(figsize=(8, 5.5))
+    figure, axes = plt.subplots(figsize=(11, 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, (corpus, results) in enumerate(curves.items()):
         color = colors[index % len(colors)]
@@ -46,7 +46,7 @@ def plot_hit_rates(curves: dict[str, list[dict]], out: str | Path, title: str = 
     axes.set_ylim(0, 1)
     axes.grid(True, which="both", alpha=0.3)
     axes.set_title(title, fontsize=10)
-    axes.legend(fontsize=7, loc="lower right")
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(out, dpi=120)
     plt.close(figure)
