@@ -18,7 +18,6 @@ import numpy as np
 
 from .layout import EngramLayout
 from .table.cache_policy import (
-    DEFAULT_POLICY,
     CompactStream,
     DynamicParams,
     best_static_hits,
