@@ -18,8 +18,8 @@ against a plain loop):
 ``lru`` (the default)
     After each step the cache holds the ``capacity`` most recently read rows, recency being the
     position of a row's last read in the stream (rows of the initial hot list count as read
-    before the stream, the hottest last; the first ``capacity`` of them). Equivalently: a per-read LRU whose hits are judged
-    against the content at the start of the step.
+    before the stream, the hottest last; the first ``capacity`` of them). Equivalently: a
+    per-read LRU whose hits are judged against the content at the start of the step.
 
 ``dynamic``
     Set-associative with frequency-based replacement and aging. ``S = max(1, capacity // ways)``
@@ -41,8 +41,9 @@ against a plain loop):
     replaces the set's least recently read row not inserted in this step.
 
     Initial content: the hot list's first ``capacity`` rows, hottest first, each row placed in its
-    set while the set has an empty way, with score ``max(1, ceil(count / profile_steps))`` (its reads per step in the
-    profile).
+    set (in the set's next way) while the set has an empty way, with score
+    ``max(1, ceil(count / profile_steps))`` (its reads per step in the profile); with
+    ``recency=True`` score 0 (so among them the lowest way, the set's hottest, goes first).
 
 The replay works in a compact id space (the stream's distinct rows plus the initial rows), so its
 state arrays have one entry per distinct row, not per table row, and loops only over steps (and,
