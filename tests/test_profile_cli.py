@@ -75,7 +75,12 @@ def test_eval_json_and_table(corpus, tmp_path, deepseek_tokenizer_path, capsys):
 
 
 def test_plot_writes_a_png(corpus, tmp_path, deepseek_tokenizer_path, capsys):
-    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        from conftest import missing_dependency
+
+        missing_dependency("matplotlib is not installed (pip install -e '.[profile]')")
     out = tmp_path / "fig.png"
     assert main(["profile", "plot", "--corpus", str(corpus / "a"), str(corpus / "b.txt"), "--out", str(out),
                  "--fractions", "0.001", "0.01", "--step-tokens", "8", *_tok(deepseek_tokenizer_path)]) == 0
