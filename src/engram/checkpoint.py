@@ -55,7 +55,7 @@ from .common import ceil_div, resolve_cuda_device
 from .layout import ColumnShard, EngramLayout
 from .spec import EngramSpec
 from .table import BLOCK_SIZE, EngramTable, available_placements
-from .table.fp8 import E8M0_DTYPE, first_nan_byte
+from .table.fp8 import E8M0_DTYPE, first_nan_byte, nan_byte_error
 
 __all__ = [
     "INDEX_FILE",
@@ -299,20 +299,12 @@ class SafetensorsCheckpoint:
                         raise ValueError(f"{info.where()}: rows [{row_start + first}, {row_start + last}) could not "
                                          f"be read ({error})") from None
                     chunk = chunk.view(torch.uint8)
-                if check_ue8m0:
-                    flat = first_nan_byte(chunk, "ue8m0")
+                for enabled, kind in ((check_ue8m0, "ue8m0"), (check_e4m3, "e4m3")):
+                    flat = first_nan_byte(chunk, kind) if enabled else None
                     if flat is not None:
                         row, column = divmod(flat, chunk.shape[1])
-                        raise ValueError(f"{info.where()}: row {row_start + first + row} holds scale byte 255 "
-                                         f"(UE8M0 NaN) at column {column}; expected bytes 0..254, the file is corrupt")
-                if check_e4m3:
-                    flat = first_nan_byte(chunk, "e4m3")
-                    if flat is not None:
-                        row, column = divmod(flat, chunk.shape[1])
-                        byte = int(chunk[row, column])
-                        raise ValueError(f"{info.where()}: row {row_start + first + row} holds value byte "
-                                         f"{byte:#04x} (E4M3 NaN) at column {column}; a table holds no NaN, the file "
-                                         f"is corrupt (check_values=False skips this check on trusted checkpoints)")
+                        raise nan_byte_error(info.where(), row_start + first + row, column, int(chunk[row, column]),
+                                             kind)
                 out[first:last].copy_(chunk)
                 if progress is not None:
                     progress.update(chunk.numel())
@@ -622,12 +614,7 @@ def _copy_checked_rows(info: TensorInfo, target: torch.Tensor, row_start: int, r
             flat = first_nan_byte(chunk, check)
             if flat is not None:
                 row, column = divmod(flat, width)
-                if check == "ue8m0":
-                    raise ValueError(f"{info.where()}: row {row_start + first + row} holds scale byte 255 (UE8M0 NaN) "
-                                     f"at column {column}; expected bytes 0..254, the file is corrupt")
-                raise ValueError(f"{info.where()}: row {row_start + first + row} holds value byte "
-                                 f"{int(chunk[row, column]):#04x} (E4M3 NaN) at column {column}; a table holds no "
-                                 f"NaN, the file is corrupt (check_values=False skips this check on trusted checkpoints)")
+                raise nan_byte_error(info.where(), row_start + first + row, column, int(chunk[row, column]), check)
         target[first:first + chunk.shape[0]].copy_(chunk)
         return chunk.numel()
 

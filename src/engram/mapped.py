@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .table.fp8 import first_nan_byte
+from .table.fp8 import first_nan_byte, nan_byte_error
 
 __all__ = ["CHECK_CHUNK_BYTES", "TensorLocation", "tensor_location", "map_tensor_rows", "check_table_rows"]
 
@@ -115,13 +115,6 @@ def check_table_rows(rows: torch.Tensor, where: str, row_start: int, *, chunk_by
                 continue
             flat = first_nan_byte(chunk, what)
             if flat is not None:
-                row, column = first + flat // width, flat % width
-                byte = int(chunk[flat])
-                if what == "ue8m0":
-                    raise ValueError(f"{where}: row {row_start + row} holds scale byte 255 (UE8M0 NaN) at column "
-                                     f"{column}; expected bytes 0..254, the file is corrupt")
-                raise ValueError(f"{where}: row {row_start + row} holds value byte {byte:#04x} (E4M3 NaN) at column "
-                                 f"{column}; a table holds no NaN, the file is corrupt (check_values=False skips "
-                                 f"this check on trusted checkpoints)")
+                raise nan_byte_error(where, row_start + first + flat // width, flat % width, int(chunk[flat]), what)
         if progress is not None:
             progress.update(size)

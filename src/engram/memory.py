@@ -265,6 +265,14 @@ class EngramMemory:
         return self.tables[self.spec.layer_ids[self._index(layer_id)]]
 
     # ---- running -------------------------------------------------------------
+    def _check_step_ids(self, hash_ids: torch.Tensor) -> None:
+        """``hash_ids`` of a step: a tensor ``[T, L, C]`` of this model's layers and columns."""
+        expected = [self.spec.num_layers, self.spec.num_columns]
+        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 3 or list(hash_ids.shape[1:]) != expected:
+            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
+            raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
+                             f"hash columns), found {found}")
+
     def prefetch(self, hash_ids: torch.Tensor) -> None:
         """Start reading every layer's rows of ``hash_ids [T, L, C]`` now, in layer order
         (call it right after hashing, on the stream that runs the layers). With placement
@@ -273,11 +281,7 @@ class EngramMemory:
         then waits, on the GPU, for its own layer's rows only. Returns at once (no host
         sync); a no-op where the rows already live on the device, for decode-sized batches
         (read directly, graph-capturable) and while a CUDA graph is being captured."""
-        expected = [self.spec.num_layers, self.spec.num_columns]
-        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 3 or list(hash_ids.shape[1:]) != expected:
-            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
-            raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
-                             f"hash columns), found {found}")
+        self._check_step_ids(hash_ids)
         for index, layer_id in enumerate(self.spec.layer_ids):
             self.tables[layer_id].prefetch(hash_ids[:, index, :])
 
@@ -285,11 +289,7 @@ class EngramMemory:
         """Between engine steps, with the step's ``hash_ids [T, L, C]``: placement ``"cached"`` admits
         missed rows into each layer's HBM cache (counts hits, ages counters); a no-op for the other
         placements. Not inside a captured graph; captured lookups serve the updated content."""
-        expected = [self.spec.num_layers, self.spec.num_columns]
-        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 3 or list(hash_ids.shape[1:]) != expected:
-            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
-            raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
-                             f"hash columns), found {found}")
+        self._check_step_ids(hash_ids)
         for index, layer_id in enumerate(self.spec.layer_ids):
             self.tables[layer_id].update_cache(hash_ids[:, index, :])
 
@@ -306,11 +306,7 @@ class EngramMemory:
             sp_token_counts: see :meth:`Engram.forward`.
         """
         index = self._index(layer_id)
-        expected = [self.spec.num_layers, self.spec.num_columns]
-        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 3 or list(hash_ids.shape[1:]) != expected:
-            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
-            raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
-                             f"hash columns), found {found}")
+        self._check_step_ids(hash_ids)
         if self.tables[layer_id].validate:
             self._check_columns(index, hash_ids[:, index, :])
         return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask,

@@ -24,6 +24,7 @@ import torch
 
 __all__ = [
     "first_nan_byte",
+    "nan_byte_error",
     "BLOCK_SIZE",
     "E4M3_MAX",
     "SCALE_BYTE_ONE",
@@ -92,6 +93,16 @@ def first_nan_byte(chunk: torch.Tensor, kind: str) -> int | None:
     tail = flat[words * 8:]
     found = _first_nan_in(tail, kind) if tail.size else -1
     return None if found < 0 else words * 8 + found
+
+
+def nan_byte_error(where: str, row: int, column: int, byte: int, kind: str) -> ValueError:
+    """The error for NaN byte ``byte`` of a table tensor (``kind`` as :func:`first_nan_byte`),
+    naming the tensor and file (``where``), the file's row and the column."""
+    if kind == "ue8m0":
+        return ValueError(f"{where}: row {row} holds scale byte 255 (UE8M0 NaN) at column {column}; expected bytes "
+                          f"0..254, the file is corrupt")
+    return ValueError(f"{where}: row {row} holds value byte {byte:#04x} (E4M3 NaN) at column {column}; a table holds "
+                      f"no NaN, the file is corrupt (check_values=False skips this check on trusted checkpoints)")
 
 
 def _first_nan_in(data: np.ndarray, kind: str) -> int:
