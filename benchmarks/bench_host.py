@@ -138,6 +138,51 @@ def bench_paths(table, ids_sets, ceiling) -> list[dict]:
     return results
 
 
+def direct_configs(table, rng, rows) -> list[dict]:
+    """The direct path at T = 64 (graph replay) over a few launch shapes: host-memory reads are
+    latency-bound, so more, smaller programs may keep more PCIe reads in flight."""
+    from engram.table.gather import GatherConfig
+
+    storage = table.storage
+    ids = torch.from_numpy(rng.integers(0, rows, (64, COLUMNS)).astype(np.int32)).cuda()
+    results = []
+    storage.direct_max_rows = 10**12
+    for block_rows, num_warps, vector in ((8, 2, 16), (4, 2, 16), (2, 1, 16), (1, 1, 16), (4, 4, 8), (16, 4, 16)):
+        storage.direct_config = GatherConfig(block_rows=block_rows, num_warps=num_warps, vector=vector)
+        us = _gpu_us(lambda: table.lookup(ids), graph=True)
+        results.append({"block_rows": block_rows, "num_warps": num_warps, "vector": vector, "T64_us": us})
+        print(f"direct T=64 block_rows={block_rows} num_warps={num_warps} vector={vector}: {us:.1f} us", flush=True)
+    storage.direct_config = None
+    storage.direct_max_rows = engram.table.host.DIRECT_MAX_ROWS
+    return results
+
+
+def gather_stages(table, ids_all) -> dict:
+    """Parts of the host gather at T = 8192, each alone: the dedup on the device (GPU time),
+    the host index_select of the distinct rows on the gather worker, the copy of them."""
+    from engram.table.host_dedup import distinct_rows
+    from engram.table.host_gather import _shared_worker
+
+    storage = table.storage
+    ids = torch.from_numpy(ids_all[:8192]).cuda()
+    zero_row = storage.rows.packed.shape[0] - 1
+    dedup_us = triton.testing.do_bench(lambda: distinct_rows(ids, 0, zero_row), warmup=5, rep=50,
+                                       return_mode="median") * 1e3
+    distinct = distinct_rows(ids, 0, zero_row)
+    count = int(distinct.rows_and_count[-1])
+    rows = distinct.rows_and_count[:count].cpu()
+    staging = torch.empty(count, storage.rows.packed.shape[1], dtype=torch.uint8, pin_memory=True)
+    worker = _shared_worker()
+    gather_us = median_wall_us(lambda: worker.submit(torch.index_select, storage.rows.packed, 0, rows,
+                                                     out=staging).result(), repeats=20)
+    target = torch.empty_like(staging, device="cuda")
+    copy_us = median_wall_us(lambda: target.copy_(staging, non_blocking=True), repeats=20)
+    stages = {"distinct_rows": count, "dedup_gpu_us": dedup_us, "host_index_select_us": gather_us,
+              "copy_us": copy_us}
+    print(f"host gather stages at T=8192: {stages}", flush=True)
+    return stages
+
+
 def overlap(table, rng, rows) -> dict:
     """Main stream: decoder-sized bf16 GEMMs (8192 x 7168 x 7168, ~1 ms each), both layers
     prefetched at T = 8192 before them, layer 1's rows used after 2 GEMMs and layer 14's
@@ -205,7 +250,10 @@ def main() -> None:
         report["load_error"] = f"{type(error).__name__}: {error}"
         print(report["load_error"], flush=True)
     table = host_table(ROWS)
-    report["paths"] = bench_paths(table, id_sets(rng, ROWS), ceiling)
+    sets = id_sets(rng, ROWS)
+    report["paths"] = bench_paths(table, sets, ceiling)
+    report["direct_configs_T64"] = direct_configs(table, rng, ROWS)
+    report["stages_T8192"] = {name: gather_stages(table, ids) for name, ids in sets.items()}
     report["overlap"] = overlap(table, rng, ROWS)
     print(f"overlap: {report['overlap']}", flush=True)
     uniform = {r["T"]: r for r in report["paths"] if r["ids"] == "uniform"}

@@ -13,6 +13,7 @@ import torch
 
 import engram
 from engram.table.fp8 import quantize_rows
+from engram.table.host_dedup import distinct_rows
 from engram.table.host_gather import gather_packed_rows_host
 from engram.table.host_rows import PackedRows, pack_rows, packed_row_bytes
 
@@ -52,6 +53,28 @@ def test_host_gather_matches_the_reference_with_out_of_range_ids(count, rng):
     assert torch.equal(out[inside, :64], values[local[inside]])
     assert torch.equal(out[inside, 64:66], scales[local[inside]])
     assert int(out[~inside].sum()) == 0
+
+
+@pytest.mark.parametrize("count", [1, 2, 63, 1000, 4099])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_distinct_rows_are_sorted_unique_and_invert_to_the_lookups(count, dtype, rng):
+    num_rows = int(rng.integers(1, 300))
+    row_start = int(rng.integers(0, 2**20 if dtype == torch.int32 else 2**33))
+    ids = torch.from_numpy(rng.integers(row_start - 40, row_start + num_rows + 40, (count, 3))).to(dtype)
+    distinct = distinct_rows(ids, row_start, num_rows)
+    local = ids.reshape(-1).long() - row_start
+    local = torch.where((local >= 0) & (local < num_rows), local, torch.full_like(local, num_rows))
+    expected = torch.unique(local)
+    found = int(distinct.rows_and_count[-1])
+    assert found == expected.numel()
+    assert distinct.rows_and_count.dtype == distinct.inverse.dtype == torch.int32
+    assert torch.equal(distinct.rows_and_count[:found].long(), expected)
+    assert torch.equal(distinct.rows_and_count[distinct.inverse.long()].long(), local)
+
+
+def test_distinct_rows_refuse_tables_past_int32():
+    with pytest.raises(ValueError, match="num_rows"):
+        distinct_rows(torch.zeros(3, dtype=torch.int64), 0, 2**31)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")

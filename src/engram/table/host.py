@@ -6,8 +6,9 @@ Two read paths, chosen per lookup by its row count (``direct_max_rows``):
   unified addressing (:func:`engram.table.host_rows.cuda_alias`): no host thread, no
   sync, safe under CUDA-graph capture; latency-bound, for decode-sized batches.
 * **host gather** (b): :class:`engram.table.host_gather.HostGather`: the rows are
-  gathered on the host by torch's threads into pinned staging and moved by the copy
-  engine in chunks; the gather kernel then dequantizes them from the device staging.
+  deduplicated on the device, gathered on the host by torch's threads into pinned
+  staging and moved by the copy engine in chunks; the gather kernel then reads them
+  back in token order from the device staging.
   Needs a host thread, so it is never used while a CUDA graph is being captured.
 
 :meth:`HostPlacement.prefetch` starts path (b) early (right after hashing); the lookup
@@ -64,6 +65,7 @@ class HostPlacement(TablePlacement):
         super().__init__(rows.values, rows.scales, target)
         self.rows = rows
         self.direct_max_rows = DIRECT_MAX_ROWS
+        self.direct_config = None  # launch shape of the direct reads (None: the gather's default)
         head_dim = rows.head_dim
         alias = cuda_alias(rows.packed, target)  # [rows + 1, row_bytes], host memory, a CUDA tensor
         self._direct_values = alias[:-1, :head_dim]
@@ -117,17 +119,18 @@ class HostPlacement(TablePlacement):
         if ticket is None:
             if self._use_direct(global_ids):
                 if packed:
-                    return gather.gather_rows_packed(self._direct_values, self._direct_scales, global_ids, row_start)
-                return gather.gather_rows(self._direct_values, self._direct_scales, global_ids, row_start)
+                    return gather.gather_rows_packed(self._direct_values, self._direct_scales, global_ids, row_start,
+                                                     config=self.direct_config)
+                return gather.gather_rows(self._direct_values, self._direct_scales, global_ids, row_start,
+                                          config=self.direct_config)
             ticket = self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
         stream = torch.cuda.current_stream(self.device)
-        staged = self._host_gather.finish(ticket, stream)
+        staged, inverse = self._host_gather.finish(ticket, stream)
         head_dim = self.rows.head_dim
-        order = torch.arange(ticket.num_rows, dtype=torch.int32, device=self.device).view(global_ids.shape)
         values, scales = staged[:, :head_dim], staged[:, head_dim: head_dim + head_dim // 32]
         if packed:
-            out = gather.gather_rows_packed(values, scales, order, 0)
+            out = gather.gather_rows_packed(values, scales, inverse, 0)
         else:
-            out = gather.gather_rows(values, scales, order, 0)
+            out = gather.gather_rows(values, scales, inverse, 0)
         self._host_gather.consumed(stream)
         return out

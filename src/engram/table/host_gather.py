@@ -1,11 +1,12 @@
 """Read path (b) of host tables: rows gathered on the host, moved by the copy engine.
 
-The caller's stream copies the hash ids to a pinned buffer and records an event; a
-worker thread waits for that event (the caller never does), gathers the rows with
-``index_select`` (torch's intra-op threads) into pinned staging in waves, and after
+The caller's stream finds the lookup's distinct rows (:mod:`engram.table.host_dedup`, no
+sync), copies them with their count to a pinned buffer and records an event; a worker
+thread waits for that event (the caller never does), gathers each distinct row once
+with ``index_select`` (torch's intra-op threads) into pinned staging in waves, and after
 each wave enqueues its host-to-device copy on a copy stream, so the copy of one wave
-overlaps the gather of the next. The consumer makes its stream wait on the
-last copy's event and reads the rows from the device staging buffer.
+overlaps the gather of the next. The consumer makes its stream wait on the last copy's
+event and reads the rows from the device staging buffer through the lookup's ``inverse``.
 
 Buffers are persistent (grown, never shrunk) and guarded by events: the host staging
 is rewritten only after the previous copies finished, the device staging only after
@@ -15,22 +16,26 @@ the previous reader ran.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 from dataclasses import dataclass
 
 import torch
 
 from ..common import next_power_of_2
+from .host_dedup import distinct_rows
 
-__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host"]
+__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "GATHER_THREADS"]
 
 # The gather runs in waves (each wave's copy overlaps the next wave's gather), each one
-# torch index_select over the wave's rows on all intra-op threads. H200 host (16 cores),
-# 196,608 rows of 272 B (benchmarks/probe_host_gather.py, NOTES "Host tables"): one call
-# 2.05-5.1 ms on the main thread, 2.8-11.9 ms from a worker thread; 8 chunked calls 5.4 ms;
-# numpy take in 16 pieces on 16 threads 10.8 ms. Few, large waves.
-_MIN_WAVE_ROWS = 65536
-_MAX_WAVES = 2
+# torch index_select over the wave's rows. H200 host (16 cores, KVM), 196,608 random rows
+# of 272 B (benchmarks/probe_gather_threads.py, NOTES "Host tables"): one index_select on
+# 16 intra-op threads 1.0-1.25 ms, on 14 threads 0.66-0.73 ms (81 GB/s; the cores that
+# the caller's thread and the CUDA driver need are left free), ascending ids 0.57 ms;
+# a pool of Python threads 2.0-2.3 ms; copies issued from many threads 10x slower.
+_MIN_WAVE_ROWS = 32768
+_MAX_WAVES = 4
+GATHER_THREADS = max(1, len(os.sched_getaffinity(0)) - 2) if hasattr(os, "sched_getaffinity") else 1
 
 
 def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_start: int,
@@ -47,19 +52,23 @@ def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_
 _WORKER: list[concurrent.futures.ThreadPoolExecutor] = []
 def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
     """One worker thread for every table of the process: gathers run one at a time, in
-    the order they were started (layer by layer), each with all of torch's intra-op
+    the order they were started (layer by layer), each on ``GATHER_THREADS`` intra-op
     threads, instead of several gathers fighting over the cores."""
     if not _WORKER:
-        _WORKER.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-host-gather"))
+        _WORKER.append(concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engram-host-gather",
+            initializer=torch.set_num_threads, initargs=(GATHER_THREADS,)))  # this thread's OpenMP team only
     return _WORKER[0]
 
 
 @dataclass
 class GatherTicket:
-    """One started gather: ``future`` returns the event of its last copy once every copy is enqueued."""
+    """One started gather: ``future`` returns the event of its last copy once every copy is
+    enqueued; ``inverse`` (int32 on the device, the lookup's shape) maps each lookup to its
+    row in the device staging."""
 
     future: concurrent.futures.Future
-    num_rows: int
+    inverse: torch.Tensor
 
 
 class HostGather:
@@ -100,37 +109,43 @@ class HostGather:
         self.capacity = capacity
 
     def start(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream) -> GatherTicket:
-        """Begin gathering the rows of ``global_ids`` (int32/int64, any shape, on the device;
-        ``packed[0]`` is row ``row_start``): enqueues the id copy on ``stream`` and returns at once."""
-        num_rows = global_ids.numel()
+        """Begin gathering the rows of ``global_ids`` (int32/int64, any shape, at least one id, on
+        the device; ``packed[0]`` is row ``row_start``): enqueues the dedup and the id copy on
+        ``stream`` and returns at once."""
+        num_ids = global_ids.numel()
+        if num_ids == 0:
+            raise ValueError("global_ids: the host gather needs at least one id, found an empty tensor")
         with self._lock:
-            self._ensure_capacity(num_rows)
+            self._ensure_capacity(num_ids)
             # A pinned id buffer per gather (torch's caching host allocator): the worker may
             # still be reading the previous one.
-            ids_host = torch.empty(num_rows, dtype=global_ids.dtype, pin_memory=True)
+            ids_host = torch.empty(num_ids + 1, dtype=torch.int32, pin_memory=True)
             ids_ready = torch.cuda.Event()
             with torch.cuda.stream(stream):
-                ids_host.copy_(global_ids.reshape(-1), non_blocking=True)
+                distinct = distinct_rows(global_ids, row_start, self.packed.shape[0] - 1)
+                ids_host.copy_(distinct.rows_and_count, non_blocking=True)
                 ids_ready.record(stream)
             if self._consumed is not None:  # the device staging's last reader runs first
                 self.copy_stream.wait_event(self._consumed)
-            future = self._worker.submit(self._gather, ids_host, row_start, ids_ready)
+            future = self._worker.submit(self._gather, ids_host, ids_ready)
             self._last_future = future
-            return GatherTicket(future, num_rows)
+            return GatherTicket(future, distinct.inverse.view(global_ids.shape))
 
-    def _gather(self, ids_host: torch.Tensor, row_start: int, ids_ready: torch.cuda.Event) -> torch.cuda.Event:
+    def _gather(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event) -> torch.cuda.Event:
         """Worker thread (one; tasks run in order): wait for the ids and for the previous
         task's copies (the host staging is then free), gather wave by wave, enqueue each
         wave's copy as soon as it is gathered."""
         ids_ready.synchronize()
         if self._copies_done is not None:
             self._copies_done.synchronize()
-        num_rows = ids_host.numel()
+        num_ids = ids_host.numel() - 1
+        num_rows = min(max(int(ids_host[num_ids]), 1), num_ids)  # clamped: the count came from the device
+        rows = ids_host[:num_rows]
         waves = max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
         bounds = [num_rows * k // waves for k in range(waves + 1)]
         with torch.cuda.device(self.device):
             for begin, end in zip(bounds[:-1], bounds[1:]):
-                gather_packed_rows_host(self.packed, ids_host[begin:end], row_start, self.staging_host[begin:end])
+                torch.index_select(self.packed, 0, rows[begin:end], out=self.staging_host[begin:end])
                 with torch.cuda.stream(self.copy_stream):
                     self.staging_device[begin:end].copy_(self.staging_host[begin:end], non_blocking=True)
             done = torch.cuda.Event()
@@ -138,13 +153,14 @@ class HostGather:
         self._copies_done = done
         return done
 
-    def finish(self, ticket: GatherTicket, stream: torch.cuda.Stream) -> torch.Tensor:
-        """The gathered rows ``uint8 [N, row_bytes]`` on the device, ordered after the copies on
-        ``stream``. Blocks the calling thread only until the worker has enqueued the copies
-        (never until they run). Call :meth:`consumed` once their reader is enqueued."""
+    def finish(self, ticket: GatherTicket, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, inverse)``: the gathered distinct rows ``uint8 [capacity, row_bytes]`` on the
+        device, ordered after the copies on ``stream``, and the lookup's ``inverse`` into them.
+        Blocks the calling thread only until the worker has enqueued the copies (never until
+        they run). Call :meth:`consumed` once their reader is enqueued."""
         done = ticket.future.result()
         stream.wait_event(done)
-        return self.staging_device[: ticket.num_rows]
+        return self.staging_device, ticket.inverse
 
     def consumed(self, stream: torch.cuda.Stream) -> None:
         """Mark the device staging free once ``stream``'s work so far has run."""
