@@ -183,6 +183,50 @@ def gather_stages(table, ids_all) -> dict:
     return stages
 
 
+def trace_gather(table, ids_all) -> dict:
+    """One host-gather lookup at T = 8192 with time stamps (median of 7, us from the call):
+    the call returns, the worker starts, the ids are on the host, the copies are enqueued,
+    the copies are done, the lookup is done; for 2, 4 and 8 waves."""
+    from engram.table import host_gather
+
+    storage = table.storage
+    storage.direct_max_rows = 0
+    ids = torch.from_numpy(ids_all[:8192]).cuda()
+    gather = storage._host_gather
+    original = type(gather)._gather
+    traces = {}
+    for waves in (2, 4, 8):
+        host_gather._MAX_WAVES = waves
+        samples = []
+        for _ in range(8):
+            stamps = {}
+
+            def traced(ids_host, ids_ready, stamps=stamps):
+                stamps["worker starts"] = time.perf_counter()
+                ids_ready.synchronize()
+                stamps["ids on host"] = time.perf_counter()
+                done = original(gather, ids_host, ids_ready)
+                stamps["copies enqueued"] = time.perf_counter()
+                done.synchronize()
+                stamps["copies done"] = time.perf_counter()
+                return done
+
+            gather._gather = traced
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            table.lookup(ids)
+            stamps["call returns"] = time.perf_counter()
+            torch.cuda.synchronize()
+            stamps["lookup done"] = time.perf_counter()
+            samples.append({name: (t - begin) * 1e6 for name, t in stamps.items()})
+        del gather._gather
+        traces[waves] = {name: float(np.median([s[name] for s in samples[1:]])) for name in samples[0]}
+        print(f"trace T=8192, {waves} waves: " + ", ".join(f"{k} {v:.0f}" for k, v in traces[waves].items()), flush=True)
+    host_gather._MAX_WAVES = 4
+    storage.direct_max_rows = engram.table.host.DIRECT_MAX_ROWS
+    return traces
+
+
 def overlap(table, rng, rows) -> dict:
     """Main stream: decoder-sized bf16 GEMMs (8192 x 7168 x 7168, ~1 ms each), both layers
     prefetched at T = 8192 before them, layer 1's rows used after 2 GEMMs and layer 14's
@@ -254,6 +298,7 @@ def main() -> None:
     report["paths"] = bench_paths(table, sets, ceiling)
     report["direct_configs_T64"] = direct_configs(table, rng, ROWS)
     report["stages_T8192"] = {name: gather_stages(table, ids) for name, ids in sets.items()}
+    report["trace_T8192"] = trace_gather(table, sets["uniform"])
     report["overlap"] = overlap(table, rng, ROWS)
     print(f"overlap: {report['overlap']}", flush=True)
     uniform = {r["T"]: r for r in report["paths"] if r["ids"] == "uniform"}

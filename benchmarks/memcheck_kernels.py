@@ -47,6 +47,12 @@ def main():
     ids = torch.randint(0, rows + 200, (63, 7), device="cuda", dtype=torch.int32)
     gather_rows(values, scales, ids, row_start=100, column_start=2, column_end=6)
     gather_rows_packed(values, scales, ids[:, ::1], row_start=0)
+    # Distinct rows of a lookup (host gather): a strided view, ids outside the rows, 3 blocks.
+    from engram.table.host_dedup import distinct_rows
+
+    wide = torch.randint(-5, rows + 200, (400, 9), device="cuda", dtype=torch.int64)
+    distinct_rows(wide[:, 1:8], 100, rows)
+    distinct_rows(ids, 0, 1)
     hidden = torch.randn(63, 4, 80, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(63, 5 * 80, device="cuda", dtype=torch.bfloat16)
     weights = torch.randn(2, 4, 80, device="cuda", dtype=torch.bfloat16)
@@ -64,7 +70,7 @@ def main():
         wkv_gemm.fused_gather_gemm(packed[0], packed[1], None, weight, weight_scale, block)
         wkv_gemm.quantize_gathered_rows(packed[0], packed[1], None)
     torch.cuda.synchronize()
-    print("memcheck workload done: hash (3 sources, all launches, malformed-metadata fuzz), gather (bf16, packed), "
+    print("memcheck workload done: hash (3 sources, all launches, malformed-metadata fuzz), gather (bf16, packed), distinct rows, "
           "gate, wkv (gather-quantize, block-scaled GEMM, fused gather-GEMM)")
 
 

@@ -55,12 +55,7 @@ def test_host_gather_matches_the_reference_with_out_of_range_ids(count, rng):
     assert int(out[~inside].sum()) == 0
 
 
-@pytest.mark.parametrize("count", [1, 2, 63, 1000, 4099])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_distinct_rows_are_sorted_unique_and_invert_to_the_lookups(count, dtype, rng):
-    num_rows = int(rng.integers(1, 300))
-    row_start = int(rng.integers(0, 2**20 if dtype == torch.int32 else 2**33))
-    ids = torch.from_numpy(rng.integers(row_start - 40, row_start + num_rows + 40, (count, 3))).to(dtype)
+def _check_distinct_rows(ids, row_start, num_rows):
     distinct = distinct_rows(ids, row_start, num_rows)
     local = ids.reshape(-1).long() - row_start
     local = torch.where((local >= 0) & (local < num_rows), local, torch.full_like(local, num_rows))
@@ -72,9 +67,34 @@ def test_distinct_rows_are_sorted_unique_and_invert_to_the_lookups(count, dtype,
     assert torch.equal(distinct.rows_and_count[distinct.inverse.long()].long(), local)
 
 
+def _lookup_ids(rng, count, columns, num_rows, row_start, dtype):
+    """Ids around a table of ``num_rows`` rows at ``row_start``, some outside it, many repeated;
+    every other call a strided column view."""
+    ids = torch.from_numpy(rng.integers(row_start - 40, row_start + num_rows + 40, (count, columns + 2))).to(dtype)
+    return ids[:, 1:-1] if rng.integers(2) else ids[:, :columns].contiguous()
+
+
+@pytest.mark.parametrize("count", [1, 2, 63, 1000, 4099])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_distinct_rows_are_sorted_unique_and_invert_to_the_lookups(count, dtype, rng):
+    num_rows = int(rng.integers(1, 300))
+    row_start = int(rng.integers(0, 2**20 if dtype == torch.int32 else 2**33))
+    _check_distinct_rows(_lookup_ids(rng, count, 3, num_rows, row_start, dtype), row_start, num_rows)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("count,columns", [(1, 1), (63, 3), (700, 3)])
+def test_distinct_rows_kernels_match_the_reference(count, columns, rng):
+    """The kernels under the interpreter: 1 to 3 blocks of 1024 sorted ids, runs of equal
+    rows across block edges, ids outside the table."""
+    num_rows = int(rng.integers(1, 1500))
+    row_start = int(rng.integers(0, 2**33))
+    _check_distinct_rows(_lookup_ids(rng, count, columns, num_rows, row_start, torch.int64), row_start, num_rows)
+
+
 def test_distinct_rows_refuse_tables_past_int32():
     with pytest.raises(ValueError, match="num_rows"):
-        distinct_rows(torch.zeros(3, dtype=torch.int64), 0, 2**31)
+        distinct_rows(torch.zeros(3, 1, dtype=torch.int64), 0, 2**31)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")

@@ -33,7 +33,7 @@ __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "GATHER_THRE
 # 16 intra-op threads 1.0-1.25 ms, on 14 threads 0.66-0.73 ms (81 GB/s; the cores that
 # the caller's thread and the CUDA driver need are left free), ascending ids 0.57 ms;
 # a pool of Python threads 2.0-2.3 ms; copies issued from many threads 10x slower.
-_MIN_WAVE_ROWS = 32768
+_MIN_WAVE_ROWS = 16384
 _MAX_WAVES = 4
 GATHER_THREADS = max(1, len(os.sched_getaffinity(0)) - 2) if hasattr(os, "sched_getaffinity") else 1
 

@@ -10,7 +10,7 @@ import torch
 
 from .fp8 import as_scale_bytes, as_value_bytes, dequantize_rows
 
-__all__ = ["lookup_reference"]
+__all__ = ["lookup_reference", "distinct_rows_reference"]
 
 
 def lookup_reference(
@@ -55,3 +55,19 @@ def lookup_reference(
 
     zeros = torch.zeros((), dtype=torch.bfloat16, device=rows.device)
     return torch.where(inside.unsqueeze(-1), rows, zeros)
+
+
+def distinct_rows_reference(global_ids: torch.Tensor, row_start: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of a lookup (:func:`engram.table.host_dedup.distinct_rows`).
+
+    ``local = id - row_start`` if ``0 <= id - row_start < num_rows`` else ``num_rows``;
+    returns ``(rows_and_count int32 [N + 1], inverse int32 [N])``: ``rows = sorted(set(local))``
+    in ``[:count]``, ``count`` at ``[N]`` (zeros between), ``rows[inverse[i]] = local[i]``.
+    """
+    local = global_ids.reshape(-1).to(torch.int64) - row_start
+    local = torch.where((local >= 0) & (local < num_rows), local, torch.full_like(local, num_rows))
+    rows, inverse = torch.unique(local, sorted=True, return_inverse=True)
+    rows_and_count = torch.zeros(local.numel() + 1, dtype=torch.int32, device=local.device)
+    rows_and_count[: rows.numel()] = rows.to(torch.int32)
+    rows_and_count[-1] = rows.numel()
+    return rows_and_count, inverse.to(torch.int32)
