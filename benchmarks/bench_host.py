@@ -42,26 +42,10 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 import engram  # noqa: E402
 from wall_clock import median_wall_us  # noqa: E402
-from engram.table.host_rows import PackedRows, packed_row_bytes  # noqa: E402
+from host_table_fixture import COLUMNS, ROW_BYTES_ON_DISK, fold_ids, gpu_us, host_table  # noqa: E402
 
-HEAD_DIM, COLUMNS = 256, 24
 ROWS = 128 * 2**20  # 128 Mi rows x 272 B = 34.2 GiB
 TOKENS = (1, 64, 1024, 8192, 32768)
-ROW_BYTES_ON_DISK = HEAD_DIM + HEAD_DIM // 32  # 264
-
-
-def _gpu_us(call, graph: bool) -> float:
-    if not graph:
-        return triton.testing.do_bench(call, warmup=10, rep=100, return_mode="median") * 1e3
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    captured = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(captured):
-        call()
-    return triton.testing.do_bench(captured.replay, warmup=10, rep=100, return_mode="median") * 1e3
 
 
 def copy_engine_gbps(nbytes: int = 256 << 20) -> float:
@@ -72,41 +56,12 @@ def copy_engine_gbps(nbytes: int = 256 << 20) -> float:
     return nbytes / seconds / 1e9
 
 
-def host_table(rows: int) -> engram.EngramTable:
-    """A host table of random rows in memory from engram.table.host_memory (2 MiB pages
-    where the OS gives them, as a loaded table has), filled from the GPU in 1 GiB pieces."""
-    from engram.table.host_memory import allocate_host_buffer
-
-    started = time.perf_counter()
-    row_bytes = packed_row_bytes(HEAD_DIM)
-    generator = torch.Generator("cuda").manual_seed(0)
-
-    def fill(buffer: torch.Tensor) -> None:
-        packed = PackedRows.view_of(buffer, rows, HEAD_DIM).packed
-        piece = (1 << 30) // row_bytes
-        for first in range(0, rows, piece):
-            last = min(rows, first + piece)
-            random = torch.randint(0, 0x7F, (last - first, row_bytes), dtype=torch.uint8, device="cuda",
-                                   generator=generator)  # E4M3 bytes below NaN; scales 0..126
-            packed[first:last].copy_(random.cpu())
-        packed[:-1, HEAD_DIM + HEAD_DIM // 32:].zero_()
-
-    nbytes = (rows + 1) * row_bytes
-    buffer = allocate_host_buffer(nbytes, fill=fill, read_only=False)
-    packed = PackedRows(buffer.tensor[:nbytes].view(rows + 1, row_bytes), HEAD_DIM)
-    table = engram.EngramTable(packed.values, packed.scales, placement="host", device="cuda", validate=False)
-    table.storage.host_buffer = buffer
-    print(f"host table: {rows:,} rows, {nbytes / 2**30:.1f} GiB, huge pages {buffer.huge_pages} "
-          f"({buffer.huge_page_bytes / 2**30:.1f} GiB), built in {time.perf_counter() - started:.1f} s", flush=True)
-    return table
-
-
 def id_sets(rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
     real_path = HERE.parent / ".bench-data" / "real_ids_v41.npy"
     sets = {"uniform": rng.integers(0, rows, (max(TOKENS), COLUMNS)).astype(np.int32)}
     if real_path.is_file():
-        real = np.load(real_path)[:, 0, :].astype(np.int64)  # layer 1's ids, folded into this table's rows
-        sets["real_text"] = (real % rows).astype(np.int32)
+        real = np.load(real_path)[:, 0, :]  # layer 1's ids, folded into this table's rows
+        sets["real_text"] = fold_ids(real, rows)
     else:
         print(f"no {real_path}: real-text ids skipped (run benchmarks/make_real_ids.py here first)", flush=True)
     return sets
@@ -122,7 +77,7 @@ def bench_paths(table, ids_sets, ceiling) -> list[dict]:
             row = {"ids": name, "T": tokens, "rows": tokens * COLUMNS, "unique_rows": unique,
                    "unique_bytes": unique * ROW_BYTES_ON_DISK, "moved_bytes": tokens * COLUMNS * storage.rows.packed.shape[1]}
             storage.direct_max_rows = 10**12
-            row["direct_us"] = _gpu_us(lambda: table.lookup(ids), graph=tokens <= 1024)
+            row["direct_us"] = gpu_us(lambda: table.lookup(ids), graph=tokens <= 1024)
             storage.direct_max_rows = 0
             row["host_gather_us"] = median_wall_us(lambda: table.lookup(ids), repeats=20 if tokens >= 8192 else 50)
             for path in ("direct", "host_gather"):

@@ -5,8 +5,10 @@
   kernel on the whole table bit for bit, empty, hot-loaded and after updates that replaced rows, with ids
   outside the table, every access bounds-checked; a fuzz of update / lookup sequences; the placement
   through ``EngramTable`` on CPU tensors;
-* ``gpu`` tests: ``cached`` equals ``device`` bit for bit after the dynamic policy replaced rows, and a
-  lookup captured in a CUDA graph keeps serving the right rows across updates.
+* ``gpu`` tests (seeded: a failure names its seed, ``ENGRAM_TEST_SEED`` replays it): ``cached`` equals
+  ``device`` bit for bit at T in {1, 63, 1000} after the dynamic policy replaced rows, with a static hot set
+  (``load_hot_rows``, int32 and int64 ids), and through lookups captured in a CUDA graph that keep serving
+  the right rows across updates and hot-set loads.
 
 Outputs are poisoned before each launch; tables hold every E4M3 byte (NaN patterns too) and every finite
 scale byte, so a byte taken from the wrong row or slot shows.
@@ -424,13 +426,13 @@ def _device_and_cached(rows: int, head_dim: int, generator, row_start=0, **optio
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("tokens", [1, 63, 4096])
+@pytest.mark.parametrize("tokens", [1, 63, 1000])
 def test_gpu_cached_equals_device_after_replacements(tokens, seed):
     generator = torch.Generator().manual_seed(seed)
     device, cached = _device_and_cached(5000, 256, generator, row_start=777, cache_fraction=0.02, aging_interval=2)
     assert cached.backend == "triton"
     cache = cached.storage.cache
-    replaced = 0
+    replaced = hits = 0
     for step in range(6):
         hash_ids = _ids(tokens, 24, 5000, 777, generator, hot=200).cuda()
         before = cache.tags.clone()
@@ -439,20 +441,75 @@ def test_gpu_cached_equals_device_after_replacements(tokens, seed):
             got, expected = cached.lookup_packed(table_ids), device.lookup_packed(table_ids)
             assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
             assert torch.equal(got[1], expected[1])
+        hits += int(cache.probe(hash_ids.reshape(-1).to(torch.int64) - 777, 5000)[0].sum())  # the lookups' hits
         cached.update_cache(hash_ids)
         replaced += int(((before >= 0) & (cache.tags != before)).sum())
         _check_invariants(_on_cpu(cache), pack_rows(device.storage.value_bytes.cpu(), device.storage.scale_bytes.cpu()))
     assert int((cache.tags >= 0).sum()) > 0
+    assert hits > 0, "no lookup read a cached row: the test did not test hits"
     if tokens > 1:
         assert replaced > 0, "the dynamic policy replaced no row: the test did not test replacement"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_lookup_captured_in_a_cuda_graph_follows_updates(seed):
+@pytest.mark.parametrize("tokens", [1, 63, 1000])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_gpu_static_hot_set_equals_device(tokens, id_dtype, seed):
+    """Policy "static": a hot set loaded with load_hot_rows serves hits equal to "device"; update_cache
+    leaves it alone; a second load_hot_rows replaces it (also seen by a lookup captured before it)."""
+    generator = torch.Generator().manual_seed(seed)
+    device, cached = _device_and_cached(4000, 256, generator, row_start=123, policy="static",
+                                        cache_fraction=0.05)
+    cache = cached.storage.cache
+    reference_rows = pack_rows(device.storage.value_bytes.cpu(), device.storage.scale_bytes.cpu())
+    first_hot = torch.randperm(4000, generator=generator)[:150] + 123
+    assert cached.load_hot_rows(first_hot.cuda()) > 0
+    _check_invariants(_on_cpu(cache), reference_rows)
+    static_ids = _ids(tokens, 24, 4000, 123, generator, dtype=id_dtype, hot=4000).cuda()
+    static_ids.view(-1)[: static_ids.numel() // 2] = first_hot[torch.randint(0, 150, (static_ids.numel() // 2,),
+                                                                            generator=generator)].to(id_dtype).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cached.lookup(static_ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = cached.lookup(static_ids)
+    held = cache.tags.clone()
+    for step in range(3):
+        if step == 2:
+            second_hot = torch.randperm(4000, generator=generator)[:150] + 123
+            assert cached.load_hot_rows(second_hot.cuda()) > 0
+            assert not torch.equal(held, cache.tags)
+            _check_invariants(_on_cpu(cache), reference_rows)
+            hot = second_hot
+        else:
+            hot = first_hot
+        ids = _ids(tokens, 24, 4000, 123, generator, dtype=id_dtype, hot=4000)
+        ids.view(-1)[: ids.numel() // 2] = hot[torch.randint(0, 150, (ids.numel() // 2,), generator=generator)].to(id_dtype)
+        static_ids.copy_(ids.cuda())
+        assert int(cache.probe(static_ids.reshape(-1).to(torch.int64) - 123, 4000)[0].sum()) > 0
+        assert torch.equal(cached.lookup(static_ids).view(torch.int16), device.lookup(static_ids).view(torch.int16))
+        got, expected = cached.lookup_packed(static_ids), device.lookup_packed(static_ids)
+        assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+        assert torch.equal(got[1], expected[1])
+        static_out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
+        if step < 2:
+            cached.update_cache(static_ids)
+            assert torch.equal(held, cache.tags), "the static policy changed the cache"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 63, 1000])
+def test_gpu_lookup_captured_in_a_cuda_graph_follows_updates(tokens, seed):
     generator = torch.Generator().manual_seed(seed)
     device, cached = _device_and_cached(3000, 256, generator, cache_fraction=0.05, aging_interval=1)
-    static_ids = _ids(64, 24, 3000, 0, generator, hot=100).cuda()
+    static_ids = _ids(tokens, 24, 3000, 0, generator, hot=100).cuda()
     cached.lookup(static_ids)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -466,7 +523,7 @@ def test_gpu_lookup_captured_in_a_cuda_graph_follows_updates(seed):
         static_values, static_scales = cached.lookup_packed(static_ids)
     cache = cached.storage.cache
     for step in range(5):
-        static_ids.copy_(_ids(64, 24, 3000, 0, generator, hot=100).cuda())
+        static_ids.copy_(_ids(tokens, 24, 3000, 0, generator, hot=100).cuda())
         before = cache.tags.clone()
         torch.cuda.set_sync_debug_mode("error")  # the update never waits for the GPU
         try:

@@ -1,0 +1,304 @@
+"""Cached-placement benchmark (GPU, one call): placements "host", "cached" and "device" at
+V4.1-Flash row shape on real-text ids.
+
+Table: 128 Mi random rows (256 E4M3 values + 8 UE8M0 scales, packed 272 B; 34 GiB pinned, as
+bench_host.py builds it), read 24 columns per token. ``cached`` and ``device`` serve the same
+rows (``cached`` over the host table's pinned rows, ``device`` a copy in HBM).
+
+Ids: held-out English prose, ``fortunes`` (make_cache_stream.py's token ids, hashed here at
+V4.1's layer 1 and folded into the table's rows, ``id % rows``, as bench_host.py folds them).
+The stream is cut into steps of 8192 tokens, served in order, the cache updated between steps
+(``update_cache``, the placement's default ``dynamic`` policy) and starting **empty**: no hot
+set, nothing built from the text it is measured on. The first half of the steps only warm the
+cache; the hit rate and the host bytes are counted on the second half (each step's reads against
+the content the preceding steps left). Cache size: 2% of the rows of V4.1's real layer-1 table
+(384,006,168 rows: 7.68 M slots, 2.1 GB of HBM), since the folded stream keeps its distinct rows
+(how many merged is reported) and so behaves as on the real table.
+
+Timed, on the last step's ids (before that step's update): one lookup at T in {64, 1024, 8192}
+per placement, wall clock from the call to its rows on the device (synchronized; "host" at
+T = 8192 takes its host gather path, which needs the host clock), median; and device time
+(CUDA events, graph replays up to T = 1024) for the paths that run on the device alone. Each
+lookup is checked equal to "device" bit for bit, as is every measured step's cached lookup.
+
+Writes ``cache-h200.json`` to ``$OUT`` (or benchmarks/results/) and prints a table, and a
+markdown table for the README.
+
+    PYTHONPATH=src ENGRAM_COMMIT=<sha> python benchmarks/bench_cache.py
+    PYTHONPATH=src TRITON_INTERPRET=1 python benchmarks/bench_cache.py --smoke   # CPU, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+import engram  # noqa: E402
+from cache_heldout import (best_static_share, device_cache_params, heldout_ceiling,  # noqa: E402
+                           simulated_hit_rates)
+from cache_stream import STREAM_PATH, load_stream, synthetic_stream  # noqa: E402
+from host_table_fixture import COLUMNS, HEAD_DIM, ROW_BYTES_ON_DISK, fold_ids  # noqa: E402
+
+V41_LAYER1_ROWS = 384_006_168
+PLACEMENTS = ("host", "cached", "device")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    rows: int  # rows of the benchmark table
+    tokens: tuple[int, ...]  # lookup sizes timed
+    step_tokens: int  # tokens per engine step (update_cache between steps)
+    cache_rows: int  # cache slots asked for
+    max_stream_tokens: int | None  # tokens of the stream used (None: all)
+    ways: int = 8
+    aging_interval: int = 8
+
+
+FULL = Sizes(rows=128 * 2**20, tokens=(64, 1024, 8192), step_tokens=8192, cache_rows=int(0.02 * V41_LAYER1_ROWS),
+             max_stream_tokens=None)
+SMOKE = Sizes(rows=20_000, tokens=(1, 16, 64), step_tokens=64, cache_rows=400, max_stream_tokens=64 * 10)
+
+
+# ---- the stream -----------------------------------------------------------------
+def stream_steps(sizes: Sizes) -> tuple[np.ndarray, dict]:
+    """``(ids int32 [steps, step_tokens, 24] in [0, rows), facts)``; a partial last step is dropped."""
+    if STREAM_PATH.is_file():
+        ids, corpus = load_stream(max_tokens=sizes.max_stream_tokens)
+    else:
+        if sizes is FULL:
+            raise SystemExit(f"no {STREAM_PATH}: run `PYTHONPATH=src python benchmarks/make_cache_stream.py` on a "
+                             "machine with the DeepSeek-V4 tokenizer and carry .bench-data")
+        print(f"no {STREAM_PATH}: a synthetic Zipf stream instead", flush=True)
+        ids, corpus = synthetic_stream(sizes.max_stream_tokens, V41_LAYER1_ROWS, COLUMNS), "synthetic-zipf"
+    steps = len(ids) // sizes.step_tokens
+    ids = ids[:steps * sizes.step_tokens]
+    folded = fold_ids(ids, sizes.rows)
+    distinct, distinct_folded = np.unique(ids).size, np.unique(folded).size
+    facts = {"corpus": corpus, "stream_tokens": len(ids), "steps": steps, "step_tokens": sizes.step_tokens,
+             "distinct_rows": int(distinct), "fold_merged_rows_pct": 100 * (distinct - distinct_folded) / distinct}
+    return folded.reshape(steps, sizes.step_tokens, COLUMNS), facts
+
+
+# ---- the tables -----------------------------------------------------------------
+def build_tables(sizes: Sizes, on_gpu: bool) -> dict[str, engram.EngramTable]:
+    options = {"cache_fraction": min(1.0, sizes.cache_rows / sizes.rows), "ways": sizes.ways,
+               "aging_interval": sizes.aging_interval}
+    if on_gpu:
+        from host_table_fixture import host_table, table_over_rows
+
+        host = host_table(sizes.rows)
+        return {"host": host, "cached": table_over_rows(host, "cached", **options),
+                "device": table_over_rows(host, "device")}
+    # CPU (TRITON_INTERPRET=1): "cached" on CPU tensors; placement "cpu" stands in for "device"; no "host".
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 0x7F, (sizes.rows, HEAD_DIM), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(0, 0x7F, (sizes.rows, HEAD_DIM // 32), dtype=torch.uint8, generator=generator)
+    return {"cached": engram.EngramTable(values, scales, placement="cached", device="cpu", validate=False,
+                                         placement_options=options),
+            "device": engram.EngramTable(values, scales, placement="cpu", validate=False)}
+
+
+def same_rows(a: engram.EngramTable, b: engram.EngramTable, ids: torch.Tensor, on_gpu: bool) -> bool:
+    """Bit-for-bit equal lookups (bf16 on the GPU; FP8 bytes on the CPU, where the interpreter's bf16 cast
+    differs from torch's)."""
+    if on_gpu:
+        return torch.equal(a.lookup(ids).view(torch.int16), b.lookup(ids).view(torch.int16))
+    (av, asc), (bv, bsc) = a.lookup_packed(ids), b.lookup_packed(ids)
+    return torch.equal(av.view(torch.uint8), bv.view(torch.uint8)) and torch.equal(asc, bsc)
+
+
+# ---- serving the stream ---------------------------------------------------------
+def serve_steps(tables, steps: np.ndarray, device: str, on_gpu: bool) -> dict:
+    """Warm the cache on the first half of the steps but the last, count on the rest; the last
+    step's update is left to :func:`finish_last_step` (its ids are timed first)."""
+    cached = tables["cached"]
+    cache = cached.storage.cache
+    warm_steps = (len(steps) - 1) // 2
+    started = time.perf_counter()
+    for k in range(warm_steps):
+        cached.update_cache(torch.from_numpy(steps[k]).to(device))
+    cache.stats.zero_()
+    mismatches = 0
+    for k in range(warm_steps, len(steps) - 1):
+        ids = torch.from_numpy(steps[k]).to(device)
+        mismatches += not same_rows(cached, tables["device"], ids, on_gpu)
+        cached.update_cache(ids)
+    if on_gpu:
+        torch.cuda.synchronize()
+    return {"warm_steps": warm_steps, "measured_steps": len(steps) - warm_steps, "steps_not_equal": mismatches,
+            "serve_seconds": time.perf_counter() - started}
+
+
+def finish_last_step(tables, steps: np.ndarray, device: str) -> dict:
+    """The last step's update, then the counts of every measured step (stats since the warm-up)."""
+    cached = tables["cached"]
+    cached.update_cache(torch.from_numpy(steps[-1]).to(device))
+    reads, hits, distinct, distinct_missed = (int(v) for v in cached.storage.cache.stats.tolist())
+    return {"reads": reads, "hits": hits, "distinct_rows_per_step_sum": distinct,
+            "distinct_missed_per_step_sum": distinct_missed, "hit_rate": hits / reads,
+            "host_bytes_ratio": distinct_missed / distinct}
+
+
+# ---- timing ---------------------------------------------------------------------
+def cpu_us(call, repeats: int = 5) -> float:
+    call()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def time_lookups(tables, last_step: np.ndarray, sizes: Sizes, device: str, on_gpu: bool) -> list[dict]:
+    rows = []
+    for tokens in sizes.tokens:
+        ids = torch.from_numpy(np.ascontiguousarray(last_step[:tokens])).to(device)
+        hit, _ = tables["cached"].storage.cache.probe(ids.reshape(-1).to(torch.int64), sizes.rows)
+        distinct = torch.unique(ids)
+        distinct_hit = tables["cached"].storage.cache.probe(distinct.to(torch.int64), sizes.rows)[0]
+        row = {"T": tokens, "reads": ids.numel(), "hit_rate": float(hit.float().mean()),
+               "distinct_rows": distinct.numel(),
+               "host_bytes_ratio": 1 - float(distinct_hit.float().mean()),
+               "unique_bytes": distinct.numel() * ROW_BYTES_ON_DISK}
+        for name, table in tables.items():
+            row[f"{name}_equal_to_device"] = same_rows(table, tables["device"], ids, on_gpu)
+            if on_gpu:
+                from wall_clock import median_wall_us
+
+                row[f"{name}_us"] = median_wall_us(lambda: table.lookup(ids), repeats=20 if tokens >= 8192 else 50)
+                on_device_only = name != "host" or ids.numel() <= table.storage.direct_max_rows
+                if on_device_only:
+                    from host_table_fixture import gpu_us
+
+                    row[f"{name}_device_us"] = gpu_us(lambda: table.lookup(ids), graph=tokens <= 1024)
+            else:
+                row[f"{name}_us"] = cpu_us(lambda: table.lookup(ids))
+        if "host" in tables:
+            row["cached_speedup_vs_host"] = row["host_us"] / row["cached_us"]
+        rows.append(row)
+    return rows
+
+
+# ---- the report -----------------------------------------------------------------
+def print_table(timings: list[dict], placements) -> None:
+    print(f"{'T':>6} | " + " | ".join(f"{p + ' us':>12}" for p in placements) + " | hit rate | host bytes kept")
+    for row in timings:
+        print(f"{row['T']:>6} | " + " | ".join(f"{row[p + '_us']:12.1f}" for p in placements)
+              + f" | {row['hit_rate']:8.1%} | {row['host_bytes_ratio']:.1%}")
+
+
+def markdown_table(report: dict, placements) -> str:
+    """The README's table (lookup latency, us, synchronized wall clock)."""
+    lines = ["| T (tokens x 24 rows) | " + " | ".join(f"`{p}`" for p in placements)
+             + " | cached vs host | hit rate (this step) |",
+             "| --- | " + " | ".join("---" for _ in placements) + " | --- | --- |"]
+    for row in report["timings"]:
+        speedup = f"{row['cached_speedup_vs_host']:.2f}x" if "cached_speedup_vs_host" in row else "n/a"
+        lines.append(f"| {row['T']} | " + " | ".join(f"{row[p + '_us']:.1f} us" for p in placements)
+                     + f" | {speedup} | {row['hit_rate']:.1%} |")
+    counted = report["measured"]
+    lines.append("")
+    lines.append(f"{report['device']}, {report['stream']['corpus']} (held out; cache warmed by the dynamic policy "
+                 f"over the stream's first {report['serve']['warm_steps']} steps of {report['stream']['step_tokens']} "
+                 f"tokens, counted on the next {report['serve']['measured_steps']}): "
+                 f"{counted['hit_rate']:.1%} of row reads served from HBM with {_cache_size(report)} cached "
+                 f"(ceiling {report['heldout_ceiling']:.1%}, best static set {report['best_static_share']:.1%}); "
+                 f"host bytes moved (deduplicated per step) {counted['host_bytes_ratio']:.1%} of `host`'s.")
+    return "\n".join(lines)
+
+
+def _cache_size(report: dict) -> str:
+    cache = report["cache"]
+    if report["smoke"]:
+        return f"{cache['fraction_of_table']:.0%} of the table's rows ({cache['slots']:,} slots)"
+    return f"{cache['fraction_of_v41_layer1_table']:.0%} of a V4.1 table's rows ({cache['slots']:,} slots)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU under TRITON_INTERPRET=1, or a GPU)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="also replay the stream through engram.table.cache_policy's LRU and dynamic (CPU)")
+    args = parser.parse_args()
+    sizes = SMOKE if args.smoke else FULL
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.smoke:
+        raise SystemExit("bench_cache.py needs a CUDA device; on the CPU run it with --smoke and TRITON_INTERPRET=1")
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("without CUDA, placement 'cached' runs only under TRITON_INTERPRET=1")
+    device = "cuda" if on_gpu else "cpu"
+    started = time.perf_counter()
+    steps, stream_facts = stream_steps(sizes)
+    print(f"stream: {stream_facts}", flush=True)
+    tables = build_tables(sizes, on_gpu)
+    placements = [p for p in PLACEMENTS if p in tables]
+    cache = tables["cached"].storage.cache
+    serve = serve_steps(tables, steps, device, on_gpu)
+    timings = time_lookups(tables, steps[-1], sizes, device, on_gpu)
+    measured = finish_last_step(tables, steps, device)
+    reads = steps.reshape(-1)
+    step_reads = sizes.step_tokens * COLUMNS
+    report = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1)",
+              "torch": torch.__version__, "triton": _triton_version(),
+              "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "smoke": args.smoke, "sizes": asdict(sizes), "stream": stream_facts,
+              "cache": {"slots": cache.num_slots, "ways": cache.ways, "sets": cache.num_sets,
+                        "fraction_of_table": cache.num_slots / sizes.rows,
+                        "fraction_of_v41_layer1_table": cache.num_slots / V41_LAYER1_ROWS, "hbm_bytes": cache.nbytes,
+                        "policy": tables["cached"].storage.policy, "start": "empty (no hot set)"},
+              "serve": serve, "measured": measured, "timings": timings,
+              "heldout_ceiling": heldout_ceiling(reads, step_reads, serve["warm_steps"]),
+              "best_static_share": best_static_share(reads, step_reads, serve["warm_steps"], cache.num_slots)}
+    last = {row["T"]: row for row in timings}[max(sizes.tokens)]
+    report["hit_rate_2pct_heldout"] = measured["hit_rate"]
+    report["cached_host_bytes_ratio"] = measured["host_bytes_ratio"]
+    for name in placements:
+        report[f"{name}_T{max(sizes.tokens)}_us"] = last[f"{name}_us"]
+    if args.simulate:
+        report["simulated"] = simulated_hit_rates(reads, step_reads, serve["warm_steps"], cache.num_slots,
+                                                  device_cache_params(sizes.ways, sizes.aging_interval))
+    report["seconds"] = time.perf_counter() - started
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else (
+        Path(tempfile.gettempdir()) if args.smoke else HERE / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / ("cache-smoke.json" if args.smoke else "cache-h200.json")
+    out.write_text(json.dumps(report, indent=2))
+    print_table(timings, placements)
+    print(f"\n{markdown_table(report, placements)}\n")
+    headline = [k for k in report if k.endswith("_us") or k in ("hit_rate_2pct_heldout", "cached_host_bytes_ratio",
+                                                                  "heldout_ceiling", "best_static_share", "seconds")]
+    print(json.dumps({k: report[k] for k in headline} | {"simulated": report.get("simulated")}, indent=1))
+    print(f"wrote {out}")
+    failures = serve["steps_not_equal"] + sum(not v for row in timings for k, v in row.items()
+                                              if k.endswith("_equal_to_device"))
+    if failures:
+        raise SystemExit(f"{failures} lookups differ from placement 'device'")
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "absent"
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    main()

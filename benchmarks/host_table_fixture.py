@@ -1,0 +1,87 @@
+"""Benchmark tables at V4.1-Flash row shape, shared by bench_host.py and bench_cache.py (GPU).
+
+* :func:`host_table`: a placement "host" table of random rows in host memory (2 MiB pages
+  where the OS gives them, as a loaded table has), filled from the GPU in 1 GiB pieces;
+* :func:`table_over_rows`: another placement over the same pinned rows, without a copy;
+* :func:`gpu_us`: median device time of a call (CUDA events; optionally a graph replay);
+* :func:`fold_ids`: hash ids of a real table folded into a smaller table's row range.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+import engram
+from engram.table.host_rows import PackedRows, packed_row_bytes
+
+HEAD_DIM, COLUMNS = 256, 24  # V4.1-Flash: 256 E4M3 values + 8 UE8M0 scales per row, 24 columns per token
+ROW_BYTES_ON_DISK = HEAD_DIM + HEAD_DIM // 32  # 264
+
+
+def gpu_us(call, graph: bool = False) -> float:
+    """Median microseconds of ``call()`` on the device (triton's do_bench); with ``graph`` the
+    call is captured once in a CUDA graph and its replays are timed."""
+    import triton.testing
+
+    if not graph:
+        return triton.testing.do_bench(call, warmup=10, rep=100, return_mode="median") * 1e3
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        call()
+    return triton.testing.do_bench(captured.replay, warmup=10, rep=100, return_mode="median") * 1e3
+
+
+def host_table(rows: int, head_dim: int = HEAD_DIM, seed: int = 0) -> engram.EngramTable:
+    """A placement "host" table of ``rows`` random rows (E4M3 bytes below NaN, scales 0..126) on
+    ``cuda``; its rows stay alive with the table (``table.storage.host_buffer``)."""
+    from engram.table.host_memory import allocate_host_buffer
+
+    started = time.perf_counter()
+    row_bytes = packed_row_bytes(head_dim)
+    generator = torch.Generator("cuda").manual_seed(seed)
+
+    def fill(buffer: torch.Tensor) -> None:
+        packed = PackedRows.view_of(buffer, rows, head_dim).packed
+        piece = (1 << 30) // row_bytes
+        for first in range(0, rows, piece):
+            last = min(rows, first + piece)
+            random = torch.randint(0, 0x7F, (last - first, row_bytes), dtype=torch.uint8, device="cuda",
+                                   generator=generator)
+            packed[first:last].copy_(random.cpu())
+        packed[:-1, head_dim + head_dim // 32:].zero_()
+
+    nbytes = (rows + 1) * row_bytes
+    buffer = allocate_host_buffer(nbytes, fill=fill, read_only=False)
+    packed = PackedRows(buffer.tensor[:nbytes].view(rows + 1, row_bytes), head_dim)
+    table = engram.EngramTable(packed.values, packed.scales, placement="host", device="cuda", validate=False)
+    table.storage.host_buffer = buffer
+    print(f"host table: {rows:,} rows, {nbytes / 2**30:.1f} GiB, huge pages {buffer.huge_pages} "
+          f"({buffer.huge_page_bytes / 2**30:.1f} GiB), built in {time.perf_counter() - started:.1f} s", flush=True)
+    return table
+
+
+def table_over_rows(host: engram.EngramTable, placement: str, **placement_options) -> engram.EngramTable:
+    """Placement ``placement`` over the rows of the host table ``host``: ``"host"`` and ``"cached"``
+    share its pinned rows; ``"device"`` gets one copy of the packed rows in HBM (one contiguous
+    transfer, the values and scales strided views of it)."""
+    rows = host.storage.rows
+    if placement == "device":
+        packed = rows.packed.to("cuda")
+        head_dim = rows.head_dim
+        values, scales = packed[:-1, :head_dim], packed[:-1, head_dim: head_dim + head_dim // 32]
+        return engram.EngramTable(values, scales, placement="device", device="cuda", validate=False)
+    return engram.EngramTable(rows.values, rows.scales, placement=placement, device="cuda", validate=False,
+                              placement_options=placement_options or None)
+
+
+def fold_ids(ids: np.ndarray, rows: int) -> np.ndarray:
+    """Hash ids of a larger table folded into ``[0, rows)`` (``id % rows``), int32."""
+    return (np.asarray(ids, dtype=np.int64) % rows).astype(np.int32)

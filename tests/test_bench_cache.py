@@ -1,0 +1,77 @@
+"""benchmarks/bench_cache.py on the CPU: the held-out counts it reports (exact on small streams), and
+the script end to end in its --smoke mode under the Triton interpreter (placement "cached" on CPU
+tensors, "cpu" standing in for "device"), so the one unattended GPU run does not die on a Python error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+@pytest.fixture
+def heldout(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import cache_heldout
+
+    return cache_heldout
+
+
+def test_heldout_ceiling_counts_rows_read_in_earlier_steps(heldout):
+    # Steps of 3 reads; step 0 warms. Step 1: 1 (seen), 4 (new), 4 (new in this step) -> 1/3.
+    # Step 2: 4 (seen in step 1), 5 (new), 1 (seen) -> 2/3.
+    reads = np.array([1, 2, 3, 1, 4, 4, 4, 5, 1])
+    assert heldout.heldout_ceiling(reads, 3, 1) == pytest.approx(3 / 6)
+    assert heldout.heldout_ceiling(reads, 3, 0) == pytest.approx(3 / 9)
+
+
+def test_best_static_share_takes_the_most_read_rows_of_the_measured_steps(heldout):
+    reads = np.array([9, 9, 9, 1, 4, 4, 4, 5, 1])
+    assert heldout.best_static_share(reads, 3, 1, 1) == pytest.approx(3 / 6)  # row 4
+    assert heldout.best_static_share(reads, 3, 1, 2) == pytest.approx(5 / 6)  # rows 4, 1
+    assert heldout.best_static_share(reads, 3, 3, 2) == 0.0
+
+
+def test_simulated_hit_rates_exclude_the_warm_up(heldout):
+    reads = np.array([1, 2, 1, 2, 1, 2])  # steps of 2: everything after step 0 hits
+    params = heldout.device_cache_params(ways=2, aging_interval=8)
+    rates = heldout.simulated_hit_rates(reads, 2, 1, 2, params)
+    assert rates["lru"] == {"hit_rate": 1.0, "host_fetch_ratio": 0.0}
+    assert rates["dynamic"]["hit_rate"] == 1.0
+
+
+def test_fold_ids(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from host_table_fixture import fold_ids
+
+    folded = fold_ids(np.array([[0, 10, 384_006_167]]), 10)
+    assert folded.dtype == np.int32 and folded.tolist() == [[0, 0, 7]]
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_bench_cache_smoke_runs_end_to_end(tmp_path):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU smoke run of the benchmark: needs TRITON_INTERPRET=1")
+    pytest.importorskip("triton")
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_cache.py"), "--smoke", "--simulate"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "cache-smoke.json").read_text())
+    for key in ("hit_rate_2pct_heldout", "cached_host_bytes_ratio", "cached_T64_us", "device_T64_us", "device",
+                "torch", "triton", "commit", "date", "heldout_ceiling", "best_static_share", "simulated"):
+        assert key in report, key
+    assert 0 <= report["hit_rate_2pct_heldout"] <= report["heldout_ceiling"] + 1e-9
+    assert 0 < report["cached_host_bytes_ratio"] <= 1
+    assert report["serve"]["steps_not_equal"] == 0
+    assert all(row["cached_equal_to_device"] for row in report["timings"])
+    assert "| T (tokens x 24 rows) | `cached` | `device` |" in done.stdout
