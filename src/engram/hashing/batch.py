@@ -16,8 +16,9 @@ import torch
 from ..layout import EngramLayout
 from ..vocab import TokenCompressor
 from ..backends import resolve_backend
+from ..call_cache import CallCache, structure
 from ..common import resolve_device
-from .launch import HashConstants, launch_hash_kernels
+from .launch import LAUNCH_OVERRIDE, HashConstants, launch_hash_kernels, plan_hash_launch, run_hash_launch
 from .ops import block_windows, hash_windows
 from .stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
 from .validation import BatchMetadata, check_shapes, validate_batch
@@ -86,6 +87,8 @@ class NgramHasher:
         self._decide_backend()
         self.slot_cache: SlotCache | None = None
         self.request_history: RequestHistory | None = None
+        # Per batch structure, with checks off: the launch plan (shapes already checked).
+        self._plans = CallCache()
 
     @property
     def backend(self) -> str:
@@ -179,13 +182,10 @@ class NgramHasher:
         """
         batch = BatchMetadata(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
                               lookback_dead_mask, slot_mapping, block_table, request_rows)
+        if self._triton and not self._validating and not LAUNCH_OVERRIDE:
+            return self._launch_planned(batch)
         check_shapes(batch, self.history_length, self._device_index, self.device)
-        if slot_mapping is not None and self.slot_cache is None:
-            raise ValueError("slot_mapping: given, but no slot cache is bound (call bind_slot_cache first)")
-        if block_table is not None and self.slot_cache is None:
-            raise ValueError("block_table: given, but no slot cache is bound (call bind_slot_cache first)")
-        if request_rows is not None and self.request_history is None:
-            raise ValueError("request_rows: given, but no request history is bound (call bind_request_history first)")
+        self._check_stores_bound(batch)
         validate = self._validating
         if validate:
             validate_batch(
@@ -212,6 +212,31 @@ class NgramHasher:
 
     def _use_triton(self) -> bool:
         return self._triton
+
+    def _check_stores_bound(self, batch: BatchMetadata) -> None:
+        if batch.slot_mapping is not None and self.slot_cache is None:
+            raise ValueError("slot_mapping: given, but no slot cache is bound (call bind_slot_cache first)")
+        if batch.block_table is not None and self.slot_cache is None:
+            raise ValueError("block_table: given, but no slot cache is bound (call bind_slot_cache first)")
+        if batch.request_rows is not None and self.request_history is None:
+            raise ValueError("request_rows: given, but no request history is bound (call bind_request_history first)")
+
+    def _launch_planned(self, batch: BatchMetadata) -> torch.Tensor:
+        """The Triton path without value checks: the batch's shape checks and launch decisions
+        are made on the first call of its structure and kept (:mod:`engram.call_cache`)."""
+        slot_cache, history = self.slot_cache, self.request_history
+        key = (structure(batch.input_ids), structure(batch.positions), structure(batch.query_start_loc),
+               structure(batch.dead_mask), structure(batch.lookback_token_ids),
+               structure(batch.lookback_dead_mask), structure(batch.slot_mapping), structure(batch.block_table),
+               structure(batch.request_rows))
+        entry = self._plans.get(key)
+        if entry is None or entry[1] is not slot_cache or entry[2] is not history:
+            check_shapes(batch, self.history_length, self._device_index, self.device)
+            self._check_stores_bound(batch)
+            plan = plan_hash_launch(self.kernel_constants, batch, slot_cache, history,
+                                    bool(slot_cache and slot_cache.fused_write))
+            entry = self._plans.put(key, (plan, slot_cache, history))
+        return run_hash_launch(entry[0], self.kernel_constants, batch, slot_cache, history)
 
     def _slot_writes(self, batch: BatchMetadata) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(slots, values) the slot cache receives: lookback seeds, then the batch's tokens."""

@@ -22,7 +22,8 @@ import torch
 from ..common import ceil_div, next_power_of_2
 from ..triton_launch import ALIGNMENT_SPECIALIZED, CompiledLaunch, integer_widths, tensor_variant
 
-__all__ = ["HashConstants", "launch_hash_kernels", "block_tokens_for"]
+__all__ = ["HashConstants", "HashLaunchPlan", "launch_hash_kernels", "plan_hash_launch", "run_hash_launch",
+           "block_tokens_for"]
 
 # Tokens per program by batch size, one warp per program; the sweep behind it is in
 # benchmarks/NOTES.md (v3: 8 tokens per program measured 9.5 us at T = 8192, H200).
@@ -98,33 +99,45 @@ def _padded_sizes(constants: HashConstants) -> tuple[int, int, int]:
     return sizes
 
 
-def launch_hash_kernels(constants: HashConstants, batch, slot_cache=None, history=None, fused_slot_write=False,
-                        missing_shift: torch.Tensor | None = None) -> torch.Tensor:
-    """Hash ids int32 ``[T, L, C]`` of ``batch`` (a shape-checked
-    :class:`~engram.hashing.validation.BatchMetadata`); writes the bound ``slot_cache``
-    (:class:`~engram.hashing.stores.SlotCache`) before any read of it and the
-    ``history`` (:class:`~engram.hashing.stores.RequestHistory`) after every read of
-    it. ``missing_shift`` (int8 ``[T]``), if given, receives per token the first
-    shift whose history no source knew (0 = none)."""
-    hash_launch, slot_launch, history_launch = _launchers()
+class _KernelLaunch(NamedTuple):
+    """One launch of a plan: grid, variant key, and the arguments after the tensors."""
+
+    grid: int
+    variant: tuple
+    scalars: tuple  # ints, then constexprs, in the kernel's parameter order
+
+
+class HashLaunchPlan(NamedTuple):
+    """Every decision of a batch's launches that depends only on its shapes, dtypes and the
+    bound stores (:func:`plan_hash_launch`); :func:`run_hash_launch` applies it to the tensors."""
+
+    num_tokens: int
+    copy_lookback: bool       # a non-contiguous lookback is copied first
+    copy_lookback_dead: bool
+    copy_block_table: bool    # a block table with non-unit column stride is copied first
+    uses_history: bool
+    slot_launch: _KernelLaunch | None
+    hash_launch: _KernelLaunch
+    history_launch: _KernelLaunch | None
+    num_warps: int
+    alignment_in_key: bool    # the variants take the tensors' alignment, found per call
+
+
+def plan_hash_launch(constants: HashConstants, batch, slot_cache=None, history=None, fused_slot_write=False,
+                     with_missing_shift: bool = False) -> HashLaunchPlan:
+    """The launches of :func:`launch_hash_kernels` for ``batch`` (shape-checked), decided from
+    its shapes, dtypes and strides and the stores' geometry alone: the same for every batch
+    with the same structure, so a caller may keep it (see :class:`NgramHasher`)."""
     global _ALIGNMENT_IN_KEY
     if _ALIGNMENT_IN_KEY is None:
+        _launchers()
         _ALIGNMENT_IN_KEY = bool(ALIGNMENT_SPECIALIZED)
     num_tokens, num_requests = batch.num_tokens, batch.num_requests
     history_length = constants.max_ngram_size - 1
-    num_columns = history_length * constants.n_heads
-    out = torch.empty((num_tokens, constants.num_layers, num_columns), dtype=torch.int32,
-                      device=constants.token_map.device)
-    if num_tokens == 0:
-        return out
-    placeholder = constants.token_map  # any device tensor stands in for an absent input (never read)
     lookback, lookback_dead, block_table = batch.lookback_token_ids, batch.lookback_dead_mask, batch.block_table
-    if lookback is not None and not lookback.is_contiguous():
-        lookback = lookback.contiguous()
-    if lookback_dead is not None and not lookback_dead.is_contiguous():
-        lookback_dead = lookback_dead.contiguous()
-    if block_table is not None and block_table.stride(1) != 1:
-        block_table = block_table.contiguous()
+    copy_lookback = lookback is not None and not lookback.is_contiguous()
+    copy_lookback_dead = lookback_dead is not None and not lookback_dead.is_contiguous()
+    copy_block_table = block_table is not None and block_table.stride(1) != 1
     write_slots = slot_cache is not None and batch.slot_mapping is not None
     write_seeds = slot_cache is not None and lookback is not None and block_table is not None
     read_slots = slot_cache is not None and block_table is not None
@@ -142,60 +155,126 @@ def launch_hash_kernels(constants: HashConstants, batch, slot_cache=None, histor
     num_hash_programs = ceil_div(write_items if slots_in_hash else num_tokens, block_tokens)
     history_in_hash = uses_history and num_hash_programs == 1
 
-    # Arguments shared by the three kernels, in their parameter order.
-    inputs = (batch.input_ids, batch.positions, batch.query_start_loc,
-              batch.dead_mask if batch.dead_mask is not None else placeholder, constants.token_map,
-              lookback if lookback is not None else placeholder,
-              lookback_dead if lookback_dead is not None else placeholder)
-    slot_values = slot_cache.values if slot_cache is not None else placeholder
     slot_geometry = (slot_cache.block_size if slot_cache is not None else 1,
                      slot_cache.num_slots if slot_cache is not None else 1,
                      block_table.shape[1] if block_table is not None else 1,
-                     block_table.stride(0) if block_table is not None else 0)
-    history_rows = batch.request_rows if uses_history else placeholder
-    history_tensors = (history_rows, history.values if uses_history else placeholder,
-                       history.tags if uses_history else placeholder)
+                     (block_table.shape[1] if copy_block_table else block_table.stride(0))
+                     if block_table is not None else 0)
     history_geometry = (history.width if uses_history else 1, history.max_requests if uses_history else 0)
-    slot_mapping = batch.slot_mapping if batch.slot_mapping is not None else placeholder
-    table = block_table if block_table is not None else placeholder
     has_dead, has_lookback = batch.dead_mask is not None, lookback is not None
     has_lookback_dead = lookback_dead is not None
     layers_pad, columns_pad, history_pad = _padded_sizes(constants)
     width_pad = next_power_of_2(history.width) if uses_history else 1
     # What decides the compiled binaries beyond the constexprs: the caller's tensors'
     # dtypes (the kernels do not specialize on alignment), and which ints need 64 bits.
-    caller = (*inputs[:4], inputs[5], inputs[6], slot_mapping, table, history_rows)
-    caller_tensors = (tuple(tensor_variant(t) for t in caller) if _ALIGNMENT_IN_KEY
-                      else (caller[0].dtype, caller[1].dtype, caller[2].dtype, caller[3].dtype, caller[4].dtype,
-                            caller[5].dtype, caller[6].dtype, caller[7].dtype, caller[8].dtype))
+    placeholder = constants.token_map
+    caller = (batch.input_ids, batch.positions, batch.query_start_loc,
+              batch.dead_mask if has_dead else placeholder, lookback if has_lookback else placeholder,
+              lookback_dead if has_lookback_dead else placeholder,
+              batch.slot_mapping if batch.slot_mapping is not None else placeholder,
+              block_table if block_table is not None else placeholder,
+              batch.request_rows if uses_history else placeholder)
+    # With a Triton that specializes alignment, run_hash_launch puts each call's alignment here.
+    caller_tensors = tuple(t.dtype for t in caller)
     largest = max(slot_geometry[1], slot_geometry[3], num_requests)  # the ints that can grow large
     widths = integer_widths(num_tokens, num_requests, *slot_geometry, *history_geometry) if largest >= 2**31 else ()
 
+    slot_launch = None
     if (write_slots or write_seeds) and not slots_in_hash:
         constexprs = (history_length, history_pad, has_dead, has_lookback_dead, write_slots, write_seeds,
                       _WRITE_BLOCK)
-        slot_launch(ceil_div(write_items, _WRITE_BLOCK), (caller_tensors, widths, constexprs),
-                    (*inputs, slot_mapping, table, slot_values, num_tokens, num_requests, constants.vocab_size,
-                     *slot_geometry, *constexprs), num_warps=1, device_index=constants.device_index)
+        slot_launch = _KernelLaunch(ceil_div(write_items, _WRITE_BLOCK), (caller_tensors, widths, constexprs),
+                                    (num_tokens, num_requests, constants.vocab_size, *slot_geometry, *constexprs))
 
     constexprs = (constants.num_layers, layers_pad, constants.max_ngram_size,
                   history_pad, constants.n_heads, columns_pad,
                   has_dead, has_lookback, has_lookback_dead, read_slots, uses_history,
                   write_slots and slots_in_hash, write_seeds and slots_in_hash,
                   slots_before_reads, history_in_hash,
-                  width_pad, missing_shift is not None, block_tokens, _HISTORY_BLOCK,
+                  width_pad, with_missing_shift, block_tokens, _HISTORY_BLOCK,
                   min(_REQUEST_CHUNK_LARGEST, next_power_of_2(max(num_requests, 2))))
-    hash_launch(num_hash_programs, (caller_tensors, widths, constexprs),
-                (*inputs, slot_mapping, table, slot_values, *history_tensors,
-                 constants.multipliers, constants.column_primes, constants.barrett_multipliers,
-                 constants.column_offsets, out, missing_shift if missing_shift is not None else placeholder,
-                 num_tokens, num_requests, constants.vocab_size, constants.pad_id, *slot_geometry,
-                 *history_geometry, *constexprs), num_warps=num_warps, device_index=constants.device_index)
+    hash_launch = _KernelLaunch(num_hash_programs, (caller_tensors, widths, constexprs),
+                                (num_tokens, num_requests, constants.vocab_size, constants.pad_id, *slot_geometry,
+                                 *history_geometry, *constexprs))
 
+    history_launch = None
     if uses_history and not history_in_hash and num_requests > 0:
         constexprs = (history_length, history_pad, has_dead, has_lookback, has_lookback_dead, _HISTORY_BLOCK,
                       width_pad)
-        history_launch(ceil_div(num_requests, _HISTORY_BLOCK), (caller_tensors, widths, constexprs),
-                       (*inputs, *history_tensors, num_tokens, num_requests, constants.vocab_size,
-                        *history_geometry, *constexprs), num_warps=1, device_index=constants.device_index)
+        history_launch = _KernelLaunch(ceil_div(num_requests, _HISTORY_BLOCK), (caller_tensors, widths, constexprs),
+                                       (num_tokens, num_requests, constants.vocab_size, *history_geometry,
+                                        *constexprs))
+    return HashLaunchPlan(num_tokens, copy_lookback, copy_lookback_dead, copy_block_table, uses_history,
+                          slot_launch, hash_launch, history_launch, num_warps, _ALIGNMENT_IN_KEY)
+
+
+def _with_alignment(launch: _KernelLaunch, caller: tuple) -> _KernelLaunch:
+    """``launch`` with its variant's dtypes replaced by the caller tensors' dtype and alignment."""
+    _, widths, constexprs = launch.variant
+    return launch._replace(variant=(tuple(tensor_variant(t) for t in caller), widths, constexprs))
+
+
+def run_hash_launch(plan: HashLaunchPlan, constants: HashConstants, batch, slot_cache=None, history=None,
+                    missing_shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch ``plan`` (made by :func:`plan_hash_launch` for a batch of the same structure) on
+    ``batch``'s tensors: hash ids int32 ``[T, L, C]``."""
+    hash_launch, slot_launch, history_launch = _launchers()
+    out = torch.empty((plan.num_tokens, constants.num_layers, (constants.max_ngram_size - 1) * constants.n_heads),
+                      dtype=torch.int32, device=constants.token_map.device)
+    if plan.num_tokens == 0:
+        return out
+    placeholder = constants.token_map  # any device tensor stands in for an absent input (never read)
+    lookback, lookback_dead, block_table = batch.lookback_token_ids, batch.lookback_dead_mask, batch.block_table
+    if plan.copy_lookback:
+        lookback = lookback.contiguous()
+    if plan.copy_lookback_dead:
+        lookback_dead = lookback_dead.contiguous()
+    if plan.copy_block_table:
+        block_table = block_table.contiguous()
+    dead_mask = batch.dead_mask
+    # Arguments shared by the three kernels, in their parameter order.
+    inputs = (batch.input_ids, batch.positions, batch.query_start_loc,
+              dead_mask if dead_mask is not None else placeholder, constants.token_map,
+              lookback if lookback is not None else placeholder,
+              lookback_dead if lookback_dead is not None else placeholder)
+    slot_mapping = batch.slot_mapping if batch.slot_mapping is not None else placeholder
+    table = block_table if block_table is not None else placeholder
+    slot_values = slot_cache.values if slot_cache is not None else placeholder
+    if plan.uses_history:
+        history_tensors = (batch.request_rows, history.values, history.tags)
+    else:
+        history_tensors = (placeholder, placeholder, placeholder)
+    device_index = constants.device_index
+    slot_plan, hash_plan, history_plan = plan.slot_launch, plan.hash_launch, plan.history_launch
+    if plan.alignment_in_key:
+        caller = (*inputs[:4], inputs[5], inputs[6], slot_mapping, table, history_tensors[0])
+        slot_plan, hash_plan, history_plan = (None if launch is None else _with_alignment(launch, caller)
+                                              for launch in (slot_plan, hash_plan, history_plan))
+
+    launch = slot_plan
+    if launch is not None:
+        slot_launch(launch.grid, launch.variant, (*inputs, slot_mapping, table, slot_values, *launch.scalars),
+                    num_warps=1, device_index=device_index)
+    launch = hash_plan
+    hash_launch(launch.grid, launch.variant,
+                (*inputs, slot_mapping, table, slot_values, *history_tensors,
+                 constants.multipliers, constants.column_primes, constants.barrett_multipliers,
+                 constants.column_offsets, out, missing_shift if missing_shift is not None else placeholder,
+                 *launch.scalars), num_warps=plan.num_warps, device_index=device_index)
+    launch = history_plan
+    if launch is not None:
+        history_launch(launch.grid, launch.variant, (*inputs, *history_tensors, *launch.scalars),
+                       num_warps=1, device_index=device_index)
     return out
+
+
+def launch_hash_kernels(constants: HashConstants, batch, slot_cache=None, history=None, fused_slot_write=False,
+                        missing_shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Hash ids int32 ``[T, L, C]`` of ``batch`` (a shape-checked
+    :class:`~engram.hashing.validation.BatchMetadata`); writes the bound ``slot_cache``
+    (:class:`~engram.hashing.stores.SlotCache`) before any read of it and the
+    ``history`` (:class:`~engram.hashing.stores.RequestHistory`) after every read of
+    it. ``missing_shift`` (int8 ``[T]``), if given, receives per token the first
+    shift whose history no source knew (0 = none)."""
+    plan = plan_hash_launch(constants, batch, slot_cache, history, fused_slot_write, missing_shift is not None)
+    return run_hash_launch(plan, constants, batch, slot_cache, history, missing_shift)

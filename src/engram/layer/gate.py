@@ -30,10 +30,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
 from ..backends import resolve_backend
+from ..call_cache import CallCache, structure
 from ..common import next_power_of_2
 from ..triton_launch import CompiledLaunch, int_variant, tensor_variant
 
@@ -169,7 +171,6 @@ class GateLaunchConfig:
     cache_hints: bool = False
 
 
-@functools.lru_cache(maxsize=64)
 @functools.lru_cache(maxsize=64)
 def gate_launch_config(tokens: int, hc_mult: int, hidden: int) -> GateLaunchConfig:
     """The default :class:`GateLaunchConfig` (``tokens`` is kept for a per-T choice).
@@ -336,6 +337,21 @@ def engram_gate_kv(
     (``kv[:, c*D:(c+1)*D]`` = copy ``c``'s key, ``kv[:, hc*D:]`` = the value; see
     :func:`~engram.layer.wkv.split_kv`). Other arguments and the result as :func:`engram_gate`.
     """
+    if out is None and (out_dtype is None or isinstance(out_dtype, torch.dtype)) and isinstance(backend, (str, type(None))):
+        key = (structure(hidden_states), structure(kv), structure(q_weight), structure(k_weight),
+               structure(token_mask), out_dtype, backend)
+        plan = _KV_PLANS.get(key)
+        if plan is None:
+            plan = _plan_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask, out_dtype, backend)
+            if plan is not None:
+                _KV_PLANS.put(key, plan)
+        if plan is not None:
+            return _run_gate_kv(plan, hidden_states, kv, q_weight, k_weight, eps, token_mask)
+    return _engram_gate_kv_checked(hidden_states, kv, q_weight, k_weight, eps, token_mask, out_dtype, out, backend)
+
+
+def _engram_gate_kv_checked(hidden_states, kv, q_weight, k_weight, eps, token_mask, out_dtype, out, backend):
+    """:func:`engram_gate_kv`, every check on this call."""
     _check_common_inputs(hidden_states, q_weight, k_weight, token_mask)
     _check_kv(hidden_states, kv)
     out_dtype, out = _resolve_out(hidden_states, out_dtype, out)
@@ -347,3 +363,68 @@ def engram_gate_kv(
     kv = _contiguous_rows(kv)
     return _launch_gate_kernel(hidden_states, kv, kv.stride(0), hidden, kv, hc_mult * hidden, kv.stride(0),
                                q_weight, k_weight, eps, token_mask, _kernel_out(hidden_states, out_dtype, out))
+
+
+# ---- engram_gate_kv, planned once per call structure ------------------------------------
+class _GateKvPlan(NamedTuple):
+    """What :func:`engram_gate_kv` decides from its arguments' structure (:mod:`engram.call_cache`)."""
+
+    out_dtype: torch.dtype
+    triton: bool
+    grid: int
+    ints: tuple
+    int_variants: tuple
+    constexprs: tuple
+    num_warps: int
+    device_index: int
+    sqrt_hidden: float
+
+
+_KV_PLANS = CallCache()
+
+
+def _plan_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask, out_dtype, backend) -> _GateKvPlan | None:
+    """Check the arguments and decide the launch; None where the call copies an argument (those
+    run the checked path on every call)."""
+    _check_common_inputs(hidden_states, q_weight, k_weight, token_mask)
+    _check_kv(hidden_states, kv)
+    out_dtype, _ = _resolve_out(hidden_states, out_dtype, None)
+    tokens, hc_mult, hidden = hidden_states.shape
+    if not _use_triton(backend, hidden_states, (hidden_states, kv, q_weight, k_weight), out_dtype):
+        return _GateKvPlan(out_dtype, False, 0, (), (), (), 0, 0, 0.0)
+    if any(t is not _contiguous_rows(t) for t in (hidden_states, kv, q_weight, k_weight)):
+        return None
+    if token_mask is not None and not token_mask.is_contiguous():
+        return None
+    config = gate_launch_config(tokens, hc_mult, hidden)
+    copies = config.copies_per_program
+    head_block = _head_block(hidden)
+    tail_block = next_power_of_2(hidden - head_block) if hidden > head_block else 0
+    # out is new: contiguous, strides (hc * D, D).
+    ints = (hidden_states.stride(0), hidden_states.stride(1), kv.stride(0), hidden, hc_mult * hidden, kv.stride(0),
+            q_weight.stride(0), k_weight.stride(0), hc_mult * hidden, hidden)
+    constexprs = (hidden, hc_mult, copies, head_block, tail_block, token_mask is not None, config.early_value,
+                  "evict_first" if config.cache_hints else "", "evict_last" if config.cache_hints else "")
+    return _GateKvPlan(out_dtype, True, tokens * (hc_mult // copies), ints, tuple(int_variant(i) for i in ints),
+                       constexprs, config.num_warps, hidden_states.device.index if hidden_states.is_cuda else 0,
+                       math.sqrt(hidden))
+
+
+def _run_gate_kv(plan: _GateKvPlan, hidden_states, kv, q_weight, k_weight, eps, token_mask) -> torch.Tensor:
+    if not plan.triton:
+        tokens, hc_mult, hidden = hidden_states.shape
+        key = kv[:, : hc_mult * hidden].unflatten(1, (hc_mult, hidden))
+        return _gate_torch(hidden_states, key, kv[:, hc_mult * hidden:], q_weight, k_weight, eps, token_mask,
+                           plan.out_dtype, None)
+    out = torch.empty(hidden_states.shape, dtype=plan.out_dtype, device=hidden_states.device)
+    if not plan.grid:
+        return out
+    mask = hidden_states if token_mask is None else token_mask.view(torch.uint8)
+    tensors = (hidden_states, kv, kv, q_weight, k_weight, mask, out)
+    # The dtypes are the plan's; the kernel also specializes on each pointer's 16-byte alignment.
+    aligned = (hidden_states.data_ptr() % 16, kv.data_ptr() % 16, q_weight.data_ptr() % 16,
+               k_weight.data_ptr() % 16, mask.data_ptr() % 16)
+    variant = (plan, aligned)
+    _gate_launcher()(plan.grid, variant, (*tensors, *plan.ints, float(eps), plan.sqrt_hidden, *plan.constexprs),
+                     num_warps=plan.num_warps, device_index=plan.device_index)
+    return out

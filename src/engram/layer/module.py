@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends import resolve_backend
+from ..call_cache import CallCache, structure
 from ..common import HASH_ID_DTYPES, ceil_div
 from .gate import engram_gate_kv
 from .wkv import WkvProjection
@@ -82,6 +83,11 @@ def sequence_parallel_sizes(num_tokens: int, world_size: int) -> list[int]:
     ``[r * ceil(T / sp), min(T, (r + 1) * ceil(T / sp)))`` (possibly empty)."""
     per_rank = ceil_div(num_tokens, world_size) if num_tokens else 0
     return [max(0, min(num_tokens, (r + 1) * per_rank) - r * per_rank) for r in range(world_size)]
+
+
+def _token_range(tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Rows ``[start, start + count)`` of ``tensor``: the tensor itself when that is all of it."""
+    return tensor if start == 0 and count == tensor.shape[0] else tensor[start:start + count]
 
 
 def _all_gather_stacked(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
@@ -207,6 +213,7 @@ class Engram(torch.nn.Module):
         self.columns_per_rank = ceil_div(num_columns, self.tp_size)
         self.table = table
         self._check_table(table)
+        self._checked_calls = CallCache(64)  # argument structures forward has checked (single mode)
 
     @classmethod
     def from_weights(
@@ -329,7 +336,7 @@ class Engram(torch.nn.Module):
         rank = self.sp_rank
         start, count = starts[rank], counts[rank]
         if self.mode in ("single", "sequence"):
-            return lookup(hash_ids[start:start + count], device)
+            return lookup(_token_range(hash_ids, start, count), device)
         if self.mode in ("tensor", "sequence x tensor"):
             # The tensor-parallel peers hold the same tokens: gather their columns.
             if count == 0:  # every peer has no token either
@@ -365,7 +372,7 @@ class Engram(torch.nn.Module):
             return self.wkv(self.gather_rows(hash_ids, counts, starts, device))
         if self.mode in ("single", "sequence") and hasattr(self.table, "rows_in_place"):
             start, count = starts[self.sp_rank], counts[self.sp_rank]
-            source = self.table.rows_in_place(hash_ids[start:start + count])
+            source = self.table.rows_in_place(_token_range(hash_ids, start, count))
             if source is not None:
                 values, scales, local_ids, row_start = source
                 return self.wkv.forward_fp8_rows(values, scales, local_ids, row_start)
@@ -394,6 +401,25 @@ class Engram(torch.nn.Module):
 
         Every rank of a group must call forward with the same ``hash_ids`` (and counts).
         """
+        if sp_token_counts is None and self.mode == "single":
+            key = (structure(hidden_states), structure(hash_ids), structure(token_mask), self.q_weight.device)
+            planned = self._checked_calls.get(key)
+            if planned is None:
+                planned = self._checked_calls.put(key, self._check_single_call(hidden_states, hash_ids, token_mask))
+            if planned:
+                kv = self.project(hash_ids, [hash_ids.shape[0]], [0], hidden_states.device)
+                return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask,
+                                      backend=self.gate_backend)
+        return self._forward_checked(hidden_states, hash_ids, token_mask, sp_token_counts)
+
+    def _check_single_call(self, hidden_states, hash_ids, token_mask) -> bool:
+        """The checks of :meth:`forward` without parallelism; whether calls of this structure may
+        skip them (not where the mask is moved to the layer's device on every call)."""
+        self._forward_checked(hidden_states, hash_ids, token_mask, None, check_only=True)
+        return token_mask is None or token_mask.device == hidden_states.device
+
+    def _forward_checked(self, hidden_states, hash_ids, token_mask, sp_token_counts, check_only: bool = False):
+        """:meth:`forward` with every check on this call (``check_only``: the checks alone)."""
         if not isinstance(hash_ids, torch.Tensor):
             raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
         if hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
@@ -426,6 +452,8 @@ class Engram(torch.nn.Module):
                             else f"[{num_tokens}] (T from hash_ids)")
                 raise ValueError(f"token_mask: expected shape {expected}, found {list(token_mask.shape)}")
             token_mask = token_mask.to(hidden_states.device)
+        if check_only:
+            return None
 
         kv = self.project(hash_ids, counts, starts, hidden_states.device)
         # The fused Triton gate on CUDA (keys and value read in place from kv), torch on the CPU.

@@ -45,6 +45,7 @@ import os
 
 import torch
 
+from ..call_cache import CallCache, structure
 from ..common import ceil_div
 from ..table.fp8 import E8M0_DTYPE, scale_bytes_to_float
 from ..triton_launch import interpreting
@@ -204,6 +205,7 @@ class WkvProjection(torch.nn.Module):
         self.backend = _resolve_backend(backend, weight)
         self.backend_note = ""
         self._scaled_mm_layout = None
+        self._checked_rows = CallCache(64)  # row structures _check_flat_rows has checked
         if self.backend == "bf16":
             self.register_buffer("weight", dequantized)
             self.weight_scale = None
@@ -273,6 +275,14 @@ class WkvProjection(torch.nn.Module):
 
     # ---- forward ---------------------------------------------------------------
     def _check_flat_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` as ``[T, C * head_dim]``, checked once per structure."""
+        key = (structure(rows), self.weight.device)
+        if self._checked_rows.get(key) is None:
+            self._check_rows(rows)
+            self._checked_rows.put(key, True)
+        return rows.flatten(1) if rows.dim() == 3 else rows
+
+    def _check_rows(self, rows: torch.Tensor) -> torch.Tensor:
         if not isinstance(rows, torch.Tensor):
             raise ValueError(f"rows: expected a torch.Tensor, found {type(rows).__name__}")
         if rows.dim() == 3:

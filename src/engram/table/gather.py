@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from ..call_cache import CallCache, structure
 from ..common import HASH_ID_DTYPES
 from ..triton_launch import CompiledLaunch, int_variant, interpreting, tensor_variant
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes
@@ -135,31 +137,76 @@ _LAUNCHERS = {gather_rows_bf16_kernel: CompiledLaunch(gather_rows_bf16_kernel),
               gather_rows_packed_kernel: CompiledLaunch(gather_rows_packed_kernel)}
 
 
-def _launch(kernel, outputs, value_bytes, scale_bytes, hash_ids, row_start, column_start, column_end,
-            config: GatherConfig, extra: tuple):
-    """``extra``: the kernel's constexprs after BLOCK_ROWS and before VALUE_EVICTION, in order."""
-    local_ids = hash_ids[:, column_start:column_end]  # a view: the kernel reads it through its strides
-    tokens, local_columns = local_ids.shape
+class _GatherPlan(NamedTuple):
+    """What a gather call of one structure launches (see :mod:`engram.call_cache`)."""
+
+    out_shapes: tuple[tuple[int, ...], ...]
+    out_dtype: torch.dtype
+    grid: int                    # 0: nothing to launch
+    ints: tuple
+    int_variants: tuple
+    constexprs: tuple
+    num_warps: int
+    column_start: int
+    column_end: int
+    full_width: bool             # the served columns are all of hash_ids: no slice needed
+
+
+_PLANS = CallCache()
+
+
+def _plan(kernel, values, scales, hash_ids, row_start, column_start, column_end, config, packed: bool,
+          out) -> tuple[_GatherPlan, torch.Tensor, torch.Tensor]:
+    """The checked plan of a call (made on the first call of its structure), and the byte views of
+    ``values`` / ``scales``."""
+    key = (kernel, structure(values), structure(scales), structure(hash_ids), type(row_start), row_start,
+           column_start, column_end, config)
+    plan = _PLANS.get(key) if out is None else None  # a given out is checked on every call
+    if plan is not None:
+        value_bytes = values.view(torch.uint8) if values.dtype != torch.uint8 else values
+        scale_bytes = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+        return plan, value_bytes, scale_bytes
+    value_bytes, scale_bytes, column_end = _check_inputs(values, scales, hash_ids, row_start, column_start, column_end)
+    config = default_config(packed=packed) if config is None else config
+    tokens, width = hash_ids.shape
     num_rows, head_dim = value_bytes.shape
+    local_columns = column_end - column_start
+    groups = head_dim // BLOCK_SIZE
+    if packed:
+        out_shapes = ((tokens, local_columns, head_dim), (tokens, local_columns, groups))
+        out_dtype, extra = torch.uint8, ()
+    else:
+        out_shapes = ((tokens, local_columns, head_dim),)
+        out_dtype = torch.bfloat16
+        extra = (config.vector, config.chunk_outer, _DECODE_MODES[config.decode])
     total_rows = tokens * local_columns
-    if total_rows == 0:
-        return
     if total_rows >= 2**31 - config.block_rows:  # the kernels' flattened row index is int32
         raise ValueError(f"hash_ids: T * C_local = {total_rows} rows per launch; expected fewer than 2**31")
-    groups = head_dim // BLOCK_SIZE
-    grid = (-(-total_rows // config.block_rows),)
-    if local_ids.is_cuda and local_ids.device.index != torch.cuda.current_device():
-        with torch.cuda.device(local_ids.device):  # Triton launches on the current device
-            return _launch(kernel, outputs, value_bytes, scale_bytes, hash_ids, row_start, column_start,
-                           column_end, config, extra)
-    ints = (total_rows, local_columns, local_ids.stride(0), local_ids.stride(1),
+    ints = (total_rows, local_columns, hash_ids.stride(0), hash_ids.stride(1),
             row_start, num_rows, value_bytes.stride(0), scale_bytes.stride(0))
     constexprs = (head_dim, 1 << (groups - 1).bit_length(), config.block_rows, *extra,
                   config.value_eviction, config.out_cache)
+    plan = _GatherPlan(out_shapes, out_dtype, -(-total_rows // config.block_rows), ints,
+                       tuple(int_variant(i) for i in ints), constexprs, config.num_warps, column_start, column_end,
+                       column_start == 0 and column_end == width)
+    if out is None:
+        _PLANS.put(key, plan)
+    return plan, value_bytes, scale_bytes
+
+
+def _launch(kernel, plan: _GatherPlan, outputs, value_bytes, scale_bytes, hash_ids):
+    """Launch ``kernel`` on ``plan`` (nothing when the batch has no row)."""
+    if not plan.grid:
+        return
+    local_ids = hash_ids if plan.full_width else hash_ids[:, plan.column_start:plan.column_end]
+    if local_ids.is_cuda and local_ids.device.index != torch.cuda.current_device():
+        with torch.cuda.device(local_ids.device):  # Triton launches on the current device
+            return _launch(kernel, plan, outputs, value_bytes, scale_bytes, hash_ids)
     variant = (tensor_variant(local_ids), tensor_variant(value_bytes), tensor_variant(scale_bytes),
-               tuple(int_variant(i) for i in ints), constexprs)
-    _LAUNCHERS[kernel](grid[0], variant, (local_ids, value_bytes, scale_bytes, *outputs, *ints, *constexprs),
-                       num_warps=config.num_warps, num_stages=1,
+               plan.int_variants, plan.constexprs)
+    _LAUNCHERS[kernel](plan.grid, variant, (local_ids, value_bytes, scale_bytes, *outputs, *plan.ints,
+                                            *plan.constexprs),
+                       num_warps=plan.num_warps, num_stages=1,
                        device_index=local_ids.device.index if local_ids.is_cuda else 0)
 
 
@@ -192,13 +239,10 @@ def gather_rows(
     Returns:
         ``bfloat16 [T, column_end - column_start, D]``, contiguous, on the device of the inputs.
     """
-    value_bytes, scale_bytes, column_end = _check_inputs(values, scales, hash_ids, row_start, column_start, column_end)
-    config = default_config(packed=False) if config is None else config
-    tokens, head_dim = hash_ids.shape[0], value_bytes.shape[1]
-    shape = (tokens, column_end - column_start, head_dim)
-    out = _output("out", out, shape, torch.bfloat16, hash_ids.device)
-    _launch(gather_rows_bf16_kernel, (out,), value_bytes, scale_bytes, hash_ids, row_start, column_start,
-            column_end, config, (config.vector, config.chunk_outer, _DECODE_MODES[config.decode]))
+    plan, value_bytes, scale_bytes = _plan(gather_rows_bf16_kernel, values, scales, hash_ids, row_start,
+                                           column_start, column_end, config, False, out)
+    out = _output("out", out, plan.out_shapes[0], torch.bfloat16, hash_ids.device)
+    _launch(gather_rows_bf16_kernel, plan, (out,), value_bytes, scale_bytes, hash_ids)
     return out
 
 
@@ -220,16 +264,11 @@ def gather_rows_packed(
     scales uint8 [T, C_local, D // 32])``, contiguous: the bytes of row ``id - row_start``,
     all zeros when ``id`` is outside ``[row_start, row_start + rows)`` (as ``EngramTable.lookup_packed``).
     """
-    value_bytes, scale_bytes, column_end = _check_inputs(values, scales, hash_ids, row_start, column_start, column_end)
-    config = default_config(packed=True) if config is None else config
-    tokens, head_dim = hash_ids.shape[0], value_bytes.shape[1]
-    local_columns = column_end - column_start
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
         raise ValueError(f"out: expected a pair (values, scales) or None, found {type(out).__name__}")
-    out_values = _output("out[0]", None if out is None else out[0], (tokens, local_columns, head_dim),
-                         torch.uint8, hash_ids.device)
-    out_scales = _output("out[1]", None if out is None else out[1], (tokens, local_columns, head_dim // BLOCK_SIZE),
-                         torch.uint8, hash_ids.device)
-    _launch(gather_rows_packed_kernel, (out_values, out_scales), value_bytes, scale_bytes, hash_ids, row_start,
-            column_start, column_end, config, ())
+    plan, value_bytes, scale_bytes = _plan(gather_rows_packed_kernel, values, scales, hash_ids, row_start,
+                                           column_start, column_end, config, True, out)
+    out_values = _output("out[0]", None if out is None else out[0], plan.out_shapes[0], torch.uint8, hash_ids.device)
+    out_scales = _output("out[1]", None if out is None else out[1], plan.out_shapes[1], torch.uint8, hash_ids.device)
+    _launch(gather_rows_packed_kernel, plan, (out_values, out_scales), value_bytes, scale_bytes, hash_ids)
     return out_values, out_scales

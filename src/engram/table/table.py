@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from ..backends import resolve_backend
+from ..call_cache import CallCache, structure
 from ..common import HASH_ID_DTYPES
 from ..layout import ColumnShard, EngramLayout
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, dequantize_rows
@@ -248,6 +249,7 @@ class EngramTable:
             raise ValueError(f"validate: expected True, False or None, found {validate!r}")
 
         self._storage = make_placement(placement, value_bytes, scale_bytes, device, placement_options)
+        self._checked_ids = CallCache(64)  # hash-id structures checked by _local_columns
         self._column_start = column_start
         self._column_end = column_end
         self._row_start = row_start
@@ -372,7 +374,17 @@ class EngramTable:
 
     # ---- lookups -------------------------------------------------------------
     def _local_columns(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        """Check ``hash_ids [T, C]`` and return its columns ``[column_start, column_end)``."""
+        """Check ``hash_ids [T, C]`` (once per structure) and return its columns
+        ``[column_start, column_end)`` (``hash_ids`` itself when those are all of them)."""
+        key = structure(hash_ids)
+        served = self._checked_ids.get(key)
+        if served is None:
+            served = self._checked_ids.put(key, self._check_hash_ids(hash_ids))
+        start, end = served
+        return hash_ids if start == 0 and end == hash_ids.shape[1] else hash_ids[:, start:end]
+
+    def _check_hash_ids(self, hash_ids: torch.Tensor) -> tuple[int, int]:
+        """Check ``hash_ids [T, C]``; the columns ``(start, end)`` it serves."""
         if not isinstance(hash_ids, torch.Tensor):
             raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
         if hash_ids.dtype not in HASH_ID_DTYPES:
@@ -389,7 +401,7 @@ class EngramTable:
                              f"found shape {list(hash_ids.shape)}")
         if not _same_device(hash_ids.device, self.device):
             raise ValueError(f"hash_ids: expected device {self.device} (the table's), found {hash_ids.device}")
-        return hash_ids[:, self._column_start:column_end]
+        return self._column_start, column_end
 
     def _check_ids(self, global_ids: torch.Tensor) -> None:
         """Raise for ids < 0 or >= num_rows_total (a host sync)."""
