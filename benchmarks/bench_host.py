@@ -104,7 +104,7 @@ def direct_configs(table, rng, rows) -> list[dict]:
     storage.direct_max_rows = 10**12
     for block_rows, num_warps, vector in ((8, 2, 16), (4, 2, 16), (2, 1, 16), (1, 1, 16), (4, 4, 8), (16, 4, 16)):
         storage.direct_config = GatherConfig(block_rows=block_rows, num_warps=num_warps, vector=vector)
-        us = _gpu_us(lambda: table.lookup(ids), graph=True)
+        us = gpu_us(lambda: table.lookup(ids), graph=True)
         results.append({"block_rows": block_rows, "num_warps": num_warps, "vector": vector, "T64_us": us})
         print(f"direct T=64 block_rows={block_rows} num_warps={num_warps} vector={vector}: {us:.1f} us", flush=True)
     storage.direct_config = None
