@@ -140,7 +140,7 @@ def gather_stages(table, ids_all) -> dict:
 
 def trace_gather(table, ids_all) -> dict:
     """One host-gather lookup at T = 8192 with time stamps (median of 7, us from the call):
-    the call returns, the worker starts, the copies are enqueued,
+    the call returns, the worker starts, the ids are on the host, the copies are enqueued,
     the copies are done, the lookup is done; for 2, 4 and 8 waves."""
     from engram.table import host_gather
 
@@ -156,13 +156,15 @@ def trace_gather(table, ids_all) -> dict:
         for _ in range(8):
             stamps = {}
 
-            def traced(global_ids, row_start, ids_written, stamps=stamps):
+            def traced(ids_host, ids_ready, stamps=stamps):
                 stamps["worker starts"] = time.perf_counter()
-                result = original(gather, global_ids, row_start, ids_written)
+                ids_ready.synchronize()
+                stamps["ids on host"] = time.perf_counter()
+                done = original(gather, ids_host, ids_ready)
                 stamps["copies enqueued"] = time.perf_counter()
-                result[0].synchronize()
+                done.synchronize()
                 stamps["copies done"] = time.perf_counter()
-                return result
+                return done
 
             gather._gather = traced
             torch.cuda.synchronize()

@@ -39,13 +39,14 @@ def _table(num_rows: int, head_dim: int, generator: torch.Generator):
 
 
 def _ids(tokens: int, columns: int, num_rows: int, row_start: int, generator: torch.Generator,
-         dtype=torch.int64, hot: int | None = None) -> torch.Tensor:
-    """``[T, C]`` global ids, skewed (half from the ``hot`` first rows), about 1 in 8 outside the table."""
+         dtype=torch.int64, hot: int | None = None, hot_start: int = 0) -> torch.Tensor:
+    """``[T, C]`` global ids, skewed (half from the ``hot`` rows from local row ``hot_start`` on,
+    wrapping), about 1 in 8 outside the table."""
     hot = max(1, num_rows // 8) if hot is None else hot
     count = tokens * columns
     local = torch.randint(0, num_rows, (count,), generator=generator)
     skewed = torch.rand(count, generator=generator) < 0.5
-    local = torch.where(skewed, torch.randint(0, hot, (count,), generator=generator), local)
+    local = torch.where(skewed, (hot_start + torch.randint(0, hot, (count,), generator=generator)) % num_rows, local)
     outside = torch.rand(count, generator=generator) < 0.125
     far = torch.where(torch.rand(count, generator=generator) < 0.5,
                       -1 - torch.randint(0, 50, (count,), generator=generator),
@@ -434,7 +435,8 @@ def test_gpu_cached_equals_device_after_replacements(tokens, seed):
     cache = cached.storage.cache
     replaced = hits = 0
     for step in range(6):
-        hash_ids = _ids(tokens, 24, 5000, 777, generator, hot=200).cuda()
+        # The hot rows move every other step, so new rows outscore aged ones and replace them.
+        hash_ids = _ids(tokens, 24, 5000, 777, generator, hot=200, hot_start=700 * (step // 2)).cuda()
         before = cache.tags.clone()
         for table_ids in (hash_ids, _strided(hash_ids, 1)):
             assert torch.equal(cached.lookup(table_ids).view(torch.int16), device.lookup(table_ids).view(torch.int16))

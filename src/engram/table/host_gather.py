@@ -1,10 +1,9 @@
 """Read path (b) of host tables: rows gathered on the host, moved by the copy engine.
 
-The caller records an event on its stream and returns. A worker thread makes a side
-stream wait for that event, launches there the search for the lookup's distinct rows
-(:mod:`engram.table.host_dedup`) and their copy, with their count, to a pinned buffer,
-waits for that copy (the caller never does), gathers each distinct row once with
-``index_select`` (torch's intra-op threads) into pinned staging in waves, and after
+The caller's stream finds the lookup's distinct rows (:mod:`engram.table.host_dedup`, no
+sync), copies them with their count to a pinned buffer and records an event; a worker
+thread waits for that event (the caller never does), gathers each distinct row once
+with ``index_select`` (torch's intra-op threads) into pinned staging in waves, and after
 each wave enqueues its host-to-device copy on a copy stream, so the copy of one wave
 overlaps the gather of the next. The consumer makes its stream wait on the last copy's
 event and reads the rows from the device staging buffer through the lookup's ``inverse``.
@@ -64,11 +63,12 @@ def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
 
 @dataclass
 class GatherTicket:
-    """One started gather: ``future`` returns ``(event, inverse)`` once every copy is enqueued:
-    the event of the last copy, and ``inverse`` (int32 on the device, the lookup's shape)
-    mapping each lookup to its row in the device staging (ready at that event)."""
+    """One started gather: ``future`` returns the event of its last copy once every copy is
+    enqueued; ``inverse`` (int32 on the device, the lookup's shape) maps each lookup to its
+    row in the device staging."""
 
     future: concurrent.futures.Future
+    inverse: torch.Tensor
 
 
 class HostGather:
@@ -84,7 +84,6 @@ class HostGather:
         self.device = device
         self.row_bytes = packed.shape[1]
         self.capacity = 0
-        self.dedup_stream = torch.cuda.Stream(device)  # the worker's launches (dedup, id copy)
         self.copy_stream = torch.cuda.Stream(device)
         self._worker = _shared_worker()
         self._copies_done: torch.cuda.Event | None = None  # the last copies: host staging free after it
@@ -105,52 +104,46 @@ class HostGather:
             if event is not None:
                 event.synchronize()
         capacity = next_power_of_2(num_rows)
-        self.ids_host = torch.empty(capacity + 1, dtype=torch.int32, pin_memory=True)  # worker tasks run in order
         self.staging_host = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, pin_memory=True)
         self.staging_device = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self.device)
         self.capacity = capacity
 
     def start(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream) -> GatherTicket:
-        """Begin gathering the rows of ``global_ids`` (int32/int64 ``[T, C]``, at least one id, on
-        the device; ``packed[0]`` is row ``row_start``) once ``stream``'s work so far has run.
-        Records an event and returns: the worker thread launches the dedup and the id copy."""
+        """Begin gathering the rows of ``global_ids`` (int32/int64, any shape, at least one id, on
+        the device; ``packed[0]`` is row ``row_start``): enqueues the dedup and the id copy on
+        ``stream`` and returns at once."""
         num_ids = global_ids.numel()
         if num_ids == 0:
             raise ValueError("global_ids: the host gather needs at least one id, found an empty tensor")
         with self._lock:
             self._ensure_capacity(num_ids)
-            ids_written = torch.cuda.Event()
-            ids_written.record(stream)
-            global_ids.record_stream(self.dedup_stream)  # read there, by the worker's launches
+            # A pinned id buffer per gather (torch's caching host allocator): the worker may
+            # still be reading the previous one.
+            ids_host = torch.empty(num_ids + 1, dtype=torch.int32, pin_memory=True)
+            ids_ready = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                distinct = distinct_rows(global_ids, row_start, self.packed.shape[0] - 1)
+                ids_host.copy_(distinct.rows_and_count, non_blocking=True)
+                ids_ready.record(stream)
             if self._consumed is not None:  # the device staging's last reader runs first
                 self.copy_stream.wait_event(self._consumed)
-            future = self._worker.submit(self._gather, global_ids, row_start, ids_written)
+            future = self._worker.submit(self._gather, ids_host, ids_ready)
             self._last_future = future
-            return GatherTicket(future)
+            return GatherTicket(future, distinct.inverse.view(global_ids.shape))
 
-    def _gather(self, global_ids: torch.Tensor, row_start: int,
-                ids_written: torch.cuda.Event) -> tuple[torch.cuda.Event, torch.Tensor]:
-        """Worker thread (one; tasks run in order): the distinct rows and their copy to the host
-        on the dedup stream, then, once they are there and the previous task's copies are done
-        (the host staging is then free), the gather wave by wave, each wave's copy enqueued as
-        soon as it is gathered."""
-        num_ids = global_ids.numel()
-        ids_host = self.ids_host[: num_ids + 1]
-        with torch.cuda.device(self.device), torch.cuda.stream(self.dedup_stream):
-            self.dedup_stream.wait_event(ids_written)
-            distinct = distinct_rows(global_ids, row_start, self.packed.shape[0] - 1)
-            ids_host.copy_(distinct.rows_and_count, non_blocking=True)
-            ids_copied = torch.cuda.Event()
-            ids_copied.record(self.dedup_stream)
-        ids_copied.synchronize()
+    def _gather(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event) -> torch.cuda.Event:
+        """Worker thread (one; tasks run in order): wait for the ids and for the previous
+        task's copies (the host staging is then free), gather wave by wave, enqueue each
+        wave's copy as soon as it is gathered."""
+        ids_ready.synchronize()
         if self._copies_done is not None:
             self._copies_done.synchronize()
+        num_ids = ids_host.numel() - 1
         num_rows = min(max(int(ids_host[num_ids]), 1), num_ids)  # clamped: the count came from the device
         rows = ids_host[:num_rows]
         waves = max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
         bounds = [num_rows * k // waves for k in range(waves + 1)]
         with torch.cuda.device(self.device):
-            self.copy_stream.wait_event(ids_copied)  # so the last copy's event also covers ``inverse``
             for begin, end in zip(bounds[:-1], bounds[1:]):
                 torch.index_select(self.packed, 0, rows[begin:end], out=self.staging_host[begin:end])
                 with torch.cuda.stream(self.copy_stream):
@@ -158,17 +151,16 @@ class HostGather:
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         self._copies_done = done
-        return done, distinct.inverse.view(global_ids.shape)
+        return done
 
     def finish(self, ticket: GatherTicket, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, inverse)``: the gathered distinct rows ``uint8 [capacity, row_bytes]`` on the
         device, ordered after the copies on ``stream``, and the lookup's ``inverse`` into them.
         Blocks the calling thread only until the worker has enqueued the copies (never until
         they run). Call :meth:`consumed` once their reader is enqueued."""
-        done, inverse = ticket.future.result()
+        done = ticket.future.result()
         stream.wait_event(done)
-        inverse.record_stream(stream)  # made on the dedup stream, read on ``stream``
-        return self.staging_device, inverse
+        return self.staging_device, ticket.inverse
 
     def consumed(self, stream: torch.cuda.Stream) -> None:
         """Mark the device staging free once ``stream``'s work so far has run."""

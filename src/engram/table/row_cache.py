@@ -162,7 +162,7 @@ class RowCache:
             self._counters.bitwise_right_shift_(1)
         self._counters.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
         self._counters.clamp_(max=COUNTER_MAX)
-        self._counters[-1] = 0
+        self._counters[-1:].zero_()  # a kernel: assigning a Python 0 would copy it from the host (a sync)
         self._admit(ids, counts, candidate, back_values, back_scales)
 
     def load_hot(self, local_row_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
@@ -217,8 +217,8 @@ class RowCache:
         self.slot_rows[:, head_dim: head_dim + head_dim // BLOCK_SIZE].index_copy_(0, slot, scales)
         self._tags.index_copy_(0, slot, row)
         self._counters.index_copy_(0, slot, sorted_count.clamp(max=COUNTER_MAX).to(torch.int32))
-        self._tags[-1] = -1
-        self._counters[-1] = 0
+        self._tags[-1:].fill_(-1)  # kernels, not host-to-device copies of Python scalars (syncs)
+        self._counters[-1:].zero_()
 
 
 def _read_rows(back_values: torch.Tensor, back_scales: torch.Tensor, rows: torch.Tensor):
