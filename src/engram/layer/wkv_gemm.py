@@ -353,6 +353,11 @@ def block_scaled_gemm(
     return out
 
 
+def _split_k_buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """fp32 scratch of :func:`small_m_gemm`'s split-K sums (uninitialized; tests poison it)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def small_m_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -393,9 +398,9 @@ def small_m_gemm(
     if splits == 1:
         output, target = "bf16", out
     elif config.reduction == "partials":
-        output, target = "partials", torch.empty(splits, tokens, out_features, dtype=torch.float32, device=a.device)
+        output, target = "partials", _split_k_buffer((splits, tokens, out_features), a.device)
     else:
-        output, target = "atomic", torch.zeros(tokens, out_features, dtype=torch.float32, device=a.device)
+        output, target = "atomic", _split_k_buffer((tokens, out_features), a.device).zero_()
     grid = (triton.cdiv(out_features, config.block_n), splits, triton.cdiv(tokens, block_m))
     with _on_device(a):
         small_m_gemm_kernel[grid](
