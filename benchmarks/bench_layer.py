@@ -1,7 +1,8 @@
 """Whole-layer benchmark on one GPU, one call (issue 13): lookup + wkv + gate of one Engram
 layer at V4.1-Flash shapes for the bf16 wkv, path (a) (re-quantized rows, block-scaled FP8
 GEMM) and path (b) (fused gather-GEMM), at T in {1, 64, 1024, 8192, 32768}, with the bf16 GEMM
-and ``torch._scaled_mm`` alone as references.
+and ``torch._scaled_mm`` alone as references; ``a_small_m`` is path (a) with the split-K GEMM
+for T <= 128 (``WkvProjection(small_m=True)``, key ``layer_small_m_T64_us``).
 
 Each layer is the library's :class:`engram.layer.Engram` module over a full-size device table
 (384,006,168 rows, ~101 GB, ``gather_bench.big_table``; a smaller one if that does not fit) and
@@ -44,8 +45,10 @@ TOKEN_COUNTS = (1, 64, 1024, 8192, 32768)
 HIDDEN, HC, COLUMNS, HEAD_DIM = 5120, 4, 24, 256
 IN_FEATURES, OUT_FEATURES = COLUMNS * HEAD_DIM, (HC + 1) * HIDDEN
 EPS = 1e-6
-PATHS = ("bf16", "a_scaled_mm", "a_triton", "b_fused")
+PATHS = ("bf16", "a_scaled_mm", "a_triton", "b_fused", "a_small_m")
 BACKENDS = {"bf16": "bf16", "a_scaled_mm": "scaled_mm", "a_triton": "triton", "b_fused": "fused"}
+# "a_small_m": path (a) with the split-K GEMM for T <= 128 (wkv_gemm.small_m_gemm), torch._scaled_mm
+# above where the build has it (else the Triton block-scaled GEMM): WkvProjection(small_m=True).
 L2_FALLBACK = 60 * 2 ** 20
 DEVICE = "cuda"  # tests/test_bench_layer.py runs the whole script on the CPU (interpreter) at a small geometry
 
@@ -185,11 +188,16 @@ def gemm_tflops(tokens: int, us: float) -> float:
 def build_layers(table, weight, weight_scale, q_weight, k_weight, recorder: Recorder) -> dict:
     from engram.layer import Engram, WkvProjection
 
+    from engram.layer.wkv_gemm import probe_scaled_mm_blockwise
+
     layers = {}
     for path in ("default",) + PATHS:
-        backend = None if path == "default" else BACKENDS[path]
+        options = {"backend": None if path == "default" else BACKENDS.get(path)}
+        if path == "a_small_m":
+            has_scaled_mm = probe_scaled_mm_blockwise(weight.device, IN_FEATURES, OUT_FEATURES)[0] is not None
+            options = {"backend": "scaled_mm" if has_scaled_mm else "triton", "small_m": True}
         wkv = recorder.attempt(f"build {path}", WkvProjection, weight, weight_scale.view(torch.float8_e8m0fnu),
-                               [128, 128], backend=backend)
+                               [128, 128], **options)
         if wkv is not None:
             layers[path] = Engram(table, wkv, q_weight, k_weight, eps=EPS, num_columns=COLUMNS)
             print(f"layer {path}: backend {wkv.backend} {wkv.backend_note}, wkv {wkv.weight_nbytes / 1e6:.1f} MB",
@@ -237,8 +245,8 @@ def run_numerics(layers, values, scales, table_rows, weight, weight_scale, q_wei
 def stage_calls(layers: dict, values, scales, inputs: dict, weight, weight_scale_padded, weight_bf16):
     """Stand-alone stages with poisoned, checked outputs; returns ``{name: call}`` for timing."""
     from engram.layer import engram_gate_kv
-    from engram.layer.wkv_gemm import (block_scaled_gemm, fused_gather_gemm, quantize_gathered_rows,
-                                       scaled_mm_gemm)
+    from engram.layer.wkv_gemm import (SMALL_M_MAX_TOKENS, block_scaled_gemm, fused_gather_gemm,
+                                       quantize_gathered_rows, scaled_mm_gemm, small_m_gemm)
     from engram.table.gather import gather_rows
 
     ids, tokens = inputs["ids"], inputs["ids"].shape[0]
@@ -262,6 +270,8 @@ def stage_calls(layers: dict, values, scales, inputs: dict, weight, weight_scale
         "gemm_triton_block_scaled": lambda: block_scaled_gemm(a, a_scale, tokens, weight, padded_scale, (128, 128)),
         "gate": lambda: engram_gate_kv(inputs["hidden"], kv, layers_q(layers), layers_k(layers), EPS, inputs["mask"]),
     }
+    if tokens <= SMALL_M_MAX_TOKENS:
+        calls["gemm_small_m"] = lambda: small_m_gemm(a, a_scale, tokens, weight, padded_scale, (128, 128))
     if "a_scaled_mm" in layers:
         scale_t = layers["a_scaled_mm"].wkv.weight_scale_blocks.t()
         calls["gemm_scaled_mm"] = lambda: scaled_mm_gemm(a, a_scale, tokens, weight, scale_t)
@@ -333,6 +343,11 @@ def main() -> None:
     numerics = recorder.attempt("numerics", run_numerics, layers, values, scales, table_rows, weight, weight_scale,
                                 q_weight, k_weight, generator) or {}
     print(f"update relative error vs float64: {numerics}", flush=True)
+    # At T = 256 a_small_m runs its T > 128 GEMM; its split-K GEMM's error is measured at T = 64.
+    small_layers = {path: layers[path] for path in ("bf16", "default", "a_small_m") if path in layers}
+    numerics_t64 = recorder.attempt("numerics T=64", run_numerics, small_layers, values, scales, table_rows, weight,
+                                    weight_scale, q_weight, k_weight, generator, tokens=64) or {}
+    print(f"update relative error vs float64 at T = 64: {numerics_t64}", flush=True)
     for tokens in token_counts:
         sets = recorder.attempt(f"inputs T={tokens}", input_sets, tokens, table_rows, values, scales, generator)
         if sets is None:
@@ -370,6 +385,7 @@ def main() -> None:
         "wkv_bytes_per_layer": default.wkv.weight_nbytes if default else None,
         "wkv_bytes_per_layer_bf16": layers["bf16"].wkv.weight_nbytes if "bf16" in layers else None,
         "layer": results, "stages": stages, "fused_sweep": sweeps, "update_rel_error": numerics,
+        "update_rel_error_T64": numerics_t64,
         "errors": recorder.errors,
     }
 
@@ -377,7 +393,7 @@ def main() -> None:
         return next((r.get(key) for r in results if r["T"] == tokens), None)
 
     report.update({"layer_T8192_us": pick(8192, "default_us"), "layer_T64_us": pick(64, "default_us"),
-                   "layer_bf16_T8192_us": pick(8192, "bf16_us")})
+                   "layer_bf16_T8192_us": pick(8192, "bf16_us"), "layer_small_m_T64_us": pick(64, "a_small_m_us")})
     out_dir = Path(os.environ.get("OUT", HERE / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "layer-h200.json").write_text(json.dumps(report, indent=2))
@@ -405,9 +421,11 @@ def print_table(report: dict) -> None:
     for row in report["stages"]:
         print(f"  T={row['T']}: " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k != "T" and v is not None))
     print(f"\nupdate relative error vs float64: {report['update_rel_error']}")
+    print(f"update relative error vs float64 at T = 64: {report['update_rel_error_T64']}")
     print(f"wkv bytes per layer: {report['wkv_bytes_per_layer']} (bf16: {report['wkv_bytes_per_layer_bf16']})")
     print(f"headline: layer_T8192_us {report['layer_T8192_us']}, layer_T64_us {report['layer_T64_us']}, "
-          f"layer_bf16_T8192_us {report['layer_bf16_T8192_us']}")
+          f"layer_bf16_T8192_us {report['layer_bf16_T8192_us']}, "
+          f"layer_small_m_T64_us {report['layer_small_m_T64_us']}")
     if report["errors"]:
         print(f"{len(report['errors'])} errors (see JSON): " + "; ".join(e["what"] for e in report["errors"]))
 

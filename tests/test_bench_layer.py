@@ -60,11 +60,14 @@ def test_bench_layer_runs_end_to_end(tmp_path, monkeypatch):
     failed = [error["what"] for error in report["errors"]]
     assert failed == ["build a_scaled_mm"], report["errors"]
     numerics = report["update_rel_error"]
-    for path in ("bf16", "a_triton", "b_fused", "default"):
+    for path in ("bf16", "a_triton", "b_fused", "a_small_m", "default"):
         assert numerics[path] < 3e-2, numerics
     assert numerics["b_fused_vs_bf16"] < 1.5 and numerics["a_triton_vs_bf16"] < 1.5, numerics
+    assert numerics["a_small_m_vs_bf16"] < 1.5, numerics
+    assert report["update_rel_error_T64"]["a_small_m_vs_bf16"] < 1.5, report["update_rel_error_T64"]
     stage = report["stages"][0]
     assert {"gather_bf16_us", "gather_quantize_us", "gemm_bf16_us", "gemm_fused_us", "gemm_triton_block_scaled_us",
-            "gate_us"} <= set(stage), stage
+            "gemm_small_m_us", "gate_us"} <= set(stage), stage
+    assert report["layer_small_m_T64_us"] == 1.0
     assert report["fused_sweep"], "the fused tile sweep did not run at T = 64"
     assert report["wkv_bytes_per_layer_bf16"] == 256 * 256 * 2

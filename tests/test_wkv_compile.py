@@ -11,6 +11,10 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+# Imported here, in the process's own mode: triton.jit reads TRITON_INTERPRET when a kernel
+# module is first imported, and the tests below clear it to compile.
+from engram.layer import wkv_gemm, wkv_kernels, wkv_small_m_kernels  # noqa: E402
+
 try:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -26,6 +30,8 @@ DIVISIBLE = {"hash_ids_ptr", "value_ptr", "scale_ptr", "weight_ptr", "weight_sca
 def _compile(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int):
     if ASTSource is None:
         pytest.skip("this Triton has no triton.compiler.ASTSource / GPUTarget")
+    if type(kernel).__name__ == "InterpretedFunction":
+        pytest.skip("the kernels were imported under TRITON_INTERPRET=1 (run these tests without it)")
     signature = dict(types)
     signature.update({name: "constexpr" for name in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in DIVISIBLE}
@@ -58,8 +64,6 @@ QUANTIZE_TYPES = dict(hash_ids_ptr="*i32", value_ptr="*u8", scale_ptr="*u8", out
 
 
 def _gpu_configs(fused: bool):
-    from engram.layer import wkv_gemm
-
     return [wkv_gemm.default_gemm_config(tokens, fused=fused) for tokens in (1, 64, 8192)]
 
 
@@ -67,7 +71,6 @@ def _gpu_configs(fused: bool):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "block_scaled"])
 def test_gemm_kernels_compile_for_sm90_pipelined(fused, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from engram.layer import wkv_kernels
 
     for config in _gpu_configs(fused):
         for ids_are_rows in ((False, True) if fused else (False,)):
@@ -87,7 +90,6 @@ def test_gemm_kernels_compile_for_sm90_pipelined(fused, monkeypatch):
 @pytest.mark.slow
 def test_per_column_weight_scales_and_quantize_compile_for_sm90(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from engram.layer import wkv_kernels
 
     constexprs = dict(HEAD_DIM=64, BLOCK_M=128, BLOCK_N=256, GROUP_M=8, BLOCK_N_W=128, BLOCK_K_W=128,
                       SCALE_PER_TILE=False, IDS_ARE_ROWS=False)
@@ -95,3 +97,33 @@ def test_per_column_weight_scales_and_quantize_compile_for_sm90(monkeypatch):
     for ids_are_rows in (False, True):
         _compile(wkv_kernels.gather_quantize_kernel, QUANTIZE_TYPES,
                  dict(HEAD_DIM=256, BLOCK_T=32, IDS_ARE_ROWS=ids_are_rows), 4, 1)
+
+
+SMALL_M_TYPES = dict(a_ptr="*u8", a_scale_ptr="*fp32", weight_ptr="*u8", weight_scale_ptr="*fp32", out_ptr="*fp32",
+                     tokens="i32", padded_tokens="i32", in_features="i32", out_features="i32",
+                     weight_scale_stride="i32", groups_per_split="i32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [1, 64, 128])
+def test_small_m_gemm_compiles_for_sm90_pipelined(tokens, monkeypatch):
+    """The split-K GEMM's default shapes and a no-swap / per-column-scale / bf16-output variant
+    stream both operands through the software pipeline into wgmma (its K offsets must stay
+    visibly 128-aligned for that: a runtime split start of unknown alignment leaves the loads
+    synchronous); the reduce kernel builds."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    default = wkv_gemm.default_small_m_config(tokens)
+    block_m = wkv_gemm.small_m_block_m(tokens)
+    for block_n, swap_ab, output, warps, stages in ((default.block_n, default.swap_ab, "partials", default.num_warps,
+                                                     default.num_stages),
+                                                    (64, False, "atomic", 4, 3), (256, True, "bf16", 8, 3)):
+        types = dict(SMALL_M_TYPES, out_ptr="*bf16" if output == "bf16" else "*fp32")
+        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_N_W=128, BLOCK_K_W=128,
+                          SCALE_PER_TILE=128 % block_n == 0, SWAP_AB=swap_ab, OUTPUT=output)
+        ops = _ops(_compile(wkv_small_m_kernels.small_m_gemm_kernel, types, constexprs, warps, stages))
+        assert "ttg.async_copy_global_to_local" in ops, (block_n, swap_ab, ops)
+        if swap_ab or block_m >= 64:
+            assert "ttng.warp_group_dot" in ops, (block_n, swap_ab, ops)
+    _compile(wkv_small_m_kernels.split_k_reduce_kernel, dict(partial_ptr="*fp32", out_ptr="*bf16", splits="i32",
+                                                             elements="i32"), dict(BLOCK=1024), 4, 1)

@@ -25,6 +25,13 @@ Paths (``backend``; default ``"auto"``, or the environment variable ``ENGRAM_WKV
 * ``"auto"``: ``"bf16"`` for a bf16 weight or a CPU weight; on CUDA with an FP8 weight,
   ``"scaled_mm"`` where the probe passes, else ``"fused"``.
 
+Few tokens (``small_m``, off by default until measured on the H200): path (a) (``"scaled_mm"``
+and ``"triton"``) sends a batch of ``T <= wkv_gemm.SMALL_M_MAX_TOKENS`` (128) tokens to the
+split-K Triton GEMM ``wkv_gemm.small_m_gemm``, which streams the FP8 weight from every SM
+(cuBLAS reached ~2.7 TB/s on it at T = 64). Chosen once, at construction: the ``small_m``
+argument, else ``ENGRAM_WKV_SMALL_M`` (``1``/``0``), else :data:`SMALL_M_DEFAULT`. Same numerics
+as the other path (a) GEMMs up to fp32 summation order.
+
 The FP8 paths take FP8 rows (:meth:`WkvProjection.forward_fp8_rows`: table rows by hash id or
 packed rows). Given bf16 rows (:meth:`WkvProjection.forward`), every FP8 path re-quantizes them
 per 1 x 128 group with torch ops (path (a)'s numerics) and runs a block-scaled GEMM
@@ -50,12 +57,20 @@ from ..common import ceil_div
 from ..table.fp8 import E8M0_DTYPE, scale_bytes_to_float
 from ..triton_launch import interpreting
 
-__all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv", "WKV_BACKEND_ENV", "WKV_BACKENDS"]
+__all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv", "WKV_BACKEND_ENV", "WKV_BACKENDS",
+           "WKV_SMALL_M_ENV", "SMALL_M_DEFAULT"]
 
 WKV_BACKEND_ENV = "ENGRAM_WKV_BACKEND"
 """Environment variable choosing :class:`WkvProjection`'s path when ``backend`` is not given."""
 WKV_BACKENDS = ("auto", "bf16", "scaled_mm", "triton", "fused")
 _FP8_BACKENDS = ("scaled_mm", "triton", "fused")
+_SMALL_M_BACKENDS = ("scaled_mm", "triton")  # path (a): the backends whose GEMM takes quantized activations
+
+WKV_SMALL_M_ENV = "ENGRAM_WKV_SMALL_M"
+"""Environment variable (``1`` / ``0``) turning the small-T split-K GEMM of path (a) on or off
+when :class:`WkvProjection`'s ``small_m`` is not given; read once, at construction."""
+SMALL_M_DEFAULT = False
+"""Whether path (a) uses the split-K GEMM for few tokens when neither argument nor environment says."""
 
 _FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn,)
 _PLAIN_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -157,6 +172,20 @@ def split_kv(kv: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor
     return key, value
 
 
+def _resolve_small_m(small_m) -> bool:
+    """The ``small_m`` choice: the argument, else ``ENGRAM_WKV_SMALL_M``, else :data:`SMALL_M_DEFAULT`."""
+    if small_m is not None:
+        if not isinstance(small_m, bool):
+            raise ValueError(f"small_m: expected a bool or None, found {small_m!r}")
+        return small_m
+    given = os.environ.get(WKV_SMALL_M_ENV)
+    if given is None or given == "":
+        return SMALL_M_DEFAULT
+    if given not in ("0", "1"):
+        raise ValueError(f"{WKV_SMALL_M_ENV}: expected '0' or '1', found {given!r}")
+    return given == "1"
+
+
 def _resolve_backend(backend, weight: torch.Tensor) -> str:
     """The requested backend (argument, else ``ENGRAM_WKV_BACKEND``, else ``"auto"``), checked."""
     source = "backend"
@@ -182,7 +211,8 @@ class WkvProjection(torch.nn.Module):
     """``kv [T, out] = rows.flatten(-2) [T, C * head_dim] @ weight.T``, bf16 out.
 
     Built from the checkpoint tensors ``(weight, scale=None, block_size=None)`` on the device
-    it will run on. ``out = (hc_mult + 1) * hidden``, ``in = C * head_dim``. Buffers:
+    it will run on; ``backend`` and ``small_m`` as in the module docstring
+    (:attr:`small_m_max_tokens`: the largest ``T`` sent to the split-K GEMM, 0 when off). ``out = (hc_mult + 1) * hidden``, ``in = C * head_dim``. Buffers:
 
     * ``backend == "bf16"``: ``weight`` bf16 ``[out, in]`` (see :func:`dequantize_wkv_weight`);
     * FP8 backends: ``weight`` float8_e4m3fn ``[out, in]`` as in the checkpoint, and
@@ -197,8 +227,10 @@ class WkvProjection(torch.nn.Module):
     weight: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                 block_size: Sequence[int] | None = None, *, backend: str | None = None):
+                 block_size: Sequence[int] | None = None, *, backend: str | None = None,
+                 small_m: bool | None = None):
         super().__init__()
+        small_m = _resolve_small_m(small_m)
         self.source_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
         self.block_size = None if block_size is None else _check_block_size(block_size)
         dequantized = dequantize_wkv_weight(weight, scale, block_size)  # also checks every argument
@@ -206,12 +238,16 @@ class WkvProjection(torch.nn.Module):
         self.backend_note = ""
         self._scaled_mm_layout = None
         self._checked_rows = CallCache(64)  # row structures _check_flat_rows has checked
+        self.small_m_max_tokens = 0
         if self.backend == "bf16":
             self.register_buffer("weight", dequantized)
             self.weight_scale = None
             return
         del dequantized
         self._setup_fp8(weight, scale)
+        if small_m and self.backend in _SMALL_M_BACKENDS:
+            from .wkv_gemm import SMALL_M_MAX_TOKENS
+            self.small_m_max_tokens = SMALL_M_MAX_TOKENS
 
     def _setup_fp8(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         from . import wkv_gemm
@@ -323,6 +359,8 @@ class WkvProjection(torch.nn.Module):
     def _block_scaled_gemm(self, a: torch.Tensor, a_scale: torch.Tensor, tokens: int) -> torch.Tensor:
         from . import wkv_gemm
 
+        if 0 < tokens <= self.small_m_max_tokens:
+            return wkv_gemm.small_m_gemm(a, a_scale, tokens, self.weight, self.weight_scale, self.block_size)
         if self.backend == "scaled_mm":
             return wkv_gemm.scaled_mm_gemm(a, a_scale, tokens, self.weight, self.weight_scale_blocks.t())
         return wkv_gemm.block_scaled_gemm(a, a_scale, tokens, self.weight, self.weight_scale, self.block_size)
@@ -382,4 +420,5 @@ class WkvProjection(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"source_dtype={self.source_dtype}, block_size={self.block_size}, backend={self.backend!r}")
+                f"source_dtype={self.source_dtype}, block_size={self.block_size}, backend={self.backend!r}, "
+                f"small_m_max_tokens={self.small_m_max_tokens}")

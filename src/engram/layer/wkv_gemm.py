@@ -6,6 +6,8 @@
 * :func:`scaled_mm_gemm`: ``torch._scaled_mm`` with 1 x 128 activation / 128 x 128 weight scales
   (cuBLAS >= 12.9 on sm90; layouts probed once by :func:`probe_scaled_mm_blockwise`).
 * :func:`block_scaled_gemm`: the same GEMM as a Triton kernel (any build, the interpreter too).
+* :func:`small_m_gemm`: the same GEMM for few tokens (T <= :data:`SMALL_M_MAX_TOKENS`), split
+  along K so that the weight streams from every SM (kernels in :mod:`~engram.layer.wkv_small_m_kernels`).
 * :func:`fused_gather_gemm`: path (b), rows read by hash id straight into the GEMM.
 
 Every launcher runs where its tensors are (CUDA, or the CPU under ``TRITON_INTERPRET=1``), never
@@ -24,6 +26,7 @@ import triton
 from ..table.fp8 import BLOCK_SIZE
 from ..triton_launch import interpreting
 from .wkv_kernels import block_scaled_gemm_kernel, fused_gather_gemm_kernel, gather_quantize_kernel
+from .wkv_small_m_kernels import small_m_gemm_kernel, split_k_reduce_kernel
 
 __all__ = [
     "ACTIVATION_GROUP",
@@ -32,6 +35,10 @@ __all__ = [
     "padded_tokens",
     "quantize_gathered_rows",
     "block_scaled_gemm",
+    "SMALL_M_MAX_TOKENS",
+    "SmallMGemmConfig",
+    "default_small_m_config",
+    "small_m_gemm",
     "scaled_mm_gemm",
     "fused_gather_gemm",
     "probe_scaled_mm_blockwise",
@@ -69,6 +76,71 @@ class WkvGemmConfig:
                              f"found {self.block_m} x {self.block_n}")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"WkvGemmConfig.num_stages: expected a positive integer, found {self.num_stages!r}")
+
+
+SMALL_M_MAX_TOKENS = 128
+"""Most tokens :func:`small_m_gemm` is meant for (and :class:`~engram.layer.WkvProjection` sends
+it when enabled): one row tile of <= 128 tokens, so the weight is read once; beyond that each
+further row tile reads it again and cuBLAS's / the 128 x 128-tile GEMM is the better choice."""
+
+SMALL_M_REDUCTIONS = ("partials", "atomic")
+
+
+@dataclass(frozen=True)
+class SmallMGemmConfig:
+    """Launch shape of :func:`small_m_gemm`: ``block_n`` weight rows (outputs) per program,
+    ``split_k`` K slices (each a multiple of 128; fewer when K has fewer 128-groups),
+    ``num_warps``, ``num_stages`` (software pipeline depth), ``swap_ab`` (``W @ a.T`` in the
+    kernel: the weight tile is the MMA's M side), and how splits are added: ``"partials"``
+    (fp32 slice per split, then a reduce launch: fixed order, bit-reproducible) or ``"atomic"``
+    (fp32 atomics into a zeroed buffer, then a cast launch: adds in arrival order)."""
+
+    block_n: int = 128
+    split_k: int = 4
+    num_warps: int = 4
+    num_stages: int = 4
+    swap_ab: bool = True
+    reduction: str = "partials"
+
+    def __post_init__(self):
+        for name in ("block_n", "split_k", "num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"SmallMGemmConfig.{name}: expected a power of two, found {value!r}")
+        if self.block_n < 16:
+            raise ValueError(f"SmallMGemmConfig.block_n: must be >= 16 (tl.dot), found {self.block_n}")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"SmallMGemmConfig.num_stages: expected a positive integer, found {self.num_stages!r}")
+        if not isinstance(self.swap_ab, bool):
+            raise ValueError(f"SmallMGemmConfig.swap_ab: expected a bool, found {self.swap_ab!r}")
+        if self.reduction not in SMALL_M_REDUCTIONS:
+            raise ValueError(f"SmallMGemmConfig.reduction: expected one of {SMALL_M_REDUCTIONS}, "
+                             f"found {self.reduction!r}")
+
+
+# Unmeasured first guesses (benchmarks/wkv_small_m_sweep.py measures them on the H200): at
+# V4.1's N = 25600, 128-wide column tiles give 200 tiles; 4 (2) K splits make 800 (400) programs
+# on 132 SMs, 12 (24) 128-deep steps each.
+_SMALL_M_GPU_CONFIGS = (  # (largest T, config)
+    (16, SmallMGemmConfig(block_n=128, split_k=4, num_warps=4, num_stages=4)),
+    (None, SmallMGemmConfig(block_n=128, split_k=2, num_warps=4, num_stages=3)),
+)
+
+
+def default_small_m_config(tokens: int) -> SmallMGemmConfig:
+    """Launch shape of :func:`small_m_gemm` for ``T`` tokens (32-wide tiles, two splits and one
+    stage under the interpreter, to exercise the reduction cheaply)."""
+    if interpreting():
+        return SmallMGemmConfig(block_n=32, split_k=2, num_warps=4, num_stages=1)
+    for limit, config in _SMALL_M_GPU_CONFIGS:
+        if limit is None or tokens <= limit:
+            return config
+    raise AssertionError("unreachable")
+
+
+def small_m_block_m(tokens: int) -> int:
+    """Rows per program of :func:`small_m_gemm`: ``T`` rounded up to a power of two, 16..128."""
+    return min(128, max(16, triton.next_power_of_2(max(tokens, 1))))
 
 
 # Not yet measured on a GPU (issue 13 was built without one); benchmarks/bench_layer.py sweeps
@@ -156,6 +228,22 @@ def _check_weight(weight, weight_scale, block_size, in_features, step):
                          f"found {weight_scale.dtype} {list(weight_scale.shape)}")
     if weight.device != weight_scale.device:
         raise ValueError(f"weight_scale: expected device {weight.device} (the weight's), found {weight_scale.device}")
+
+
+def _check_activations(a, a_scale, tokens) -> tuple[int, int]:
+    """``(padded_T, K)`` of :func:`quantize_gathered_rows`'s ``(a, a_scale)``, checked."""
+    if a.dtype != torch.float8_e4m3fn or a.dim() != 2 or not a.is_contiguous():
+        raise ValueError(f"a: expected a contiguous float8_e4m3fn [padded_T, K] tensor, found {a.dtype} {list(a.shape)}")
+    padded, in_features = a.shape
+    groups = -(-in_features // ACTIVATION_GROUP)
+    if (a_scale.dtype != torch.float32 or list(a_scale.shape) != [padded, groups]
+            or a_scale.stride() != (1, padded)):
+        raise ValueError(f"a_scale: expected the column-major fp32 [{padded}, {groups}] view of "
+                         f"quantize_gathered_rows, found {a_scale.dtype} shape {list(a_scale.shape)} "
+                         f"strides {a_scale.stride()}")
+    if not 0 <= tokens <= padded:
+        raise ValueError(f"tokens: expected 0..{padded} (rows of a), found {tokens}")
+    return padded, in_features
 
 
 def _kv_out(out, tokens, out_features, device):
@@ -247,14 +335,7 @@ def block_scaled_gemm(
     ``(a, a_scale)`` (first ``tokens`` rows) and ``weight`` E4M3 ``[N, K]`` with fp32
     ``weight_scale [ceil(N / bn), >= ceil(K / bk)]`` (``block_size = (bn, bk)``, ``bk % 128 == 0``).
     Numerics: ``block_scaled_gemm_kernel``."""
-    if a.dtype != torch.float8_e4m3fn or a.dim() != 2 or not a.is_contiguous():
-        raise ValueError(f"a: expected a contiguous float8_e4m3fn [padded_T, K] tensor, found {a.dtype} {list(a.shape)}")
-    padded, in_features = a.shape
-    if list(a_scale.shape) != [padded, -(-in_features // ACTIVATION_GROUP)] or a_scale.stride() != (1, padded):
-        raise ValueError(f"a_scale: expected the column-major fp32 [{padded}, {-(-in_features // ACTIVATION_GROUP)}] "
-                         f"view of quantize_gathered_rows, found shape {list(a_scale.shape)} strides {a_scale.stride()}")
-    if not 0 <= tokens <= padded:
-        raise ValueError(f"tokens: expected 0..{padded} (rows of a), found {tokens}")
+    padded, in_features = _check_activations(a, a_scale, tokens)
     _check_weight(weight, weight_scale, block_size, in_features, ACTIVATION_GROUP)
     config = default_gemm_config(tokens, fused=False) if config is None else config
     out_features = weight.shape[0]
@@ -269,6 +350,72 @@ def block_scaled_gemm(
             **_weight_launch_args(weight, weight_scale, block_size, config),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
+    return out
+
+
+def _split_k_buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """fp32 scratch of :func:`small_m_gemm`'s split-K sums (uninitialized; tests poison it)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def small_m_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    tokens: int,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_size: tuple[int, int],
+    *,
+    out: torch.Tensor | None = None,
+    config: SmallMGemmConfig | None = None,
+) -> torch.Tensor:
+    """:func:`block_scaled_gemm` for few tokens (``T <= SMALL_M_MAX_TOKENS``; larger ``T`` works
+    but reads the weight once per 128 rows): same arguments, same ``kv bf16 [T, N]``.
+
+    The K range is cut into ``config.split_k`` slices of whole 128-groups, each program streams a
+    ``block_n x K / split_k`` slice of the weight (``small_m_gemm_kernel``). Splits are added
+    without any program waiting on another: one split writes bf16 directly; ``"partials"``
+    writes fp32 ``[splits, T, N]`` and :func:`split_k_reduce_kernel` adds them in split order
+    (deterministic; ``splits * T * N * 8`` extra bytes); ``"atomic"`` adds fp32 atomically
+    into a zeroed ``[T, N]`` buffer that a second launch casts (one more launch, the memset;
+    the adds' order, hence the last bits, vary from run to run). Numerics otherwise those of
+    ``block_scaled_gemm_kernel``: ``torch._scaled_mm``'s up to fp32 summation order.
+    """
+    padded, in_features = _check_activations(a, a_scale, tokens)
+    _check_weight(weight, weight_scale, block_size, in_features, ACTIVATION_GROUP)
+    config = default_small_m_config(tokens) if config is None else config
+    out_features = weight.shape[0]
+    out = _kv_out(out, tokens, out_features, a.device)
+    if tokens == 0 or out_features == 0:
+        return out
+    if in_features == 0:
+        return out.zero_()
+    groups = -(-in_features // ACTIVATION_GROUP)
+    groups_per_split = -(-groups // config.split_k)
+    splits = -(-groups // groups_per_split)
+    block_m = small_m_block_m(tokens)
+    block_n_w, block_k_w = block_size
+    if splits == 1:
+        output, target = "bf16", out
+    elif config.reduction == "partials":
+        output, target = "partials", _split_k_buffer((splits, tokens, out_features), a.device)
+    else:
+        output, target = "atomic", _split_k_buffer((tokens, out_features), a.device).zero_()
+    grid = (triton.cdiv(out_features, config.block_n), splits, triton.cdiv(tokens, block_m))
+    with _on_device(a):
+        small_m_gemm_kernel[grid](
+            a.view(torch.uint8), a_scale, weight.view(torch.uint8), weight_scale, target,
+            tokens, padded, in_features, out_features, weight_scale.stride(0), groups_per_split,
+            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_N_W=block_n_w, BLOCK_K_W=block_k_w,
+            SCALE_PER_TILE=block_n_w % config.block_n == 0, SWAP_AB=config.swap_ab, OUTPUT=output,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        if output != "bf16":
+            elements = tokens * out_features
+            reduce_block = 1024
+            split_k_reduce_kernel[(triton.cdiv(elements, reduce_block),)](
+                target, out, splits if output == "partials" else 1, elements, BLOCK=reduce_block, num_warps=4,
+            )
     return out
 
 
