@@ -4,6 +4,7 @@ for ``compute-sanitizer --tool memcheck``.
     PYTHONPATH=src compute-sanitizer --tool memcheck python benchmarks/memcheck_kernels.py
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def main():
     check_same_step_prefix_hits(small_hasher(1, device="cuda", validate=False), pairs=5, block_size=4,
                                 prefill_blocks=6, tail=9)
     # Malformed metadata, validation off: wrong ids allowed, no stray access, every launch returns.
-    calls = run_fuzz(lambda seed: small_hasher(seed, device="cuda", validate=False), seed=2, cases=300,
+    calls = run_fuzz(lambda seed: small_hasher(seed, device="cuda", validate=False), seed=2,
+                     cases=int(os.environ.get("MEMCHECK_FUZZ_CASES", "300")),
                      after_call=lambda hasher, batch, ids: torch.cuda.synchronize())
     print(f"malformed-metadata fuzz: {calls} calls returned")
     rows = 1000
@@ -65,13 +67,14 @@ def main():
         weight_scale = torch.full((-(-200 // block[0]), 4), 2.0 ** -8, device="cuda")
         a, a_scale = wkv_gemm.quantize_gathered_rows(values, scales, ids, row_start=100)
         wkv_gemm.block_scaled_gemm(a, a_scale, 63, weight, weight_scale, block)
+        wkv_gemm.small_m_gemm(a, a_scale, 63, weight, weight_scale, block)
         wkv_gemm.fused_gather_gemm(values, scales, ids, weight, weight_scale, block, row_start=100)
         packed = gather_rows_packed(values, scales, ids)
         wkv_gemm.fused_gather_gemm(packed[0], packed[1], None, weight, weight_scale, block)
         wkv_gemm.quantize_gathered_rows(packed[0], packed[1], None)
     torch.cuda.synchronize()
     print("memcheck workload done: hash (3 sources, all launches, malformed-metadata fuzz), gather (bf16, packed), distinct rows, "
-          "gate, wkv (gather-quantize, block-scaled GEMM, fused gather-GEMM)")
+          "gate, wkv (gather-quantize, block-scaled GEMM, split-K small-T GEMM, fused gather-GEMM)")
 
 
 if __name__ == "__main__":
