@@ -18,6 +18,7 @@ then waits on that layer's copies only, on the GPU. Every path returns the bytes
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -35,11 +36,23 @@ __all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
 # host gather 0.5-0.8 ms at small T, 1.3 ms at T = 1024, 4.0 ms at T = 8192 (direct 7.1).
 DIRECT_MAX_ROWS = 4096 * 24
 
+# Launch shape of direct reads of decode-sized lookups (at most DECODE_MAX_ROWS rows): one row
+# per one-warp program keeps more PCIe reads in flight. H200, T = 64 (bench_host.py
+# "direct_configs_T64", two runs): 17.7-18.0 us against 19.1-19.6 us for the gather's default
+# (8 rows, 2 warps). Larger lookups keep the default (not measured with this shape).
+DECODE_MAX_ROWS = 128 * 24
+DECODE_DIRECT_SHAPE = {"block_rows": 1, "num_warps": 1, "vector": 16}
+
 
 def _gather_launchers():
-    from . import gather
+    from . import gather  # imports Triton: only where a Triton path runs
 
     return gather
+
+
+@functools.lru_cache(maxsize=1)
+def _decode_direct_config():
+    return _gather_launchers().GatherConfig(**DECODE_DIRECT_SHAPE)
 
 
 @register_placement
@@ -65,7 +78,7 @@ class HostPlacement(TablePlacement):
         super().__init__(rows.values, rows.scales, target)
         self.rows = rows
         self.direct_max_rows = DIRECT_MAX_ROWS
-        self.direct_config = None  # launch shape of the direct reads (None: the gather's default)
+        self.direct_config = None  # launch shape of the direct reads (None: by size, as above)
         head_dim = rows.head_dim
         alias = cuda_alias(rows.packed, target)  # [rows + 1, row_bytes], host memory, a CUDA tensor
         self._direct_values = alias[:-1, :head_dim]
@@ -118,11 +131,14 @@ class HostPlacement(TablePlacement):
                 ticket = started
         if ticket is None:
             if self._use_direct(global_ids):
+                config = self.direct_config
+                if config is None and global_ids.numel() <= DECODE_MAX_ROWS:
+                    config = _decode_direct_config()
                 if packed:
                     return gather.gather_rows_packed(self._direct_values, self._direct_scales, global_ids, row_start,
-                                                     config=self.direct_config)
+                                                     config=config)
                 return gather.gather_rows(self._direct_values, self._direct_scales, global_ids, row_start,
-                                          config=self.direct_config)
+                                          config=config)
             ticket = self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
         stream = torch.cuda.current_stream(self.device)
         staged, inverse = self._host_gather.finish(ticket, stream)
