@@ -32,8 +32,8 @@ __all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
 
 # Lookups of at most this many rows read host memory directly (path a); larger ones
 # take the host gather (path b). H200, 34 GiB table on 2 MiB pages (bench_host.py, NOTES
-# "Host tables"): direct reads 19 us at T = 64, 0.88 ms at T = 1024, ~7.3 GB/s beyond; the
-# host gather 0.5-0.8 ms at small T, 1.3 ms at T = 1024, 4.0 ms at T = 8192 (direct 7.1).
+# "Host tables v2"): direct reads 19 us at T = 64, 0.87 ms at T = 1024, ~7.5 GB/s beyond;
+# the host gather 0.6-0.9 ms at small T, 1.16 ms at T = 1024, 3.5 ms at T = 8192 (direct 6.9).
 DIRECT_MAX_ROWS = 4096 * 24
 
 # Launch shape of direct reads of decode-sized lookups (at most DECODE_MAX_ROWS rows): one row

@@ -28,11 +28,11 @@ from .host_dedup import distinct_rows
 __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "GATHER_THREADS"]
 
 # The gather runs in waves (each wave's copy overlaps the next wave's gather), each one
-# torch index_select over the wave's rows. H200 host (16 cores, KVM), 196,608 random rows
-# of 272 B (benchmarks/probe_gather_threads.py, NOTES "Host tables"): one index_select on
-# 16 intra-op threads 1.0-1.25 ms, on 14 threads 0.66-0.73 ms (81 GB/s; the cores that
-# the caller's thread and the CUDA driver need are left free), ascending ids 0.57 ms;
-# a pool of Python threads 2.0-2.3 ms; copies issued from many threads 10x slower.
+# torch index_select over the wave's distinct rows, ascending. H200 host (16 cores, KVM),
+# 196,608 distinct rows of 272 B from DRAM (probe_host_pipeline.py, NOTES "Host tables v2"):
+# one call 2.4 ms (22 GB/s, bound by DRAM latency: one row in flight per thread); 4 waves
+# 0.75-0.85 ms each; 14 intra-op threads beat 16 (the caller's thread and the CUDA driver's
+# keep their cores); the copy of all rows 1.0 ms.
 _MIN_WAVE_ROWS = 16384
 _MAX_WAVES = 4
 GATHER_THREADS = max(1, len(os.sched_getaffinity(0)) - 2) if hasattr(os, "sched_getaffinity") else 1
