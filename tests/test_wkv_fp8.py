@@ -106,6 +106,28 @@ def _random_ids(tokens, columns, row_start, num_rows, generator, dtype, device, 
     return torch.where(outside, far, ids).to(dtype).to(device)
 
 
+def check_graph_replay(projection, value_bytes, scale_bytes, ids, seed, device, replays):
+    """Capture ``projection.forward_fp8_rows`` at ``ids``' shape in a CUDA graph, then replay it on
+    fresh ids (output poisoned first) and compare with eager calls, bit for bit."""
+    static_ids = ids.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        projection.forward_fp8_rows(value_bytes, scale_bytes, static_ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kv = projection.forward_fp8_rows(value_bytes, scale_bytes, static_ids)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for _ in range(replays):
+        new_ids = _random_ids(ids.shape[0], ids.shape[1], 0, value_bytes.shape[0], generator, ids.dtype, device)
+        static_ids.copy_(new_ids)
+        kv.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kv, projection.forward_fp8_rows(value_bytes, scale_bytes, new_ids)), f"seed {seed}"
+
+
 def _layer_slice(ids: torch.Tensor) -> torch.Tensor:
     """The same ids as the ``[:, 1]`` view of a ``[T, 3, C]`` tensor (the hasher's layout)."""
     stacked = torch.full((ids.shape[0], 3, ids.shape[1]), -5, dtype=ids.dtype, device=ids.device)
@@ -510,24 +532,7 @@ def test_gpu_cuda_graph_replay(backend):
     value_bytes, scale_bytes, ids, weight, weight_scale = _v41_inputs(64, seed)
     projection = WkvProjection(weight, weight_scale, [128, 128], backend=backend)
     assert projection.fp8
-    static_ids = ids.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        projection.forward_fp8_rows(value_bytes, scale_bytes, static_ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kv = projection.forward_fp8_rows(value_bytes, scale_bytes, static_ids)
-    generator = torch.Generator().manual_seed(seed + 1)
-    for _ in range(3):
-        new_ids = _random_ids(64, 24, 0, value_bytes.shape[0], generator, torch.int32, device)
-        static_ids.copy_(new_ids)
-        kv.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        expected = projection.forward_fp8_rows(value_bytes, scale_bytes, new_ids)
-        assert torch.equal(kv, expected), f"seed {seed}"
+    check_graph_replay(projection, value_bytes, scale_bytes, ids, seed, device, replays=3)
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ from engram.layer import WkvProjection
 from engram.layer.reference import reference_dequantize_activations
 
 from test_wkv_fp8 import (  # noqa: E402 - the FP8 tests' input makers and comparison
+    check_graph_replay,
     ACCUMULATION,
     RELATIVE,
     _assert_kv_close,
@@ -241,20 +242,4 @@ def test_gpu_small_m_projection_graph_replay_and_determinism():
     assert projection.small_m_max_tokens >= 64
     eager = projection.forward_fp8_rows(value_bytes, scale_bytes, ids)
     assert torch.equal(eager, projection.forward_fp8_rows(value_bytes, scale_bytes, ids)), f"seed {seed}"
-    static_ids = ids.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        projection.forward_fp8_rows(value_bytes, scale_bytes, static_ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kv = projection.forward_fp8_rows(value_bytes, scale_bytes, static_ids)
-    generator = torch.Generator().manual_seed(seed + 1)
-    for _ in range(2):
-        new_ids = _random_ids(64, 24, 0, value_bytes.shape[0], generator, torch.int32, device)
-        static_ids.copy_(new_ids)
-        kv.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(kv, projection.forward_fp8_rows(value_bytes, scale_bytes, new_ids)), f"seed {seed}"
+    check_graph_replay(projection, value_bytes, scale_bytes, ids, seed, device, replays=2)
