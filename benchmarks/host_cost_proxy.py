@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import engram  # noqa: E402
+from hash_bench import _random_vocab  # noqa: E402
 from engram import triton_launch  # noqa: E402
 
 CONFIG = Path(engram.__file__).parent / "configs" / "deepseek-v4.1-flash.json"
@@ -96,16 +97,6 @@ class OpCounter(TorchDispatchMode):
 
 
 # ---- the call paths ---------------------------------------------------------------------
-def _random_vocab(spec) -> engram.TokenCompressor:
-    rng = np.random.default_rng(0)
-    token_map = np.concatenate([np.arange(spec.compressed_vocab_size),
-                                rng.integers(0, spec.compressed_vocab_size, 129280 - spec.compressed_vocab_size)])
-    _, first, inverse = np.unique(token_map, return_index=True, return_inverse=True)
-    rank = np.empty_like(first)
-    rank[np.argsort(first)] = np.arange(len(first))
-    return engram.TokenCompressor(rank[inverse].astype(np.int32))
-
-
 def hash_call(layout, vocab, num_tokens: int):
     """As ``hash_bench.hash_call``: ``min(T, 64)`` requests continuing 4096-token sequences whose
     history is in the slot cache; Triton backend, validation off (the CUDA defaults)."""
