@@ -7,8 +7,11 @@ reported. V4.1-Flash shapes (hidden 5120, hc 4, C = 24, head_dim 256, wkv
 
 Reported: the bare launch of the hash kernel through ``kernel[grid]`` (Triton's
 own path: bind, specialize, look up, launch) and through
-:class:`engram.triton_launch.CompiledLaunch`; an empty kernel's launch; the
-hasher at T = 1 and 64; gather, gate and the whole layer at T = 64.
+:class:`engram.triton_launch.CompiledLaunch`; an empty kernel's launch both ways;
+the hasher at T = 1 and 64; gather, gate, the bf16 GEMM alone and the whole layer
+at T = 64, with bf16 wkv and with FP8 wkv (``torch._scaled_mm``). ``*_bare_launches_*``:
+the same call's launches each replayed alone and summed (issue 9's yardstick: host
+time <= 1.3x that).
 """
 
 from __future__ import annotations
@@ -56,8 +59,54 @@ def _layer(num_rows: int = 1 << 20):
     return spec, layer
 
 
+def _fp8_layer(spec, table):
+    """The same layer with an FP8 wkv (128 x 128 block scales): torch._scaled_mm where the build
+    has it, as a checkpoint's layer runs on the H200."""
+    from engram.layer.module import Engram
+    from engram.layer.wkv import WkvProjection
+
+    in_features, out_features = spec.num_columns * spec.head_dim, (spec.hc_mult + 1) * spec.hidden_size
+    weight = (torch.randn(out_features, in_features, device="cuda") * 16).to(torch.float8_e4m3fn)
+    scale = torch.full((out_features // 128, in_features // 128), 2.0 ** -4 / in_features ** 0.5, device="cuda")
+    wkv = WkvProjection(weight, scale, (128, 128))
+    weights = torch.randn(2, spec.hc_mult, spec.hidden_size, device="cuda").to(torch.bfloat16)
+    return Engram(table, wkv, weights[0], weights[1], eps=spec.rms_norm_eps, num_columns=spec.num_columns)
+
+
+def record_launches(call) -> list[tuple]:
+    """``[(launcher, grid, variant, args, options)]``: the CompiledLaunch launches one ``call()``
+    makes, in order (to replay each one bare)."""
+    from engram import triton_launch
+
+    recorded = []
+    original = triton_launch.CompiledLaunch.__call__
+
+    def record(self, grid, variant, args, **options):
+        recorded.append((self, grid, variant, args, options))
+        return original(self, grid, variant, args, **options)
+
+    triton_launch.CompiledLaunch.__call__ = record
+    try:
+        call()
+    finally:
+        triton_launch.CompiledLaunch.__call__ = original
+    return recorded
+
+
+def bare_launches_us(call, torch_ops=()) -> float:
+    """Host microseconds of the launches ``call()`` makes, each replayed alone and bare (compiled
+    Triton launches with their recorded arguments, plus ``torch_ops``: calls of the torch
+    operators it runs, e.g. the GEMM), summed: the floor no Python around them can go below."""
+    total = 0.0
+    for launcher, grid, variant, args, options in record_launches(call):
+        total += host_us(lambda: launcher(grid, variant, args, **options))
+    for op in torch_ops:
+        total += host_us(op)
+    return total
+
+
 def bench_host_cost() -> dict:
-    from engram.hashing import launch as hash_launch
+    from engram import triton_launch
     from engram.layer.gate import engram_gate_kv
     from engram.table.gather import gather_rows
 
@@ -67,26 +116,17 @@ def bench_host_cost() -> dict:
     result = {}
     buffer = torch.zeros(1, device="cuda")
     result["empty_kernel_launch_us"] = host_us(lambda: _empty_kernel[(1,)](buffer))
+    empty = triton_launch.CompiledLaunch(_empty_kernel)
+    result["empty_kernel_compiled_launch_us"] = host_us(lambda: empty(1, (), (buffer,), num_warps=1))
 
     for tokens in (1, 64):
         call = hash_call(layout, vocab, tokens, rng)
         result[f"hash_host_T{tokens}_us"] = host_us(call)
-    # The same hash kernel launched bare, through Triton's own path and through CompiledLaunch:
-    # record the arguments of one launch, then replay them.
-    recorded = {}
-    launcher = hash_launch._launchers()[0]
-    original = type(launcher).__call__
-
-    def record(self, grid, variant, args, **options):
-        recorded.setdefault(self.kernel.__name__, (grid, variant, args, options))
-        return original(self, grid, variant, args, **options)
-
-    type(launcher).__call__ = record
-    try:
-        hash_call(layout, vocab, 1, rng)()
-    finally:
-        type(launcher).__call__ = original
-    grid, variant, args, options = recorded["ngram_hash_kernel"]
+        result[f"hash_bare_launches_T{tokens}_us"] = bare_launches_us(call)
+    # The same hash kernel launched bare, through Triton's own path and through CompiledLaunch.
+    launches = [entry for entry in record_launches(hash_call(layout, vocab, 1, rng))
+                if entry[0].kernel.__name__ == "ngram_hash_kernel"]
+    launcher, grid, variant, args, options = launches[0]
     kernel = launcher.kernel
     warps = options["num_warps"]
     result["hash_kernel_triton_launch_us"] = host_us(lambda: kernel[(grid,)](*args, num_warps=warps))
@@ -103,8 +143,26 @@ def bench_host_cost() -> dict:
     kv = layer.wkv(table.lookup(hash_ids))
     result["gate_host_T64_us"] = host_us(lambda: engram_gate_kv(hidden, kv, layer.q_weight, layer.k_weight,
                                                                 spec.rms_norm_eps, mask))
+    rows = table.lookup(hash_ids).flatten(1)
+    linear = lambda: torch.nn.functional.linear(rows, layer.wkv.weight)  # noqa: E731
+    result["linear_bf16_host_T64_us"] = host_us(linear)
     result["wkv_host_T64_us"] = host_us(lambda: layer.wkv(table.lookup(hash_ids)))
-    result["layer_host_T64_us"] = host_us(lambda: layer(hidden, hash_ids, mask))
+    layer_call = lambda: layer(hidden, hash_ids, mask)  # noqa: E731
+    result["layer_host_T64_us"] = host_us(layer_call)
+    result["layer_bare_launches_T64_us"] = bare_launches_us(layer_call, (linear,))
+
+    fp8_layer = _fp8_layer(spec, table)
+    if fp8_layer.wkv.backend == "scaled_mm":
+        from engram.layer import wkv_gemm
+
+        a, a_scale = wkv_gemm.quantize_gathered_rows(*fp8_layer.table.rows_in_place(hash_ids))
+        weight_t, scale_t = fp8_layer.wkv.weight.t(), fp8_layer.wkv.weight_scale_blocks.t()
+        scaled_mm = lambda: torch._scaled_mm(a, weight_t, scale_a=a_scale, scale_b=scale_t,  # noqa: E731
+                                             out_dtype=torch.bfloat16)
+        result["scaled_mm_host_T64_us"] = host_us(scaled_mm)
+        fp8_call = lambda: fp8_layer(hidden, hash_ids, mask)  # noqa: E731
+        result["layer_fp8_host_T64_us"] = host_us(fp8_call)
+        result["layer_fp8_bare_launches_T64_us"] = bare_launches_us(fp8_call, (scaled_mm,))
     return result
 
 

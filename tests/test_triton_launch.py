@@ -27,3 +27,41 @@ def test_int_variant_follows_triton_int_specialization():
     assert int_variant(32) == (False, False, True)
     assert int_variant(2**31) == (True, False, True)
     assert integer_widths(5, -2**31, 2**31) == (False, False, True)
+
+
+@pytest.mark.gpu
+def test_compiled_launch_runs_direct_and_through_triton_while_a_hook_is_set():
+    """Warm launches call the compiled kernel's C launcher straight; with a launch hook set
+    (a profiler's) they go through Triton's runner, so the hook sees every launch. Both write
+    the same result as the first, compiled launch."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import triton
+    import triton.language as tl
+    from triton import knobs
+
+    from engram.triton_launch import CompiledLaunch, tensor_variant
+
+    @triton.jit
+    def add_one(pointer, count, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < count
+        tl.store(pointer + offsets, tl.load(pointer + offsets, mask=inside) + 1, mask=inside)
+
+    values = torch.zeros(1000, device="cuda", dtype=torch.int32)
+    launch = CompiledLaunch(add_one)
+    variant = (tensor_variant(values), 1000 % 16 == 0)
+    for _ in range(3):  # compile, first warm launch (keeps the runner), direct launch
+        launch(8, variant, (values, 1000, 128), num_warps=4)
+    assert launch._direct, "no direct runner kept after warm launches"
+    seen = []
+    knobs.runtime.launch_enter_hook = lambda metadata: seen.append(metadata)
+    try:
+        launch(8, variant, (values, 1000, 128), num_warps=4)
+    finally:
+        knobs.runtime.launch_enter_hook = None
+    launch(8, variant, (values, 1000, 128), num_warps=4)
+    assert len(seen) == 1
+    torch.testing.assert_close(values.cpu(), torch.full((1000,), 5, dtype=torch.int32), rtol=0, atol=0)

@@ -76,15 +76,34 @@ def tensor_variant(tensor: torch.Tensor) -> tuple[Any, bool]:
     return tensor.dtype, tensor.data_ptr() % 16 == 0
 
 
+def _runtime_knobs() -> Any:
+    """Triton's runtime settings (where launch hooks are registered), None before Triton 3.4."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return getattr(knobs, "runtime", None)
+
+
+def _has_direct_runner(compiled: Any) -> bool:
+    """Whether ``compiled`` (a Triton ``CompiledKernel`` after its first launch) exposes the
+    launcher that its ``compiled[grid]`` runner calls (Triton 3.3 and later)."""
+    return all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")) and callable(
+        getattr(compiled, "run", None))
+
+
 class CompiledLaunch:
-    """``launch(grid, variant, args, num_warps)`` runs ``kernel`` over ``grid`` programs.
+    """``launch(grid, variant, args, num_warps)`` runs ``kernel`` over ``grid`` programs (an int,
+    or ``(x, y)`` for a two-dimensional grid).
 
     ``args``: every parameter of the kernel, in order, constexprs included.
     ``variant``: a hashable key that determines which binary Triton would compile
     for ``args``: the constexpr values, each tensor's :func:`tensor_variant` (unless
     the caller owns it and knows it), :func:`int_variant` of the specialized ints,
     :func:`integer_widths` of the others, and ``num_warps``. The first launch of a variant goes through ``kernel[grid]`` and
-    keeps the compiled kernel; later ones call it directly on the current stream.
+    keeps the compiled kernel; later ones call its C launcher directly on the current
+    stream (through Triton's ``compiled[grid]`` runner while a launch hook, e.g. a
+    profiler's, is set).
     Under the interpreter, or with an older Triton, every launch goes through
     ``kernel[grid]``.
     """
@@ -92,26 +111,43 @@ class CompiledLaunch:
     def __init__(self, kernel: Callable):
         self.kernel = kernel
         self.compiled: dict[Hashable, Any] = {}
+        # The compiled kernel's C launcher with its function handle and metadata, per variant:
+        # called straight, without the closure Triton's ``compiled[grid]`` builds per launch.
+        self._direct: dict[Hashable, tuple] = {}
         self._current_stream = None
+        self._runtime_knobs = None
 
-    def __call__(self, grid: int, variant: Hashable, args: tuple, num_warps: int, device_index: int = 0,
+    def __call__(self, grid: int | tuple[int, int], variant: Hashable, args: tuple, num_warps: int, device_index: int = 0,
                  num_stages: int | None = None) -> Any:
         """Launch; returns the compiled kernel (None under the interpreter)."""
         key = (variant, num_warps, num_stages, device_index)
         compiled = self.compiled.get(key)
         options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+        grid_x, grid_y = (grid, 1) if isinstance(grid, int) else grid
         if compiled is None:
-            compiled = self.kernel[(grid,)](*args, **options)
+            compiled = self.kernel[(grid_x, grid_y)](*args, **options)
             if compiled is not None and hasattr(compiled, "function") and not interpreting():
                 self.compiled[key] = compiled
             return compiled
         if VERIFY_VARIANTS:
-            chosen = self.kernel.warmup(*args, grid=(grid,), **options)
+            chosen = self.kernel.warmup(*args, grid=(grid_x, grid_y), **options)
             if chosen is not compiled:
                 raise AssertionError(f"{self.kernel.__name__}: variant key {variant!r} maps to another binary")
         if self._current_stream is None:
             from triton.runtime import driver
 
             self._current_stream = driver.active.get_current_stream
-        compiled[(grid, 1, 1)](*args, stream=self._current_stream(device_index))
+            self._runtime_knobs = _runtime_knobs()
+        stream = self._current_stream(device_index)
+        runtime = self._runtime_knobs
+        direct = self._direct.get(key)
+        if (direct is None or runtime is None or runtime.launch_enter_hook is not None
+                or runtime.launch_exit_hook is not None):
+            # Triton's own runner (it also builds the launch metadata that profiling hooks want).
+            compiled[(grid_x, grid_y, 1)](*args, stream=stream)
+            if direct is None and _has_direct_runner(compiled):
+                self._direct[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            return compiled
+        run, function, packed_metadata = direct
+        run(grid_x, grid_y, 1, stream, function, packed_metadata, None, None, None, *args)
         return compiled

@@ -217,7 +217,7 @@ def _launch_gate_kernel(
     hidden_states = _contiguous_rows(hidden_states)
     q_weight, k_weight = _contiguous_rows(q_weight), _contiguous_rows(k_weight)
     if token_mask is not None:
-        token_mask = token_mask.contiguous().view(torch.uint8)
+        token_mask = token_mask.contiguous()  # bool: the kernel loads its bytes
     ints = (hidden_states.stride(0), hidden_states.stride(1), key_token_stride, key_copy_stride,
             value_offset, value_token_stride, q_weight.stride(0), k_weight.stride(0), out.stride(0), out.stride(1))
     constexprs = (hidden, hc_mult, copies, head_block, tail_block, token_mask is not None, config.early_value,
@@ -419,7 +419,7 @@ def _run_gate_kv(plan: _GateKvPlan, hidden_states, kv, q_weight, k_weight, eps, 
     out = torch.empty(hidden_states.shape, dtype=plan.out_dtype, device=hidden_states.device)
     if not plan.grid:
         return out
-    mask = hidden_states if token_mask is None else token_mask.view(torch.uint8)
+    mask = hidden_states if token_mask is None else token_mask  # bool, read as bytes (no view op per call)
     tensors = (hidden_states, kv, kv, q_weight, k_weight, mask, out)
     # The dtypes are the plan's; the kernel also specializes on each pointer's 16-byte alignment.
     aligned = (hidden_states.data_ptr() % 16, kv.data_ptr() % 16, q_weight.data_ptr() % 16,

@@ -57,7 +57,7 @@ def engram_gate_kernel(
     to ``out``'s dtype): hidden ``[T, hc, D]``; key ``[T, hc, D]`` (in ``kv``: token
     stride ``(hc + 1) * D``, copy stride ``D``); value ``[T, D]`` from element
     ``value_offset`` (``hc * D`` in ``kv``, 0 for a value tensor); q_weight, k_weight
-    ``[hc, D]``; token_mask uint8 ``[T]`` (0 = masked: ``out = h`` bit for bit;
+    ``[hc, D]``; token_mask bool ``[T]`` (False = masked: ``out = h`` bit for bit;
     read only if ``HAS_MASK``); out ``[T, hc, D]``.
     Grid: ``T * HC_MULT // COPIES_PER_PROGRAM`` programs. ``HEAD_BLOCK`` is the largest
     power of two <= ``HIDDEN``; ``TAIL_BLOCK`` a power of two >= ``HIDDEN - HEAD_BLOCK``

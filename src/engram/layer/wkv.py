@@ -238,6 +238,8 @@ class WkvProjection(torch.nn.Module):
         self.backend_note = ""
         self._scaled_mm_layout = None
         self._checked_rows = CallCache(64)  # row structures _check_flat_rows has checked
+        self._checked_fp8_rows = CallCache(64)  # argument structures forward_fp8_rows has checked
+        self._scaled_mm_operands = None  # (weight.t(), block scales.t()) for torch._scaled_mm
         self.small_m_max_tokens = 0
         if self.backend == "bf16":
             self.register_buffer("weight", dequantized)
@@ -280,6 +282,10 @@ class WkvProjection(torch.nn.Module):
         padded[:, : blocks.shape[1]] = blocks
         self.register_buffer("weight", weight.contiguous())
         self.register_buffer("weight_scale", padded)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._scaled_mm_operands = None  # views of the buffers being replaced
+        return super()._apply(fn, *args, **kwargs)
 
     # ---- properties ----------------------------------------------------------------
     @property
@@ -362,7 +368,9 @@ class WkvProjection(torch.nn.Module):
         if 0 < tokens <= self.small_m_max_tokens:
             return wkv_gemm.small_m_gemm(a, a_scale, tokens, self.weight, self.weight_scale, self.block_size)
         if self.backend == "scaled_mm":
-            return wkv_gemm.scaled_mm_gemm(a, a_scale, tokens, self.weight, self.weight_scale_blocks.t())
+            if self._scaled_mm_operands is None:  # views made once (module moves clear them: _apply)
+                self._scaled_mm_operands = (self.weight.t(), self.weight_scale_blocks.t())
+            return wkv_gemm.scaled_mm_gemm_transposed(a, a_scale, tokens, *self._scaled_mm_operands)
         return wkv_gemm.block_scaled_gemm(a, a_scale, tokens, self.weight, self.weight_scale, self.block_size)
 
     def forward_fp8_rows(self, values: torch.Tensor, scales: torch.Tensor, hash_ids: torch.Tensor | None = None,
@@ -381,20 +389,10 @@ class WkvProjection(torch.nn.Module):
         """
         from . import wkv_gemm
 
-        if not isinstance(values, torch.Tensor) or values.device != self.weight.device:
-            found = values.device if isinstance(values, torch.Tensor) else type(values).__name__
-            raise ValueError(f"values: expected a tensor on {self.weight.device} (the weight's), found {found}")
-        if hash_ids is None:
-            width = values.shape[1] * values.shape[2] if values.dim() == 3 else None
-            what = f"packed rows {list(values.shape)}"
-        else:
-            width = (hash_ids.shape[1] * values.shape[1] if isinstance(hash_ids, torch.Tensor)
-                     and hash_ids.dim() == 2 and values.dim() == 2 else None)
-            what = (f"hash_ids {list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else hash_ids!r} "
-                    f"and table rows {list(values.shape)}")
-        if width is not None and width != self.in_features:
-            raise ValueError(f"values: expected C * head_dim = {self.in_features} values per token, found "
-                             f"{width} ({what})")
+        key = (structure(values), structure(hash_ids), self.weight.device)
+        if self._checked_fp8_rows.get(key) is None:
+            self._check_fp8_rows(values, hash_ids)
+            self._checked_fp8_rows.put(key, True)
         if not self.fp8:
             from ..table.fp8 import dequantize_rows
             from ..table.reference import lookup_reference
@@ -410,6 +408,24 @@ class WkvProjection(torch.nn.Module):
         tokens = (values.shape[0] if hash_ids is None else hash_ids.shape[0])
         a, a_scale = wkv_gemm.quantize_gathered_rows(values, scales, hash_ids, row_start)
         return self._block_scaled_gemm(a, a_scale, tokens)
+
+    def _check_fp8_rows(self, values, hash_ids) -> None:
+        """The checks of :meth:`forward_fp8_rows` that depend on the arguments' structure alone
+        (the kernels' launchers check the rest)."""
+        if not isinstance(values, torch.Tensor) or values.device != self.weight.device:
+            found = values.device if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(f"values: expected a tensor on {self.weight.device} (the weight's), found {found}")
+        if hash_ids is None:
+            width = values.shape[1] * values.shape[2] if values.dim() == 3 else None
+            what = f"packed rows {list(values.shape)}"
+        else:
+            width = (hash_ids.shape[1] * values.shape[1] if isinstance(hash_ids, torch.Tensor)
+                     and hash_ids.dim() == 2 and values.dim() == 2 else None)
+            what = (f"hash_ids {list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else hash_ids!r} "
+                    f"and table rows {list(values.shape)}")
+        if width is not None and width != self.in_features:
+            raise ValueError(f"values: expected C * head_dim = {self.in_features} values per token, found "
+                             f"{width} ({what})")
 
     def key_value(self, rows: torch.Tensor, hc_mult: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows [T, C, head_dim]`` -> ``key`` bf16 ``[T, hc_mult, D]``, ``value`` bf16 ``[T, D]`` (views of kv)."""

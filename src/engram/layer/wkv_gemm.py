@@ -19,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 
+from ..call_cache import CallCache, structure
 from ..table.fp8 import BLOCK_SIZE
-from ..triton_launch import interpreting
+from ..triton_launch import CompiledLaunch, interpreting, tensor_variant
 from .wkv_kernels import block_scaled_gemm_kernel, fused_gather_gemm_kernel, gather_quantize_kernel
 from .wkv_small_m_kernels import small_m_gemm_kernel, split_k_reduce_kernel
 
@@ -40,6 +42,7 @@ __all__ = [
     "default_small_m_config",
     "small_m_gemm",
     "scaled_mm_gemm",
+    "scaled_mm_gemm_transposed",
     "fused_gather_gemm",
     "probe_scaled_mm_blockwise",
     "ScaledMmLayout",
@@ -268,6 +271,45 @@ def _on_device(tensor: torch.Tensor):
 # ---------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------
+class _QuantizePlan(NamedTuple):
+    """What a :func:`quantize_gathered_rows` call of one structure launches (see
+    :mod:`engram.call_cache`)."""
+
+    padded: int
+    in_features: int
+    groups: int
+    grid: tuple[int, int]
+    ints: tuple
+    constexprs: tuple
+    ids_are_rows: bool
+    rows_in_place: bool
+    values_need_view: bool
+    scales_need_view: bool
+
+
+_QUANTIZE_PLANS = CallCache()
+_QUANTIZE_LAUNCH: list[CompiledLaunch] = []
+
+
+def _plan_quantize(values, scales, hash_ids, row_start) -> _QuantizePlan:
+    value_bytes, scale_bytes, hash_ids, tokens, columns = _check_rows_source(values, scales, hash_ids, row_start)
+    head_dim = value_bytes.shape[1]
+    in_features = columns * head_dim
+    padded = padded_tokens(tokens)
+    groups = -(-in_features // ACTIVATION_GROUP)
+    block_t = 16 if interpreting() else 32
+    ids_are_rows = hash_ids is None
+    strides = (0, 0) if ids_are_rows else (hash_ids.stride(0), hash_ids.stride(1))
+    # Rows are read at r * row stride: packed rows [T, C, D] whose token stride is C row strides
+    # are passed as they are (no reshape per call), others flattened on every call.
+    in_place = all(t.dim() == 2 or t.stride(0) == t.shape[1] * t.stride(1) for t in (values, scales))
+    ints = (tokens, padded, columns, *strides, row_start, value_bytes.shape[0],
+            value_bytes.stride(0), scale_bytes.stride(0))
+    return _QuantizePlan(padded, in_features, groups, (triton.cdiv(padded, block_t), groups), ints,
+                         (head_dim, block_t, ids_are_rows), ids_are_rows, in_place,
+                         values.dtype != torch.uint8, scales.dtype != torch.uint8)
+
+
 def quantize_gathered_rows(
     values: torch.Tensor,
     scales: torch.Tensor,
@@ -286,29 +328,31 @@ def quantize_gathered_rows(
         ``(a float8_e4m3fn [padded_T, C * D], a_scale fp32 [padded_T, ceil(C * D / 128)])``:
         ``a_scale`` is the column-major view (strides ``(1, padded_T)``) that ``torch._scaled_mm``
         takes; rows ``>= T`` are zeros with scale 1 (``padded_T`` = :func:`padded_tokens`).
+        Checks and launch shape are worked out once per argument structure.
     """
-    value_bytes, scale_bytes, hash_ids, tokens, columns = _check_rows_source(values, scales, hash_ids, row_start)
-    head_dim = value_bytes.shape[1]
-    in_features = columns * head_dim
-    padded = padded_tokens(tokens)
-    groups = -(-in_features // ACTIVATION_GROUP)
-    device = value_bytes.device
-    a = torch.empty(padded, in_features, dtype=torch.uint8, device=device)
-    a_scale = torch.empty(groups, padded, dtype=torch.float32, device=device)
-    if in_features == 0:
-        return a.view(torch.float8_e4m3fn), a_scale.t()
-    block_t = 16 if interpreting() else 32
-    ids_are_rows = hash_ids is None
-    ids = value_bytes if ids_are_rows else hash_ids  # any pointer when unused
-    strides = (0, 0) if ids_are_rows else (hash_ids.stride(0), hash_ids.stride(1))
+    key = (structure(values), structure(scales), structure(hash_ids), type(row_start), row_start)
+    plan = _QUANTIZE_PLANS.get(key)
+    if plan is None:
+        plan = _QUANTIZE_PLANS.put(key, _plan_quantize(values, scales, hash_ids, row_start))
+    device = values.device
+    a = torch.empty(plan.padded, plan.in_features, dtype=torch.float8_e4m3fn, device=device)
+    a_scale = torch.empty_strided((plan.padded, plan.groups), (1, plan.padded), dtype=torch.float32, device=device)
+    if plan.in_features == 0:
+        return a, a_scale
+    if not plan.rows_in_place:
+        values, scales = values.flatten(0, 1), scales.flatten(0, 1)
+    value_bytes = values.view(torch.uint8) if plan.values_need_view else values
+    scale_bytes = scales.view(torch.uint8) if plan.scales_need_view else scales
+    ids = value_bytes if plan.ids_are_rows else hash_ids  # any pointer when unused
+    if not _QUANTIZE_LAUNCH:
+        _QUANTIZE_LAUNCH.append(CompiledLaunch(gather_quantize_kernel))
+    variant = (tensor_variant(ids), tensor_variant(value_bytes), tensor_variant(scale_bytes),
+               plan.ints, plan.constexprs)  # a, a_scale: new, so aligned; ints: part of the structure
     with _on_device(value_bytes):
-        gather_quantize_kernel[(triton.cdiv(padded, block_t), groups)](
-            ids, value_bytes, scale_bytes, a, a_scale,
-            tokens, padded, columns, *strides, row_start, value_bytes.shape[0],
-            value_bytes.stride(0), scale_bytes.stride(0),
-            HEAD_DIM=head_dim, BLOCK_T=block_t, IDS_ARE_ROWS=ids_are_rows, num_warps=4,
-        )
-    return a.view(torch.float8_e4m3fn), a_scale.t()
+        _QUANTIZE_LAUNCH[0](plan.grid, variant, (ids, value_bytes, scale_bytes, a, a_scale, *plan.ints,
+                                                 *plan.constexprs),
+                            num_warps=4, device_index=device.index if device.type == "cuda" else 0)
+    return a, a_scale
 
 
 def _weight_launch_args(weight, weight_scale, block_size, config):
@@ -489,8 +533,14 @@ def scaled_mm_gemm(a: torch.Tensor, a_scale: torch.Tensor, tokens: int, weight: 
     """``kv bf16 [T, N]`` (a view of ``[padded_T, N]``) = ``torch._scaled_mm`` of the quantized
     activations (1 x 128 scales) and ``weight`` ``[N, K]`` (128 x 128 scales,
     :func:`scaled_mm_weight_scale`); cuBLAS's block-scaled FP8 GEMM, fp32 accumulation."""
-    kv = torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=weight_scale_t, out_dtype=torch.bfloat16)
-    return kv[:tokens]
+    return scaled_mm_gemm_transposed(a, a_scale, tokens, weight.t(), weight_scale_t)
+
+
+def scaled_mm_gemm_transposed(a: torch.Tensor, a_scale: torch.Tensor, tokens: int, weight_t: torch.Tensor,
+                              weight_scale_t: torch.Tensor) -> torch.Tensor:
+    """:func:`scaled_mm_gemm` given ``weight.t()`` (``[K, N]`` column-major), for callers that keep it."""
+    kv = torch._scaled_mm(a, weight_t, scale_a=a_scale, scale_b=weight_scale_t, out_dtype=torch.bfloat16)
+    return kv if kv.shape[0] == tokens else kv[:tokens]
 
 
 def _probe(device: torch.device, in_features: int, out_features: int, layout: ScaledMmLayout) -> str | None:

@@ -95,7 +95,7 @@ def gather_quantize_kernel(
     """Path (a), activation side: table rows -> FP8 activations with one power-of-two scale per
     1 x 128 group, no bf16 rows in between.
 
-    ``out uint8 [padded_T, K]`` (E4M3, row-major) and ``out_scale fp32 [ceil(K / 128), padded_T]``
+    ``out uint8 or float8_e4m3fn [padded_T, K]`` (E4M3 bytes, row-major) and ``out_scale fp32 [ceil(K / 128), padded_T]``
     (the ``[padded_T, ceil(K / 128)]`` column-major scale ``torch._scaled_mm`` takes). Per token
     ``t`` and group ``g`` (values ``x`` = the exact fp32 products ``e4m3 * 2**(b - 127)`` of the
     rows, zeros past ``K`` and for tokens ``t >= T``)::
@@ -138,7 +138,9 @@ def gather_quantize_kernel(
 
     out_rows = token.to(tl.int64)
     row_ok = token < padded_tokens
-    tl.store(out_ptr + out_rows[:, None] * total_k + k[None, :], quantized, mask=row_ok[:, None] & k_valid[None, :])
+    # out may be uint8 or float8e4nv: the E4M3 bytes are stored as they are.
+    tl.store(out_ptr + out_rows[:, None] * total_k + k[None, :], quantized.to(out_ptr.dtype.element_ty, bitcast=True),
+             mask=row_ok[:, None] & k_valid[None, :])
     tl.store(out_scale_ptr + group.to(tl.int64) * padded_tokens + out_rows, _pow2(exponent), mask=row_ok)
 
 
