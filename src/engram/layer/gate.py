@@ -410,6 +410,15 @@ def _plan_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask, out_dtype, 
                        math.sqrt(hidden))
 
 
+def prepare_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask=None, *, backend=None):
+    """``prepared(hidden_states, kv, q_weight, k_weight, eps, token_mask) -> out``, equal to
+    :func:`engram_gate_kv` with ``backend`` (a new output of ``hidden_states``' dtype) for every call
+    whose arguments have these ones' structure: checked and planned once. None where such calls
+    copy an argument (they take :func:`engram_gate_kv`)."""
+    plan = _plan_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask, None, backend)
+    return None if plan is None else functools.partial(_run_gate_kv, plan)
+
+
 def _run_gate_kv(plan: _GateKvPlan, hidden_states, kv, q_weight, k_weight, eps, token_mask) -> torch.Tensor:
     if not plan.triton:
         tokens, hc_mult, hidden = hidden_states.shape

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from ..backends import resolve_backend
 from ..call_cache import CallCache, structure
 from ..common import HASH_ID_DTYPES, ceil_div
+from .eager_step import prepare_eager_step
 from .gate import engram_gate_kv
 from .wkv import WkvProjection
 
@@ -407,16 +408,26 @@ class Engram(torch.nn.Module):
             if planned is None:
                 planned = self._checked_calls.put(key, self._check_single_call(hidden_states, hash_ids, token_mask))
             if planned:
+                if planned is not True and planned.current(self):  # an EagerStep: launches only
+                    return planned(self, hidden_states, hash_ids, token_mask)
                 kv = self.project(hash_ids, [hash_ids.shape[0]], [0], hidden_states.device)
                 return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask,
                                       backend=self.gate_backend)
         return self._forward_checked(hidden_states, hash_ids, token_mask, sp_token_counts)
 
-    def _check_single_call(self, hidden_states, hash_ids, token_mask) -> bool:
-        """The checks of :meth:`forward` without parallelism; whether calls of this structure may
-        skip them (not where the mask is moved to the layer's device on every call)."""
+    def _check_single_call(self, hidden_states, hash_ids, token_mask):
+        """The checks of :meth:`forward` without parallelism. What calls of this structure run:
+        False: every check on every call (where the mask is moved to the layer's device on every
+        call); an :class:`~engram.layer.eager_step.EagerStep` where every part has a prepared
+        call; else True (the unchecked path through :meth:`project` and the gate)."""
         self._forward_checked(hidden_states, hash_ids, token_mask, None, check_only=True)
-        return token_mask is None or token_mask.device == hidden_states.device
+        if token_mask is not None and token_mask.device != hidden_states.device:
+            return False
+        return prepare_eager_step(self, hidden_states, hash_ids, token_mask) or True
+
+    def _apply(self, fn, *args, **kwargs):
+        self._checked_calls.clear()  # steps hold views and launch plans of the tensors being replaced
+        return super()._apply(fn, *args, **kwargs)
 
     def _forward_checked(self, hidden_states, hash_ids, token_mask, sp_token_counts, check_only: bool = False):
         """:meth:`forward` with every check on this call (``check_only``: the checks alone)."""

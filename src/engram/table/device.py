@@ -44,3 +44,12 @@ class DevicePlacement(TablePlacement):
         if packed:
             return gather.gather_rows_packed(self._value_bytes, self._scale_bytes, global_ids, row_start)
         return gather.gather_rows(self._value_bytes, self._scale_bytes, global_ids, row_start)
+
+    def prepare_gather(self, global_ids: torch.Tensor, row_start: int, column_start: int, column_end: int,
+                       flat: bool = False):
+        """A :class:`~engram.table.gather.PreparedGather` of the columns ``[column_start, column_end)``
+        of ``global_ids``' structure (backend ``"triton"``), else None."""
+        if self.backend != "triton":
+            return None
+        return _triton_gather().PreparedGather(self._value_bytes, self._scale_bytes, global_ids, row_start,
+                                               column_start, column_end, flat=flat)

@@ -504,6 +504,18 @@ class EngramTable:
 
     __call__ = lookup
 
+    def prepare_lookup(self, hash_ids: torch.Tensor, *, flat: bool = False):
+        """``prepared(hash_ids) -> rows`` equal to :meth:`lookup` (``flat``: ``[T, C_local * D]``)
+        for every call whose ``hash_ids`` have this one's structure, checked and planned once; None
+        where there is no such path (validation on: ids are checked per call; placements whose
+        lookups need more than one launch). The prepared call reads the storage of now: prepare
+        again after the table's storage changes."""
+        start, end = self._check_hash_ids(hash_ids)
+        if self.validate:
+            return None
+        prepare = getattr(self._storage, "prepare_gather", None)
+        return None if prepare is None else prepare(hash_ids, self._row_start, start, end, flat)
+
     def __repr__(self) -> str:
         return (f"EngramTable(rows=[{self.row_start}, {self.row_end}), head_dim={self.head_dim}, "
                 f"columns=[{self.column_start}, {self.column_end}), placement={self.placement!r}, "
