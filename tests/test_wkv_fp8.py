@@ -350,6 +350,25 @@ def test_gather_quantize_bit_exact(case, source):
 
 
 @pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("launch_shape", [(1, 1), (4, 1), (8, 2)], ids=lambda s: f"block_t{s[0]}-warps{s[1]}")
+def test_gather_quantize_launch_shapes_bit_exact(launch_shape, monkeypatch):
+    """Other (BLOCK_T, num_warps) shapes (small_t_sweep.py's) give the default's bytes."""
+    wkv_gemm = _wkv_gemm()
+    device = _kernel_device()
+    seed = _fresh_seed()
+    generator = torch.Generator().manual_seed(seed)
+    value_bytes, scale_bytes = _random_table(40, 32, generator, device)
+    ids = _random_ids(63, 5, 7, 40, generator, torch.int32, device)
+    expected = wkv_gemm.quantize_gathered_rows(value_bytes, scale_bytes, ids, 7)
+    monkeypatch.setattr(wkv_gemm, "quantize_launch_shape", lambda tokens: launch_shape)
+    monkeypatch.setattr(wkv_gemm, "_QUANTIZE_PLANS", wkv_gemm.CallCache())
+    a, a_scale = wkv_gemm.quantize_gathered_rows(value_bytes, scale_bytes, ids, 7)
+    assert torch.equal(a.view(torch.uint8), expected[0].view(torch.uint8)), f"seed {seed}"
+    assert torch.equal(a_scale, expected[1]), f"seed {seed}"
+
+
+@pytest.mark.interpreter
 def test_encode_e4m3_ties_and_subnormals():
     """Every finite E4M3 value (both signs, +-0) shifted down by 0..11 binades against a group
     maximum: ties to even, the subnormal/normal boundary, values that round to zero."""

@@ -281,6 +281,7 @@ class _QuantizePlan(NamedTuple):
     grid: tuple[int, int]
     ints: tuple
     constexprs: tuple
+    num_warps: int
     ids_are_rows: bool
     rows_in_place: bool
     values_need_view: bool
@@ -288,6 +289,12 @@ class _QuantizePlan(NamedTuple):
 
 
 _QUANTIZE_PLANS = CallCache()
+
+
+def quantize_launch_shape(tokens: int) -> tuple[int, int]:
+    """``(BLOCK_T, num_warps)`` of ``gather_quantize_kernel`` for ``T`` tokens: 32 tokens x 128
+    values per program with 4 warps (16 tokens under the interpreter)."""
+    return (16, 4) if interpreting() else (32, 4)
 _QUANTIZE_LAUNCH: list[CompiledLaunch] = []
 
 
@@ -297,7 +304,7 @@ def _plan_quantize(values, scales, hash_ids, row_start) -> _QuantizePlan:
     in_features = columns * head_dim
     padded = padded_tokens(tokens)
     groups = -(-in_features // ACTIVATION_GROUP)
-    block_t = 16 if interpreting() else 32
+    block_t, num_warps = quantize_launch_shape(tokens)
     ids_are_rows = hash_ids is None
     strides = (0, 0) if ids_are_rows else (hash_ids.stride(0), hash_ids.stride(1))
     # Rows are read at r * row stride: packed rows [T, C, D] whose token stride is C row strides
@@ -306,7 +313,7 @@ def _plan_quantize(values, scales, hash_ids, row_start) -> _QuantizePlan:
     ints = (tokens, padded, columns, *strides, row_start, value_bytes.shape[0],
             value_bytes.stride(0), scale_bytes.stride(0))
     return _QuantizePlan(padded, in_features, groups, (triton.cdiv(padded, block_t), groups), ints,
-                         (head_dim, block_t, ids_are_rows), ids_are_rows, in_place,
+                         (head_dim, block_t, ids_are_rows), num_warps, ids_are_rows, in_place,
                          values.dtype != torch.uint8, scales.dtype != torch.uint8)
 
 
@@ -351,7 +358,7 @@ def quantize_gathered_rows(
     with _on_device(value_bytes):
         _QUANTIZE_LAUNCH[0](plan.grid, variant, (ids, value_bytes, scale_bytes, a, a_scale, *plan.ints,
                                                  *plan.constexprs),
-                            num_warps=4, device_index=device.index if device.type == "cuda" else 0)
+                            num_warps=plan.num_warps, device_index=device.index if device.type == "cuda" else 0)
     return a, a_scale
 
 
