@@ -26,6 +26,14 @@ No step writes a slot twice, so the result does not depend on the order of the w
 An update is one sort of the step's ids plus fixed-size gathers and scatters, with no host
 sync; it reads only the admitted rows from the backing rows (through the gather kernel,
 whose masked loads skip the others: on the GPU those rows are in host memory).
+
+:attr:`RowCache.version` counts the calls that may change the content (``update``,
+``load_hot``, ``clear``): a lookup split in two launches (probe, then merge; see
+:mod:`engram.table.cached`) checks it to know its probe still describes the slots.
+
+References of the split lookup: :func:`cached_probe_reference` (slot per row, -1 unless a
+hit, and the miss ids) and :func:`cached_merge_reference` (a hit from its slot, anything else
+from the host gather's rows through ``inverse``).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch
 from .fp8 import BLOCK_SIZE
 from .host_rows import packed_row_bytes
 
-__all__ = ["RowCache", "cached_lookup_reference"]
+__all__ = ["RowCache", "cached_lookup_reference", "cached_probe_reference", "cached_merge_reference"]
 
 COUNTER_MAX = 2**30
 
@@ -76,6 +84,8 @@ class RowCache:
         self._tags = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
         self._counters = torch.zeros(slots + 1, dtype=torch.int32, device=device)
         self.updates = 0
+        self.version = 0
+        """Bumped (on the host) by every call that may change the content: ``update``, ``load_hot``, ``clear``."""
         self.stats = torch.zeros(4, dtype=torch.int64, device=device)
         """``int64 [4]`` summed over :meth:`update` calls: reads (ids inside the table), reads that hit,
         distinct rows per step, distinct missed rows per step (the host rows a step moves after
@@ -122,6 +132,7 @@ class RowCache:
 
     def clear(self) -> None:
         """Empty every slot (in place)."""
+        self.version += 1
         self._tags.fill_(-1)
         self._counters.zero_()
 
@@ -158,6 +169,7 @@ class RowCache:
         candidate = first & ~hit
         self.stats += torch.stack([valid.sum(), hit.sum(), first.sum(), candidate.sum()])
         self.updates += 1
+        self.version += 1
         if self.updates % self.aging_interval == 0:
             self._counters.bitwise_right_shift_(1)
         self._counters.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
@@ -259,3 +271,37 @@ def cached_lookup_reference(cache: RowCache, back_values: torch.Tensor, back_sca
     scales = scales * inside[:, None]
     head_dim = cache.head_dim
     return values.view(tokens, columns, head_dim), scales.view(tokens, columns, head_dim // BLOCK_SIZE)
+
+
+def cached_probe_reference(cache: RowCache, num_rows: int, hash_ids: torch.Tensor,
+                           row_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of :func:`engram.table.cache_gather.cached_probe`: ``hash_ids int [T, C]`` ->
+    ``(slot int32 [T, C], miss int32 [T, C])``: with ``r = hash_ids - row_start``, ``slot`` = the cache slot
+    holding ``r`` else -1; ``miss = r`` where ``0 <= r < num_rows`` and not held, else -1."""
+    local = hash_ids.reshape(-1).to(torch.int64) - row_start
+    inside = (local >= 0) & (local < num_rows)
+    hit, slot = cache.probe(local, num_rows)
+    slot = torch.where(hit, slot, -1)
+    miss = torch.where(inside & ~hit, local, -1)
+    return slot.to(torch.int32).view(hash_ids.shape), miss.to(torch.int32).view(hash_ids.shape)
+
+
+def cached_merge_reference(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor,
+                           inverse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of :func:`engram.table.cache_gather.cached_merge_rows_packed`: ``slot int [T, C]``,
+    ``staged uint8 [S, >= D + D // 32]`` (packed rows), ``inverse int [T, C]`` -> ``(values uint8 [T, C, D],
+    scales uint8 [T, C, D // 32])``: cache slot ``slot`` when ``0 <= slot < slots``, else ``staged[inverse]``
+    when ``0 <= inverse < S``, else zeros."""
+    tokens, columns = slot.shape
+    head_dim, groups = cache.head_dim, cache.head_dim // BLOCK_SIZE
+    slot = slot.reshape(-1).to(torch.int64)
+    inverse = inverse.reshape(-1).to(torch.int64)
+    hit = (slot >= 0) & (slot < cache.num_slots)
+    from_staging = ~hit & (inverse >= 0) & (inverse < staged.shape[0])
+    safe_slot = torch.where(hit, slot, 0)
+    safe_inverse = torch.where(from_staging, inverse, 0)
+    staged_rows = staged[safe_inverse]
+    values = torch.where(hit[:, None], cache.slot_values[safe_slot], staged_rows[:, :head_dim])
+    scales = torch.where(hit[:, None], cache.slot_scales[safe_slot], staged_rows[:, head_dim: head_dim + groups])
+    keep = (hit | from_staging)[:, None]
+    return (values * keep).view(tokens, columns, head_dim), (scales * keep).view(tokens, columns, groups)
