@@ -24,7 +24,8 @@ import torch
 
 import engram
 from engram.table.host_rows import pack_rows, packed_row_bytes
-from engram.table.row_cache import RowCache, cached_merge_reference, cached_probe_reference
+from engram.table.row_cache import (RowCache, cached_direct_reference, cached_merge_reference, cached_probe_reference,
+                                    direct_class)
 from test_cached_placement import (POISON_BYTE, _check_invariants, _device_and_cached, _expected_bf16, _ids,
                                    _kernel_device, _no_check, _on_cpu, _strided, _table)
 
@@ -109,6 +110,15 @@ def test_probe_and_merge_argument_errors():
         cache_gather.cached_probe(cache, 10, ids, out=(slot, torch.zeros(3, 2, dtype=torch.int64)))
     with pytest.raises(ValueError, match="cache: expected a RowCache"):
         cache_gather.cached_probe(object(), 10, ids)
+    with pytest.raises(ValueError, match=r"direct_share: expected a number in \[0, 1\], found 1.5"):
+        cache_gather.cached_probe(cache, 10, ids, direct_share=1.5)
+    back_values, back_scales = torch.zeros(10, 64, dtype=torch.uint8), torch.zeros(10, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"out: expected uint8 \[3, 2, >= 66\]"):
+        cache_gather.cached_direct_reads(slot, back_values, back_scales, out=torch.zeros(3, 2, 64, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"back_scales: expected uint8 \[rows, D\] / \[rows, D // 32\]"):
+        cache_gather.cached_direct_reads(slot, back_values, back_values)
+    with pytest.raises(ValueError, match=r"direct: expected uint8 \[3, 2, >= 66\]"):
+        cache_gather.cached_merge_rows(cache, slot, staged, slot, direct=torch.zeros(3, 2, 65, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"slot: expected a contiguous int32 tensor \[T, C\]"):
         cache_gather.cached_merge_rows(cache, slot.long(), staged, slot)
     with pytest.raises(ValueError, match=r"inverse: expected a contiguous int32 tensor \[T, C\]"):
@@ -146,8 +156,8 @@ def _case_id(case) -> str:
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 def test_probe_kernel_equals_the_reference(case, id_dtype, seed):
     """Slots and miss ids of the kernel == the reference's, empty, hot-loaded and after updates, with ids
-    outside the table and extreme ids; the host gather's dedup reads hits as its zero row (at most one
-    distinct row more than the distinct misses)."""
+    outside the table and extreme ids, with direct shares 0, 0.5 and 1; the host gather's dedup reads hits
+    (and direct misses) as its zero row (at most one distinct row more than the distinct misses)."""
     from engram.table.host_dedup import distinct_rows
     from interpreter_bounds import bounds_checked
 
@@ -160,9 +170,10 @@ def test_probe_kernel_equals_the_reference(case, id_dtype, seed):
     rows = _table(num_rows, head_dim, generator)
     back_values, back_scales = rows.values.to(device), rows.scales.to(device)
     cache = RowCache(slots, head_dim, device, ways=ways, aging_interval=2)
-    hits = misses = 0
+    hits = misses = directs = 0
     with bounds_checked() if device == "cpu" else _no_check() as memory:
-        for step in range(4):
+        for step in range(6):
+            share = (0.0, 0.5, 0.0, 1.0, 0.5, 1.0)[step]
             hash_ids = _ids(tokens, columns, num_rows, row_start, generator, id_dtype)
             if step == 3:
                 hash_ids = _malformed(hash_ids, generator)
@@ -172,14 +183,21 @@ def test_probe_kernel_equals_the_reference(case, id_dtype, seed):
                                       back_values, back_scales) > 0
             slot = torch.full((tokens, columns), POISON_INT, dtype=torch.int32, device=device)
             miss = torch.full((tokens, columns), POISON_INT, dtype=torch.int32, device=device)
-            returned = cache_gather.cached_probe(cache, num_rows, hash_ids, row_start, out=(slot, miss))
+            returned = cache_gather.cached_probe(cache, num_rows, hash_ids, row_start, direct_share=share,
+                                                 out=(slot, miss))
             assert returned[0] is slot and returned[1] is miss
-            expected_slot, expected_miss = cached_probe_reference(cache, num_rows, hash_ids, row_start)
+            threshold = cache_gather.direct_threshold(share)
+            expected_slot, expected_miss = cached_probe_reference(cache, num_rows, hash_ids, row_start, threshold)
             assert torch.equal(slot, expected_slot) and torch.equal(miss, expected_miss)
-            fresh = cache_gather.cached_probe(cache, num_rows, hash_ids, row_start)  # allocating form
+            fresh = cache_gather.cached_probe(cache, num_rows, hash_ids, row_start, direct_share=share)  # allocating
             assert torch.equal(fresh[0], slot) and torch.equal(fresh[1], miss)
             hits += int((slot >= 0).sum())
             misses += int((miss >= 0).sum())
+            directs += int((slot <= -2).sum())
+            if share == 1.0:
+                assert int((miss >= 0).sum()) == 0  # every miss read directly
+            if share == 0.0:
+                assert int((slot <= -2).sum()) == 0
             # Hits and ids outside the table cost the host gather one zero row in all.
             distinct = distinct_rows(miss, 0, num_rows)
             missed_rows = miss[miss >= 0].unique().numel()
@@ -188,20 +206,32 @@ def test_probe_kernel_equals_the_reference(case, id_dtype, seed):
             hit_rows = distinct.rows_and_count[distinct.inverse.reshape(-1)[slot.reshape(-1) >= 0].long()]
             assert bool((hit_rows == num_rows).all())
             cache.update(hash_ids.to(torch.int64) - row_start, back_values, back_scales)
-    assert hits > 0 and misses > 0, "the test did not see both hits and misses"
+    assert hits > 0 and misses > 0 and directs > 0, "the test did not see hits, misses and direct misses"
     if device == "cpu":
         assert memory.accesses > 0
 
 
-def _slots_and_inverse(tokens: int, columns: int, num_slots: int, staged_rows: int, generator):
-    """``slot, inverse int32 [T, C]``: valid slots (40%), -1 (40%), malformed slots (20%: at or past
-    ``num_slots``, below -1, int32 extremes); ``inverse`` mostly in ``[0, staged_rows)``, 1 in 8 malformed."""
+def test_direct_class_takes_about_its_share():
+    rows = torch.arange(100_000)
+    for threshold in (0, 64, 128, 256):
+        share = float(direct_class(rows, threshold).float().mean())
+        assert abs(share - threshold / 256) < 0.01
+    # Not a function of the set: among rows of one set (stride 1000) the share holds too.
+    assert abs(float(direct_class(rows[::1000] * 1, 128).float().mean()) - 0.5) < 0.15
+
+
+def _slots_and_inverse(tokens: int, columns: int, num_slots: int, staged_rows: int, num_rows: int, generator):
+    """``slot, inverse int32 [T, C]``: valid slots (30%), -1 (30%), direct misses ``-2 - r`` of rows ``r`` in
+    ``[0, num_rows)`` (20%), malformed slots (20%: at or past ``num_slots``, direct misses of rows outside the
+    table, int32 extremes); ``inverse`` mostly in ``[0, staged_rows)``, 1 in 8 malformed."""
     shape = (tokens, columns)
     kind = torch.rand(shape, generator=generator)
     valid = torch.randint(0, num_slots, shape, generator=generator)
-    bad = torch.tensor([num_slots, num_slots + 1, 2**31 - 1, -2, -(2**31)])
+    direct = -2 - torch.randint(0, num_rows, shape, generator=generator)
+    bad = torch.tensor([num_slots, num_slots + 1, 2**31 - 1, -2 - num_rows, -(2**31)])
     bad = bad[torch.randint(0, bad.numel(), shape, generator=generator)]
-    slot = torch.where(kind < 0.4, valid, torch.where(kind < 0.8, torch.full_like(valid, -1), bad))
+    slot = torch.where(kind < 0.3, valid, torch.where(kind < 0.6, torch.full_like(valid, -1),
+                                                      torch.where(kind < 0.8, direct, bad)))
     inverse = torch.randint(0, staged_rows, shape, generator=generator)
     bad_inverse = torch.tensor([staged_rows, staged_rows + 7, -1, 2**31 - 1, -(2**31)])
     bad_inverse = bad_inverse[torch.randint(0, bad_inverse.numel(), shape, generator=generator)]
@@ -213,8 +243,9 @@ def _slots_and_inverse(tokens: int, columns: int, num_slots: int, staged_rows: i
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_merge_kernels_equal_the_reference(case, seed):
-    """Both merge kernels == the reference (bytes; bf16 through the plain gather kernel's decode of the
-    reference's bytes), with malformed slots and inverse entries, outputs poisoned."""
+    """The direct reads and both merge kernels (without and with direct reads) == the references (bytes;
+    bf16 through the plain gather kernel's decode of the reference's bytes), with malformed slots and
+    inverse entries, outputs poisoned."""
     from engram.table import gather
     from interpreter_bounds import bounds_checked
 
@@ -229,18 +260,30 @@ def test_merge_kernels_equal_the_reference(case, seed):
     staged_rows = int(torch.randint(1, 2 * tokens * columns, (1,), generator=generator))
     staged = _table(staged_rows, head_dim, generator).packed[:-1].clone().to(device)  # its own storage
     groups = head_dim // 32
+    back_values, back_scales = rows.values.to(device), rows.scales.to(device)
+    width = packed_row_bytes(head_dim)
     with bounds_checked() if device == "cpu" else _no_check() as memory:
-        for _ in range(2):
+        for step in range(4):
             slot, inverse = (t.to(device) for t in _slots_and_inverse(tokens, columns, cache.num_slots, staged_rows,
-                                                                       generator))
-            expected_values, expected_scales = cached_merge_reference(cache, slot, staged, inverse)
+                                                                       num_rows, generator))
+            direct = None
+            if step >= 2:
+                direct = torch.full((tokens, columns, width), POISON_BYTE, dtype=torch.uint8, device=device)
+                expected_direct = cached_direct_reference(slot, back_values, back_scales, direct)
+                assert cache_gather.cached_direct_reads(slot, back_values, back_scales, out=direct) is direct
+                assert torch.equal(direct, expected_direct)  # rows of the other slots untouched (poison)
+                fresh = cache_gather.cached_direct_reads(slot, back_values, back_scales)  # allocating form
+                used = head_dim + groups  # the padding after the scales is not written
+                assert torch.equal(fresh[slot <= -2][:, :used], direct[slot <= -2][:, :used])
+            expected_values, expected_scales = cached_merge_reference(cache, slot, staged, inverse, direct)
             values = torch.full((tokens, columns, head_dim), POISON_BYTE, dtype=torch.uint8, device=device)
             scales = torch.full((tokens, columns, groups), POISON_BYTE, dtype=torch.uint8, device=device)
-            returned = cache_gather.cached_merge_rows_packed(cache, slot, staged, inverse, out=(values, scales))
+            returned = cache_gather.cached_merge_rows_packed(cache, slot, staged, inverse, direct=direct,
+                                                             out=(values, scales))
             assert returned[0] is values and returned[1] is scales
             assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales)
             out = torch.full((tokens, columns, head_dim), float("nan"), dtype=torch.bfloat16, device=device)
-            assert cache_gather.cached_merge_rows(cache, slot, staged, inverse, out=out) is out
+            assert cache_gather.cached_merge_rows(cache, slot, staged, inverse, direct=direct, out=out) is out
             flat_ids = torch.arange(tokens * columns, device=device).view(tokens, columns)
             expected = gather.gather_rows(expected_values.view(-1, head_dim), expected_scales.view(-1, groups),
                                           flat_ids)
@@ -268,7 +311,8 @@ def test_cached_table_large_lookups_equal_the_cpu_table(seed):
     """The placement's large-lookup path through EngramTable (CPU tensors under the interpreter; every
     lookup sent there with direct_max_rows = 0): lookup and lookup_packed equal placement 'cpu' with a hot
     set, after updates, with prefetch (used once), with a prefetch made stale by an update (discarded:
-    the lookup probes again), with a column shard past row 0."""
+    the lookup probes again), with a column shard past row 0, with and without a direct share of the
+    misses."""
     if not INTERPRET:
         pytest.skip("the CPU form of placement 'cached' exists only under TRITON_INTERPRET=1")
     from interpreter_bounds import bounds_checked
@@ -287,6 +331,7 @@ def test_cached_table_large_lookups_equal_the_cpu_table(seed):
     with bounds_checked():
         for step in range(4):
             hash_ids = _ids((1, 11, 7, 13)[step], 5, 80, 500, generator, hot=30)
+            storage.direct_share = (0.0, 0.5, 0.0, 0.7)[step]
             expected_bf16 = _expected_bf16(plain, rows, hash_ids, "triton")
             expected = plain.lookup_packed(hash_ids)
             before = starts.calls
@@ -360,10 +405,12 @@ def _assert_equal_to_device(cached, device, hash_ids) -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens,direct_max_rows", [(1, 0), (63, 0), (1000, 0), (4097, None)],
                          ids=["T1-forced", "T63-forced", "T1000-forced", "T4097-default"])
-def test_gpu_large_lookups_equal_device_after_replacements(tokens, direct_max_rows, seed):
+@pytest.mark.parametrize("direct_share", [0.0, 0.4], ids=["gather-all-misses", "direct-share-0.4"])
+def test_gpu_large_lookups_equal_device_after_replacements(tokens, direct_max_rows, direct_share, seed):
     generator = torch.Generator().manual_seed(seed)
     device, cached = _device_and_cached(20000, 256, generator, row_start=777, cache_fraction=0.02, aging_interval=2)
     storage = cached.storage
+    storage.direct_share = direct_share
     if direct_max_rows is not None:
         storage.direct_max_rows = direct_max_rows
     cache = storage.cache
@@ -392,9 +439,11 @@ def test_gpu_large_lookups_equal_device_after_replacements(tokens, direct_max_ro
 def test_gpu_prefetch_of_large_lookups_without_host_sync(seed):
     """Two layers: prefetch both, then their lookups and the update, over steps of varying size, with
     torch's sync debug mode raising on any host sync in the caller's calls; one step prefetches from a side
-    stream, one calls update_cache between prefetch and lookup (the prefetch is discarded, still equal)."""
+    stream, one calls update_cache between prefetch and lookup (the prefetch is discarded, still equal); the
+    second layer reads a share of its misses directly on a side stream."""
     generator = torch.Generator().manual_seed(seed)
     tables = [_device_and_cached(20000, 256, generator, cache_fraction=0.05, aging_interval=2) for _ in range(2)]
+    tables[1][1].storage.direct_share = 0.4  # the second layer reads a share of its misses directly (side stream)
     for _, cached in tables:
         cached.storage.direct_max_rows = 64
         warm = _ids(4096, 24, 20000, 0, generator, hot=500).cuda()
@@ -480,6 +529,7 @@ def test_gpu_memory_prefetch_cached_equals_device(tmp_path, seed):
     starts = {}
     for layer_id in cached.spec.layer_ids:
         cached.table(layer_id).storage.direct_max_rows = 1000  # 6 columns: T = 5 and 64 one kernel, 3000 not
+        cached.table(layer_id).storage.direct_share = 0.3 * (layer_id == cached.spec.layer_ids[-1])
         starts[layer_id] = _CountingStarts(cached.table(layer_id).storage)
     spec = on_device.spec
     for tokens in (5, 3000, 64, 3000):

@@ -17,7 +17,10 @@ cache holds. Two read paths, chosen per lookup as the host placement chooses its
   device and gathers them on the host into pinned staging for the copy engine; then
   :func:`~engram.table.cache_gather.cached_merge_rows` reads each hit from its slot and every
   other row from the device staging through the dedup's ``inverse``. Host bytes moved: the
-  distinct missed rows (+1). No host sync on the caller's thread.
+  distinct missed rows (+1). No host sync on the caller's thread. Optionally
+  (:attr:`CachedPlacement.direct_share`, default 0) a hash class of the missed rows is left out of
+  the host gather and read directly from host memory (:func:`~engram.table.cache_gather.cached_direct_reads`,
+  on a side stream) while the host gathers the rest: both transports at once.
 
 :meth:`CachedPlacement.prefetch` starts the second path early (probe and host gather), as
 ``"host"`` does; the lookup of the same ids tensor then only waits, on the GPU, for its copies
@@ -113,9 +116,14 @@ class CachedPlacement(TablePlacement):
         self.direct_max_rows = DIRECT_MAX_ROWS
         """Lookups of at most this many rows take the one-kernel path, larger ones send their misses
         through the host gather (tests set 0 to send every lookup there)."""
+        self.direct_share = 0.0
+        """Share (0..1) of a large lookup's missed rows (a hash class of row ids) read directly from host
+        memory, on a side stream, while the host gathers the others; 0 (default): every miss goes
+        through the host gather. Two transports at once (GPU reads over PCIe, CPU gather + copy engine)."""
         self.lookups = {"one_kernel": 0, "host_gather": 0}
         """Lookups served by each path since construction (host-side counts, for tests and benchmarks)."""
         self._prefetched: tuple[tuple, _Pending] | None = None
+        self._direct_stream = None
 
     @property
     def backing(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,18 +170,36 @@ class CachedPlacement(TablePlacement):
                 or (self.host is not None and torch.cuda.is_current_stream_capturing()))
 
     def _start_misses(self, global_ids: torch.Tensor, row_start: int) -> "_Pending":
-        """Probe ``global_ids [T, C_local]`` and start the host gather of its misses (local ids), on the
-        current stream; returns at once on CUDA (the CPU form gathers now)."""
-        from .cache_gather import cached_probe
+        """Probe ``global_ids [T, C_local]`` and start the host gather of its misses (local ids) on the current
+        stream, and the direct reads of the direct share's misses on a side stream; returns at once on CUDA
+        (the CPU form does it all now)."""
+        from .cache_gather import cached_direct_reads, cached_probe
 
-        slot, miss = cached_probe(self.cache, self.num_rows, global_ids, row_start)
+        share = self.direct_share
+        slot, miss = cached_probe(self.cache, self.num_rows, global_ids, row_start, direct_share=share)
         if self.host is None:
-            return _Pending(slot, _gather_now(self._packed, miss), None, self.cache.version)
+            direct = cached_direct_reads(slot, *self.backing) if share > 0 else None
+            return _Pending(slot, _gather_now(self._packed, miss), None, self.cache.version, direct, None)
         stream = torch.cuda.current_stream(self.device)
-        return _Pending(slot, self.host.host_gather.start(miss, 0, stream), stream, self.cache.version)
+        ticket = self.host.host_gather.start(miss, 0, stream)
+        direct = direct_done = None
+        if share > 0:  # after the host gather's dedup: its start is the longer pipeline
+            direct = torch.empty(*slot.shape, self._packed.shape[1], dtype=torch.uint8, device=self.device)
+            if self._direct_stream is None:
+                self._direct_stream = torch.cuda.Stream(self.device)
+            side = self._direct_stream
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                cached_direct_reads(slot, *self.backing, out=direct)
+            slot.record_stream(side)
+            direct.record_stream(side)
+            direct_done = torch.cuda.Event()
+            direct_done.record(side)
+        return _Pending(slot, ticket, stream, self.cache.version, direct, direct_done)
 
     def _finish_misses(self, pending: "_Pending", packed: bool):
-        """Merge the hits (from the probe's slots) with the gathered misses, on the current stream."""
+        """Merge the hits (from the probe's slots) with the gathered and the directly read misses, on the
+        current stream."""
         from .cache_gather import cached_merge_rows, cached_merge_rows_packed
 
         stream = None
@@ -182,11 +208,14 @@ class CachedPlacement(TablePlacement):
         else:
             stream = torch.cuda.current_stream(self.device)
             staged, inverse = self.host.host_gather.finish(pending.ticket, stream)
+            if pending.direct_done is not None:
+                stream.wait_event(pending.direct_done)
             if stream != pending.stream:  # prefetched on another stream: keep its tensors until the merge ran
-                pending.slot.record_stream(stream)
-                inverse.record_stream(stream)
+                for tensor in (pending.slot, inverse, pending.direct):
+                    if tensor is not None:
+                        tensor.record_stream(stream)
         merge = cached_merge_rows_packed if packed else cached_merge_rows
-        out = merge(self.cache, pending.slot, staged, inverse)
+        out = merge(self.cache, pending.slot, staged, inverse, direct=pending.direct)
         if stream is not None:
             self.host.host_gather.consumed(stream)
         self.lookups["host_gather"] += 1
@@ -231,12 +260,15 @@ class CachedPlacement(TablePlacement):
 class _Pending:
     """A large lookup between its probe and its merge: the probe's ``slot int32 [T, C_local]``, the host
     gather's ticket (on the CPU: ``(staged rows, inverse)`` already gathered), the stream it started on,
-    and the cache's :attr:`~engram.table.row_cache.RowCache.version` the probe saw."""
+    the cache's :attr:`~engram.table.row_cache.RowCache.version` the probe saw, and with a direct share the
+    direct reads ``uint8 [T, C_local, row_bytes]`` and the event after them (None on the CPU)."""
 
     slot: torch.Tensor
     ticket: GatherTicket | tuple[torch.Tensor, torch.Tensor]
     stream: object
     version: int
+    direct: torch.Tensor | None = None
+    direct_done: object = None
 
 
 def _gather_now(packed: torch.Tensor, miss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
