@@ -28,7 +28,9 @@ stands in for hits), the direct reads fetch every read row that is not cached. T
 ``cached_host_bytes_ratio`` is cached / host over the measured steps (each step's lookup against the
 content the steps before it left). Per stage of ``cached``'s host-gather path at T = 8192
 (``stages_T8192``): probe, dedup of the miss ids, host gather (dedup + ids to the host + gather +
-copies, wall clock), merge; and the host gather of ``host`` on all the ids, for comparison.
+copies, wall clock), merge; and the host gather of ``host`` on all the ids, for comparison. And
+``cached`` at T = 8192 with a share of its misses read directly from host memory while the host
+gathers the rest (``direct_share`` in {0.25, 0.4, 0.55}; the placement's default is 0).
 
 Writes ``cache-h200.json`` to ``$OUT`` (or benchmarks/results/) and prints a table, and a
 markdown table for the README.
@@ -260,10 +262,44 @@ def time_lookups(tables, last_step: np.ndarray, sizes: Sizes, device: str, on_gp
                 row[f"{name}_us"] = cpu_us(lambda: table.lookup(ids))
         if "host" in tables:
             row["cached_speedup_vs_host"] = row["host_us"] / row["cached_us"]
-        if on_gpu and row["cached_path"] == "host_gather":
-            row["stages"] = stage_breakdown(tables, ids, sizes.rows)
+        if row["cached_path"] == "host_gather":
+            if on_gpu:
+                row["stages"] = stage_breakdown(tables, ids, sizes.rows)
+            row["direct_share_sweep"] = direct_share_sweep(tables, ids, sizes.rows, on_gpu)
         rows.append(row)
     return rows
+
+
+DIRECT_SHARES = (0.25, 0.4, 0.55)
+
+
+def direct_share_sweep(tables, ids: torch.Tensor, rows: int, on_gpu: bool) -> dict:
+    """``cached``'s host-gather path with a share of its misses read directly (``CachedPlacement.direct_share``):
+    per share, the lookup's latency (as timed above), whether it equals "device", the distinct rows the host
+    gather moves and the reads the direct kernel makes."""
+    from engram.table.cache_gather import cached_probe
+    from engram.table.host_dedup import distinct_rows
+
+    storage = tables["cached"].storage
+    default = storage.direct_share
+    sweep = {}
+    try:
+        for share in DIRECT_SHARES if on_gpu else DIRECT_SHARES[1:2]:  # the interpreter: one, for its checks
+            storage.direct_share = share
+            slot, miss = cached_probe(storage.cache, rows, ids, 0, direct_share=share)
+            entry = {"equal_to_device": same_rows(tables["cached"], tables["device"], ids, on_gpu),
+                     "gathered_rows": int(distinct_rows(miss, 0, rows).rows_and_count[-1]),
+                     "direct_reads": int((slot <= -2).sum())}
+            if on_gpu:
+                from wall_clock import median_wall_us
+
+                entry["us"] = median_wall_us(lambda: tables["cached"].lookup(ids), repeats=20)
+            else:
+                entry["us"] = cpu_us(lambda: tables["cached"].lookup(ids), repeats=1)
+            sweep[str(share)] = entry
+    finally:
+        storage.direct_share = default
+    return sweep
 
 
 def stage_breakdown(tables, ids: torch.Tensor, rows: int) -> dict:
@@ -311,6 +347,9 @@ def print_table(timings: list[dict], placements) -> None:
               + f" | {row['hit_rate']:8.1%} | {row['host_bytes_ratio']:15.1%} | {row['cached_path']}")
         if "stages" in row:
             print("       stages: " + ", ".join(f"{k} {v:.1f}" for k, v in row["stages"].items()))
+        for share, entry in row.get("direct_share_sweep", {}).items():
+            print(f"       direct share {share}: cached {entry['us']:.1f} us, host gather {entry['gathered_rows']} "
+                  f"rows + {entry['direct_reads']} direct reads, equal to device: {entry['equal_to_device']}")
 
 
 def markdown_table(report: dict, placements) -> str:
@@ -385,6 +424,9 @@ def main() -> None:
         report[f"{name}_T{max(sizes.tokens)}_us"] = last[f"{name}_us"]
     if "stages" in last:
         report[f"stages_T{max(sizes.tokens)}"] = last["stages"]
+    if "direct_share_sweep" in last:
+        report[f"cached_T{max(sizes.tokens)}_us_by_direct_share"] = {
+            share: entry["us"] for share, entry in last["direct_share_sweep"].items()}
     if args.simulate:
         report["simulated"] = simulated_hit_rates(reads, step_reads, serve["warm_steps"], cache.num_slots,
                                                   device_cache_params(sizes.ways, sizes.aging_interval))
@@ -397,11 +439,14 @@ def main() -> None:
     print_table(timings, placements)
     print(f"\n{markdown_table(report, placements)}\n")
     headline = [k for k in report if k.endswith("_us") or k.startswith(("cached_host_bytes_ratio", "stages_"))
+                or k.endswith("_by_direct_share")
                 or k in ("hit_rate_2pct_heldout", "heldout_ceiling", "best_static_share", "seconds")]
     print(json.dumps({k: report[k] for k in headline} | {"simulated": report.get("simulated")}, indent=1))
     print(f"wrote {out}")
     failures = serve["steps_not_equal"] + sum(not v for row in timings for k, v in row.items()
                                               if k.endswith("_equal_to_device"))
+    failures += sum(not entry["equal_to_device"] for row in timings
+                    for entry in row.get("direct_share_sweep", {}).values())
     if failures:
         raise SystemExit(f"{failures} lookups differ from placement 'device'")
 
