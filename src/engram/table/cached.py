@@ -48,9 +48,9 @@ misses synchronously (same dedup, same host gather of packed rows, no threads or
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from ..triton_launch import interpreting, triton_available
 from .host import DIRECT_MAX_ROWS, HostPlacement
