@@ -391,6 +391,41 @@ def test_content_change_between_prefetch_and_lookup_is_safe(change, seed):
     assert storage.lookups == {"one_kernel": 0, "host_gather": 1}
 
 
+def test_kernels_compile_for_sm90():
+    """The probe, direct-read and merge kernels compiled for sm90 on the CPU (Triton's own ptxas, no GPU)
+    with the launchers' shapes, int32 and int64 ids, with and without direct reads: the interpreter
+    checks what they compute, not that they build. The class hash's constant stays an int64 2654435761."""
+    pytest.importorskip("triton")
+    from engram.table import cache_kernels as kernels
+    from test_wkv_compile import _compile
+
+    launchers = _launchers()
+    probe_types = dict(tags_ptr="*i64", slot_ptr="*i32", miss_ptr="*i32", total_rows="i32", local_columns="i32",
+                       stride_token="i32", stride_column="i32", row_start="i64", num_rows="i32", num_sets="i32",
+                       direct_threshold="i32")
+    for ids in ("*i32", "*i64"):
+        compiled = _compile(kernels.cached_probe_kernel, dict(hash_ids_ptr=ids, **probe_types),
+                            dict(BLOCK_ROWS=launchers._PROBE_BLOCK_ROWS, WAYS=8), num_warps=4, num_stages=1)
+        assert "dense<2654435761> : tensor<128xi64>" in compiled.asm["ttir"]
+    block = 16  # launchers.block_rows() on the GPU
+    _compile(kernels.cached_direct_kernel,
+             dict(slot_ptr="*i32", back_value_ptr="*u8", back_scale_ptr="*u8", direct_ptr="*u8", total_rows="i32",
+                  num_rows="i32", back_value_stride="i32", back_scale_stride="i32", direct_stride="i32"),
+             dict(HEAD_DIM=256, GROUPS_PADDED=8, BLOCK_ROWS=block), num_warps=4, num_stages=1)
+    merge_types = dict(slot_ptr="*i32", inverse_ptr="*i32", slot_value_ptr="*u8", slot_scale_ptr="*u8",
+                       staged_value_ptr="*u8", staged_scale_ptr="*u8", direct_ptr="*u8")
+    merge_ints = dict(total_rows="i32", num_slots="i32", staged_rows="i32", slot_value_stride="i32",
+                      slot_scale_stride="i32", staged_value_stride="i32", staged_scale_stride="i32",
+                      direct_stride="i32")
+    for has_direct in (False, True):
+        shape = dict(HEAD_DIM=256, GROUPS_PADDED=8, BLOCK_ROWS=block, HAS_DIRECT=has_direct)
+        _compile(kernels.cached_merge_bf16_kernel, dict(**merge_types, out_ptr="*bf16", **merge_ints),
+                 dict(**shape, DECODE=0), num_warps=4, num_stages=1)
+        _compile(kernels.cached_merge_packed_kernel,
+                 dict(**merge_types, out_value_ptr="*u8", out_scale_ptr="*u8", **merge_ints), shape, num_warps=4,
+                 num_stages=1)
+
+
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------
