@@ -16,10 +16,21 @@ the content the preceding steps left). Cache size: 2% of the rows of V4.1's real
 (how many merged is reported) and so behaves as on the real table.
 
 Timed, on the last step's ids (before that step's update): one lookup at T in {64, 1024, 8192}
-per placement, wall clock from the call to its rows on the device (synchronized; "host" at
-T = 8192 takes its host gather path, which needs the host clock), median; and device time
-(CUDA events, graph replays up to T = 1024) for the paths that run on the device alone. Each
+per placement, wall clock from the call to its rows on the device (synchronized; "host" and
+"cached" at T = 8192 take their host gather path, which needs the host clock), median; and device
+time (CUDA events, graph replays up to T = 1024) for the paths that run on the device alone. Each
 lookup is checked equal to "device" bit for bit, as is every measured step's cached lookup.
+
+Host bytes: the rows each placement's lookup moves from host memory, counted as its path moves
+them (:func:`moved_rows`): the host gather (lookups over ``direct_max_rows`` rows) fetches each
+distinct row once (the dedup's count; ``cached`` asks only for its misses, plus the zero row that
+stands in for hits), the direct reads fetch every read row that is not cached. The headline
+``cached_host_bytes_ratio`` is cached / host over the measured steps (each step's lookup against the
+content the steps before it left). Per stage of ``cached``'s host-gather path at T = 8192
+(``stages_T8192``): probe, dedup of the miss ids, host gather (dedup + ids to the host + gather +
+copies, wall clock), merge; and the host gather of ``host`` on all the ids, for comparison. And
+``cached`` at T = 8192 with a share of its misses read directly from host memory while the host
+gathers the rest (``direct_share`` in {0.25, 0.4, 0.55}; the placement's default is 0).
 
 Writes ``cache-h200.json`` to ``$OUT`` (or benchmarks/results/) and prints a table, and a
 markdown table for the README.
@@ -67,11 +78,14 @@ class Sizes:
     max_stream_tokens: int | None  # tokens of the stream used (None: all)
     ways: int = 8
     aging_interval: int = 8
+    direct_max_rows: int | None = None  # the placements' switch to the host gather (None: their default)
 
 
 FULL = Sizes(rows=128 * 2**20, tokens=(64, 1024, 8192), step_tokens=8192, cache_rows=int(0.02 * V41_LAYER1_ROWS),
              max_stream_tokens=None)
-SMOKE = Sizes(rows=20_000, tokens=(1, 16, 64), step_tokens=64, cache_rows=400, max_stream_tokens=64 * 10)
+# The smoke sends its largest lookups (T = 64, the steps) through the host-gather path, as T = 8192 goes.
+SMOKE = Sizes(rows=20_000, tokens=(1, 16, 64), step_tokens=64, cache_rows=400, max_stream_tokens=64 * 10,
+              direct_max_rows=16 * COLUMNS)
 
 
 # ---- the stream -----------------------------------------------------------------
@@ -102,15 +116,54 @@ def build_tables(sizes: Sizes, on_gpu: bool) -> dict[str, engram.EngramTable]:
         from host_table_fixture import host_table, table_over_rows
 
         host = host_table(sizes.rows)
-        return {"host": host, "cached": table_over_rows(host, "cached", **options),
-                "device": table_over_rows(host, "device")}
-    # CPU (TRITON_INTERPRET=1): "cached" on CPU tensors; placement "cpu" stands in for "device"; no "host".
-    generator = torch.Generator().manual_seed(0)
-    values = torch.randint(0, 0x7F, (sizes.rows, HEAD_DIM), dtype=torch.uint8, generator=generator)
-    scales = torch.randint(0, 0x7F, (sizes.rows, HEAD_DIM // 32), dtype=torch.uint8, generator=generator)
-    return {"cached": engram.EngramTable(values, scales, placement="cached", device="cpu", validate=False,
-                                         placement_options=options),
-            "device": engram.EngramTable(values, scales, placement="cpu", validate=False)}
+        tables = {"host": host, "cached": table_over_rows(host, "cached", **options),
+                  "device": table_over_rows(host, "device")}
+    else:
+        # CPU (TRITON_INTERPRET=1): "cached" on CPU tensors, its Triton kernels under the interpreter; placement
+        # "cpu" stands in for "device"; no "host".
+        generator = torch.Generator().manual_seed(0)
+        values = torch.randint(0, 0x7F, (sizes.rows, HEAD_DIM), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(0, 0x7F, (sizes.rows, HEAD_DIM // 32), dtype=torch.uint8, generator=generator)
+        tables = {"cached": engram.EngramTable(values, scales, placement="cached", device="cpu", validate=False,
+                                               backend="triton", placement_options=options),
+                  "device": engram.EngramTable(values, scales, placement="cpu", validate=False)}
+    if sizes.direct_max_rows is not None:
+        for name in ("host", "cached"):
+            if name in tables:
+                tables[name].storage.direct_max_rows = sizes.direct_max_rows
+    return tables
+
+
+def direct_max_rows(tables, name: str) -> int:
+    """The row count up to which placement ``name`` reads host memory directly (host's default when absent)."""
+    if name in tables:
+        return tables[name].storage.direct_max_rows
+    from engram.table.host import DIRECT_MAX_ROWS
+
+    return tables["cached"].storage.direct_max_rows if "cached" in tables else DIRECT_MAX_ROWS
+
+
+def moved_rows(tables, ids: torch.Tensor, rows: int) -> dict:
+    """Host rows the lookup of ``ids [T, 24]`` (in ``[0, rows)``) moves with the cache's current content, per
+    placement, counted as its path moves them: over ``direct_max_rows`` rows the host gather's distinct rows
+    (its dedup's count: ``host`` on the ids, ``cached`` on its miss ids, whose hits all read the zero row),
+    else the direct reads of every row not held (``host``: every read). Runs the placement's own probe and
+    dedup; one host sync."""
+    from engram.table.cache_gather import cached_probe
+    from engram.table.host_dedup import distinct_rows
+
+    cache = tables["cached"].storage.cache
+    _, miss = cached_probe(cache, rows, ids, 0)
+    counts = {}
+    if ids.numel() > direct_max_rows(tables, "cached"):
+        counts["cached"] = distinct_rows(miss, 0, rows).rows_and_count[-1]
+    else:
+        counts["cached"] = (miss >= 0).sum()
+    if ids.numel() > direct_max_rows(tables, "host"):
+        counts["host"] = distinct_rows(ids, 0, rows).rows_and_count[-1]
+    else:
+        counts["host"] = torch.tensor(ids.numel())
+    return {name: int(count) for name, count in counts.items()}
 
 
 def same_rows(a: engram.EngramTable, b: engram.EngramTable, ids: torch.Tensor, on_gpu: bool) -> bool:
@@ -134,24 +187,38 @@ def serve_steps(tables, steps: np.ndarray, device: str, on_gpu: bool) -> dict:
         cached.update_cache(torch.from_numpy(steps[k]).to(device))
     cache.stats.zero_()
     mismatches = 0
+    moved = {"cached": 0, "host": 0}
     for k in range(warm_steps, len(steps) - 1):
         ids = torch.from_numpy(steps[k]).to(device)
         mismatches += not same_rows(cached, tables["device"], ids, on_gpu)
+        for name, count in moved_rows(tables, ids, len_rows(tables)).items():
+            moved[name] += count
         cached.update_cache(ids)
     if on_gpu:
         torch.cuda.synchronize()
     return {"warm_steps": warm_steps, "measured_steps": len(steps) - warm_steps, "steps_not_equal": mismatches,
-            "serve_seconds": time.perf_counter() - started}
+            "serve_seconds": time.perf_counter() - started, "moved_rows_but_last_step": moved}
 
 
-def finish_last_step(tables, steps: np.ndarray, device: str) -> dict:
-    """The last step's update, then the counts of every measured step (stats since the warm-up)."""
+def len_rows(tables) -> int:
+    return tables["cached"].num_rows
+
+
+def finish_last_step(tables, steps: np.ndarray, device: str, serve: dict) -> dict:
+    """The last step's moved rows and update, then the counts of every measured step (stats since the
+    warm-up; moved rows as each placement's path moves them, :func:`moved_rows`)."""
     cached = tables["cached"]
-    cached.update_cache(torch.from_numpy(steps[-1]).to(device))
+    ids = torch.from_numpy(steps[-1]).to(device)
+    moved = dict(serve["moved_rows_but_last_step"])
+    for name, count in moved_rows(tables, ids, len_rows(tables)).items():
+        moved[name] += count
+    cached.update_cache(ids)
     reads, hits, distinct, distinct_missed = (int(v) for v in cached.storage.cache.stats.tolist())
     return {"reads": reads, "hits": hits, "distinct_rows_per_step_sum": distinct,
             "distinct_missed_per_step_sum": distinct_missed, "hit_rate": hits / reads,
-            "host_bytes_ratio": distinct_missed / distinct}
+            "distinct_missed_ratio": distinct_missed / distinct,
+            "moved_rows_cached": moved["cached"], "moved_rows_host": moved["host"],
+            "host_bytes_ratio": moved["cached"] / moved["host"]}
 
 
 # ---- timing ---------------------------------------------------------------------
@@ -172,9 +239,13 @@ def time_lookups(tables, last_step: np.ndarray, sizes: Sizes, device: str, on_gp
         hit, _ = tables["cached"].storage.cache.probe(ids.reshape(-1).to(torch.int64), sizes.rows)
         distinct = torch.unique(ids)
         distinct_hit = tables["cached"].storage.cache.probe(distinct.to(torch.int64), sizes.rows)[0]
+        moved = moved_rows(tables, ids, sizes.rows)
         row = {"T": tokens, "reads": ids.numel(), "hit_rate": float(hit.float().mean()),
-               "distinct_rows": distinct.numel(),
-               "host_bytes_ratio": 1 - float(distinct_hit.float().mean()),
+               "distinct_rows": distinct.numel(), "distinct_rows_hit": float(distinct_hit.float().mean()),
+               "cached_path": "host_gather" if ids.numel() > direct_max_rows(tables, "cached") else "one_kernel",
+               "host_path": "host_gather" if ids.numel() > direct_max_rows(tables, "host") else "direct",
+               "moved_rows_cached": moved["cached"], "moved_rows_host": moved["host"],
+               "host_bytes_ratio": moved["cached"] / moved["host"],
                "unique_bytes": distinct.numel() * ROW_BYTES_ON_DISK}
         for name, table in tables.items():
             row[f"{name}_equal_to_device"] = same_rows(table, tables["device"], ids, on_gpu)
@@ -182,7 +253,7 @@ def time_lookups(tables, last_step: np.ndarray, sizes: Sizes, device: str, on_gp
                 from wall_clock import median_wall_us
 
                 row[f"{name}_us"] = median_wall_us(lambda: table.lookup(ids), repeats=20 if tokens >= 8192 else 50)
-                on_device_only = name != "host" or ids.numel() <= table.storage.direct_max_rows
+                on_device_only = name == "device" or ids.numel() <= direct_max_rows(tables, name)
                 if on_device_only:
                     from host_table_fixture import gpu_us
 
@@ -191,27 +262,105 @@ def time_lookups(tables, last_step: np.ndarray, sizes: Sizes, device: str, on_gp
                 row[f"{name}_us"] = cpu_us(lambda: table.lookup(ids))
         if "host" in tables:
             row["cached_speedup_vs_host"] = row["host_us"] / row["cached_us"]
+        if row["cached_path"] == "host_gather":
+            if on_gpu:
+                row["stages"] = stage_breakdown(tables, ids, sizes.rows)
+            row["direct_share_sweep"] = direct_share_sweep(tables, ids, sizes.rows, on_gpu)
         rows.append(row)
     return rows
 
 
+DIRECT_SHARES = (0.25, 0.4, 0.55)
+
+
+def direct_share_sweep(tables, ids: torch.Tensor, rows: int, on_gpu: bool) -> dict:
+    """``cached``'s host-gather path with a share of its misses read directly (``CachedPlacement.direct_share``):
+    per share, the lookup's latency (as timed above), whether it equals "device", the distinct rows the host
+    gather moves and the reads the direct kernel makes."""
+    from engram.table.cache_gather import cached_probe
+    from engram.table.host_dedup import distinct_rows
+
+    storage = tables["cached"].storage
+    default = storage.direct_share
+    sweep = {}
+    try:
+        for share in DIRECT_SHARES if on_gpu else DIRECT_SHARES[1:2]:  # the interpreter: one, for its checks
+            storage.direct_share = share
+            slot, miss = cached_probe(storage.cache, rows, ids, 0, direct_share=share)
+            entry = {"equal_to_device": same_rows(tables["cached"], tables["device"], ids, on_gpu),
+                     "gathered_rows": int(distinct_rows(miss, 0, rows).rows_and_count[-1]),
+                     "direct_reads": int((slot <= -2).sum())}
+            if on_gpu:
+                from wall_clock import median_wall_us
+
+                entry["us"] = median_wall_us(lambda: tables["cached"].lookup(ids), repeats=20)
+            else:
+                entry["us"] = cpu_us(lambda: tables["cached"].lookup(ids), repeats=1)
+            sweep[str(share)] = entry
+    finally:
+        storage.direct_share = default
+    return sweep
+
+
+def stage_breakdown(tables, ids: torch.Tensor, rows: int) -> dict:
+    """Per stage of ``cached``'s host-gather path on ``ids`` (GPU): device time of the probe, of the dedup of
+    its miss ids and of each merge kernel; wall clock of the host gather of the misses (dedup, ids to the
+    host, worker's gather, copies) and of ``host``'s host gather of all the ids."""
+    from host_table_fixture import gpu_us
+    from wall_clock import median_wall_us
+
+    from engram.table.cache_gather import cached_merge_rows, cached_merge_rows_packed, cached_probe
+    from engram.table.host_dedup import distinct_rows
+
+    storage = tables["cached"].storage
+    cache, host_gather = storage.cache, storage.host.host_gather
+    slot, miss = cached_probe(cache, rows, ids, 0)
+
+    def gather(pipeline, gather_ids):
+        def run():
+            stream = torch.cuda.current_stream()
+            staged, inverse = pipeline.finish(pipeline.start(gather_ids, 0, stream), stream)
+            pipeline.consumed(stream)
+            return staged, inverse
+        return run
+
+    stages = {"probe_device_us": gpu_us(lambda: cached_probe(cache, rows, ids, 0)),
+              "dedup_misses_device_us": gpu_us(lambda: distinct_rows(miss, 0, rows)),
+              "host_gather_misses_wall_us": median_wall_us(gather(host_gather, miss), repeats=20)}
+    staged, inverse = gather(host_gather, miss)()
+    stages["merge_bf16_device_us"] = gpu_us(lambda: cached_merge_rows(cache, slot, staged, inverse))
+    stages["merge_packed_device_us"] = gpu_us(lambda: cached_merge_rows_packed(cache, slot, staged, inverse))
+    host_gather.consumed(torch.cuda.current_stream())
+    if "host" in tables:
+        stages["host_gather_all_ids_wall_us"] = median_wall_us(gather(tables["host"].storage.host_gather, ids),
+                                                               repeats=20)
+    torch.cuda.synchronize()
+    return stages
+
+
 # ---- the report -----------------------------------------------------------------
 def print_table(timings: list[dict], placements) -> None:
-    print(f"{'T':>6} | " + " | ".join(f"{p + ' us':>12}" for p in placements) + " | hit rate | host bytes kept")
+    print(f"{'T':>6} | " + " | ".join(f"{p + ' us':>12}" for p in placements)
+          + " | hit rate | host bytes kept | cached path")
     for row in timings:
         print(f"{row['T']:>6} | " + " | ".join(f"{row[p + '_us']:12.1f}" for p in placements)
-              + f" | {row['hit_rate']:8.1%} | {row['host_bytes_ratio']:.1%}")
+              + f" | {row['hit_rate']:8.1%} | {row['host_bytes_ratio']:15.1%} | {row['cached_path']}")
+        if "stages" in row:
+            print("       stages: " + ", ".join(f"{k} {v:.1f}" for k, v in row["stages"].items()))
+        for share, entry in row.get("direct_share_sweep", {}).items():
+            print(f"       direct share {share}: cached {entry['us']:.1f} us, host gather {entry['gathered_rows']} "
+                  f"rows + {entry['direct_reads']} direct reads, equal to device: {entry['equal_to_device']}")
 
 
 def markdown_table(report: dict, placements) -> str:
     """The README's table (lookup latency, us, synchronized wall clock)."""
     lines = ["| T (tokens x 24 rows) | " + " | ".join(f"`{p}`" for p in placements)
-             + " | cached vs host | hit rate (this step) |",
-             "| --- | " + " | ".join("---" for _ in placements) + " | --- | --- |"]
+             + " | cached vs host | hit rate (this step) | host bytes, cached / host |",
+             "| --- | " + " | ".join("---" for _ in placements) + " | --- | --- | --- |"]
     for row in report["timings"]:
         speedup = f"{row['cached_speedup_vs_host']:.2f}x" if "cached_speedup_vs_host" in row else "n/a"
         lines.append(f"| {row['T']} | " + " | ".join(f"{row[p + '_us']:.1f} us" for p in placements)
-                     + f" | {speedup} | {row['hit_rate']:.1%} |")
+                     + f" | {speedup} | {row['hit_rate']:.1%} | {row['host_bytes_ratio']:.1%} |")
     counted = report["measured"]
     lines.append("")
     lines.append(f"{report['device']}, {report['stream']['corpus']} (held out; cache warmed by the dynamic policy "
@@ -219,7 +368,8 @@ def markdown_table(report: dict, placements) -> str:
                  f"tokens, counted on the next {report['serve']['measured_steps']}): "
                  f"{counted['hit_rate']:.1%} of row reads served from HBM with {_cache_size(report)} cached "
                  f"(ceiling {report['heldout_ceiling']:.1%}, best static set {report['best_static_share']:.1%}); "
-                 f"host bytes moved (deduplicated per step) {counted['host_bytes_ratio']:.1%} of `host`'s.")
+                 f"host rows moved (as each path moves them: distinct rows per step through the host gather) "
+                 f"{counted['host_bytes_ratio']:.1%} of `host`'s.")
     return "\n".join(lines)
 
 
@@ -251,7 +401,7 @@ def main() -> None:
     cache = tables["cached"].storage.cache
     serve = serve_steps(tables, steps, device, on_gpu)
     timings = time_lookups(tables, steps[-1], sizes, device, on_gpu)
-    measured = finish_last_step(tables, steps, device)
+    measured = finish_last_step(tables, steps, device, serve)
     reads = steps.reshape(-1)
     step_reads = sizes.step_tokens * COLUMNS
     report = {"device": torch.cuda.get_device_name() if on_gpu else "cpu (TRITON_INTERPRET=1)",
@@ -269,8 +419,14 @@ def main() -> None:
     last = {row["T"]: row for row in timings}[max(sizes.tokens)]
     report["hit_rate_2pct_heldout"] = measured["hit_rate"]
     report["cached_host_bytes_ratio"] = measured["host_bytes_ratio"]
+    report[f"cached_host_bytes_ratio_T{max(sizes.tokens)}"] = last["host_bytes_ratio"]
     for name in placements:
         report[f"{name}_T{max(sizes.tokens)}_us"] = last[f"{name}_us"]
+    if "stages" in last:
+        report[f"stages_T{max(sizes.tokens)}"] = last["stages"]
+    if "direct_share_sweep" in last:
+        report[f"cached_T{max(sizes.tokens)}_us_by_direct_share"] = {
+            share: entry["us"] for share, entry in last["direct_share_sweep"].items()}
     if args.simulate:
         report["simulated"] = simulated_hit_rates(reads, step_reads, serve["warm_steps"], cache.num_slots,
                                                   device_cache_params(sizes.ways, sizes.aging_interval))
@@ -282,12 +438,15 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=2))
     print_table(timings, placements)
     print(f"\n{markdown_table(report, placements)}\n")
-    headline = [k for k in report if k.endswith("_us") or k in ("hit_rate_2pct_heldout", "cached_host_bytes_ratio",
-                                                                  "heldout_ceiling", "best_static_share", "seconds")]
+    headline = [k for k in report if k.endswith("_us") or k.startswith(("cached_host_bytes_ratio", "stages_"))
+                or k.endswith("_by_direct_share")
+                or k in ("hit_rate_2pct_heldout", "heldout_ceiling", "best_static_share", "seconds")]
     print(json.dumps({k: report[k] for k in headline} | {"simulated": report.get("simulated")}, indent=1))
     print(f"wrote {out}")
     failures = serve["steps_not_equal"] + sum(not v for row in timings for k, v in row.items()
                                               if k.endswith("_equal_to_device"))
+    failures += sum(not entry["equal_to_device"] for row in timings
+                    for entry in row.get("direct_share_sweep", {}).values())
     if failures:
         raise SystemExit(f"{failures} lookups differ from placement 'device'")
 

@@ -74,4 +74,15 @@ def test_bench_cache_smoke_runs_end_to_end(tmp_path):
     assert 0 < report["cached_host_bytes_ratio"] <= 1
     assert report["serve"]["steps_not_equal"] == 0
     assert all(row["cached_equal_to_device"] for row in report["timings"])
+    # The smoke's largest lookups take the host-gather path, as T = 8192 does on the GPU; its rows moved are
+    # the distinct misses (+ the zero row), fewer than the distinct rows "host" would move.
+    last = report["timings"][-1]
+    assert last["cached_path"] == "host_gather" and report["timings"][0]["cached_path"] == "one_kernel"
+    assert 0 < last["moved_rows_cached"] <= last["moved_rows_host"] == last["distinct_rows"]
+    assert report["cached_host_bytes_ratio_T64"] == last["host_bytes_ratio"]
+    sweep = last["direct_share_sweep"]["0.4"]  # a share of the misses read directly instead
+    assert sweep["equal_to_device"] and sweep["direct_reads"] > 0 and sweep["gathered_rows"] < last["moved_rows_cached"]
+    measured = report["measured"]
+    assert measured["distinct_missed_per_step_sum"] <= measured["moved_rows_cached"]
+    assert measured["moved_rows_cached"] <= measured["distinct_missed_per_step_sum"] + report["serve"]["measured_steps"]
     assert "| T (tokens x 24 rows) | `cached` | `device` |" in done.stdout

@@ -277,7 +277,8 @@ class EngramMemory:
         """Start reading every layer's rows of ``hash_ids [T, L, C]`` now, in layer order
         (call it right after hashing, on the stream that runs the layers). With placement
         ``"host"`` large batches are gathered on the host and copied by the copy engine
-        while the decoder runs; each :meth:`forward_layer` given the same ``hash_ids``
+        while the decoder runs (``"cached"``: only the rows its HBM cache misses; call
+        :meth:`update_cache` after the step's layers, not between this and them); each :meth:`forward_layer` given the same ``hash_ids``
         then waits, on the GPU, for its own layer's rows only. Returns at once (no host
         sync); a no-op where the rows already live on the device, for decode-sized batches
         (read directly, graph-capturable) and while a CUDA graph is being captured."""

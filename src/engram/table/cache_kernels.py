@@ -11,6 +11,14 @@ rows (host memory through its CUDA alias, on the GPU) on a miss. Both loads are 
 so a lane touches exactly one of them. Dequantization reuses the helpers of
 :mod:`engram.table.kernels`, so results equal :func:`engram.table.gather.gather_rows`
 bit for bit.
+
+Large lookups split the same work in two launches around the host placement's host gather
+(path (b), :mod:`engram.table.cached`): :func:`cached_probe_kernel` writes each row's slot
+(-1 on a miss) and the miss ids the host gather deduplicates and fetches;
+:func:`cached_merge_bf16_kernel` / :func:`cached_merge_packed_kernel` then read a hit from its
+slot and anything else from the gathered rows through the dedup's ``inverse``. Optionally a
+share of the misses (a hash class of row ids) is read directly from host memory instead, by
+:func:`cached_direct_kernel` while the host gathers the rest (probe slot ``-2 - row``).
 """
 
 from __future__ import annotations
@@ -121,6 +129,174 @@ def cached_gather_packed_kernel(
         total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
         slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
         HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, WAYS)
+    tl.store(out_value_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], value_bytes,
+             mask=in_bounds[:, None, None] & column_mask)
+    tl.store(out_scale_ptr + row_index[:, None] * (HEAD_DIM // _SCALE_GROUP) + group[None, :], scale_bytes,
+             mask=in_bounds[:, None] & group_valid[None, :])
+
+
+@triton.jit
+def _direct_class(local_id, direct_threshold):
+    """Whether local row ``local_id int64 [...]`` (``< 2**31``) is read directly when missed: a byte of
+    ``local_id * 0x9E3779B1`` (a multiplicative hash, so classes do not follow sets or id ranges) below
+    ``direct_threshold`` (0..256: none..all)."""
+    return ((local_id * 0x9E3779B1) >> 16) % 256 < direct_threshold
+
+
+@triton.jit
+def cached_probe_kernel(
+    hash_ids_ptr, tags_ptr, slot_ptr, miss_ptr,
+    total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets, direct_threshold,
+    BLOCK_ROWS: tl.constexpr, WAYS: tl.constexpr,
+):
+    """Probe only: ``slot int32 [T * C_local]`` and ``miss int32 [T * C_local]`` (contiguous) from
+    ``hash_ids [T, C_local]`` (strides ``stride_token``, ``stride_column``):
+
+    with ``r = hash_ids[t, j] - row_start``: ``slot = (r % num_sets) * WAYS + w`` when
+    ``tags[r % num_sets, w] == r``; for a miss (``0 <= r < num_rows``, not held) of the direct class
+    (:func:`_direct_class` below ``direct_threshold``) ``slot = -2 - r``; else -1. ``miss = r`` for the
+    other misses, else -1 (hits, direct misses and ids outside the table: the host gather reads -1 as its
+    zero row). One program per ``BLOCK_ROWS`` rows of the flattened ``[T * C_local]``; reads only the ids
+    and the set's tags.
+    """
+    program = tl.program_id(0)
+    row_index, in_bounds, inside, local_id = _tile_row_ids(
+        hash_ids_ptr, program, total_rows, local_columns, stride_token, stride_column,
+        row_start, num_rows, BLOCK_ROWS)
+    hit, slot = _probe(tags_ptr, local_id, inside, num_sets, WAYS)
+    hit = inside & hit
+    missed = inside & ~hit
+    direct = missed & _direct_class(local_id, direct_threshold)
+    slot = tl.where(hit, slot, tl.where(direct, -2 - local_id, -1))
+    tl.store(slot_ptr + row_index, slot.to(tl.int32), mask=in_bounds)
+    tl.store(miss_ptr + row_index, tl.where(missed & ~direct, local_id, -1).to(tl.int32), mask=in_bounds)
+
+
+@triton.jit
+def cached_direct_kernel(
+    slot_ptr, back_value_ptr, back_scale_ptr, direct_ptr,
+    total_rows, num_rows, back_value_stride, back_scale_stride, direct_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    """The direct misses of a probe, read from the backing rows (host memory, on the GPU): for each ``i``
+    with ``slot[i] <= -2`` (``slot int32 [N]``), ``direct[i, :D] = back_value[r]`` and ``direct[i, D:D + D // 32]
+    = back_scale[r]``, ``r = -2 - slot[i]`` (zeros when ``r`` is outside ``[0, num_rows)``); ``direct uint8
+    [N, >= D + D // 32]`` rows of the other ``i`` are not written. One program per ``BLOCK_ROWS`` rows."""
+    program = tl.program_id(0).to(tl.int64)
+    row_index = program * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_bounds = row_index < total_rows
+    slot = tl.load(slot_ptr + row_index, mask=in_bounds, other=-1).to(tl.int64)
+    wanted = in_bounds & (slot <= -2)
+    local_id = -2 - slot
+    read = wanted & (local_id >= 0) & (local_id < num_rows)
+    local_id = tl.where(read, local_id, 0)
+
+    group = tl.arange(0, GROUPS_PADDED)
+    lane = tl.arange(0, _SCALE_GROUP)
+    group_valid = group < HEAD_DIM // _SCALE_GROUP
+    column = group[:, None] * _SCALE_GROUP + lane[None, :]  # [GROUPS_PADDED, 32]
+    values = tl.load(back_value_ptr + local_id[:, None, None] * back_value_stride + column[None, :, :],
+                     mask=read[:, None, None] & group_valid[None, :, None], other=0)
+    scales = tl.load(back_scale_ptr + local_id[:, None] * back_scale_stride + group[None, :],
+                     mask=read[:, None] & group_valid[None, :], other=0)
+    tl.store(direct_ptr + row_index[:, None, None] * direct_stride + column[None, :, :], values,
+             mask=wanted[:, None, None] & group_valid[None, :, None])
+    tl.store(direct_ptr + row_index[:, None] * direct_stride + HEAD_DIM + group[None, :], scales,
+             mask=wanted[:, None] & group_valid[None, :])
+
+
+@triton.jit
+def _merged_row_bytes(slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr,
+                      direct_ptr, total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride,
+                      staged_value_stride, staged_scale_stride, direct_stride,
+                      HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                      HAS_DIRECT: tl.constexpr):
+    """This program's rows from up to three sources: ``(row_index, in_bounds, column, column_mask, group,
+    group_valid, value_bytes [BLOCK_ROWS, GROUPS_PADDED, 32], scale_bytes [BLOCK_ROWS, GROUPS_PADDED])``:
+    cache slot ``s = slot[i]`` when ``0 <= s < num_slots``; with ``HAS_DIRECT``, row ``i`` of the direct
+    reads when ``s <= -2``; else row ``inverse[i]`` of the staged rows when ``0 <= inverse[i] < staged_rows``;
+    else zeros (each lane makes at most one of the loads)."""
+    program = tl.program_id(0).to(tl.int64)
+    row_index = program * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_bounds = row_index < total_rows
+    slot = tl.load(slot_ptr + row_index, mask=in_bounds, other=-1).to(tl.int64)
+    staged = tl.load(inverse_ptr + row_index, mask=in_bounds, other=-1).to(tl.int64)
+    hit = in_bounds & (slot >= 0) & (slot < num_slots)
+    if HAS_DIRECT:
+        from_direct = in_bounds & (slot <= -2)
+    else:
+        from_direct = row_index < 0  # never
+    from_staging = in_bounds & ~hit & ~from_direct & (staged >= 0) & (staged < staged_rows)
+    slot = tl.where(hit, slot, 0)
+    staged = tl.where(from_staging, staged, 0)
+
+    group = tl.arange(0, GROUPS_PADDED)
+    lane = tl.arange(0, _SCALE_GROUP)
+    group_valid = group < HEAD_DIM // _SCALE_GROUP
+    column = group[:, None] * _SCALE_GROUP + lane[None, :]  # [GROUPS_PADDED, 32]
+    column_mask = group_valid[None, :, None]
+
+    hit_values = tl.load(slot_value_ptr + slot[:, None, None] * slot_value_stride + column[None, :, :],
+                         mask=hit[:, None, None] & column_mask, other=0)
+    staged_values = tl.load(staged_value_ptr + staged[:, None, None] * staged_value_stride + column[None, :, :],
+                            mask=from_staging[:, None, None] & column_mask, other=0)
+    hit_scales = tl.load(slot_scale_ptr + slot[:, None] * slot_scale_stride + group[None, :],
+                         mask=hit[:, None] & group_valid[None, :], other=0)
+    staged_scales = tl.load(staged_scale_ptr + staged[:, None] * staged_scale_stride + group[None, :],
+                            mask=from_staging[:, None] & group_valid[None, :], other=0)
+    value_bytes = tl.where(hit[:, None, None], hit_values, staged_values)
+    scale_bytes = tl.where(hit[:, None], hit_scales, staged_scales)
+    if HAS_DIRECT:
+        direct_values = tl.load(direct_ptr + row_index[:, None, None] * direct_stride + column[None, :, :],
+                                mask=from_direct[:, None, None] & column_mask, other=0)
+        direct_scales = tl.load(direct_ptr + row_index[:, None] * direct_stride + HEAD_DIM + group[None, :],
+                                mask=from_direct[:, None] & group_valid[None, :], other=0)
+        value_bytes = tl.where(from_direct[:, None, None], direct_values, value_bytes)
+        scale_bytes = tl.where(from_direct[:, None], direct_scales, scale_bytes)
+    return row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes
+
+
+@triton.jit
+def cached_merge_bf16_kernel(
+    slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr, out_ptr,
+    total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
+    staged_scale_stride, direct_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DIRECT: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """``out bf16 [N, D]`` (contiguous; ``N = T * C_local``) from ``slot int32 [N]`` and ``inverse int32 [N]``:
+
+    ``out[i, d] = bf16(e4m3(v[d]) * 2**(s[d // 32] - 127))`` with ``(v, s)`` the bytes of cache slot
+    ``slot[i]`` (``slot_value [slots, D]``, ``slot_scale [slots, D // 32]``) when ``0 <= slot[i] < num_slots``;
+    with ``HAS_DIRECT`` of row ``i`` of ``direct uint8 [N, >= D + D // 32]`` (values, then scales) when
+    ``slot[i] <= -2``; else of row ``inverse[i]`` of the staged rows (``staged_value [staged_rows, D]``,
+    ``staged_scale [staged_rows, D // 32]``); +0 when that row does not exist. One program per
+    ``BLOCK_ROWS`` rows.
+    """
+    row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _merged_row_bytes(
+        slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr,
+        total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
+        staged_scale_stride, direct_stride, HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, HAS_DIRECT)
+    scale = _scale_factors(scale_bytes)[:, :, None]  # [BLOCK_ROWS, GROUPS_PADDED, 1]
+    product = _decode_e4m3(value_bytes, DECODE) * scale  # exact in fp32; one rounding to bf16
+    tl.store(out_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], product.to(tl.bfloat16),
+             mask=in_bounds[:, None, None] & column_mask)
+
+
+@triton.jit
+def cached_merge_packed_kernel(
+    slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr,
+    out_value_ptr, out_scale_ptr,
+    total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
+    staged_scale_stride, direct_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DIRECT: tl.constexpr,
+):
+    """Raw FP8 bytes of :func:`cached_merge_bf16_kernel`'s rows: ``out_value uint8 [N, D]``,
+    ``out_scale uint8 [N, D // 32]`` (contiguous); all-zero bytes where no source applies."""
+    row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _merged_row_bytes(
+        slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr,
+        total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
+        staged_scale_stride, direct_stride, HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, HAS_DIRECT)
     tl.store(out_value_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], value_bytes,
              mask=in_bounds[:, None, None] & column_mask)
     tl.store(out_scale_ptr + row_index[:, None] * (HEAD_DIM // _SCALE_GROUP) + group[None, :], scale_bytes,

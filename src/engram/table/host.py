@@ -91,6 +91,12 @@ class HostPlacement(TablePlacement):
         """Bytes of host memory the table takes (packed rows and the zero row)."""
         return self.rows.packed.numel()
 
+    @property
+    def host_gather(self) -> HostGather:
+        """The table's path (b) (:class:`~engram.table.host_gather.HostGather` over :attr:`rows`); placement
+        ``"cached"`` sends the misses of its large lookups through it (ids local: ``row_start`` 0)."""
+        return self._host_gather
+
     # ---- torch path ----------------------------------------------------------
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch path (backend ``"torch"``): ids to the host (a sync), ``index_select`` there."""

@@ -26,6 +26,16 @@ No step writes a slot twice, so the result does not depend on the order of the w
 An update is one sort of the step's ids plus fixed-size gathers and scatters, with no host
 sync; it reads only the admitted rows from the backing rows (through the gather kernel,
 whose masked loads skip the others: on the GPU those rows are in host memory).
+
+:attr:`RowCache.version` counts the calls that may change the content (``update``,
+``load_hot``, ``clear``): a lookup split in two launches (probe, then merge; see
+:mod:`engram.table.cached`) checks it to know its probe still describes the slots.
+
+References of the split lookup: :func:`cached_probe_reference` (slot per row, -1 unless a
+hit or ``-2 - row`` for a miss of the direct class, and the miss ids),
+:func:`cached_direct_reference` (the direct class's rows) and :func:`cached_merge_reference` (a
+hit from its slot, a direct miss from the direct reads, anything else from the host gather's
+rows through ``inverse``).
 """
 
 from __future__ import annotations
@@ -35,7 +45,8 @@ import torch
 from .fp8 import BLOCK_SIZE
 from .host_rows import packed_row_bytes
 
-__all__ = ["RowCache", "cached_lookup_reference"]
+__all__ = ["RowCache", "cached_lookup_reference", "cached_probe_reference", "cached_direct_reference",
+           "cached_merge_reference", "direct_class"]
 
 COUNTER_MAX = 2**30
 
@@ -76,6 +87,8 @@ class RowCache:
         self._tags = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
         self._counters = torch.zeros(slots + 1, dtype=torch.int32, device=device)
         self.updates = 0
+        self.version = 0
+        """Bumped (on the host) by every call that may change the content: ``update``, ``load_hot``, ``clear``."""
         self.stats = torch.zeros(4, dtype=torch.int64, device=device)
         """``int64 [4]`` summed over :meth:`update` calls: reads (ids inside the table), reads that hit,
         distinct rows per step, distinct missed rows per step (the host rows a step moves after
@@ -122,6 +135,7 @@ class RowCache:
 
     def clear(self) -> None:
         """Empty every slot (in place)."""
+        self.version += 1
         self._tags.fill_(-1)
         self._counters.zero_()
 
@@ -158,6 +172,7 @@ class RowCache:
         candidate = first & ~hit
         self.stats += torch.stack([valid.sum(), hit.sum(), first.sum(), candidate.sum()])
         self.updates += 1
+        self.version += 1
         if self.updates % self.aging_interval == 0:
             self._counters.bitwise_right_shift_(1)
         self._counters.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
@@ -259,3 +274,72 @@ def cached_lookup_reference(cache: RowCache, back_values: torch.Tensor, back_sca
     scales = scales * inside[:, None]
     head_dim = cache.head_dim
     return values.view(tokens, columns, head_dim), scales.view(tokens, columns, head_dim // BLOCK_SIZE)
+
+
+def direct_class(local_ids: torch.Tensor, threshold: int) -> torch.Tensor:
+    """``bool [...]``: rows read directly when missed (:func:`engram.table.cache_gather.cached_probe`'s
+    ``direct_share``, ``threshold = round(256 * direct_share)``): ``((r * 0x9E3779B1) >> 16) % 256 < threshold``
+    for local ids ``0 <= r < 2**31`` (int64)."""
+    return ((local_ids.to(torch.int64) * 0x9E3779B1) >> 16) % 256 < threshold
+
+
+def cached_probe_reference(cache: RowCache, num_rows: int, hash_ids: torch.Tensor, row_start: int = 0,
+                           direct_threshold: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of :func:`engram.table.cache_gather.cached_probe`: ``hash_ids int [T, C]`` ->
+    ``(slot int32 [T, C], miss int32 [T, C])``: with ``r = hash_ids - row_start``, ``slot`` = the cache slot
+    holding ``r``, else ``-2 - r`` for a miss of :func:`direct_class` ``(r, direct_threshold)``, else -1;
+    ``miss = r`` for the other misses (``0 <= r < num_rows``, not held), else -1."""
+    local = hash_ids.reshape(-1).to(torch.int64) - row_start
+    inside = (local >= 0) & (local < num_rows)
+    hit, slot = cache.probe(local, num_rows)
+    missed = inside & ~hit
+    direct = missed & direct_class(torch.where(inside, local, 0), direct_threshold)
+    slot = torch.where(hit, slot, torch.where(direct, -2 - local, -1))
+    miss = torch.where(missed & ~direct, local, -1)
+    return slot.to(torch.int32).view(hash_ids.shape), miss.to(torch.int32).view(hash_ids.shape)
+
+
+def cached_direct_reference(slot: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
+                            out: torch.Tensor) -> torch.Tensor:
+    """Plain-torch reference of :func:`engram.table.cache_gather.cached_direct_reads`: a copy of ``out uint8
+    [T, C, W]`` whose rows with ``slot <= -2`` hold ``back_values[r]`` then ``back_scales[r]`` (``r = -2 - slot``;
+    zeros when ``r`` is outside the rows), the rest of them unchanged."""
+    head_dim, groups = back_values.shape[1], back_scales.shape[1]
+    result = out.clone()
+    flat = result.view(-1, out.shape[2])
+    slot = slot.reshape(-1).to(torch.int64)
+    wanted = slot <= -2
+    local = -2 - slot
+    read = wanted & (local >= 0) & (local < back_values.shape[0])
+    safe = torch.where(read, local, 0)
+    flat[wanted, :head_dim] = (back_values[safe] * read[:, None])[wanted]
+    flat[wanted, head_dim: head_dim + groups] = (back_scales[safe] * read[:, None])[wanted]
+    return result
+
+
+def cached_merge_reference(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor,
+                           direct: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of :func:`engram.table.cache_gather.cached_merge_rows_packed`: ``slot int [T, C]``,
+    ``staged uint8 [S, >= D + D // 32]`` (packed rows), ``inverse int [T, C]``, optional ``direct uint8
+    [T, C, >= D + D // 32]`` -> ``(values uint8 [T, C, D], scales uint8 [T, C, D // 32])``: cache slot ``slot``
+    when ``0 <= slot < slots``, else (with ``direct``) ``direct[t, j]`` when ``slot <= -2``, else
+    ``staged[inverse]`` when ``0 <= inverse < S``, else zeros."""
+    tokens, columns = slot.shape
+    head_dim, groups = cache.head_dim, cache.head_dim // BLOCK_SIZE
+    slot = slot.reshape(-1).to(torch.int64)
+    inverse = inverse.reshape(-1).to(torch.int64)
+    hit = (slot >= 0) & (slot < cache.num_slots)
+    from_direct = (slot <= -2) if direct is not None else torch.zeros_like(hit)
+    from_staging = ~hit & ~from_direct & (inverse >= 0) & (inverse < staged.shape[0])
+    safe_slot = torch.where(hit, slot, 0)
+    safe_inverse = torch.where(from_staging, inverse, 0)
+    staged_rows = staged[safe_inverse] if staged.shape[0] else torch.zeros(slot.numel(), staged.shape[1],
+                                                                          dtype=torch.uint8, device=slot.device)
+    values = torch.where(hit[:, None], cache.slot_values[safe_slot], staged_rows[:, :head_dim])
+    scales = torch.where(hit[:, None], cache.slot_scales[safe_slot], staged_rows[:, head_dim: head_dim + groups])
+    if direct is not None:
+        direct_rows = direct.reshape(-1, direct.shape[2])
+        values = torch.where(from_direct[:, None], direct_rows[:, :head_dim], values)
+        scales = torch.where(from_direct[:, None], direct_rows[:, head_dim: head_dim + groups], scales)
+    keep = (hit | from_direct | from_staging)[:, None]
+    return (values * keep).view(tokens, columns, head_dim), (scales * keep).view(tokens, columns, groups)
