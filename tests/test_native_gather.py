@@ -15,18 +15,18 @@ import pytest
 import torch
 
 from conftest import missing_dependency
-from engram.table import native_gather
+from engram.table import native_build, native_gather
 from engram.table.host_gather import gather_packed_rows_host
 
 
 @pytest.fixture
 def native(monkeypatch):
-    """The C gather (skip where it cannot be built), with chunks of a few rows so that
-    small tests split into several chunks."""
+    """The C gather (skip where it cannot be built), with blocks of a few rows so that small
+    tests run on the pool, several blocks per thread."""
     available, detail = native_gather.native_gather_status()
     if not available:
         missing_dependency(f"the C row gather: {detail}")
-    monkeypatch.setattr(native_gather, "MIN_CHUNK_ROWS", 4)
+    monkeypatch.setattr(native_gather, "BLOCK_ROWS", 4)
     return native_gather
 
 
@@ -34,7 +34,7 @@ def native(monkeypatch):
 def fresh_build(monkeypatch, tmp_path):
     """Forget the process's loaded library (restored after the test) and build into an
     empty cache directory; returns that directory."""
-    monkeypatch.setattr(native_gather, "_STATE", [])
+    monkeypatch.setattr(native_gather, "_LOADED", [])
     monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(native_gather.FORCE_TORCH_ENV, raising=False)
     return tmp_path
@@ -85,7 +85,7 @@ def test_empty_and_single_row_gathers(native, rng):
 
 
 def test_more_threads_than_rows(native, monkeypatch, rng):
-    monkeypatch.setattr(native_gather, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(native_gather, "BLOCK_ROWS", 1)
     table, ids, out = _random_case(rng, 30, 272, 3)
     native.gather_rows_prefetch(table, ids, out, 16)
     assert torch.equal(out, table[ids])
@@ -100,13 +100,63 @@ def test_started_gathers_finish_in_any_wait_order(native, rng):
     assert torch.equal(out, table[ids])
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_waves_are_ready_in_order(native, threads, rng):
+    table, ids, out = _random_case(rng, 300, 272, 203)
+    wave_ends = [50, 50, 120, 203]  # an empty wave too
+    gathered = native.start_gather_rows(table, ids, out, threads, wave_ends=wave_ends)
+    assert gathered.num_waves == 4
+    for wave, end in enumerate(wave_ends):
+        gathered.wait(wave)
+        assert torch.equal(out[:end], table[ids[:end]])
+    gathered.wait()  # everything was waited for: returns at once
+    with pytest.raises(ValueError, match=r"wave: expected 0 <= wave < 4, found 4"):
+        gathered.wait(4)
+
+
+def test_a_gather_on_the_waiting_thread_runs_wave_by_wave(native, rng):
+    """threads = 1: nothing is copied before wait(), then only the waves waited for."""
+    table, ids, out = _random_case(rng, 100, 48, 60)
+    gathered = native.start_gather_rows(table, ids, out, 1, wave_ends=[20, 60])
+    assert int((out != 0xAB).sum()) == 0
+    gathered.wait(0)
+    assert torch.equal(out[:20], table[ids[:20]]) and int((out[20:] != 0xAB).sum()) == 0
+    gathered.wait(1)
+    assert torch.equal(out, table[ids])
+
+
+@pytest.mark.parametrize("wave_ends", [[], [10, 5, 40], [10, 39], [10, 41], [10.0, 40], [True, 40]])
+def test_bad_wave_ends_are_named(wave_ends, rng):
+    table, ids, out = _random_case(rng, 10, 16, 40)
+    with pytest.raises(ValueError, match=r"wave_ends: expected ascending integers in \[0, 40\] ending at 40"):
+        native_gather.start_gather_rows(table, ids, out, 2, wave_ends=wave_ends)
+
+
+def test_repeated_pool_gathers_stay_exact(native, monkeypatch, rng):
+    """Many small gathers on the pool (blocks of 7 rows, uneven waves): any race between
+    the threads' copies and the wave counters would show as a wrong row."""
+    monkeypatch.setattr(native_gather, "BLOCK_ROWS", 7)
+    table, _, _ = _random_case(rng, 500, 272, 0)
+    for _ in range(40):
+        count = int(rng.integers(8, 400))
+        ids = torch.from_numpy(rng.integers(0, 500, count))
+        out = torch.full((count, 272), 0xAB, dtype=torch.uint8)
+        ends = sorted({int(e) for e in rng.integers(0, count, 3)} | {count})
+        gathered = native.start_gather_rows(table, ids, out, 3, wave_ends=ends)
+        for wave, end in enumerate(ends):
+            gathered.wait(wave)
+            assert torch.equal(out[:end], table[ids[:end]])
+
+
 @pytest.mark.parametrize("bad_id", [-1, 30, 2**40])
 def test_an_id_outside_the_table_raises_naming_it(native, bad_id, rng):
     table, ids, out = _random_case(rng, 30, 272, 40)
     ids[25] = bad_id
-    with pytest.raises(IndexError, match=rf"ids\[25\] = {bad_id} is outside the table's 30 rows"):
-        native.gather_rows_prefetch(table, ids, out, 3)
-    assert torch.equal(out[:10], table[ids[:10]])  # chunks before it were copied
+    ids[33] = bad_id
+    for threads in (1, 3):
+        with pytest.raises(IndexError, match=rf"ids\[25\] = {bad_id} is outside the table's 30 rows"):
+            native.gather_rows_prefetch(table, ids, out, threads)
+        assert torch.equal(out[:24], table[ids[:24]])  # the rows before it were copied
 
 
 def test_argument_errors_name_the_field():
@@ -139,7 +189,7 @@ def test_argument_errors_name_the_field():
 
 
 def test_the_build_lands_in_the_cache_directory(fresh_build):
-    if native_gather._compiler_command() is None:
+    if native_build.compiler_command() is None:
         missing_dependency("no C compiler (cc or gcc)")
     available, detail = native_gather.native_gather_status()
     assert available, detail
@@ -191,7 +241,7 @@ def test_host_tables_gather_the_same_bytes_either_way(native, monkeypatch, rng):
     global_ids = torch.from_numpy(rng.integers(980, 1080, 500)).to(torch.int32)  # rows start at 1000
     through_c = torch.full((500, 272), 0xAB, dtype=torch.uint8)
     gather_packed_rows_host(table, global_ids, 1000, through_c)
-    monkeypatch.setattr(native_gather, "_STATE", [native_gather._Library(None, "test: torch path")])
+    monkeypatch.setattr(native_gather, "_LOADED", [native_gather._Loaded(None, "test: torch path")])
     through_torch = torch.full((500, 272), 0xCD, dtype=torch.uint8)
     gather_packed_rows_host(table, global_ids, 1000, through_torch)
     assert torch.equal(through_c, through_torch)

@@ -1,158 +1,106 @@
-"""Host row gather with software prefetch: a small C function, compiled on first use.
+"""Host row gather with software prefetch: ``native/row_gather.c``, compiled on first use.
 
 ``gather_rows_prefetch(table, ids, out, threads)`` copies ``out[i] = table[ids[i]]`` like
 ``torch.index_select(table, 0, ids, out=out)``, bit for bit, but keeps many row reads in
-flight per thread (``native/row_gather.c`` prefetches every cache line of the rows
-``PREFETCH_DISTANCE`` ids ahead). The rows are split into ``threads`` contiguous chunks run
-on a persistent pool of Python threads; each chunk is one ctypes call, which releases the
-GIL, so the chunks copy in parallel. No OpenMP: torch's libgomp keeps its own threads.
+flight per thread: the C loop prefetches every cache line of the rows
+:data:`PREFETCH_DISTANCE` ids ahead.
 
 Why: torch's index_select copies one row after the other, one row in flight per thread,
 so a gather of 196,608 distinct rows of 272 B from a 34 GiB table is bound by DRAM latency
 (H200 host, 16 vCPU KVM: 2.4 ms, 22 GB/s on 14 threads; benchmarks/NOTES.md "Host tables
-v2"). See ``benchmarks/probe_row_gather.py`` and NOTES "Host tables v3" for this gather's
-numbers.
+v2"). This machine (AMD EPYC KVM, 2 vCPUs, 8 GiB table, ``probe_row_gather.py``): torch
+19.8-20.4 ms, the C gather 11.7-12.3 ms (1.6-1.8x; 4.6 GB/s, half of this VM's 9.4 GB/s
+sequential copy). The H200's numbers: NOTES "Host tables v3".
 
-Build: the system C compiler (``$CC``, else ``cc``, else ``gcc``) with ``-O3 -shared -fPIC``
-into the engram cache directory (``$ENGRAM_CACHE_DIR``, ``$XDG_CACHE_HOME/engram`` or
-``~/.cache/engram``), the file named by a hash of the source, the compiler and its flags,
-written to a temporary file and renamed into place (concurrent processes are safe). When
-there is no compiler or the build fails, one warning names the reason and every call
-falls back to ``torch.index_select``. ``ENGRAM_HOST_GATHER=torch`` forces that fallback;
-the choice is made once per process, at the first call.
+Threads: a gather of more than one block (:data:`BLOCK_ROWS`) on ``threads`` > 1 runs on a
+persistent pool of Python threads, one task per thread per gather (each task is one ctypes
+call, which releases the GIL): the threads claim blocks of rows from a shared atomic
+counter, so a thread that starts late (a Python thread hand-off costs 35-55 us here and
+60-210 us was seen on the H200 host) takes fewer blocks instead of delaying the end.
+A gather may be split into waves (consecutive row ranges): ``RowGather.wait(wave)``
+returns once that wave's rows are in ``out``, waited for in C (a futex), so a caller can
+start copying a wave while the next is gathered. Smaller gathers, ``threads`` == 1 and the
+torch fallback run inside ``wait``, on the waiting thread, one wave at a time. No OpenMP
+(torch's libgomp keeps its own threads).
+
+Build (:mod:`engram.table.native_build`): the system C compiler into the engram cache
+directory. When there is no compiler or the build fails, one warning names the reason and
+every call falls back to ``torch.index_select``. ``ENGRAM_HOST_GATHER=torch`` forces that
+fallback, silently. The choice is made once per process, at the first gather.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
+from .native_build import RowGatherLibrary, build_row_gather
+
 __all__ = ["gather_rows_prefetch", "start_gather_rows", "RowGather", "native_gather_status", "PREFETCH_DISTANCE",
-           "PREFETCH_LOCALITY", "STREAMING_STORES", "FORCE_TORCH_ENV"]
+           "PREFETCH_LOCALITY", "STREAMING_STORES", "BLOCK_ROWS", "FORCE_TORCH_ENV"]
 
-SOURCE = Path(__file__).with_name("native") / "row_gather.c"
-CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 FORCE_TORCH_ENV = "ENGRAM_HOST_GATHER"  # "torch": always torch.index_select
-_COMPILE_TIMEOUT_S = 120
 
-# Rows prefetched ahead of the one being copied, per thread. TODO(H200): distance sweep.
-PREFETCH_DISTANCE = 16
-# __builtin_prefetch locality: 3 = prefetcht0 (every cache level), 2 / 1 = L2 (t1 / t2), 0 = nta.
-PREFETCH_LOCALITY = 3
-# Non-temporal stores into `out` (x86): no read-for-ownership of the staging, which the copy
-# engine reads next; but on Intel they hold the same fill buffers the prefetches need.
-STREAMING_STORES = False
-_STREAMING_FLAG = 1  # ENGRAM_STREAMING_STORES in row_gather.c
+# Prefetch settings (probe_row_gather.py sweeps them). This machine (AMD EPYC KVM, 8 GiB table,
+# 4 KiB pages), speedup over torch: distance 8-32 about the same (1.6-1.8x), 4 1.5x, 0 1.0x;
+# locality 2 (prefetcht1, into L2) 1.6-1.8x against 1.4-1.6x for 3 (prefetcht0); non-temporal
+# stores 1.2-1.4x (they also hold the fill buffers the prefetches need on Intel). H200: to measure.
+PREFETCH_DISTANCE = 16  # rows ahead of the one being copied, per thread
+PREFETCH_LOCALITY = 2   # __builtin_prefetch's: 3 = prefetcht0, 2 = prefetcht1, 1 = prefetcht2, 0 = prefetchnta
+STREAMING_STORES = False  # non-temporal 16-byte stores into `out` (x86)
+_STREAMING_FLAG = 1       # ENGRAM_STREAMING_STORES in row_gather.c
 
-# A chunk is one ctypes call on one pool thread; smaller gathers use fewer threads (a
-# thread hand-off costs ~10-50 us, the copy of 1024 rows ~50-150 us).
-MIN_CHUNK_ROWS = 1024
+# Rows per claimed block: ~140 KB of 272 B rows, 30-60 us of copying per thread; a wave of
+# 49,152 rows is 96 blocks. Gathers of at most one block run on the waiting thread.
+BLOCK_ROWS = 512
+
+_STATE_FIRST_FAILURE = 1  # row_gather.c's state words: next block, first failure, rows per wave
+_STATE_WAVE_ROWS = 2
+_NO_FAILURE = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
-class _Library:
-    function: object | None  # the ctypes function, or None: torch fallback
-    reason: str              # where it was loaded from, or why not
+class _Loaded:
+    library: RowGatherLibrary | None  # None: the torch fallback
+    reason: str                       # why the fallback ("" when the library loaded)
 
 
-_STATE: list[_Library] = []
-_STATE_LOCK = threading.Lock()
+_LOADED: list[_Loaded] = []
+_LOAD_LOCK = threading.Lock()
 
 
-def _compiler_command() -> list[str] | None:
-    given = os.environ.get("CC")
-    if given:
-        return shlex.split(given)
-    found = shutil.which("cc") or shutil.which("gcc")
-    return [found] if found else None
-
-
-def _library_name(compiler: list[str], source: bytes) -> str:
-    key = hashlib.sha256()
-    for part in (source, " ".join(compiler).encode(), " ".join(CFLAGS).encode(), platform.machine().encode()):
-        key.update(part)
-        key.update(b"\0")
-    return f"row_gather-{key.hexdigest()[:16]}.so"
-
-
-def _compile(compiler: list[str], source_path: Path, target: Path) -> None:
-    """Build into a temporary file next to ``target``, then rename it into place (atomic)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=target.stem + "-", suffix=".so.tmp")
-    os.close(handle)
-    try:
-        result = subprocess.run([*compiler, *CFLAGS, "-o", temporary, str(source_path)], capture_output=True,
-                                text=True, timeout=_COMPILE_TIMEOUT_S)
-        if result.returncode != 0:
-            detail = (result.stderr or result.stdout).strip().splitlines()[:5]
-            raise RuntimeError(f"{' '.join(compiler)} exited with status {result.returncode}: " + " | ".join(detail))
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-
-
-def _build_and_load() -> _Library:
+def _load() -> _Loaded:
     if os.environ.get(FORCE_TORCH_ENV, "").strip().lower() == "torch":
-        return _Library(None, f"{FORCE_TORCH_ENV}=torch")
-    compiler = _compiler_command()
-    if compiler is None:
-        return _Library(None, "no C compiler found ($CC unset, neither cc nor gcc on PATH)")
-    source = SOURCE.read_bytes()
-    from ..vocab import cache_dir  # the package's cache directory (token maps live there too)
-
-    name = _library_name(compiler, source)
-    target = cache_dir() / name
-    try:
-        if not target.exists():
-            try:
-                _compile(compiler, SOURCE, target)
-            except OSError:  # cache directory not writable: a private temporary directory
-                target = Path(tempfile.mkdtemp(prefix="engram-native-")) / name
-                _compile(compiler, SOURCE, target)
-        library = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-        return _Library(None, f"building {SOURCE.name} with {' '.join(compiler)} failed: {error}")
-    function = library.engram_gather_rows
-    function.restype = ctypes.c_int64
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    return _Library(function, str(target))
+        return _Loaded(None, f"{FORCE_TORCH_ENV}=torch")
+    library, reason = build_row_gather()
+    if library is None:
+        warnings.warn(f"engram host gather: the prefetching C gather is unavailable ({reason}); using "
+                      "torch.index_select, which is slower for large lookups", RuntimeWarning, stacklevel=4)
+    return _Loaded(library, reason)
 
 
-def _library() -> _Library:
-    """Built and loaded once per process; the fallback's warning is given once."""
-    if not _STATE:
-        with _STATE_LOCK:
-            if not _STATE:
-                loaded = _build_and_load()
-                if loaded.function is None and not loaded.reason.startswith(FORCE_TORCH_ENV):
-                    warnings.warn(f"engram host gather: the prefetching C gather is unavailable ({loaded.reason}); "
-                                  "using torch.index_select, which is slower for large lookups", RuntimeWarning,
-                                  stacklevel=3)
-                _STATE.append(loaded)
-    return _STATE[0]
+def _library() -> RowGatherLibrary | None:
+    """Built (or found) and loaded once per process; the fallback's warning comes once."""
+    if not _LOADED:
+        with _LOAD_LOCK:
+            if not _LOADED:
+                _LOADED.append(_load())
+    return _LOADED[0].library
 
 
 def native_gather_status() -> tuple[bool, str]:
-    """``(available, detail)``: whether the C gather is used (builds it on the first call),
-    and the path of the loaded library or why the torch fallback is used."""
-    loaded = _library()
-    return loaded.function is not None, loaded.reason
+    """``(True, path of the library)`` or ``(False, why the torch fallback is used)``; builds
+    the library on the first call."""
+    library = _library()
+    return (True, str(library.path)) if library is not None else (False, _LOADED[0].reason)
 
 
 _POOL: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # (pool, its threads)
@@ -161,7 +109,7 @@ _POOL_LOCK = threading.Lock()
 
 def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
     """The process's copy threads (persistent), grown to ``threads`` when more are asked for
-    (the smaller pool finishes its queued chunks, then its threads exit)."""
+    (a replaced pool finishes its queued tasks, then its threads exit)."""
     with _POOL_LOCK:
         if not _POOL or _POOL[0][1] < threads:
             previous = _POOL[0][0] if _POOL else None
@@ -172,7 +120,7 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
         return _POOL[0][0]
 
 
-def _check(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+def _check_tensors(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, threads: int) -> None:
     for name, tensor in (("table", table), ("ids", ids), ("out", out)):
         if tensor.device.type != "cpu":
             raise ValueError(f"{name}: expected a CPU tensor, found one on {tensor.device}")
@@ -181,102 +129,153 @@ def _check(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, threads: i
                              f"{list(tensor.stride())}")
     if table.dtype != torch.uint8 or table.dim() != 2:
         raise ValueError(f"table: expected uint8 [rows, row_bytes], found {table.dtype} {list(table.shape)}")
+    if table.shape[1] == 0:
+        raise ValueError("table: expected rows of at least one byte, found row_bytes 0")
     if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 1:
         raise ValueError(f"ids: expected int64 (or int32) [N], found {ids.dtype} {list(ids.shape)}")
     expected = [ids.shape[0], table.shape[1]]
     if out.dtype != torch.uint8 or list(out.shape) != expected:
         raise ValueError(f"out: expected uint8 {expected} (ids' length, table's row bytes), found {out.dtype} "
                          f"{list(out.shape)}")
-    if table.shape[1] == 0:
-        raise ValueError("table: expected rows of at least one byte, found row_bytes 0")
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads: expected an integer >= 1, found {threads!r}")
 
 
-class RowGather:
-    """A started gather; :meth:`wait` returns once every row is in ``out``.
-
-    Gathers of several chunks run on the pool from the start. A gather of one chunk (and
-    every gather on the torch fallback, ``index_select`` on the calling thread's intra-op
-    threads) runs inside :meth:`wait`, on the waiting thread: no thread hand-off for small
-    gathers, and a caller that waits for one gather after the other interleaves them with
-    its own work in the same order either way."""
-
-    def __init__(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
-                 futures: list[concurrent.futures.Future], deferred=None):
-        self._table, self._ids, self._out = table, ids, out  # alive while the C code reads them
-        self._futures = futures
-        self._deferred = deferred  # run by wait(): returns the first bad position or -1
-
-    def wait(self) -> None:
-        """Block until done. Raises ``IndexError`` naming the first id outside the table
-        (after every chunk has finished)."""
-        positions = []
-        if self._deferred is not None:
-            deferred, self._deferred = self._deferred, None
-            positions.append(deferred())
-        concurrent.futures.wait(self._futures)
-        positions += [future.result() for future in self._futures]
-        failures = [position for position in positions if position >= 0]
-        if failures:
-            position = min(failures)
-            raise IndexError(f"ids[{position}] = {int(self._ids[position])} is outside the table's "
-                             f"{self._table.shape[0]} rows")
-
-
-def _chunk_bounds(num_rows: int, threads: int) -> list[int]:
-    chunks = max(1, min(threads, num_rows // MIN_CHUNK_ROWS))
-    return [num_rows * k // chunks for k in range(chunks + 1)]
-
-
-def _call(function, table, ids, out, begin, end, settings: tuple[int, int, int]) -> int:
-    """One chunk, ``[begin, end)``; ``settings``: (prefetch distance, locality, options)."""
-    return function(table.data_ptr(), table.shape[0], table.shape[1], ids.data_ptr(), ids.element_size(),
-                    out.data_ptr(), begin, end, *settings)
-
-
-def _index_select(table, ids, out) -> int:
-    torch.index_select(table, 0, ids, out=out)  # raises IndexError itself
-    return -1
+def _check_wave_ends(wave_ends: Sequence[int] | None, num_rows: int) -> list[int]:
+    if wave_ends is None:
+        return [num_rows]
+    ends = list(wave_ends)
+    if (not ends or ends[-1] != num_rows or any(not isinstance(end, int) or isinstance(end, bool) for end in ends)
+            or any(b < a for a, b in zip([0, *ends[:-1]], ends))):
+        raise ValueError(f"wave_ends: expected ascending integers in [0, {num_rows}] ending at {num_rows} (the ids' "
+                         f"length), found {ends}")
+    return ends
 
 
 def _settings(prefetch_distance: int | None, prefetch_locality: int | None,
               streaming_stores: bool | None) -> tuple[int, int, int]:
+    """(distance, locality, options) for the C functions."""
     distance = PREFETCH_DISTANCE if prefetch_distance is None else prefetch_distance
     locality = PREFETCH_LOCALITY if prefetch_locality is None else prefetch_locality
     streaming = STREAMING_STORES if streaming_stores is None else streaming_stores
-    if not isinstance(distance, int) or distance < 0:
+    if isinstance(distance, bool) or not isinstance(distance, int) or distance < 0:
         raise ValueError(f"prefetch_distance: expected an integer >= 0, found {distance!r}")
-    if locality not in (0, 1, 2, 3):
+    if locality not in (0, 1, 2, 3) or isinstance(locality, bool):
         raise ValueError(f"prefetch_locality: expected 0, 1, 2 or 3, found {locality!r}")
     return distance, locality, _STREAMING_FLAG if streaming else 0
 
 
+def _block_plan(wave_ends: list[int]) -> np.ndarray:
+    """int64 ``[blocks, 3]``: (begin, end, wave) of blocks of at most :data:`BLOCK_ROWS` rows,
+    ascending, never across a wave's end."""
+    starts = [0, *wave_ends[:-1]]
+    plans = []
+    for wave, (begin, end) in enumerate(zip(starts, wave_ends)):
+        begins = np.arange(begin, end, BLOCK_ROWS, dtype=np.int64)
+        plans.append(np.stack([begins, np.minimum(begins + BLOCK_ROWS, end), np.full_like(begins, wave)], axis=1))
+    return np.ascontiguousarray(np.concatenate(plans))
+
+
+class RowGather:
+    """A started gather; :meth:`wait` returns once the rows of a wave (or all) are in ``out``.
+
+    Either the pool copies (``futures``, ``state``: row_gather.c's shared words) or nothing
+    runs until :meth:`wait`, which runs ``run_range(begin, end)`` (the C loop or
+    ``index_select``) for each wave not yet done, on the waiting thread."""
+
+    def __init__(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, wave_ends: list[int], *,
+                 library: RowGatherLibrary | None = None, futures: list[concurrent.futures.Future] | None = None,
+                 state: np.ndarray | None = None, plan: np.ndarray | None = None,
+                 run_range: Callable[[int, int], int] | None = None):
+        self._table, self._ids, self._out, self._plan = table, ids, out, plan  # alive while C reads them
+        self._wave_ends = wave_ends
+        self._library, self._futures, self._state = library, futures or [], state
+        self._run_range = run_range
+        self._waves_done = 0  # waves known complete (deferred: run) so far
+
+    @property
+    def num_waves(self) -> int:
+        return len(self._wave_ends)
+
+    def wait(self, wave: int | None = None) -> None:
+        """Block until the rows of waves ``0..wave`` (every wave when None) are in ``out``.
+        Raises ``IndexError`` naming the first id outside the table, once no thread still
+        writes ``out``."""
+        last = self.num_waves - 1 if wave is None else wave
+        if not 0 <= last < self.num_waves:
+            raise ValueError(f"wave: expected 0 <= wave < {self.num_waves}, found {wave}")
+        while self._waves_done <= last:
+            index = self._waves_done
+            begin = 0 if index == 0 else self._wave_ends[index - 1]
+            end = self._wave_ends[index]
+            if self._run_range is not None:
+                self._raise_if_failed(self._run_range(begin, end))
+            else:
+                counter = self._state.ctypes.data + 8 * (_STATE_WAVE_ROWS + index)
+                self._library.wait_rows(counter, end - begin)
+                failure = int(self._state[_STATE_FIRST_FAILURE])
+                if failure != _NO_FAILURE:
+                    self.join()
+                    self._raise_if_failed(int(self._state[_STATE_FIRST_FAILURE]))
+            self._waves_done += 1
+        if self._waves_done == self.num_waves:
+            self.join()
+
+    def join(self) -> None:
+        """Wait until no pool thread works on this gather any more; never raises (for cleanup
+        after an error). Waves not yet run on the waiting thread stay unrun."""
+        concurrent.futures.wait(self._futures)
+
+    def _raise_if_failed(self, position: int) -> None:
+        if position >= 0:
+            raise IndexError(f"ids[{position}] = {int(self._ids[position])} is outside the table's "
+                             f"{self._table.shape[0]} rows")
+
+
+def _c_range(library: RowGatherLibrary, table, ids, out, settings, begin: int, end: int) -> int:
+    return library.gather_rows(table.data_ptr(), table.shape[0], table.shape[1], ids.data_ptr(), ids.element_size(),
+                               out.data_ptr(), begin, end, *settings)
+
+
+def _torch_range(table, ids, out, begin: int, end: int) -> int:
+    torch.index_select(table, 0, ids[begin:end], out=out[begin:end])  # raises IndexError itself
+    return -1
+
+
+def _c_blocks(library: RowGatherLibrary, table, ids, out, plan: np.ndarray, state: np.ndarray, settings) -> None:
+    library.gather_blocks(table.data_ptr(), table.shape[0], table.shape[1], ids.data_ptr(), ids.element_size(),
+                          out.data_ptr(), plan.ctypes.data, plan.shape[0], state.ctypes.data, *settings)
+
+
 def start_gather_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, threads: int, *,
-                      prefetch_distance: int | None = None, prefetch_locality: int | None = None,
-                      streaming_stores: bool | None = None) -> RowGather:
-    """Start ``out[i] = table[ids[i]]`` and return at once (see :class:`RowGather` for where it runs).
+                      wave_ends: Sequence[int] | None = None, prefetch_distance: int | None = None,
+                      prefetch_locality: int | None = None, streaming_stores: bool | None = None) -> RowGather:
+    """Start ``out[i] = table[ids[i]]`` and return at once (where it runs: the module docstring).
 
     ``table`` uint8 ``[rows, row_bytes]``, ``ids`` int64 or int32 ``[N]`` in ``[0, rows)``, ``out``
-    uint8 ``[N, row_bytes]``, all contiguous CPU tensors (``out`` must not overlap ``table``),
-    unchanged until :meth:`RowGather.wait` returns. ``threads`` >= 1: the rows are split into at
-    most that many contiguous chunks of at least :data:`MIN_CHUNK_ROWS` rows, one per pool thread.
-    ``prefetch_distance`` (rows ahead), ``prefetch_locality`` and ``streaming_stores`` default to
-    :data:`PREFETCH_DISTANCE`, :data:`PREFETCH_LOCALITY` and :data:`STREAMING_STORES`.
+    uint8 ``[N, row_bytes]``: contiguous CPU tensors (``out`` not overlapping ``table``),
+    unchanged until the gather is waited for. ``threads`` >= 1. ``wave_ends``: ascending row
+    counts ending at ``N`` (waves ``[0, e0), [e0, e1), ...``; None: one wave), waited for one by
+    one with :meth:`RowGather.wait`. ``prefetch_distance`` (rows ahead), ``prefetch_locality``
+    and ``streaming_stores`` default to :data:`PREFETCH_DISTANCE`, :data:`PREFETCH_LOCALITY`
+    and :data:`STREAMING_STORES`.
     """
-    _check(table, ids, out, threads)
+    _check_tensors(table, ids, out, threads)
+    ends = _check_wave_ends(wave_ends, ids.shape[0])
     settings = _settings(prefetch_distance, prefetch_locality, streaming_stores)
-    function = _library().function
-    if function is None:
-        return RowGather(table, ids, out, [], functools.partial(_index_select, table, ids, out))
-    bounds = _chunk_bounds(ids.shape[0], threads)
-    if len(bounds) == 2:
-        return RowGather(table, ids, out, [], functools.partial(_call, function, table, ids, out, 0, ids.shape[0],
-                                                                settings))
+    library = _library()
+    if library is None:
+        return RowGather(table, ids, out, ends, run_range=functools.partial(_torch_range, table, ids, out))
+    if threads == 1 or ids.shape[0] <= BLOCK_ROWS:
+        return RowGather(table, ids, out, ends, run_range=functools.partial(_c_range, library, table, ids, out,
+                                                                            settings))
+    plan = _block_plan(ends)
+    state = np.zeros(_STATE_WAVE_ROWS + len(ends), dtype=np.int64)
+    state[_STATE_FIRST_FAILURE] = _NO_FAILURE
     pool = _pool(threads)
-    futures = [pool.submit(_call, function, table, ids, out, begin, end, settings)
-               for begin, end in zip(bounds[:-1], bounds[1:])]
-    return RowGather(table, ids, out, futures)
+    futures = [pool.submit(_c_blocks, library, table, ids, out, plan, state, settings)
+               for _ in range(min(threads, plan.shape[0]))]
+    return RowGather(table, ids, out, ends, library=library, futures=futures, state=state, plan=plan)
 
 
 def gather_rows_prefetch(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, threads: int, *,
