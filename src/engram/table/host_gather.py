@@ -4,12 +4,14 @@ The caller's stream finds the lookup's distinct rows (:mod:`engram.table.host_de
 sync), copies them with their count to a pinned buffer and records an event; a worker
 thread waits for that event (the caller never does), gathers each distinct row once into
 pinned staging in waves, and after each wave enqueues its host-to-device copy on a copy
-stream, so the copy of one wave overlaps the gather of the next. The rows are copied by
-the prefetching C gather (:mod:`engram.table.native_gather`) on ``GATHER_THREADS`` pool
-threads, every wave started at once and waited in order (the worker only waits and
-enqueues copies); without a C compiler, by ``index_select`` on the worker's
-``GATHER_THREADS`` intra-op threads, one wave after the other. The consumer makes its stream wait on the last copy's
-event and reads the rows from the device staging buffer through the lookup's ``inverse``.
+stream, so the copy of one wave overlaps the gather of the next. The consumer makes its
+stream wait on the last copy's event and reads the rows from the device staging buffer
+through the lookup's ``inverse``.
+
+The rows are copied by the prefetching C gather (:mod:`engram.table.native_gather`) on
+``GATHER_THREADS`` pool threads, all waves started at once and waited for in order (the
+worker only waits and enqueues copies); without a C compiler, by ``index_select`` on the
+worker's ``GATHER_THREADS`` intra-op threads, one wave after the other.
 
 Buffers are persistent (grown, never shrunk) and guarded by events: the host staging
 is rewritten only after the previous copies finished, the device staging only after
@@ -145,8 +147,9 @@ class HostGather:
 
     def _gather(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event) -> torch.cuda.Event:
         """Worker thread (one; tasks run in order): wait for the ids and for the previous
-        task's copies (the host staging is then free), start every wave's gather (the C
-        gather's pool takes them in order), enqueue each wave's copy as soon as it is gathered."""
+        task's copies (the host staging is then free), start the gather of every wave (the C
+        gather's pool threads take the blocks in order), enqueue each wave's copy as soon as
+        it is gathered."""
         ids_ready.synchronize()
         if self._copies_done is not None:
             self._copies_done.synchronize()
@@ -155,22 +158,18 @@ class HostGather:
         rows = ids_host[:num_rows]
         num_waves = max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
         bounds = [num_rows * k // num_waves for k in range(num_waves + 1)]
-        waves = [(begin, end, start_gather_rows(self.packed, rows[begin:end], self.staging_host[begin:end],
-                                                GATHER_THREADS)) for begin, end in zip(bounds[:-1], bounds[1:])]
+        gathered = start_gather_rows(self.packed, rows, self.staging_host[:num_rows], GATHER_THREADS,
+                                     wave_ends=bounds[1:])
         try:
             with torch.cuda.device(self.device):
-                for begin, end, gathered in waves:
-                    gathered.wait()
+                for wave, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+                    gathered.wait(wave)
                     with torch.cuda.stream(self.copy_stream):
                         self.staging_device[begin:end].copy_(self.staging_host[begin:end], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
         except BaseException:
-            for _, _, gathered in waves:  # no chunk may still write the staging once this task ends
-                try:
-                    gathered.wait()
-                except Exception:
-                    pass
+            gathered.join()  # no pool thread may still write the staging once this task ends
             raise
         self._copies_done = done
         return done
