@@ -9,6 +9,7 @@ skipped (a failure in CI) and the fallback tests still run.
 from __future__ import annotations
 
 import shutil
+import threading
 import warnings
 
 import pytest
@@ -195,6 +196,41 @@ def test_the_build_lands_in_the_cache_directory(fresh_build):
     assert available, detail
     assert [path.name for path in fresh_build.iterdir()] == [detail.rsplit("/", 1)[-1]]  # no temporary left
     assert detail.startswith(str(fresh_build)) and detail.endswith(".so")
+
+
+def test_builds_at_once_each_load_a_complete_library(fresh_build):
+    """Two builders into one empty cache directory (as two processes would): each renames a
+    complete file into place and loads it; no temporary file stays."""
+    if native_build.compiler_command() is None:
+        missing_dependency("no C compiler (cc or gcc)")
+    results = []
+    builders = [threading.Thread(target=lambda: results.append(native_build.build_row_gather())) for _ in range(2)]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join()
+    assert [reason for _, reason in results] == ["", ""]
+    assert len({library.path for library, _ in results}) == 1
+    assert [path.suffix for path in fresh_build.iterdir()] == [".so"]
+
+
+def test_a_task_that_dies_raises_instead_of_hanging(native, monkeypatch, rng):
+    def dies(*args):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(native_gather, "_c_blocks", dies)
+    monkeypatch.setattr(native_gather, "_CHECK_THREADS_NS", 1_000_000)
+    table, ids, out = _random_case(rng, 50, 272, 100)
+    with pytest.raises(MemoryError, match="simulated"):
+        native.gather_rows_prefetch(table, ids, out, 3)
+
+
+def test_a_forked_child_gets_its_own_pool(native, monkeypatch):
+    monkeypatch.setattr(native_gather, "_POOL", [])
+    parent = native_gather._pool(2)
+    assert native_gather._pool(2) is parent
+    monkeypatch.setattr(native_gather.os, "getpid", lambda: -1)
+    assert native_gather._pool(2) is not parent
 
 
 def _assert_falls_back_with_one_warning(reason_pattern: str, rng) -> None:

@@ -94,8 +94,8 @@ def _bind(library: ctypes.CDLL, path: Path) -> RowGatherLibrary:
     gather_blocks.restype = None
     gather_blocks.argtypes = [pointer, i64, i64, pointer, i32, pointer, pointer, i64, pointer, i64, i32, i32]
     wait_rows = library.engram_wait_rows
-    wait_rows.restype = None
-    wait_rows.argtypes = [pointer, i64]
+    wait_rows.restype = i32
+    wait_rows.argtypes = [pointer, i64, i64]
     return RowGatherLibrary(gather_rows, gather_blocks, wait_rows, path)
 
 

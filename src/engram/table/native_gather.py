@@ -65,6 +65,7 @@ BLOCK_ROWS = 512
 _STATE_FIRST_FAILURE = 1  # row_gather.c's state words: next block, first failure, rows per wave
 _STATE_WAVE_ROWS = 2
 _NO_FAILURE = np.iinfo(np.int64).max
+_CHECK_THREADS_NS = 50_000_000  # a waiter checks every 50 ms that the pool's tasks still run
 
 
 @dataclass(frozen=True)
@@ -103,18 +104,20 @@ def native_gather_status() -> tuple[bool, str]:
     return (True, str(library.path)) if library is not None else (False, _LOADED[0].reason)
 
 
-_POOL: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # (pool, its threads)
+_POOL: list[tuple[concurrent.futures.ThreadPoolExecutor, int, int]] = []  # (pool, its threads, process id)
 _POOL_LOCK = threading.Lock()
 
 
 def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
     """The process's copy threads (persistent), grown to ``threads`` when more are asked for
-    (a replaced pool finishes its queued tasks, then its threads exit)."""
+    (a replaced pool finishes its queued tasks, then its threads exit); a new one in a
+    forked child (the parent's threads do not exist there)."""
     with _POOL_LOCK:
-        if not _POOL or _POOL[0][1] < threads:
-            previous = _POOL[0][0] if _POOL else None
+        if not _POOL or _POOL[0][1] < threads or _POOL[0][2] != os.getpid():
+            previous = _POOL[0][0] if _POOL and _POOL[0][2] == os.getpid() else None
             _POOL[:] = [(concurrent.futures.ThreadPoolExecutor(max_workers=threads,
-                                                               thread_name_prefix="engram-row-gather"), threads)]
+                                                               thread_name_prefix="engram-row-gather"), threads,
+                         os.getpid())]
             if previous is not None:
                 previous.shutdown(wait=False)
         return _POOL[0][0]
@@ -211,8 +214,7 @@ class RowGather:
             if self._run_range is not None:
                 self._raise_if_failed(self._run_range(begin, end))
             else:
-                counter = self._state.ctypes.data + 8 * (_STATE_WAVE_ROWS + index)
-                self._library.wait_rows(counter, end - begin)
+                self._wait_counter(index, end - begin)
                 failure = int(self._state[_STATE_FIRST_FAILURE])
                 if failure != _NO_FAILURE:
                     self.join()
@@ -220,6 +222,15 @@ class RowGather:
             self._waves_done += 1
         if self._waves_done == self.num_waves:
             self.join()
+
+    def _wait_counter(self, wave: int, rows: int) -> None:
+        counter = self._state.ctypes.data + 8 * (_STATE_WAVE_ROWS + wave)
+        while not self._library.wait_rows(counter, rows, _CHECK_THREADS_NS):
+            if all(future.done() for future in self._futures):  # every task ended, the rows never came
+                for future in self._futures:
+                    future.result()  # raises what a task raised
+                raise RuntimeError(f"host row gather: the pool's tasks ended with wave {wave} incomplete "
+                                   f"({int(self._state[_STATE_WAVE_ROWS + wave])} of {rows} rows)")
 
     def join(self) -> None:
         """Wait until no pool thread works on this gather any more; never raises (for cleanup

@@ -16,7 +16,7 @@
  *   the next block of rows of a shared plan (an atomic counter, so a thread that starts
  *   late takes fewer blocks) and adds the block's rows to its wave's counter when done.
  * - engram_wait_rows: block until a wave's counter reaches its row count (a futex on
- *   Linux, short sleeps elsewhere).
+ *   Linux, short sleeps elsewhere), or a timeout.
  *
  * Layout: `table` is uint8 [table_rows, row_bytes] (row i at table + i * row_bytes),
  * `out` is uint8 [rows, row_bytes] (row i of the gather at out + i * row_bytes), `ids` holds
@@ -203,22 +203,30 @@ void engram_gather_blocks(const uint8_t *table, int64_t table_rows, int64_t row_
     }
 }
 
-/* Block until *counter >= target (a wave's rows). */
-void engram_wait_rows(int64_t *counter, int64_t target) {
+/* Block until *counter >= target (a wave's rows) or `timeout_ns` have passed: 1 when the
+ * target was reached, 0 on timeout (the caller checks its threads are alive, then waits again). */
+int engram_wait_rows(int64_t *counter, int64_t target, int64_t timeout_ns) {
     for (int spin = 0; spin < 64; ++spin) {
         if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= target) {
-            return;
+            return 1;
         }
     }
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    int64_t deadline = (int64_t)now.tv_sec * 1000000000 + now.tv_nsec + timeout_ns;
     for (;;) {
         int64_t seen = __atomic_load_n(counter, __ATOMIC_ACQUIRE);
         if (seen >= target) {
-            return;
+            return 1;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((int64_t)now.tv_sec * 1000000000 + now.tv_nsec >= deadline) {
+            return 0;
         }
 #if defined(__linux__)
         /* Sleeps only while the low 32 bits still equal `seen`; the timeout bounds a missed wake. */
-        struct timespec timeout = {0, 1000000};
-        syscall(SYS_futex, (uint32_t *)counter, FUTEX_WAIT_PRIVATE, (uint32_t)seen, &timeout, NULL, 0);
+        struct timespec pause = {0, 1000000};
+        syscall(SYS_futex, (uint32_t *)counter, FUTEX_WAIT_PRIVATE, (uint32_t)seen, &pause, NULL, 0);
 #else
         struct timespec pause = {0, 20000};
         nanosleep(&pause, NULL);
