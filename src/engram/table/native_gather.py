@@ -8,9 +8,9 @@ flight per thread: the C loop prefetches every cache line of the rows
 Why: torch's index_select copies one row after the other, one row in flight per thread,
 so a gather of 196,608 distinct rows of 272 B from a 34 GiB table is bound by DRAM latency
 (H200 host, 16 vCPU KVM: 2.4 ms, 22 GB/s on 14 threads; benchmarks/NOTES.md "Host tables
-v2"). This machine (AMD EPYC KVM, 2 vCPUs, 8 GiB table, ``probe_row_gather.py``): torch
-19.8-20.4 ms, the C gather 11.7-12.3 ms (1.6-1.8x; 4.6 GB/s, half of this VM's 9.4 GB/s
-sequential copy). The H200's numbers: NOTES "Host tables v3".
+v2"). On a 2-vCPU AMD EPYC KVM (8 GiB table, 4 KiB pages, ``probe_row_gather.py``, NOTES
+"Host tables v3"), one thread: torch 18.5-19.9 ms, this gather 10.7-12.5 ms (1.7x); two
+threads: both near that VM's limit for random rows (5-6 GB/s). H200: not yet measured.
 
 Threads: a gather of more than one block (:data:`BLOCK_ROWS`) on ``threads`` > 1 runs on a
 persistent pool of Python threads, one task per thread per gather (each task is one ctypes
@@ -49,10 +49,11 @@ __all__ = ["gather_rows_prefetch", "start_gather_rows", "RowGather", "native_gat
 
 FORCE_TORCH_ENV = "ENGRAM_HOST_GATHER"  # "torch": always torch.index_select
 
-# Prefetch settings (probe_row_gather.py sweeps them). This machine (AMD EPYC KVM, 8 GiB table,
-# 4 KiB pages), speedup over torch: distance 8-32 about the same (1.6-1.8x), 4 1.5x, 0 1.0x;
-# locality 2 (prefetcht1, into L2) 1.6-1.8x against 1.4-1.6x for 3 (prefetcht0); non-temporal
-# stores 1.2-1.4x (they also hold the fill buffers the prefetches need on Intel). H200: to measure.
+# Prefetch settings (probe_row_gather.py sweeps them). 2-vCPU AMD EPYC KVM, 8 GiB table, 4 KiB
+# pages, one thread, speedup over torch: distance 8-64 alike (1.6-1.8x), 4 1.5x, 0 1.0x;
+# locality 2 (prefetcht1) and 1 1.7x, 3 (prefetcht0) 1.4x, 0 1.5x; non-temporal stores 1.25-1.3x
+# against 1.7x for plain ones (and on Intel they hold the fill buffers the prefetches need).
+# H200: to measure (NOTES "Host tables v3").
 PREFETCH_DISTANCE = 16  # rows ahead of the one being copied, per thread
 PREFETCH_LOCALITY = 2   # __builtin_prefetch's: 3 = prefetcht0, 2 = prefetcht1, 1 = prefetcht2, 0 = prefetchnta
 STREAMING_STORES = False  # non-temporal 16-byte stores into `out` (x86)
