@@ -12,6 +12,7 @@ import shutil
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,7 +105,7 @@ def test_started_gathers_finish_in_any_wait_order(native, rng):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_waves_are_ready_in_order(native, threads, rng):
     table, ids, out = _random_case(rng, 300, 272, 203)
-    wave_ends = [50, 50, 120, 203]  # an empty wave too
+    wave_ends = [50, 50, np.int64(120), 203]  # an empty wave too; numpy integers count as integers
     gathered = native.start_gather_rows(table, ids, out, threads, wave_ends=wave_ends)
     assert gathered.num_waves == 4
     for wave, end in enumerate(wave_ends):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import operator
 import os
 import threading
 import warnings
@@ -148,11 +149,12 @@ def _check_tensors(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, th
 def _check_wave_ends(wave_ends: Sequence[int] | None, num_rows: int) -> list[int]:
     if wave_ends is None:
         return [num_rows]
-    ends = list(wave_ends)
-    if (not ends or ends[-1] != num_rows or any(not isinstance(end, int) or isinstance(end, bool) for end in ends)
-            or any(b < a for a, b in zip([0, *ends[:-1]], ends))):
+    given = list(wave_ends)
+    problem = not given or any(isinstance(end, (bool, np.bool_)) or not hasattr(end, "__index__") for end in given)
+    ends = [] if problem else [operator.index(end) for end in given]
+    if problem or ends[-1] != num_rows or any(b < a for a, b in zip([0, *ends[:-1]], ends)):
         raise ValueError(f"wave_ends: expected ascending integers in [0, {num_rows}] ending at {num_rows} (the ids' "
-                         f"length), found {ends}")
+                         f"length), found {given}")
     return ends
 
 
