@@ -72,9 +72,22 @@ def main():
         packed = gather_rows_packed(values, scales, ids)
         wkv_gemm.fused_gather_gemm(packed[0], packed[1], None, weight, weight_scale, block)
         wkv_gemm.quantize_gathered_rows(packed[0], packed[1], None)
+    # Cached placement: the one-kernel lookup and the large-lookup path (probe, host gather of the
+    # misses, direct share, merge) on ids outside the rows, after replacements.
+    cached = engram.EngramTable(values.cpu(), scales.cpu(), placement="cached", device="cuda", validate=False,
+                                row_start=100, placement_options={"cache_fraction": 0.05, "ways": 4,
+                                                                  "aging_interval": 1})
+    for share, limit in ((0.0, 10**9), (0.0, 0), (0.5, 0)):
+        cached.storage.direct_share, cached.storage.direct_max_rows = share, limit
+        for step in range(3):
+            step_ids = torch.randint(-5, rows + 300, (63, 7), device="cuda", dtype=torch.int32)
+            cached.lookup(step_ids)
+            cached.lookup_packed(step_ids[:, 1:6])
+            cached.update_cache(step_ids)
     torch.cuda.synchronize()
     print("memcheck workload done: hash (3 sources, all launches, malformed-metadata fuzz), gather (bf16, packed), distinct rows, "
-          "gate, wkv (gather-quantize, block-scaled GEMM, split-K small-T GEMM, fused gather-GEMM)")
+          "gate, wkv (gather-quantize, block-scaled GEMM, split-K small-T GEMM, fused gather-GEMM), "
+          "cached lookups (one kernel; probe, host gather, direct share, merge)")
 
 
 if __name__ == "__main__":
