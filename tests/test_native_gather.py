@@ -25,6 +25,8 @@ from engram.table.host_gather import gather_packed_rows_host
 def native(monkeypatch):
     """The C gather (skip where it cannot be built), with blocks of a few rows so that small
     tests run on the pool, several blocks per thread."""
+    monkeypatch.setenv(native_gather.FORCE_TORCH_ENV, "native")  # opt-in (the default is torch)
+    monkeypatch.setattr(native_gather, "_LOADED", [])
     available, detail = native_gather.native_gather_status()
     if not available:
         missing_dependency(f"the C row gather: {detail}")
@@ -38,7 +40,7 @@ def fresh_build(monkeypatch, tmp_path):
     empty cache directory; returns that directory."""
     monkeypatch.setattr(native_gather, "_LOADED", [])
     monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(native_gather.FORCE_TORCH_ENV, raising=False)
+    monkeypatch.setenv(native_gather.FORCE_TORCH_ENV, "native")
     return tmp_path
 
 
@@ -285,3 +287,18 @@ def test_host_tables_gather_the_same_bytes_either_way(native, monkeypatch, rng):
     local = global_ids.long() - 1000
     inside = (local >= 0) & (local < 59)
     assert torch.equal(through_c[inside], table[local[inside]]) and int(through_c[~inside].sum()) == 0
+
+
+def test_default_is_torch_and_a_bad_choice_is_named(fresh_build, monkeypatch, rng):
+    """Without ENGRAM_HOST_GATHER the torch path runs (silently); an unknown value is refused by name."""
+    monkeypatch.delenv(native_gather.FORCE_TORCH_ENV, raising=False)
+    table, ids, out = _random_case(rng, 40, 48, 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        native_gather.gather_rows_prefetch(table, ids, out, 2)
+    assert torch.equal(out, table[ids])
+    assert native_gather.native_gather_status() == (False, f"{native_gather.FORCE_TORCH_ENV}=torch")
+    monkeypatch.setattr(native_gather, "_LOADED", [])
+    monkeypatch.setenv(native_gather.FORCE_TORCH_ENV, "fast")
+    with pytest.raises(ValueError, match="ENGRAM_HOST_GATHER: expected 'torch' or 'native', found 'fast'"):
+        native_gather.native_gather_status()
