@@ -75,7 +75,9 @@ def main() -> None:
             print(row, flush=True)
         for gate_shape in GATE_SHAPES[1:]:
             use(QUANTIZE_SHAPES[0], gate_shape)
-            assert all(torch.equal(call(), expected) for call, expected in zip(calls, reference)), gate_shape
+            # Other warp counts sum the gate's dot products in another order: equal within rounding.
+            for call, expected in zip(calls, reference):
+                torch.testing.assert_close(call(), expected, rtol=2 ** -7, atol=2 ** -7, msg=str(gate_shape))
             gate_call = lambda: gate.engram_gate_kv(first["hidden"], kv, q_weight, k_weight, EPS,  # noqa: E731
                                                     first["mask"])
             row = {"T": tokens, "quantize": list(QUANTIZE_SHAPES[0]), "gate": list(gate_shape),
