@@ -20,7 +20,6 @@ if [[ $1 == measure ]]; then
     | grep -v "^direct T=64" | tail -40
   timeout 150 python benchmarks/bench_cache.py 2>&1 | tee "$OUT/bench-cache-h200.log" | tail -30
   timeout 150 python benchmarks/bench_kernels.py 2>&1 | tee "$OUT/bench-kernels-h200.log" | grep -v "^gather T=" | tail -30
-  cp benchmarks/results/host-h200.json benchmarks/results/cache-h200.json "$OUT/" 2>/dev/null
 else
   RUNS=${RUNS:-5}
   : > "$OUT/gpu-tests-h200.log"
@@ -44,6 +43,5 @@ else
   if (( left > 120 )); then
     timeout $left python benchmarks/bench_host.py 2>&1 | grep -v Warning | tee "$OUT/bench-host-h200.log" \
       | grep -v "^direct T=64" | tail -24
-    cp benchmarks/results/host-h200.json "$OUT/" 2>/dev/null
   fi
 fi
