@@ -120,17 +120,11 @@ def hash_call(layout, vocab, num_tokens: int):
 
 def device_style_table(num_rows: int = 4096):
     """An EngramTable whose storage takes the ``"device"`` placement's Triton lookup, on CPU tensors."""
-    from engram.table.device import DevicePlacement
     from engram.table.fp8 import quantize_rows
-    from engram.table.table import TablePlacement
+    from engram.testing import cpu_device_style_table
 
     values, scales = quantize_rows(torch.randn(num_rows, HEAD_DIM))
-    table = engram.EngramTable(values, scales, num_columns_total=COLUMNS, validate=False)
-    storage = DevicePlacement.__new__(DevicePlacement)
-    TablePlacement.__init__(storage, table.storage.value_bytes, table.storage.scale_bytes, torch.device("cpu"))
-    storage.backend = "triton"
-    table._storage = storage
-    return table
+    return cpu_device_style_table(values, scales, COLUMNS)
 
 
 def layer(fp8: bool):

@@ -17,6 +17,7 @@ from engram.layer.eager_step import EagerStep
 from engram.layer.module import Engram
 from engram.layer.wkv import WkvProjection
 from engram.table.fp8 import quantize_rows
+from engram.testing import cpu_device_style_table
 
 pytest.importorskip("triton")
 
@@ -28,15 +29,7 @@ def _device_table(values, scales, device):
     """A table taking the ``device`` placement's Triton lookup (on CPU tensors under the interpreter)."""
     if device == "cuda":
         return engram.EngramTable(values, scales, placement="device", device="cuda", validate=False)
-    from engram.table.device import DevicePlacement
-    from engram.table.table import TablePlacement
-
-    table = engram.EngramTable(values, scales, num_columns_total=COLUMNS, validate=False)
-    storage = DevicePlacement.__new__(DevicePlacement)
-    TablePlacement.__init__(storage, table.storage.value_bytes, table.storage.scale_bytes, torch.device("cpu"))
-    storage.backend = "triton"
-    table._storage = storage
-    return table
+    return cpu_device_style_table(values, scales, COLUMNS)
 
 
 def _layer(fp8: bool, device: str, generator: torch.Generator) -> Engram:

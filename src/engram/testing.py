@@ -25,7 +25,7 @@ from .spec import EngramSpec
 from .table import BLOCK_SIZE, quantize_rows
 from .vocab import TokenCompressor
 
-__all__ = ["SYNTHETIC_SCALES", "SyntheticCheckpoint", "write_synthetic_checkpoint", "word_level_tokenizer",
+__all__ = ["cpu_device_style_table", "SYNTHETIC_SCALES", "SyntheticCheckpoint", "write_synthetic_checkpoint", "word_level_tokenizer",
            "deepseek_tokenizer_file", "synthetic_layer_tensors", "TINY_DEEPSEEK_V4", "write_transformers_checkpoint"]
 
 SYNTHETIC_SCALES: dict[str, dict[str, Any]] = {
@@ -332,3 +332,19 @@ def write_transformers_checkpoint(
     (directory / "config.json").write_text(json.dumps(full_config, indent=2) + "\n", encoding="utf-8")
     return SyntheticCheckpoint(directory, EngramSpec.from_hf_config(full_config), full_config, weight_map,
                                engram.tokenizer)
+
+
+def cpu_device_style_table(values: torch.Tensor, scales: torch.Tensor, num_columns_total: int | None = None):
+    """An ``EngramTable`` on CPU tensors whose storage takes the ``"device"`` placement's Triton
+    lookup (the gather kernel, run by the interpreter under ``TRITON_INTERPRET=1``; validation off):
+    how CPU tests and the host-cost proxy run the GPU's lookup path without a GPU."""
+    from .table import EngramTable
+    from .table.device import DevicePlacement
+    from .table.table import TablePlacement
+
+    table = EngramTable(values, scales, num_columns_total=num_columns_total, validate=False)
+    storage = DevicePlacement.__new__(DevicePlacement)  # its __init__ wants a CUDA device
+    TablePlacement.__init__(storage, table.storage.value_bytes, table.storage.scale_bytes, torch.device("cpu"))
+    storage.backend = "triton"
+    table._storage = storage
+    return table
