@@ -2,6 +2,7 @@
 # Session 5's device calls (carry .bench-data). Usage: ENGRAM_COMMIT=<sha> bash benchmarks/run_session5_h200.sh MODE
 #  measure: GPU tests of this session's new code (eager step, direct launches, cached misses through the
 #           host gather, the C row gather), the C gather probe, bench_host, bench_cache, bench_kernels
+#  omp:     the C gather probe with OpenMP's idle threads passive, then active (the lead on its slowdown)
 #  suite:   the GPU suite RUNS (5) times in a row, each run as two pytest processes sharing the GPU
 #           (test_hash_kernel.py, the slowest file, beside all the others), then memcheck, then
 #           bench_host if the call has time left
@@ -10,7 +11,13 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-if [[ $1 == measure ]]; then
+if [[ $1 == omp ]]; then
+  for policy in PASSIVE ACTIVE; do
+    echo "== OMP_WAIT_POLICY=$policy"
+    OMP_WAIT_POLICY=$policy timeout 90 python benchmarks/probe_row_gather.py --threads 14,16 --distances 0,16 \
+      --repeats 5 --json "$OUT/row-gather-omp-$policy.json" 2>&1 | tail -8
+  done
+elif [[ $1 == measure ]]; then
   timeout 200 python -m pytest tests/test_eager_step.py tests/test_triton_launch.py tests/test_native_gather.py \
     tests/test_cached_large_lookups.py tests/test_cached_placement.py tests/test_host_placement.py \
     -m "gpu or not interpreter" -q -p no:cacheprovider -ra -x 2>&1 | tee "$OUT/gpu-tests-new.log" | tail -8
