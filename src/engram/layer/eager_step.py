@@ -69,7 +69,7 @@ def prepare_eager_step(layer, hidden_states: torch.Tensor, hash_ids: torch.Tenso
     if tokens == 0 or getattr(table, "validate", True) or not hasattr(table, "prepare_lookup"):
         return None
     if wkv.fp8:
-        if wkv.backend not in ("scaled_mm", "triton", "fused") or table.rows_in_place(hash_ids) is None:
+        if table.rows_in_place(hash_ids) is None:  # rows not on the compute device (host placements)
             return None
         lookup = None
     else:

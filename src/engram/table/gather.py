@@ -285,36 +285,18 @@ class PreparedGather:
     prepared with (the caller keys its prepared calls by :func:`~engram.call_cache.structure`).
     """
 
-    __slots__ = ("_plan", "_value_bytes", "_scale_bytes", "_table_variant", "_shape", "_device",
-                 "_device_index", "_launcher")
+    __slots__ = ("_plan", "_value_bytes", "_scale_bytes", "_shape", "_device")
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, hash_ids: torch.Tensor, row_start: int = 0,
                  column_start: int = 0, column_end: int | None = None, *, flat: bool = False):
         plan, value_bytes, scale_bytes = _plan(gather_rows_bf16_kernel, values, scales, hash_ids, row_start,
                                                column_start, column_end, None, False, None)
         self._plan, self._value_bytes, self._scale_bytes = plan, value_bytes, scale_bytes
-        self._table_variant = (tensor_variant(value_bytes), tensor_variant(scale_bytes))
         tokens, columns, head_dim = plan.out_shapes[0]
         self._shape = (tokens, columns * head_dim) if flat else plan.out_shapes[0]
         self._device = hash_ids.device
-        self._device_index = hash_ids.device.index if hash_ids.is_cuda else None
-        self._launcher = _LAUNCHERS[gather_rows_bf16_kernel]
 
     def __call__(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        plan = self._plan
         out = torch.empty(self._shape, dtype=torch.bfloat16, device=self._device)
-        if not plan.grid:
-            return out
-        if self._device_index is not None and self._device_index != torch.cuda.current_device():
-            with torch.cuda.device(self._device_index):  # Triton launches on the current device
-                return self._launch(hash_ids, out)
-        return self._launch(hash_ids, out)
-
-    def _launch(self, hash_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        plan = self._plan
-        local_ids = hash_ids if plan.full_width else hash_ids[:, plan.column_start:plan.column_end]
-        variant = (tensor_variant(local_ids), *self._table_variant, plan.int_variants, plan.constexprs)
-        self._launcher(plan.grid, variant, (local_ids, self._value_bytes, self._scale_bytes, out, *plan.ints,
-                                            *plan.constexprs),
-                       num_warps=plan.num_warps, num_stages=1, device_index=self._device_index or 0)
+        _launch(gather_rows_bf16_kernel, self._plan, (out,), self._value_bytes, self._scale_bytes, hash_ids)
         return out
