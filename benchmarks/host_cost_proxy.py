@@ -4,7 +4,8 @@ The GPU benchmark (``host_cost_bench.py``) times the Python thread of one eager 
 H200. Here the same call paths run on CPU tensors with the CUDA code paths forced (Triton
 backends, validation off, a ``"device"``-style table) and every kernel launch stubbed out:
 
-* :class:`engram.triton_launch.CompiledLaunch` launches do their key lookup and return;
+* :class:`engram.triton_launch.CompiledLaunch` launches do their key lookup and return
+  (:class:`~engram.triton_launch.BoundLaunch` launches: read their launcher and return);
 * launches through Triton's own ``kernel[grid]`` path (``InterpretedFunction.run``) return at once;
 * heavy torch compute that stands for one device op (``F.linear``, ``torch._scaled_mm``) returns
   an empty tensor of the right shape (one op either way).
@@ -64,6 +65,13 @@ def _stub_compiled_launch(self, grid, variant, args, num_warps, device_index=0, 
     return None
 
 
+def _stub_bound_launch(self, grid, args):
+    """What a warm BoundLaunch does in Python before the C launcher: read its bound launcher."""
+    self._direct
+    LaunchCounts.compiled += 1
+    return None
+
+
 def _stub_raw_run(self, *args, grid, warmup, **kwargs):
     LaunchCounts.raw += 1
     return None
@@ -81,6 +89,7 @@ def install_stubs() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     triton_launch.CompiledLaunch.__call__ = _stub_compiled_launch
+    triton_launch.BoundLaunch.__call__ = _stub_bound_launch
     InterpretedFunction.run = _stub_raw_run
     torch.nn.functional.linear = _stub_linear
     torch._scaled_mm = _stub_scaled_mm

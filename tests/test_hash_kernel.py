@@ -100,6 +100,45 @@ def test_kernel_matches_torch_path_and_stores_interpreted():
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
+@pytest.mark.parametrize("tokens_per_request", [1, 2])
+def test_prepared_calls_match_torch_path_interpreted(tokens_per_request):
+    """Validation off, one batch structure step after step: the first call plans it, later calls
+    run its PreparedHash (slot writes, hash, history writes as separate launches when several
+    programs share the batch). Ids and both stores equal the torch path's after every step."""
+    from engram.hashing.launch import PreparedHash
+
+    rng = _rng()
+    seed = int(rng.integers(2**31))
+    kernel, torch_path = small_hasher(seed, validate=False), small_hasher(seed, validate=False)
+    torch_path.backend = "torch"
+    num_requests, block_size = 3, 4
+    table = torch.from_numpy(rng.permutation(48).astype(np.int32).reshape(num_requests, 16))
+    for hasher in (kernel, torch_path):
+        hasher.bind_slot_cache(48 * block_size, block_size)
+        hasher.bind_request_history(num_requests + 1)
+    rows = kernel.request_rows(range(num_requests))
+    assert torch.equal(rows, torch_path.request_rows(range(num_requests)))
+    starts = torch.arange(0, num_requests * tokens_per_request + 1, tokens_per_request)
+    request_of_token = torch.arange(num_requests).repeat_interleave(tokens_per_request)
+    first = torch.from_numpy(rng.integers(0, 3, num_requests))
+    for step in range(4):
+        positions = first[request_of_token] + step * tokens_per_request + torch.arange(tokens_per_request).repeat(
+            num_requests)
+        slot_mapping = table.long()[request_of_token, positions // block_size] * block_size + positions % block_size
+        token_ids = torch.from_numpy(rng.integers(0, 300, num_requests * tokens_per_request))
+        dead = torch.from_numpy(rng.random(num_requests * tokens_per_request) < 0.2)
+        ids = [hasher(token_ids, positions, starts, dead_mask=dead, slot_mapping=slot_mapping, block_table=table,
+                      request_rows=rows) for hasher in (kernel, torch_path)]
+        assert torch.equal(ids[0], ids[1]), f"step {step}"
+        assert torch.equal(kernel.slot_cache.values[:-1], torch_path.slot_cache.values[:-1]), f"step {step}"
+        assert torch.equal(kernel.request_history.values[:-1], torch_path.request_history.values[:-1])
+        assert torch.equal(kernel.request_history.tags[:-1], torch_path.request_history.tags[:-1])
+    (entry,) = kernel._plans._entries.values()
+    assert isinstance(entry[3], PreparedHash)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRETED, reason="runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
 @pytest.mark.parametrize("max_draft_tokens", [0, 2])
 @pytest.mark.parametrize("lengths", [[1, 2, 3, 5, 6, 9, 4], [1]])
 def test_history_writers_match_torch_path_interpreted(max_draft_tokens, lengths):

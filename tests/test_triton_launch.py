@@ -65,3 +65,66 @@ def test_compiled_launch_runs_direct_and_through_triton_while_a_hook_is_set():
     launch(8, variant, (values, 1000, 128), num_warps=4)
     assert len(seen) == 1
     torch.testing.assert_close(values.cpu(), torch.full((1000,), 5, dtype=torch.int32), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_bound_launch_runs_direct_once_warm_and_through_triton_while_a_hook_is_set():
+    """A BoundLaunch (a variant fixed once, as prepared calls use) compiles through its
+    CompiledLaunch, then calls the C launcher itself; a launch hook still sees its launches."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import triton
+    import triton.language as tl
+    from triton import knobs
+
+    from engram.triton_launch import CompiledLaunch, tensor_variant
+
+    @triton.jit
+    def add_two(pointer, count, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < count
+        tl.store(pointer + offsets, tl.load(pointer + offsets, mask=inside) + 2, mask=inside)
+
+    values = torch.zeros(999, device="cuda", dtype=torch.int32)
+    bound = CompiledLaunch(add_two).bind((tensor_variant(values), False), num_warps=4)
+    for _ in range(3):  # compile, first warm launch (keeps the runner), direct launch
+        bound(8, (values, 999, 128))
+    assert bound._direct is not None, "no direct runner kept after warm launches"
+    seen = []
+    knobs.runtime.launch_enter_hook = lambda metadata: seen.append(metadata)
+    try:
+        bound(8, (values, 999, 128))
+    finally:
+        knobs.runtime.launch_enter_hook = None
+    bound((8, 1), (values, 999, 128))
+    assert len(seen) == 1
+    torch.testing.assert_close(values.cpu(), torch.full((999,), 10, dtype=torch.int32), rtol=0, atol=0)
+
+
+@pytest.mark.interpreter
+def test_bound_launch_goes_through_its_compiled_launch_when_interpreted():
+    """Under the interpreter nothing compiles: every bound launch runs ``kernel[grid]``."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
+    import torch
+    import triton
+    import triton.language as tl
+
+    from engram.triton_launch import CompiledLaunch, tensor_variant
+
+    @triton.jit
+    def add_two(pointer, count, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < count
+        tl.store(pointer + offsets, tl.load(pointer + offsets, mask=inside) + 2, mask=inside)
+
+    values = torch.zeros(37, dtype=torch.int32)
+    bound = CompiledLaunch(add_two).bind((tensor_variant(values), False), num_warps=1)
+    for _ in range(3):
+        bound(3, (values, 37, 16))
+    assert bound._direct is None
+    assert torch.equal(values, torch.full((37,), 6, dtype=torch.int32))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-__all__ = ["CompiledLaunch", "triton_available", "interpreting", "integer_widths", "int_variant",
+__all__ = ["BoundLaunch", "CompiledLaunch", "triton_available", "interpreting", "integer_widths", "int_variant",
            "tensor_variant", "VERIFY_VARIANTS"]
 
 # Tests set this: every launch also asks Triton which variant it would pick and
@@ -151,3 +151,45 @@ class CompiledLaunch:
         run, function, packed_metadata = direct
         run(grid_x, grid_y, 1, stream, function, packed_metadata, None, None, None, *args)
         return compiled
+
+    def bind(self, variant: Hashable, num_warps: int, device_index: int = 0,
+             num_stages: int | None = None) -> "BoundLaunch":
+        """The launches of one variant, for a caller that decided it once (a prepared call):
+        see :class:`BoundLaunch`."""
+        return BoundLaunch(self, variant, num_warps, device_index, num_stages)
+
+
+class BoundLaunch:
+    """``bound(grid, args)``: ``launch(grid, variant, args, num_warps, device_index, num_stages)`` of
+    its :class:`CompiledLaunch` with the variant fixed when bound, so a warm launch builds and
+    hashes no key: it reads the current stream and calls the compiled kernel's C launcher.
+
+    The first launches (compiling), launches while a launch hook is set or while
+    ``VERIFY_VARIANTS`` is on, and every launch under the interpreter go through
+    :class:`CompiledLaunch` itself. ``args`` must have the structure the variant was made for
+    (the caller keys its prepared calls by it).
+    """
+
+    __slots__ = ("_owner", "_variant", "_num_warps", "_device_index", "_num_stages", "_direct")
+
+    def __init__(self, owner: CompiledLaunch, variant: Hashable, num_warps: int, device_index: int = 0,
+                 num_stages: int | None = None):
+        self._owner, self._variant, self._num_warps = owner, variant, num_warps
+        self._device_index, self._num_stages = device_index, num_stages
+        self._direct = None  # (run, function, packed_metadata, current_stream, runtime knobs) once warm
+
+    def __call__(self, grid: int | tuple[int, int], args: tuple) -> None:
+        direct = self._direct
+        if direct is not None and not VERIFY_VARIANTS:
+            run, function, packed_metadata, current_stream, runtime = direct
+            if runtime.launch_enter_hook is None and runtime.launch_exit_hook is None:
+                grid_x, grid_y = (grid, 1) if grid.__class__ is int else grid
+                run(grid_x, grid_y, 1, current_stream(self._device_index), function, packed_metadata,
+                    None, None, None, *args)
+                return
+        owner = self._owner
+        owner(grid, self._variant, args, self._num_warps, self._device_index, self._num_stages)
+        if direct is None and owner._runtime_knobs is not None:
+            found = owner._direct.get((self._variant, self._num_warps, self._num_stages, self._device_index))
+            if found is not None:
+                self._direct = (*found, owner._current_stream, owner._runtime_knobs)

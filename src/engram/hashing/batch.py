@@ -18,7 +18,8 @@ from ..vocab import TokenCompressor
 from ..backends import resolve_backend
 from ..call_cache import CallCache, structure
 from ..common import resolve_device
-from .launch import LAUNCH_OVERRIDE, HashConstants, launch_hash_kernels, plan_hash_launch, run_hash_launch
+from .launch import (LAUNCH_OVERRIDE, HashConstants, launch_hash_kernels, plan_hash_launch, prepare_hash_launch,
+                     run_hash_launch)
 from .ops import block_windows, hash_windows
 from .stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
 from .validation import BatchMetadata, check_shapes, validate_batch
@@ -180,10 +181,21 @@ class NgramHasher:
             request_rows: int ``[R]`` rows of the bound request history
                 (see :meth:`request_rows`); read before, written after hashing.
         """
+        if self._triton and not self._validating and not LAUNCH_OVERRIDE:
+            # An eager step's path: checks and launch decisions made once per batch structure.
+            key = (structure(input_ids), structure(positions), structure(query_start_loc), structure(dead_mask),
+                   structure(lookback_token_ids), structure(lookback_dead_mask), structure(slot_mapping),
+                   structure(block_table), structure(request_rows))
+            entry = self._plans.get(key)
+            if entry is not None and entry[1] is self.slot_cache and entry[2] is self.request_history:
+                prepared = entry[3]
+                if prepared is not None:
+                    return prepared(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
+                                    lookback_dead_mask, slot_mapping, block_table, request_rows)
         batch = BatchMetadata(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
                               lookback_dead_mask, slot_mapping, block_table, request_rows)
         if self._triton and not self._validating and not LAUNCH_OVERRIDE:
-            return self._launch_planned(batch)
+            return self._launch_planned(batch, key, entry)
         check_shapes(batch, self.history_length, self._device_index, self.device)
         self._check_stores_bound(batch)
         validate = self._validating
@@ -221,21 +233,18 @@ class NgramHasher:
         if batch.request_rows is not None and self.request_history is None:
             raise ValueError("request_rows: given, but no request history is bound (call bind_request_history first)")
 
-    def _launch_planned(self, batch: BatchMetadata) -> torch.Tensor:
+    def _launch_planned(self, batch: BatchMetadata, key: tuple, entry: tuple | None) -> torch.Tensor:
         """The Triton path without value checks: the batch's shape checks and launch decisions
-        are made on the first call of its structure and kept (:mod:`engram.call_cache`)."""
+        are made on the first call of its structure (``key``) and kept (:mod:`engram.call_cache`),
+        with a :class:`~engram.hashing.launch.PreparedHash` that later calls go straight to."""
         slot_cache, history = self.slot_cache, self.request_history
-        key = (structure(batch.input_ids), structure(batch.positions), structure(batch.query_start_loc),
-               structure(batch.dead_mask), structure(batch.lookback_token_ids),
-               structure(batch.lookback_dead_mask), structure(batch.slot_mapping), structure(batch.block_table),
-               structure(batch.request_rows))
-        entry = self._plans.get(key)
         if entry is None or entry[1] is not slot_cache or entry[2] is not history:
             check_shapes(batch, self.history_length, self._device_index, self.device)
             self._check_stores_bound(batch)
             plan = plan_hash_launch(self.kernel_constants, batch, slot_cache, history,
                                     bool(slot_cache and slot_cache.fused_write))
-            entry = self._plans.put(key, (plan, slot_cache, history))
+            prepared = prepare_hash_launch(plan, self.kernel_constants, slot_cache, history)
+            entry = self._plans.put(key, (plan, slot_cache, history, prepared))
         return run_hash_launch(entry[0], self.kernel_constants, batch, slot_cache, history)
 
     def _slot_writes(self, batch: BatchMetadata) -> list[tuple[torch.Tensor, torch.Tensor]]:

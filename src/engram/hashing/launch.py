@@ -22,8 +22,8 @@ import torch
 from ..common import ceil_div, next_power_of_2
 from ..triton_launch import ALIGNMENT_SPECIALIZED, CompiledLaunch, integer_widths, tensor_variant
 
-__all__ = ["HashConstants", "HashLaunchPlan", "launch_hash_kernels", "plan_hash_launch", "run_hash_launch",
-           "block_tokens_for"]
+__all__ = ["HashConstants", "HashLaunchPlan", "PreparedHash", "launch_hash_kernels", "plan_hash_launch",
+           "prepare_hash_launch", "run_hash_launch", "block_tokens_for"]
 
 # Tokens per program by batch size, one warp per program; the sweep behind it is in
 # benchmarks/NOTES.md (v3: 8 tokens per program measured 9.5 us at T = 8192, H200).
@@ -266,6 +266,75 @@ def run_hash_launch(plan: HashLaunchPlan, constants: HashConstants, batch, slot_
         history_launch(launch.grid, launch.variant, (*inputs, *history_tensors, *launch.scalars),
                        num_warps=1, device_index=device_index)
     return out
+
+
+class PreparedHash:
+    """:func:`run_hash_launch` of one plan with everything but the caller's tensors made once:
+    the bound launches (:class:`~engram.triton_launch.BoundLaunch`), the hasher's constant
+    arguments and the output's shape. ``prepared(input_ids, positions, query_start_loc,
+    dead_mask, lookback_token_ids, lookback_dead_mask, slot_mapping, block_table,
+    request_rows) -> int32 [T, L, C]``, for batches of the plan's structure only
+    (the caller keys it by :func:`~engram.call_cache.structure`). Made by
+    :func:`prepare_hash_launch` for plans that need no per-call copy or alignment check.
+    """
+
+    __slots__ = ("_slot", "_hash", "_history", "_slot_grid", "_hash_grid", "_history_grid", "_slot_scalars",
+                 "_hash_scalars", "_history_scalars", "_constants", "_token_map", "_out_shape", "_device",
+                 "_slot_cache", "_request_history")
+
+    def __init__(self, plan: HashLaunchPlan, constants: HashConstants, slot_cache=None, history=None):
+        hash_launch, slot_launch, history_launch = _launchers()
+        device_index = constants.device_index
+        self._slot = self._hash = self._history = None
+        self._slot_grid = self._hash_grid = self._history_grid = 0
+        self._slot_scalars = self._hash_scalars = self._history_scalars = ()
+        if plan.slot_launch is not None:
+            self._slot = slot_launch.bind(plan.slot_launch.variant, 1, device_index)
+            self._slot_grid, self._slot_scalars = plan.slot_launch.grid, plan.slot_launch.scalars
+        self._hash = hash_launch.bind(plan.hash_launch.variant, plan.num_warps, device_index)
+        self._hash_grid, self._hash_scalars = plan.hash_launch.grid, plan.hash_launch.scalars
+        if plan.history_launch is not None:
+            self._history = history_launch.bind(plan.history_launch.variant, 1, device_index)
+            self._history_grid, self._history_scalars = plan.history_launch.grid, plan.history_launch.scalars
+        self._constants = (constants.multipliers, constants.column_primes, constants.barrett_multipliers,
+                           constants.column_offsets)
+        self._token_map = constants.token_map
+        self._out_shape = (plan.num_tokens, constants.num_layers,
+                           (constants.max_ngram_size - 1) * constants.n_heads)
+        self._device = constants.token_map.device
+        self._slot_cache = slot_cache
+        self._request_history = history if plan.uses_history else None
+
+    def __call__(self, input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead_mask,
+                 slot_mapping, block_table, request_rows) -> torch.Tensor:
+        out = torch.empty(self._out_shape, dtype=torch.int32, device=self._device)
+        token_map = placeholder = self._token_map  # the placeholder stands in for an absent input (never read)
+        inputs = (input_ids, positions, query_start_loc, placeholder if dead_mask is None else dead_mask,
+                  token_map, placeholder if lookback_token_ids is None else lookback_token_ids,
+                  placeholder if lookback_dead_mask is None else lookback_dead_mask,
+                  placeholder if slot_mapping is None else slot_mapping,
+                  placeholder if block_table is None else block_table)
+        slot_values = placeholder if self._slot_cache is None else self._slot_cache.values
+        history = self._request_history
+        history_tensors = ((placeholder, placeholder, placeholder) if history is None
+                           else (request_rows, history.values, history.tags))
+        if self._slot is not None:
+            self._slot(self._slot_grid, (*inputs, slot_values, *self._slot_scalars))
+        self._hash(self._hash_grid, (*inputs, slot_values, *history_tensors, *self._constants, out, placeholder,
+                                     *self._hash_scalars))
+        if self._history is not None:
+            self._history(self._history_grid, (*inputs[:7], *history_tensors, *self._history_scalars))
+        return out
+
+
+def prepare_hash_launch(plan: HashLaunchPlan, constants: HashConstants, slot_cache=None,
+                        history=None) -> PreparedHash | None:
+    """A :class:`PreparedHash` of ``plan``, or None where its calls need per-call work beyond
+    launching (copies of non-contiguous inputs, alignment checks, an empty batch)."""
+    if (plan.num_tokens == 0 or plan.alignment_in_key or plan.copy_lookback or plan.copy_lookback_dead
+            or plan.copy_block_table):
+        return None
+    return PreparedHash(plan, constants, slot_cache, history)
 
 
 def launch_hash_kernels(constants: HashConstants, batch, slot_cache=None, history=None, fused_slot_write=False,

@@ -416,7 +416,35 @@ def prepare_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask=None, *, b
     whose arguments have these ones' structure: checked and planned once. None where such calls
     copy an argument (they take :func:`engram_gate_kv`)."""
     plan = _plan_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask, None, backend)
-    return None if plan is None else functools.partial(_run_gate_kv, plan)
+    if plan is None:
+        return None
+    if not plan.triton or not plan.grid:
+        return functools.partial(_run_gate_kv, plan)
+    return _PreparedGate(plan)
+
+
+class _PreparedGate:
+    """:func:`_run_gate_kv` of one Triton plan, launching through one bound launch per
+    combination of the pointers' 16-byte alignments (the kernel's only per-call variant choice)."""
+
+    __slots__ = ("_plan", "_bound")
+
+    def __init__(self, plan: _GateKvPlan):
+        self._plan = plan
+        self._bound: dict[tuple, object] = {}
+
+    def __call__(self, hidden_states, kv, q_weight, k_weight, eps, token_mask) -> torch.Tensor:
+        plan = self._plan
+        out = torch.empty(hidden_states.shape, dtype=plan.out_dtype, device=hidden_states.device)
+        mask = hidden_states if token_mask is None else token_mask  # bool, read as bytes (no view op per call)
+        aligned = (hidden_states.data_ptr() % 16, kv.data_ptr() % 16, q_weight.data_ptr() % 16,
+                   k_weight.data_ptr() % 16, mask.data_ptr() % 16)
+        bound = self._bound.get(aligned)
+        if bound is None:
+            bound = self._bound[aligned] = _gate_launcher().bind((plan, aligned), plan.num_warps, plan.device_index)
+        bound(plan.grid, (hidden_states, kv, kv, q_weight, k_weight, mask, out, *plan.ints, float(eps),
+                          plan.sqrt_hidden, *plan.constexprs))
+        return out
 
 
 def _run_gate_kv(plan: _GateKvPlan, hidden_states, kv, q_weight, k_weight, eps, token_mask) -> torch.Tensor:

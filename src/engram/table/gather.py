@@ -285,7 +285,8 @@ class PreparedGather:
     prepared with (the caller keys its prepared calls by :func:`~engram.call_cache.structure`).
     """
 
-    __slots__ = ("_plan", "_value_bytes", "_scale_bytes", "_shape", "_device")
+    __slots__ = ("_plan", "_value_bytes", "_scale_bytes", "_shape", "_device", "_device_index", "_bound",
+                 "_scalars")
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, hash_ids: torch.Tensor, row_start: int = 0,
                  column_start: int = 0, column_end: int | None = None, *, flat: bool = False):
@@ -295,8 +296,23 @@ class PreparedGather:
         tokens, columns, head_dim = plan.out_shapes[0]
         self._shape = (tokens, columns * head_dim) if flat else plan.out_shapes[0]
         self._device = hash_ids.device
+        self._device_index = hash_ids.device.index if hash_ids.is_cuda else None
+        self._scalars = (*plan.ints, *plan.constexprs)
+        # One bound launch per alignment of the ids (the table's bytes are fixed): [unaligned, aligned].
+        launcher, fixed = _LAUNCHERS[gather_rows_bf16_kernel], (tensor_variant(value_bytes), tensor_variant(scale_bytes))
+        self._bound = [launcher.bind(((hash_ids.dtype, aligned), *fixed, plan.int_variants, plan.constexprs),
+                                     plan.num_warps, self._device_index or 0, num_stages=1)
+                       for aligned in (False, True)] if plan.grid else None
 
     def __call__(self, hash_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self._shape, dtype=torch.bfloat16, device=self._device)
-        _launch(gather_rows_bf16_kernel, self._plan, (out,), self._value_bytes, self._scale_bytes, hash_ids)
+        plan = self._plan
+        if self._bound is None:  # no row to read
+            return out
+        if self._device_index is not None and self._device_index != torch.cuda.current_device():
+            _launch(gather_rows_bf16_kernel, plan, (out,), self._value_bytes, self._scale_bytes, hash_ids)
+            return out
+        local_ids = hash_ids if plan.full_width else hash_ids[:, plan.column_start:plan.column_end]
+        self._bound[local_ids.data_ptr() % 16 == 0](plan.grid, (local_ids, self._value_bytes, self._scale_bytes, out,
+                                                                *self._scalars))
         return out
