@@ -7,7 +7,7 @@ structure; where the table, the wkv projection and the gate all have prepared ca
 :class:`EagerStep` that runs later calls of that structure as allocations and launches only:
 
 * bf16 wkv: rows gathered flat ``[T, C * D]`` -> ``F.linear`` -> gate;
-* FP8 wkv: the table's rows read in place by the wkv kernels -> gate.
+* FP8 wkv: the table's rows read in place by the prepared quantize -> the FP8 GEMM -> gate.
 
 The step holds the table, its storage and the wkv module it was made for; the layer uses it only
 while those are still the layer's (else it falls back to its checked path). It runs the wkv as a
@@ -35,11 +35,13 @@ def _has_forward_hooks(module: torch.nn.Module) -> bool:
 class EagerStep:
     """One call structure's step: ``step(layer, hidden_states, hash_ids, token_mask) -> out``."""
 
-    __slots__ = ("table", "storage", "wkv", "lookup", "gate")
+    __slots__ = ("table", "storage", "wkv", "lookup", "fp8_rows", "gate")
 
-    def __init__(self, table: Any, wkv: torch.nn.Module, lookup: Callable | None, gate: Callable):
+    def __init__(self, table: Any, wkv: torch.nn.Module, lookup: Callable | None, gate: Callable,
+                 fp8_rows: Callable | None = None):
         self.table, self.storage, self.wkv = table, getattr(table, "_storage", None), wkv
-        self.lookup = lookup  # bf16 wkv: hash_ids -> rows [T, C * D]; FP8 wkv: None (rows read in place)
+        self.lookup = lookup  # bf16 wkv: hash_ids -> rows [T, C * D]
+        self.fp8_rows = fp8_rows  # FP8 wkv: hash_ids -> kv, the table's rows read in place
         self.gate = gate
 
     def current(self, layer) -> bool:
@@ -56,7 +58,7 @@ class EagerStep:
             rows = self.lookup(hash_ids)
             kv = wkv(rows) if _has_forward_hooks(wkv) else torch.nn.functional.linear(rows, wkv.weight)
         else:
-            kv = wkv.forward_fp8_rows(*self.table.rows_in_place(hash_ids))
+            kv = self.fp8_rows(hash_ids)
         return self.gate(hidden_states, kv, layer.q_weight, layer.k_weight, layer.eps, token_mask)
 
 
@@ -69,7 +71,14 @@ def prepare_eager_step(layer, hidden_states: torch.Tensor, hash_ids: torch.Tenso
     if tokens == 0 or getattr(table, "validate", True) or not hasattr(table, "prepare_lookup"):
         return None
     if wkv.fp8:
-        if table.rows_in_place(hash_ids) is None:  # rows not on the compute device (host placements)
+        rows = table.rows_in_place(hash_ids)
+        if rows is None:  # rows not on the compute device (host placements)
+            return None
+        values, scales, served_ids, row_start = rows
+        if served_ids is not hash_ids:  # a column slice per call (tensor-parallel shards): the checked path
+            return None
+        fp8_rows = wkv.prepare_fp8_rows(values, scales, hash_ids, row_start)
+        if fp8_rows is None:
             return None
         lookup = None
     else:
@@ -83,4 +92,4 @@ def prepare_eager_step(layer, hidden_states: torch.Tensor, hash_ids: torch.Tenso
                            backend=layer.gate_backend)
     if gate is None:
         return None
-    return EagerStep(table, wkv, lookup, gate)
+    return EagerStep(table, wkv, lookup, gate, None if lookup is not None else fp8_rows)

@@ -409,6 +409,20 @@ class WkvProjection(torch.nn.Module):
         a, a_scale = wkv_gemm.quantize_gathered_rows(values, scales, hash_ids, row_start)
         return self._block_scaled_gemm(a, a_scale, tokens)
 
+    def prepare_fp8_rows(self, values: torch.Tensor, scales: torch.Tensor, hash_ids: torch.Tensor,
+                         row_start: int = 0):
+        """``prepared(hash_ids) -> kv``, equal to ``forward_fp8_rows(values, scales, hash_ids,
+        row_start)`` for every ``hash_ids`` of this one's structure, with the checks and the
+        quantize launch's plan made once (an eager step calls it per layer); None where this
+        projection has no such call (not FP8, or the fused kernel)."""
+        from . import wkv_gemm
+
+        if not self.fp8 or self.backend == "fused" or hash_ids is None:
+            return None
+        self._check_fp8_rows(values, hash_ids)
+        return _PreparedFp8Rows(self, wkv_gemm.PreparedQuantize(values, scales, hash_ids, row_start),
+                                hash_ids.shape[0])
+
     def _check_fp8_rows(self, values, hash_ids) -> None:
         """The checks of :meth:`forward_fp8_rows` that depend on the arguments' structure alone
         (the kernels' launchers check the rest)."""
@@ -438,3 +452,17 @@ class WkvProjection(torch.nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"source_dtype={self.source_dtype}, block_size={self.block_size}, backend={self.backend!r}, "
                 f"small_m_max_tokens={self.small_m_max_tokens}")
+
+
+class _PreparedFp8Rows:
+    """:meth:`WkvProjection.prepare_fp8_rows`: the prepared quantize, then the projection's GEMM
+    (read from the projection on every call, so a later move of its weight is followed)."""
+
+    __slots__ = ("_projection", "_quantize", "_tokens")
+
+    def __init__(self, projection: WkvProjection, quantize, tokens: int):
+        self._projection, self._quantize, self._tokens = projection, quantize, tokens
+
+    def __call__(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        a, a_scale = self._quantize(hash_ids)
+        return self._projection._block_scaled_gemm(a, a_scale, self._tokens)

@@ -351,15 +351,56 @@ def quantize_gathered_rows(
     value_bytes = values.view(torch.uint8) if plan.values_need_view else values
     scale_bytes = scales.view(torch.uint8) if plan.scales_need_view else scales
     ids = value_bytes if plan.ids_are_rows else hash_ids  # any pointer when unused
-    if not _QUANTIZE_LAUNCH:
-        _QUANTIZE_LAUNCH.append(CompiledLaunch(gather_quantize_kernel))
     variant = (tensor_variant(ids), tensor_variant(value_bytes), tensor_variant(scale_bytes),
                plan.ints, plan.constexprs)  # a, a_scale: new, so aligned; ints: part of the structure
     with _on_device(value_bytes):
-        _QUANTIZE_LAUNCH[0](plan.grid, variant, (ids, value_bytes, scale_bytes, a, a_scale, *plan.ints,
+        _quantize_launch()(plan.grid, variant, (ids, value_bytes, scale_bytes, a, a_scale, *plan.ints,
                                                  *plan.constexprs),
                             num_warps=plan.num_warps, device_index=device.index if device.type == "cuda" else 0)
     return a, a_scale
+
+
+def _quantize_launch() -> CompiledLaunch:
+    if not _QUANTIZE_LAUNCH:
+        _QUANTIZE_LAUNCH.append(CompiledLaunch(gather_quantize_kernel))
+    return _QUANTIZE_LAUNCH[0]
+
+
+class PreparedQuantize:
+    """:func:`quantize_gathered_rows` of a table's rows (``values`` / ``scales [R, ...]``) read by
+    ids of one structure, checked and planned once: ``prepared(hash_ids) -> (a, a_scale)``, two
+    allocations and one bound launch per call (one per alignment of the ids: the kernel's only
+    per-call variant choice). ``hash_ids`` must have the structure it was prepared with."""
+
+    __slots__ = ("_plan", "_value_bytes", "_scale_bytes", "_row_start", "_device", "_device_index", "_bound",
+                 "_scalars")
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, hash_ids: torch.Tensor, row_start: int = 0):
+        plan = _plan_quantize(values, scales, hash_ids, row_start)
+        if plan.ids_are_rows or not plan.rows_in_place:
+            raise ValueError("PreparedQuantize reads table rows [R, D] by hash_ids")
+        self._plan, self._row_start = plan, row_start
+        self._value_bytes = values.view(torch.uint8) if plan.values_need_view else values
+        self._scale_bytes = scales.view(torch.uint8) if plan.scales_need_view else scales
+        self._device = values.device
+        self._device_index = values.device.index if values.is_cuda else None
+        self._scalars = (*plan.ints, *plan.constexprs)
+        fixed = (tensor_variant(self._value_bytes), tensor_variant(self._scale_bytes), plan.ints, plan.constexprs)
+        self._bound = [_quantize_launch().bind(((hash_ids.dtype, aligned), *fixed), plan.num_warps,
+                                               self._device_index or 0)
+                       for aligned in (False, True)] if plan.in_features else None
+
+    def __call__(self, hash_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self._plan
+        if (self._bound is None or self._device_index is not None
+                and self._device_index != torch.cuda.current_device()):
+            return quantize_gathered_rows(self._value_bytes, self._scale_bytes, hash_ids, self._row_start)
+        a = torch.empty(plan.padded, plan.in_features, dtype=torch.float8_e4m3fn, device=self._device)
+        a_scale = torch.empty_strided((plan.padded, plan.groups), (1, plan.padded), dtype=torch.float32,
+                                      device=self._device)
+        self._bound[hash_ids.data_ptr() % 16 == 0](plan.grid, (hash_ids, self._value_bytes, self._scale_bytes, a,
+                                                               a_scale, *self._scalars))
+        return a, a_scale
 
 
 def _weight_launch_args(weight, weight_scale, block_size, config):
