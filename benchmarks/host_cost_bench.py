@@ -74,22 +74,40 @@ def _fp8_layer(spec, table):
 
 
 def record_launches(call) -> list[tuple]:
-    """``[(launcher, grid, variant, args, options)]``: the CompiledLaunch launches one ``call()``
-    makes, in order (to replay each one bare)."""
+    """``[(launcher, grid, variant, args, options, replay)]``: the Triton launches one ``call()``
+    makes, in order, through a CompiledLaunch or a prepared call's BoundLaunch (``launcher``: the
+    CompiledLaunch either way); ``replay()`` launches it again the same way, bare."""
     from engram import triton_launch
 
     recorded = []
-    original = triton_launch.CompiledLaunch.__call__
+    original, original_bound = triton_launch.CompiledLaunch.__call__, triton_launch.BoundLaunch.__call__
 
-    def record(self, grid, variant, args, **options):
-        recorded.append((self, grid, variant, args, options))
+    inside_bound = []  # a cold BoundLaunch launches through its CompiledLaunch: record it once
+
+    def record(self, grid, variant, args, num_warps, device_index=0, num_stages=None):
+        options = dict(num_warps=num_warps, device_index=device_index, num_stages=num_stages)
+        if not inside_bound:
+            recorded.append((self, grid, variant, args, options,
+                             lambda: original(self, grid, variant, args, **options)))
         return original(self, grid, variant, args, **options)
 
+    def record_bound(self, grid, args):  # a prepared call's launch, replayed through its CompiledLaunch
+        recorded.append((self._owner, grid, self._variant, args,
+                         dict(num_warps=self._num_warps, device_index=self._device_index,
+                              num_stages=self._num_stages), lambda: original_bound(self, grid, args)))
+        inside_bound.append(True)
+        try:
+            return original_bound(self, grid, args)
+        finally:
+            inside_bound.pop()
+
     triton_launch.CompiledLaunch.__call__ = record
+    triton_launch.BoundLaunch.__call__ = record_bound
     try:
         call()
     finally:
         triton_launch.CompiledLaunch.__call__ = original
+        triton_launch.BoundLaunch.__call__ = original_bound
     return recorded
 
 
@@ -98,8 +116,8 @@ def bare_launches_us(call, torch_ops=()) -> float:
     Triton launches with their recorded arguments, plus ``torch_ops``: calls of the torch
     operators it runs, e.g. the GEMM), summed: the floor no Python around them can go below."""
     total = 0.0
-    for launcher, grid, variant, args, options in record_launches(call):
-        total += host_us(lambda: launcher(grid, variant, args, **options))
+    for *_, replay in record_launches(call):
+        total += host_us(replay)
     for op in torch_ops:
         total += host_us(op)
     return total
@@ -126,7 +144,7 @@ def bench_host_cost() -> dict:
     # The same hash kernel launched bare, through Triton's own path and through CompiledLaunch.
     launches = [entry for entry in record_launches(hash_call(layout, vocab, 1, rng))
                 if entry[0].kernel.__name__ == "ngram_hash_kernel"]
-    launcher, grid, variant, args, options = launches[0]
+    launcher, grid, variant, args, options, _ = launches[0]
     kernel = launcher.kernel
     warps = options["num_warps"]
     result["hash_kernel_triton_launch_us"] = host_us(lambda: kernel[(grid,)](*args, num_warps=warps))

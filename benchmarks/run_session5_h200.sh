@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [[ $1 == omp ]]; then
   for policy in PASSIVE ACTIVE; do
     echo "== OMP_WAIT_POLICY=$policy"
-    OMP_WAIT_POLICY=$policy timeout 90 python benchmarks/probe_row_gather.py --threads 14,16 --distances 0,16 \
+    ENGRAM_HOST_GATHER=native OMP_WAIT_POLICY=$policy timeout 90 python benchmarks/probe_row_gather.py --threads 14,16 --distances 0,16 \
       --repeats 5 --json "$OUT/row-gather-omp-$policy.json" 2>&1 | tail -8
   done
 elif [[ $1 == measure ]]; then

@@ -188,7 +188,8 @@ class BoundLaunch:
                     None, None, None, *args)
                 return
         owner = self._owner
-        owner(grid, self._variant, args, self._num_warps, self._device_index, self._num_stages)
+        owner(grid, self._variant, args, num_warps=self._num_warps, device_index=self._device_index,
+              num_stages=self._num_stages)
         if direct is None and owner._runtime_knobs is not None:
             found = owner._direct.get((self._variant, self._num_warps, self._num_stages, self._device_index))
             if found is not None:
