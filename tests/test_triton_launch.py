@@ -29,8 +29,36 @@ def test_int_variant_follows_triton_int_specialization():
     assert integer_widths(5, -2**31, 2**31) == (False, False, True)
 
 
+class _RunnerCalls:
+    """Counts launches through Triton's own ``compiled[grid]`` runner (the path CompiledLaunch
+    takes while compiling or while a launch hook is set)."""
+
+    def __init__(self, monkeypatch):
+        from triton.compiler.compiler import CompiledKernel
+
+        self.count = 0
+        original = CompiledKernel.__getitem__
+
+        def counted(kernel, grid):
+            self.count += 1
+            return original(kernel, grid)
+
+        monkeypatch.setattr(CompiledKernel, "__getitem__", counted)
+
+
+def _set_enter_hook(knobs, hook):
+    """Register ``hook`` as Triton does (a HookChain's ``add`` on 3.5+, assignment before);
+    returns the undo."""
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        return lambda: chain.remove(hook)
+    knobs.runtime.launch_enter_hook = hook
+    return lambda: setattr(knobs.runtime, "launch_enter_hook", chain)
+
+
 @pytest.mark.gpu
-def test_compiled_launch_runs_direct_and_through_triton_while_a_hook_is_set():
+def test_compiled_launch_runs_direct_and_through_triton_while_a_hook_is_set(monkeypatch):
     """Warm launches call the compiled kernel's C launcher straight; with a launch hook set
     (a profiler's) they go through Triton's runner, so the hook sees every launch. Both write
     the same result as the first, compiled launch."""
@@ -56,19 +84,21 @@ def test_compiled_launch_runs_direct_and_through_triton_while_a_hook_is_set():
     for _ in range(3):  # compile, first warm launch (keeps the runner), direct launch
         launch(8, variant, (values, 1000, 128), num_warps=4)
     assert launch._direct, "no direct runner kept after warm launches"
+    runner = _RunnerCalls(monkeypatch)
     seen = []
-    knobs.runtime.launch_enter_hook = lambda metadata: seen.append(metadata)
+    undo = _set_enter_hook(knobs, lambda metadata: seen.append(metadata))
     try:
         launch(8, variant, (values, 1000, 128), num_warps=4)
     finally:
-        knobs.runtime.launch_enter_hook = None
+        undo()
     launch(8, variant, (values, 1000, 128), num_warps=4)
     assert len(seen) == 1
+    assert runner.count == 1, "a warm launch without hooks went through Triton's runner"
     torch.testing.assert_close(values.cpu(), torch.full((1000,), 5, dtype=torch.int32), rtol=0, atol=0)
 
 
 @pytest.mark.gpu
-def test_bound_launch_runs_direct_once_warm_and_through_triton_while_a_hook_is_set():
+def test_bound_launch_runs_direct_once_warm_and_through_triton_while_a_hook_is_set(monkeypatch):
     """A BoundLaunch (a variant fixed once, as prepared calls use) compiles through its
     CompiledLaunch, then calls the C launcher itself; a launch hook still sees its launches."""
     import torch
@@ -92,14 +122,16 @@ def test_bound_launch_runs_direct_once_warm_and_through_triton_while_a_hook_is_s
     for _ in range(3):  # compile, first warm launch (keeps the runner), direct launch
         bound(8, (values, 999, 128))
     assert bound._direct is not None, "no direct runner kept after warm launches"
+    runner = _RunnerCalls(monkeypatch)
     seen = []
-    knobs.runtime.launch_enter_hook = lambda metadata: seen.append(metadata)
+    undo = _set_enter_hook(knobs, lambda metadata: seen.append(metadata))
     try:
         bound(8, (values, 999, 128))
     finally:
-        knobs.runtime.launch_enter_hook = None
+        undo()
     bound((8, 1), (values, 999, 128))
     assert len(seen) == 1
+    assert runner.count == 1, "a warm bound launch without hooks went through Triton's runner"
     torch.testing.assert_close(values.cpu(), torch.full((999,), 10, dtype=torch.int32), rtol=0, atol=0)
 
 
@@ -128,3 +160,27 @@ def test_bound_launch_goes_through_its_compiled_launch_when_interpreted():
         bound(3, (values, 37, 16))
     assert bound._direct is None
     assert torch.equal(values, torch.full((37,), 6, dtype=torch.int32))
+
+
+def test_launch_hooks_are_seen_in_every_form_triton_keeps_them():
+    """Triton 3.5+ keeps launch hooks in HookChains (never None); earlier ones use None or a
+    callable. Direct launches run only while no hook is registered in either form."""
+    from types import SimpleNamespace
+
+    from engram.triton_launch import _no_launch_hooks
+
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert _no_launch_hooks(SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    assert _no_launch_hooks(SimpleNamespace(launch_enter_hook=Chain([]), launch_exit_hook=Chain([])))
+    assert not _no_launch_hooks(SimpleNamespace(launch_enter_hook=Chain([print]), launch_exit_hook=Chain([])))
+    assert not _no_launch_hooks(SimpleNamespace(launch_enter_hook=None, launch_exit_hook=print))
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is not None:  # this Triton's own default: no hook registered
+        assert _no_launch_hooks(runtime)

@@ -85,6 +85,16 @@ def _runtime_knobs() -> Any:
     return getattr(knobs, "runtime", None)
 
 
+def _no_launch_hooks(runtime: Any) -> bool:
+    """Whether no launch hook is set. Triton 3.5+ keeps each hook as a ``HookChain`` (never None;
+    empty when no hook is registered), earlier ones as None or a callable; a test may also assign
+    a plain callable."""
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
 def _has_direct_runner(compiled: Any) -> bool:
     """Whether ``compiled`` (a Triton ``CompiledKernel`` after its first launch) exposes the
     launcher that its ``compiled[grid]`` runner calls (Triton 3.3 and later)."""
@@ -141,8 +151,7 @@ class CompiledLaunch:
         stream = self._current_stream(device_index)
         runtime = self._runtime_knobs
         direct = self._direct.get(key)
-        if (direct is None or runtime is None or runtime.launch_enter_hook is not None
-                or runtime.launch_exit_hook is not None):
+        if direct is None or runtime is None or not _no_launch_hooks(runtime):
             # Triton's own runner (it also builds the launch metadata that profiling hooks want).
             compiled[(grid_x, grid_y, 1)](*args, stream=stream)
             if direct is None and _has_direct_runner(compiled):
@@ -182,7 +191,7 @@ class BoundLaunch:
         direct = self._direct
         if direct is not None and not VERIFY_VARIANTS:
             run, function, packed_metadata, current_stream, runtime = direct
-            if runtime.launch_enter_hook is None and runtime.launch_exit_hook is None:
+            if _no_launch_hooks(runtime):
                 grid_x, grid_y = (grid, 1) if grid.__class__ is int else grid
                 run(grid_x, grid_y, 1, current_stream(self._device_index), function, packed_metadata,
                     None, None, None, *args)
