@@ -57,59 +57,9 @@ def _set_enter_hook(knobs, hook):
     return lambda: setattr(knobs.runtime, "launch_enter_hook", chain)
 
 
-@pytest.mark.gpu
-def test_compiled_launch_runs_direct_and_through_triton_while_a_hook_is_set(monkeypatch):
-    """Warm launches call the compiled kernel's C launcher straight; with a launch hook set
-    (a profiler's) they go through Triton's runner, so the hook sees every launch. Both write
-    the same result as the first, compiled launch."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+def _add_two_kernel():
     import triton
     import triton.language as tl
-    from triton import knobs
-
-    from engram.triton_launch import CompiledLaunch, tensor_variant
-
-    @triton.jit
-    def add_one(pointer, count, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < count
-        tl.store(pointer + offsets, tl.load(pointer + offsets, mask=inside) + 1, mask=inside)
-
-    values = torch.zeros(1000, device="cuda", dtype=torch.int32)
-    launch = CompiledLaunch(add_one)
-    variant = (tensor_variant(values), 1000 % 16 == 0)
-    for _ in range(3):  # compile, first warm launch (keeps the runner), direct launch
-        launch(8, variant, (values, 1000, 128), num_warps=4)
-    assert launch._direct, "no direct runner kept after warm launches"
-    runner = _RunnerCalls(monkeypatch)
-    seen = []
-    undo = _set_enter_hook(knobs, lambda metadata: seen.append(metadata))
-    try:
-        launch(8, variant, (values, 1000, 128), num_warps=4)
-    finally:
-        undo()
-    launch(8, variant, (values, 1000, 128), num_warps=4)
-    assert len(seen) == 1
-    assert runner.count == 1, "a warm launch without hooks went through Triton's runner"
-    torch.testing.assert_close(values.cpu(), torch.full((1000,), 5, dtype=torch.int32), rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-def test_bound_launch_runs_direct_once_warm_and_through_triton_while_a_hook_is_set(monkeypatch):
-    """A BoundLaunch (a variant fixed once, as prepared calls use) compiles through its
-    CompiledLaunch, then calls the C launcher itself; a launch hook still sees its launches."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    import triton
-    import triton.language as tl
-    from triton import knobs
-
-    from engram.triton_launch import CompiledLaunch, tensor_variant
 
     @triton.jit
     def add_two(pointer, count, BLOCK: tl.constexpr):
@@ -117,21 +67,45 @@ def test_bound_launch_runs_direct_once_warm_and_through_triton_while_a_hook_is_s
         inside = offsets < count
         tl.store(pointer + offsets, tl.load(pointer + offsets, mask=inside) + 2, mask=inside)
 
+    return add_two
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bound", [False, True], ids=["compiled", "bound"])
+def test_warm_launches_run_direct_and_through_triton_while_a_hook_is_set(bound, monkeypatch):
+    """Warm launches (of a CompiledLaunch, or of a BoundLaunch: a variant fixed once, as prepared
+    calls use) call the compiled kernel's C launcher straight; with a launch hook set (a
+    profiler's) they go through Triton's runner, so the hook sees every launch. Every launch,
+    the compiling one included, adds the same."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from triton import knobs
+
+    from engram.triton_launch import CompiledLaunch, tensor_variant
+
     values = torch.zeros(999, device="cuda", dtype=torch.int32)
-    bound = CompiledLaunch(add_two).bind((tensor_variant(values), False), num_warps=4)
+    compiled = CompiledLaunch(_add_two_kernel())
+    variant = (tensor_variant(values), False)
+    if bound:
+        bound_launch = compiled.bind(variant, num_warps=4)
+        launch = lambda grid: bound_launch(grid, (values, 999, 128))  # noqa: E731
+    else:
+        launch = lambda grid: compiled(grid, variant, (values, 999, 128), num_warps=4)  # noqa: E731
     for _ in range(3):  # compile, first warm launch (keeps the runner), direct launch
-        bound(8, (values, 999, 128))
-    assert bound._direct is not None, "no direct runner kept after warm launches"
+        launch(8)
+    assert compiled._direct and (not bound or bound_launch._direct is not None), "no direct runner kept"
     runner = _RunnerCalls(monkeypatch)
     seen = []
     undo = _set_enter_hook(knobs, lambda metadata: seen.append(metadata))
     try:
-        bound(8, (values, 999, 128))
+        launch(8)
     finally:
         undo()
-    bound((8, 1), (values, 999, 128))
+    launch((8, 1))
     assert len(seen) == 1
-    assert runner.count == 1, "a warm bound launch without hooks went through Triton's runner"
+    assert runner.count == 1, "a warm launch without hooks went through Triton's runner"
     torch.testing.assert_close(values.cpu(), torch.full((999,), 10, dtype=torch.int32), rtol=0, atol=0)
 
 
@@ -143,19 +117,11 @@ def test_bound_launch_goes_through_its_compiled_launch_when_interpreted():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs with TRITON_INTERPRET=1 (scripts/dev.sh test)")
     import torch
-    import triton
-    import triton.language as tl
 
     from engram.triton_launch import CompiledLaunch, tensor_variant
 
-    @triton.jit
-    def add_two(pointer, count, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < count
-        tl.store(pointer + offsets, tl.load(pointer + offsets, mask=inside) + 2, mask=inside)
-
     values = torch.zeros(37, dtype=torch.int32)
-    bound = CompiledLaunch(add_two).bind((tensor_variant(values), False), num_warps=1)
+    bound = CompiledLaunch(_add_two_kernel()).bind((tensor_variant(values), False), num_warps=1)
     for _ in range(3):
         bound(3, (values, 37, 16))
     assert bound._direct is None
