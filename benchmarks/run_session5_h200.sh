@@ -42,6 +42,9 @@ else
     { echo "== GPU suite run $run of $RUNS ($(( $(date +%s) - start )) s): test_hash_kernel.py exit $code1, others exit $code2"
       tail -1 /tmp/part1.log; tail -1 /tmp/part2.log; grep -E "FAILED|ERROR" /tmp/part1.log /tmp/part2.log; } \
       | tee -a "$OUT/gpu-tests-h200.log"
+    if (( code1 != 0 || code2 != 0 )); then  # keep the failures' tracebacks and seeds
+      cat /tmp/part1.log /tmp/part2.log > "$OUT/gpu-tests-failed-run-$run.log"
+    fi
   done
   MEMCHECK_FUZZ_CASES=40 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python benchmarks/memcheck_kernels.py 2>&1 | tee "$OUT/memcheck.log" | tail -4
