@@ -8,7 +8,7 @@ rows (``cached`` over the host table's pinned rows, ``device`` a copy in HBM).
 Ids: held-out English prose, ``fortunes`` (make_cache_stream.py's token ids, hashed here at
 V4.1's layer 1 and folded into the table's rows, ``id % rows``, as bench_host.py folds them).
 The stream is cut into steps of 8192 tokens, served in order, the cache updated between steps
-(``update_cache``, the placement's default ``dynamic`` policy) and starting **empty**: no hot
+(``update_cache``, the placement's ``policy``: ``Sizes.policy``, its default ``set-lru``) and starting **empty**: no hot
 set, nothing built from the text it is measured on. The first half of the steps only warm the
 cache; the hit rate and the host bytes are counted on the second half (each step's reads against
 the content the preceding steps left). Cache size: 2% of the rows of V4.1's real layer-1 table
@@ -77,7 +77,8 @@ class Sizes:
     cache_rows: int  # cache slots asked for
     max_stream_tokens: int | None  # tokens of the stream used (None: all)
     ways: int = 8
-    aging_interval: int = 8
+    aging_interval: int = 16
+    policy: str = "set-lru"  # the placement's default (issue 12's session-5 run: "dynamic", aging 8, ties refused)
     direct_max_rows: int | None = None  # the placements' switch to the host gather (None: their default)
 
 
@@ -111,7 +112,7 @@ def stream_steps(sizes: Sizes) -> tuple[np.ndarray, dict]:
 # ---- the tables -----------------------------------------------------------------
 def build_tables(sizes: Sizes, on_gpu: bool) -> dict[str, engram.EngramTable]:
     options = {"cache_fraction": min(1.0, sizes.cache_rows / sizes.rows), "ways": sizes.ways,
-               "aging_interval": sizes.aging_interval}
+               "aging_interval": sizes.aging_interval, "policy": sizes.policy}
     if on_gpu:
         from host_table_fixture import host_table, table_over_rows
 
@@ -363,7 +364,8 @@ def markdown_table(report: dict, placements) -> str:
                      + f" | {speedup} | {row['hit_rate']:.1%} | {row['host_bytes_ratio']:.1%} |")
     counted = report["measured"]
     lines.append("")
-    lines.append(f"{report['device']}, {report['stream']['corpus']} (held out; cache warmed by the dynamic policy "
+    lines.append(f"{report['device']}, {report['stream']['corpus']} (held out; cache warmed by the "
+                 f"{report['cache']['policy']} policy "
                  f"over the stream's first {report['serve']['warm_steps']} steps of {report['stream']['step_tokens']} "
                  f"tokens, counted on the next {report['serve']['measured_steps']}): "
                  f"{counted['hit_rate']:.1%} of row reads served from HBM with {_cache_size(report)} cached "
@@ -384,7 +386,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU under TRITON_INTERPRET=1, or a GPU)")
     parser.add_argument("--simulate", action="store_true",
-                        help="also replay the stream through engram.table.cache_policy's LRU and dynamic (CPU)")
+                        help="also replay the stream through engram.table.cache_policy's lru, set-lru and dynamic (CPU)")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else FULL
     on_gpu = torch.cuda.is_available()

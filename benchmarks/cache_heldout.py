@@ -7,8 +7,9 @@ cache, the rest are measured. For the measured steps:
   included): no cache that learns only from the stream served so far can serve more;
 * :func:`best_static_share`: the share the ``capacity`` most-read rows of the measured steps
   themselves would serve (an oracle, chosen on the text it is scored on);
-* :func:`simulated_hit_rates`: ``engram.table.cache_policy`` replays (LRU, the default of
-  ``engram profile``, and ``dynamic`` with the device cache's parameters), warm-up excluded.
+* :func:`simulated_hit_rates`: ``engram.table.cache_policy`` replays (the fully associative ``lru``,
+  and ``set-lru`` and ``dynamic`` with the device cache's parameters: the rules the device index
+  follows), warm-up excluded.
 """
 
 from __future__ import annotations
@@ -38,21 +39,21 @@ def best_static_share(reads: np.ndarray, step_reads: int, warm_steps: int, capac
 
 
 def device_cache_params(ways: int, aging_interval: int) -> DynamicParams:
-    """The replay parameters closest to :class:`engram.table.row_cache.RowCache`'s rule (a missed
-    row must read strictly more than the way it replaces)."""
-    return DynamicParams(ways=ways, age_steps=aging_interval, admit_ties=False)
+    """The replay parameters of :class:`engram.table.row_cache.RowCache` with these ``ways`` and
+    ``aging_interval`` (it follows the replay's ``dynamic`` / ``set-lru`` rules exactly)."""
+    return DynamicParams(ways=ways, age_steps=aging_interval)
 
 
 def simulated_hit_rates(reads: np.ndarray, step_reads: int, warm_steps: int, capacity: int,
                         params: DynamicParams) -> dict[str, dict[str, float]]:
-    """Per policy (``lru``, ``dynamic``): hit rate and host fetch ratio (deduplicated per step) of the
+    """Per policy (``lru``, ``set-lru``, ``dynamic``): hit rate and host fetch ratio (deduplicated per step) of the
     measured steps, from a cold cache warmed by the first ``warm_steps`` steps. A replay is causal, so
     the measured steps' counts are the whole stream's minus the warm-up's."""
     reads = np.asarray(reads, dtype=np.int64).reshape(-1)
     whole = CompactStream(reads, step_reads)
     warm = CompactStream(reads[:warm_steps * step_reads], step_reads) if warm_steps else None
     results = {}
-    for policy in ("lru", "dynamic"):
+    for policy in ("lru", "set-lru", "dynamic"):
         total = replay(whole, capacity, policy, params=params)
         before = replay(warm, capacity, policy, params=params) if warm is not None else None
         reads_n = total.reads - (before.reads if before else 0)

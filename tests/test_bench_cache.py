@@ -45,7 +45,7 @@ def test_simulated_hit_rates_exclude_the_warm_up(heldout):
     params = heldout.device_cache_params(ways=2, aging_interval=8)
     rates = heldout.simulated_hit_rates(reads, 2, 1, 2, params)
     assert rates["lru"] == {"hit_rate": 1.0, "host_fetch_ratio": 0.0}
-    assert rates["dynamic"]["hit_rate"] == 1.0
+    assert rates["dynamic"]["hit_rate"] == 1.0 and rates["set-lru"]["hit_rate"] == 1.0
 
 
 def test_fold_ids(monkeypatch):

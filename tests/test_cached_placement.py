@@ -6,7 +6,7 @@
   outside the table, every access bounds-checked; a fuzz of update / lookup sequences; the placement
   through ``EngramTable`` on CPU tensors;
 * ``gpu`` tests (seeded: a failure names its seed, ``ENGRAM_TEST_SEED`` replays it): ``cached`` equals
-  ``device`` bit for bit at T in {1, 63, 1000} after the dynamic policy replaced rows, with a static hot set
+  ``device`` bit for bit at T in {1, 63, 1000} after the set-lru and dynamic policies replaced rows, with a static hot set
   (``load_hot_rows``, int32 and int64 ids), and through lookups captured in a CUDA graph that keep serving
   the right rows across updates and hot-set loads.
 
@@ -96,19 +96,68 @@ def test_replacement_rule_and_aging():
     cache.update(torch.tensor([5, 5, 5, 7]), rows.values, rows.scales)  # both admitted (empty ways)
     assert sorted(cache.held_rows().tolist()) == [5, 7]
     assert sorted(cache.counters.reshape(-1).tolist()) == [1, 3]
-    # Row 9 read once: does not beat the lowest counter (1); row 11 read twice does and replaces row 7.
+    # Row 11 (read twice) takes the lowest way (row 7, counter 1); row 9 (once) then meets row 5's 4: dropped.
     cache.update(torch.tensor([9, 11, 11, 5]), rows.values, rows.scales)
     assert sorted(cache.held_rows().tolist()) == [5, 11]
     counts = dict(zip(cache.tags.reshape(-1).tolist(), cache.counters.reshape(-1).tolist()))
     assert counts == {5: 4, 11: 2}
-    cache.update(torch.tensor([-1, 64, 1000]), rows.values, rows.scales)  # third update: aging halves first
+    cache.update(torch.tensor([-1, 64, 1000]), rows.values, rows.scales)  # step 2: ids outside the table ignored
     counts = dict(zip(cache.tags.reshape(-1).tolist(), cache.counters.reshape(-1).tolist()))
-    assert counts == {5: 2, 11: 1}  # ids outside the table ignored
+    assert counts == {5: 4, 11: 2}
+    cache.update(torch.tensor([11]), rows.values, rows.scales)  # step 3 (a multiple of 3): halved, then counted
+    counts = dict(zip(cache.tags.reshape(-1).tolist(), cache.counters.reshape(-1).tolist()))
+    assert counts == {5: 2, 11: 2}
     _check_invariants(cache, rows)
+    # A tie admits: row 13 read twice replaces a way of counter 2 (the lower way index first).
+    cache.update(torch.tensor([13, 13]), rows.values, rows.scales)
+    assert len({5, 11} & set(cache.held_rows().tolist())) == 1 and 13 in cache.held_rows().tolist()
     # Two candidates for one set: the more read one takes the weaker way first.
     cache.update(torch.tensor([20, 20, 20, 22, 22, 22, 22]), rows.values, rows.scales)
     assert sorted(cache.held_rows().tolist()) == [20, 22]
     _check_invariants(cache, rows)
+
+
+def test_recency_keeps_the_rows_read_last():
+    """``recency=True`` (set-associative LRU): a row read in step ``k`` scores ``k + 1``; a missed row
+    takes its set's least recently read way, however often the way's row was read before."""
+    rows = _table(64, 32, torch.Generator().manual_seed(3))
+    cache = RowCache(2, 32, "cpu", ways=2, recency=True)  # one set of two ways
+    cache.update(torch.tensor([5, 5, 5, 5, 7]), rows.values, rows.scales)  # step 0: both admitted
+    cache.update(torch.tensor([7]), rows.values, rows.scales)  # step 1: row 7 read last
+    counts = dict(zip(cache.tags.reshape(-1).tolist(), cache.counters.reshape(-1).tolist()))
+    assert counts == {5: 1, 7: 2}
+    cache.update(torch.tensor([9]), rows.values, rows.scales)  # step 2: row 9 replaces row 5 (read 4 times)
+    counts = dict(zip(cache.tags.reshape(-1).tolist(), cache.counters.reshape(-1).tolist()))
+    assert counts == {9: 3, 7: 2}
+    _check_invariants(cache, rows)
+    with pytest.raises(ValueError, match="recency: expected True or False"):
+        RowCache(2, 32, "cpu", recency="yes")
+
+
+@pytest.mark.parametrize("policy", ["set-lru", "dynamic"])
+def test_row_cache_serves_the_hits_the_policy_replay_counts(policy, seed):
+    """The device index follows engram.table.cache_policy's rules exactly: over a drifting, skewed
+    stream (steps of a prime size, a cache of 8 sets of 8 ways, aging every 4 steps), RowCache's
+    update statistics equal the replay's reads, hits, per-step distinct rows and their hits."""
+    import numpy as np
+
+    from engram.table.cache_policy import CompactStream, DynamicParams, replay
+
+    rng = np.random.default_rng(seed)
+    num_rows, capacity, step_reads, steps = 700, 64, 97, 40
+    hot = (np.arange(steps * step_reads) // (step_reads * 5)) * 37  # the hot rows drift every 5 steps
+    reads = np.where(rng.random(steps * step_reads) < 0.6, (hot + rng.integers(0, 30, steps * step_reads)) % num_rows,
+                     rng.integers(0, num_rows, steps * step_reads))
+    rows = _table(num_rows, 32, torch.Generator().manual_seed(seed % 2**31))
+    cache = RowCache(capacity, 32, "cpu", ways=8, aging_interval=4, recency=policy == "set-lru")
+    for k in range(steps):
+        cache.update(torch.from_numpy(reads[k * step_reads:(k + 1) * step_reads]), rows.values, rows.scales)
+    _check_invariants(cache, rows)
+    result = replay(CompactStream(reads, step_reads), capacity, policy, params=DynamicParams(ways=8, age_steps=4))
+    valid, hits, distinct, missed = (int(x) for x in cache.stats)
+    assert (valid, hits, distinct, distinct - missed) == (result.reads, result.hits, result.fetches,
+                                                         result.fetch_hits), f"seed {seed}"
+    assert 0 < hits < valid
 
 
 def test_load_hot_keeps_the_first_rows_of_each_set():
@@ -127,9 +176,11 @@ def test_counters_age_to_zero_and_saturate():
     rows = _table(16, 32, torch.Generator().manual_seed(2))
     cache = RowCache(4, 32, "cpu", ways=4, aging_interval=2)
     cache.load_hot(torch.tensor([1, 2]), rows.values, rows.scales, counter=COUNTER_MAX)
-    cache.update(torch.full((10,), 1), rows.values, rows.scales)  # first update: no aging
+    cache.update(torch.full((10,), 1), rows.values, rows.scales)  # step 0: no aging
     assert int(cache.counters.max()) == COUNTER_MAX  # 10 reads added: saturated, no overflow
-    cache.update(torch.empty(0, dtype=torch.int64), rows.values, rows.scales)  # second: halved
+    cache.update(torch.empty(0, dtype=torch.int64), rows.values, rows.scales)  # step 1: none either
+    assert int(cache.counters.max()) == COUNTER_MAX
+    cache.update(torch.empty(0, dtype=torch.int64), rows.values, rows.scales)  # step 2: halved
     assert sorted(cache.counters.reshape(-1).tolist()) == [0, 0, COUNTER_MAX // 2, COUNTER_MAX // 2]
     for _ in range(80):
         cache.update(torch.empty(0, dtype=torch.int64), rows.values, rows.scales)
@@ -427,10 +478,12 @@ def _device_and_cached(rows: int, head_dim: int, generator, row_start=0, **optio
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["set-lru", "dynamic"])
 @pytest.mark.parametrize("tokens", [1, 63, 1000])
-def test_gpu_cached_equals_device_after_replacements(tokens, seed):
+def test_gpu_cached_equals_device_after_replacements(tokens, policy, seed):
     generator = torch.Generator().manual_seed(seed)
-    device, cached = _device_and_cached(5000, 256, generator, row_start=777, cache_fraction=0.02, aging_interval=2)
+    device, cached = _device_and_cached(5000, 256, generator, row_start=777, cache_fraction=0.02, aging_interval=2,
+                                        policy=policy)
     assert cached.backend == "triton"
     cache = cached.storage.cache
     replaced = hits = 0
@@ -438,11 +491,13 @@ def test_gpu_cached_equals_device_after_replacements(tokens, seed):
         # The hot rows move every other step, so new rows outscore aged ones and replace them.
         hash_ids = _ids(tokens, 24, 5000, 777, generator, hot=200, hot_start=700 * (step // 2)).cuda()
         before = cache.tags.clone()
-        for table_ids in (hash_ids, _strided(hash_ids, 1)):
-            assert torch.equal(cached.lookup(table_ids).view(torch.int16), device.lookup(table_ids).view(torch.int16))
+        for layout, table_ids in enumerate((hash_ids, _strided(hash_ids, 1))):
+            where = f"step {step}, ids layout {layout}, seed {seed}"
+            assert torch.equal(cached.lookup(table_ids).view(torch.int16),
+                               device.lookup(table_ids).view(torch.int16)), f"bf16 rows differ: {where}"
             got, expected = cached.lookup_packed(table_ids), device.lookup_packed(table_ids)
-            assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
-            assert torch.equal(got[1], expected[1])
+            assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8)), f"FP8 bytes differ: {where}"
+            assert torch.equal(got[1], expected[1]), f"scales differ: {where}"
         hits += int(cache.probe(hash_ids.reshape(-1).to(torch.int64) - 777, 5000)[0].sum())  # the lookups' hits
         cached.update_cache(hash_ids)
         replaced += int(((before >= 0) & (cache.tags != before)).sum())
@@ -450,7 +505,7 @@ def test_gpu_cached_equals_device_after_replacements(tokens, seed):
     assert int((cache.tags >= 0).sum()) > 0
     assert hits > 0, "no lookup read a cached row: the test did not test hits"
     if tokens > 1:
-        assert replaced > 0, "the dynamic policy replaced no row: the test did not test replacement"
+        assert replaced > 0, f"the {policy} policy replaced no row: the test did not test replacement"
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ from pathlib import Path
 
 __all__ = ["require_matplotlib", "plot_hit_rates"]
 
-_MARKERS = {"dynamic": "o", "lru": "s", "static": "^", "lru-8way": "D"}
+_MARKERS = {"dynamic": "o", "lru": "s", "static": "^", "set-lru": "D", "lru-8way": "D"}
 
 
 def require_matplotlib():

@@ -15,7 +15,7 @@ against a plain loop):
     The content is the first ``capacity`` rows of the initial hot list (hottest first, as
     written by ``engram profile build``) and never changes.
 
-``lru`` (the default)
+``lru``
     After each step the cache holds the ``capacity`` most recently read rows, recency being the
     position of a row's last read in the stream (rows of the initial hot list count as read
     before the stream, the hottest last; the first ``capacity`` of them). Equivalently: a
@@ -40,6 +40,11 @@ against a plain loop):
     read or inserted after step ``k`` scores ``k + 1``, there is no aging, and a candidate
     replaces the set's least recently read row not inserted in this step.
 
+``set-lru`` (the default)
+    ``dynamic`` with ``recency=True`` (``params.ways`` ways): the LRU that placement ``"cached"``
+    serves by default (:class:`engram.table.row_cache.RowCache` follows ``dynamic``'s rules, both
+    scores, and ``tests/test_cached_placement.py`` checks that it serves the same hits).
+
     Initial content: the hot list's first ``capacity`` rows, hottest first, each row placed in its
     set (in the set's next way) while the set has an empty way, with score
     ``max(1, ceil(count / profile_steps))`` (its reads per step in the profile); with
@@ -52,6 +57,7 @@ for ``dynamic``, over the few candidates that share a set within one step).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,11 +65,12 @@ import numpy as np
 __all__ = ["POLICIES", "DEFAULT_POLICY", "DynamicParams", "CompactStream", "ReplayResult", "replay",
            "capacity_for", "best_static_hits"]
 
-POLICIES = ("static", "dynamic", "lru")
-DEFAULT_POLICY = "lru"
-"""Chosen on held-out text (benchmarks/NOTES.md, "HBM cache policies on real text"): LRU serves the
-most reads from 0.5% of rows up; ``dynamic`` only wins at 0.1%. A device index would hold it
-set-associatively (``dynamic`` with ``recency=True``), measured about one point lower."""
+POLICIES = ("static", "dynamic", "lru", "set-lru")
+DEFAULT_POLICY = "set-lru"
+"""What placement ``"cached"`` serves by default, chosen on held-out text (benchmarks/NOTES.md, "HBM
+cache policies on real text"): LRU serves the most reads from 0.5% of rows up (``dynamic`` only wins
+at 0.1%), and the device holds it set-associatively (one set read per row), 0.2-1.9 points under the
+fully associative ``lru``."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,8 @@ def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *
         return _replay_static(stream, hot)
     if policy == "lru":
         return _replay_lru(stream, capacity, hot)
+    if policy == "set-lru":
+        params = dataclasses.replace(params, recency=True)
     counts = np.ones(len(hot), dtype=np.int64) if initial_counts is None else \
         np.asarray(initial_counts, dtype=np.int64)[:capacity]
     if len(counts) != len(hot):

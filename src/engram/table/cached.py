@@ -30,14 +30,20 @@ the cache's content between the two (``update_cache``, ``load_hot_rows``; the
 prefetch, and the lookup probes and gathers again itself (right, but the prefetch's head start
 is lost): call ``update_cache`` after a step's lookups, not between a layer's prefetch and its lookup.
 
-Two policies:
+Three policies, the same rules as those of :mod:`engram.table.cache_policy` (which
+``engram profile eval`` replays on recorded text; its default is this placement's):
 
-* ``"dynamic"`` (default): the engine calls :meth:`EngramTable.update_cache` with each
-  step's hash ids between steps; missed rows are admitted with frequency-based
-  replacement and aging (:mod:`engram.table.row_cache`). A hot set, when given, is the
-  starting content.
+* ``"set-lru"`` (default): the engine calls :meth:`EngramTable.update_cache` with each
+  step's hash ids between steps; missed rows replace their set's least recently read rows
+  (set-associative LRU, :mod:`engram.table.row_cache`). Chosen on held-out text
+  (``benchmarks/NOTES.md``, "HBM cache policies on real text"): 36.9-52.6% of reads at 2% of
+  rows, 2.3-3.9 points above ``"dynamic"`` there.
+* ``"dynamic"``: as ``"set-lru"``, with frequency-based replacement and aging instead of
+  recency (better only at about 0.1% of rows).
 * ``"static"``: the hot set given (``hot_rows=`` or :meth:`EngramTable.load_hot_rows`)
   stays; :meth:`update` does nothing.
+
+With ``"set-lru"`` and ``"dynamic"`` a hot set, when given, is the starting content.
 
 The index is fixed-size and updated in place, so a lookup captured in a CUDA graph keeps
 serving the current content across updates. Without CUDA the placement is refused,
@@ -61,7 +67,8 @@ from .table import TablePlacement, register_placement
 __all__ = ["CachedPlacement", "DEFAULT_CACHE_FRACTION", "POLICIES"]
 
 DEFAULT_CACHE_FRACTION = 0.02  # issue 12: 2% of rows
-POLICIES = ("dynamic", "static")
+POLICIES = ("set-lru", "dynamic", "static")
+UPDATED_POLICIES = ("set-lru", "dynamic")  # the policies that update_cache changes
 
 
 @register_placement
@@ -73,8 +80,8 @@ class CachedPlacement(TablePlacement):
         cache_fraction: fraction of the table's rows the cache holds, in ``(0, 1]``
             (rounded down to whole sets of ``ways`` slots; at least one set).
         ways: slots per set (power of two, at most 64).
-        aging_interval: counters halve every this many updates.
-        policy: ``"dynamic"`` or ``"static"``.
+        aging_interval: policy ``"dynamic"``: scores halve every this many updates.
+        policy: ``"set-lru"`` (default), ``"dynamic"`` or ``"static"``.
         hot_rows: optional local row ids ``int [K]`` (hottest first) loaded as the starting content.
     """
 
@@ -82,8 +89,8 @@ class CachedPlacement(TablePlacement):
     has_triton_lookup = True
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
-                 cache_fraction: float = DEFAULT_CACHE_FRACTION, ways: int = 8, aging_interval: int = 8,
-                 policy: str = "dynamic", hot_rows: torch.Tensor | None = None):
+                 cache_fraction: float = DEFAULT_CACHE_FRACTION, ways: int = 8, aging_interval: int = 16,
+                 policy: str = "set-lru", hot_rows: torch.Tensor | None = None):
         if isinstance(cache_fraction, bool) or not isinstance(cache_fraction, (int, float)) or not (
                 0 < cache_fraction <= 1):
             raise ValueError(f"cache_fraction: expected a number in (0, 1], found {cache_fraction!r}")
@@ -110,7 +117,7 @@ class CachedPlacement(TablePlacement):
         self.policy = policy
         self.cache_fraction = float(cache_fraction)
         self.cache = RowCache(max(1, int(num_rows * cache_fraction)), self.head_dim, self.device, ways=ways,
-                              aging_interval=aging_interval)
+                              aging_interval=aging_interval, recency=policy == "set-lru")
         if hot_rows is not None:
             self.load_hot(hot_rows)
         self.direct_max_rows = DIRECT_MAX_ROWS
@@ -151,10 +158,10 @@ class CachedPlacement(TablePlacement):
         return self.cache.load_hot(local_row_ids, *self.backing)
 
     def update(self, global_ids: torch.Tensor, row_start: int) -> None:
-        """The dynamic policy's step for the reads ``global_ids int [T, C_local]`` (on :attr:`device`);
+        """The policy's step for the reads ``global_ids int [T, C_local]`` (on :attr:`device`);
         nothing for policy ``"static"``. Call between steps (after their lookups), never inside a captured
         graph; a prefetch started before it is discarded (its probe may name replaced slots)."""
-        if self.policy == "dynamic":
+        if self.policy in UPDATED_POLICIES:
             self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing)
 
     # ---- lookups ------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The HBM row cache of placement ``"cached"``: a fixed-size set-associative index, its
-between-steps update (admission with frequency-based replacement and aging; static hot
-sets), and a plain-torch reference of the lookup.
+between-steps update (set-associative LRU, or frequency-based replacement with aging; static
+hot sets), and a plain-torch reference of the lookup.
 
 State (all fixed-size, updated in place, so a lookup captured in a CUDA graph sees every
 update; each tensor has one extra *trash* entry at the end that masked-off writes go to
@@ -11,16 +11,23 @@ and lookups never read):
 * ``tags int64 [num_sets, ways]`` (a view of ``slots + 1`` entries): local row id held by
   slot ``set * ways + way``, -1 when empty; local row ``r`` may live only in set
   ``r % num_sets``, in at most one way;
-* ``counters int32 [num_sets, ways]``: aged read counts of the held rows (0 when empty).
+* ``counters int32 [num_sets, ways]``: the held rows' scores (0 when empty).
 
-Update rule (:meth:`RowCache.update`, one call per engine step with the step's ids):
+Update rule (:meth:`RowCache.update`, one call per engine step ``k = 0, 1, ...`` with the
+step's ids), exactly the ``dynamic`` policy of :mod:`engram.table.cache_policy` (which
+replays it on recorded text; ``tests/test_cached_placement.py`` checks that both serve the
+same hits), in one of two scores:
 
-1. every ``aging_interval``-th call halves all counters (``c >>= 1``);
-2. each read of a held row adds 1 to its counter (saturating at ``2**30``);
-3. the missed rows, deduplicated, each with ``n`` = its reads in this step, are ranked per
-   set by ``n`` (descending, ties by row id); the set's ways are ranked by counter
-   (ascending, empty ways first as -1, ties by way); the ``k``-th candidate replaces the
-   ``k``-th way when ``n > counter`` (empty ways: always), and the new row's counter is ``n``.
+* frequency (``recency=False``; placement policy ``"dynamic"``): when ``k > 0`` is a multiple
+  of ``aging_interval`` all scores are halved (``c >>= 1``) first; each read of a held row
+  adds 1 (saturating at ``2**30``); a missed row's score is ``n``, its reads in the step;
+* recency (``recency=True``; placement policy ``"set-lru"``): a held row read in the step
+  scores ``k + 1``, and so does a missed row: set-associative LRU, no aging.
+
+Then the missed rows, deduplicated, are ranked per set by score (descending, ties by row
+id); the set's ways by score (ascending, empty ways first as -1, ties by way); the ``k``-th
+candidate replaces the ``k``-th way when its score is at least that way's (empty ways:
+always), and the new row keeps its score.
 
 No step writes a slot twice, so the result does not depend on the order of the writes.
 An update is one sort of the step's ids plus fixed-size gathers and scatters, with no host
@@ -65,11 +72,16 @@ class RowCache:
         head_dim: ``D`` of the table (a multiple of 32).
         device: where the slots and the index live (the lookup's device).
         ways: slots per set (a power of two; 8: one 64-byte read of tags per lookup row).
-        aging_interval: counters are halved every this many :meth:`update` calls.
+        aging_interval: frequency scores are halved every this many :meth:`update` calls.
+        recency: score rows by the last step that read them (set-associative LRU) instead of
+            by aged read counts.
     """
 
     def __init__(self, num_slots: int, head_dim: int, device: torch.device | str, *, ways: int = 8,
-                 aging_interval: int = 8):
+                 aging_interval: int = 16, recency: bool = False):
+        if not isinstance(recency, bool):
+            raise ValueError(f"recency: expected True or False, found {recency!r}")
+        self.recency = recency
         ways = _check_positive_int("ways", ways)
         if ways & (ways - 1) or ways > 64:
             raise ValueError(f"ways: expected a power of two at most 64, found {ways}")
@@ -171,12 +183,18 @@ class RowCache:
         hit, slot = self.probe(ids, num_rows)
         candidate = first & ~hit
         self.stats += torch.stack([valid.sum(), hit.sum(), first.sum(), candidate.sum()])
+        step = self.updates
         self.updates += 1
         self.version += 1
-        if self.updates % self.aging_interval == 0:
-            self._counters.bitwise_right_shift_(1)
-        self._counters.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
-        self._counters.clamp_(max=COUNTER_MAX)
+        if self.recency:  # held rows read now, and the candidates, score step + 1
+            score = min(step + 1, COUNTER_MAX)
+            self._counters.index_fill_(0, slot, score)
+            counts = torch.full_like(counts, score)
+        else:
+            if step > 0 and step % self.aging_interval == 0:
+                self._counters.bitwise_right_shift_(1)
+            self._counters.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
+            self._counters.clamp_(max=COUNTER_MAX)
         self._counters[-1:].zero_()  # a kernel: assigning a Python 0 would copy it from the host (a sync)
         self._admit(ids, counts, candidate, back_values, back_scales)
 
@@ -206,7 +224,7 @@ class RowCache:
                back_values: torch.Tensor, back_scales: torch.Tensor) -> None:
         """Place the distinct rows ``ids[candidate]`` (none held now) by the replacement rule:
         the ``k``-th candidate of a set by ``counts`` (descending) takes the ``k``-th way by counter
-        (ascending, empty first) when its count beats that counter."""
+        (ascending, empty first) when its count is at least that counter."""
         count_total = ids.numel()
         if count_total == 0:
             return
@@ -223,7 +241,7 @@ class RowCache:
         usable = (sorted_set < num_sets) & (rank < ways)
         safe_set = torch.where(usable, sorted_set, 0)
         safe_rank = torch.where(usable, rank, 0)
-        admit = usable & (sorted_count > victim_key[safe_set, safe_rank])
+        admit = usable & (sorted_count >= victim_key[safe_set, safe_rank])
         slot = torch.where(admit, safe_set * ways + victim_way[safe_set, safe_rank], self.num_slots)
         row = torch.where(admit, sorted_id, -1)
         values, scales = _read_rows(back_values, back_scales, row)

@@ -193,7 +193,7 @@ class EngramTable:
             resolved once here: placements with a Triton lookup (``"device"``) use the kernel
             for ``"auto"`` on CUDA; the others always run torch and refuse ``"triton"``.
         placement_options: keyword arguments of the placement, e.g. ``{"cache_fraction": 0.02,
-            "policy": "dynamic"}`` for ``"cached"`` (:class:`engram.table.cached.CachedPlacement`).
+            "policy": "set-lru"}`` for ``"cached"`` (:class:`engram.table.cached.CachedPlacement`).
     """
 
     def __init__(
