@@ -291,10 +291,21 @@ class _QuantizePlan(NamedTuple):
 _QUANTIZE_PLANS = CallCache()
 
 
+# Decode-sized batches quantize in more, smaller programs. H200, whole FP8 layer at T = 64 graph-replayed
+# (benchmarks/NOTES.md, "Small T: launch shapes"): (8, 2) 66.8 us against 68.9 for (32, 4), the quantize
+# alone 7.4 against 8.8 us; larger T keep (32, 4) (bench_layer.py). Every shape gives the same bytes.
+SMALL_T_QUANTIZE_MAX_TOKENS = 64
+
+
 def quantize_launch_shape(tokens: int) -> tuple[int, int]:
     """``(BLOCK_T, num_warps)`` of ``gather_quantize_kernel`` for ``T`` tokens: 32 tokens x 128
-    values per program with 4 warps (16 tokens under the interpreter)."""
-    return (16, 4) if interpreting() else (32, 4)
+    values per program with 4 warps, 8 tokens with 2 warps up to ``SMALL_T_QUANTIZE_MAX_TOKENS``
+    (16 tokens and 4 warps under the interpreter)."""
+    if interpreting():
+        return (16, 4)
+    return (8, 2) if tokens <= SMALL_T_QUANTIZE_MAX_TOKENS else (32, 4)
+
+
 _QUANTIZE_LAUNCH: list[CompiledLaunch] = []
 
 
