@@ -40,6 +40,28 @@ def test_packed_rows_hold_values_scales_and_a_zero_row(head_dim, seed):
     assert PackedRows.matching(values, scales) is None
 
 
+def test_rows_packed_in_own_pages_share_no_page(seed):
+    """Host tables are registered with CUDA page by page, and a range touching a page another
+    registered range holds is refused (CUDA error 712): each table packed for the host placement
+    starts on a page of its own and no two of them share a page, small ones included."""
+    import mmap
+
+    from engram.table.host_rows import owns_its_pages, pack_rows_in_own_pages
+
+    page = mmap.PAGESIZE
+    spans = []
+    for index, rows in enumerate((1, 37, 5000)):
+        values, scales = _table(rows, 64, seed + index)
+        packed = pack_rows_in_own_pages(values, scales)
+        assert owns_its_pages(packed) and packed.packed.data_ptr() % page == 0
+        assert torch.equal(packed.values, values) and torch.equal(packed.scales, scales)
+        assert int(packed.packed[-1].abs().sum()) == 0
+        first = packed.packed.data_ptr() // page
+        spans.append((first, (packed.packed.data_ptr() + packed.packed.numel() - 1) // page, packed))
+    spans.sort(key=lambda span: span[0])
+    assert all(earlier[1] < later[0] for earlier, later in zip(spans, spans[1:])), "two tables share a page"
+
+
 @pytest.mark.parametrize("count", [1, 63, 1000])
 def test_host_gather_matches_the_reference_with_out_of_range_ids(count, rng):
     values, scales = _table(101, 64, int(rng.integers(2**31)))
@@ -137,6 +159,18 @@ def test_gpu_host_paths_equal_device_placement(tokens, direct_max_rows, rng):
         device_values, device_scales = device.lookup_packed(ids)
         assert torch.equal(host_values.view(torch.uint8), device_values.view(torch.uint8))
         assert torch.equal(host_scales, device_scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_many_small_host_tables_register_side_by_side(rng):
+    """Small host tables alive at once, as a test suite or a multi-layer model makes them: each
+    registers with CUDA (no range shares a page with another) and reads its own rows."""
+    sizes = [int(size) for size in rng.integers(1, 300, 12)]
+    tables = [_device_and_host(rows, 64, int(rng.integers(2**31))) for rows in sizes]
+    for rows, (device, host) in zip(sizes, tables):
+        ids = _ids(rng, 5, 24, rows)
+        assert torch.equal(host.lookup(ids).view(torch.int16), device.lookup(ids).view(torch.int16))
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ import torch
 
 from ..common import resolve_cuda_device
 from .host_gather import GatherTicket, HostGather, gather_packed_rows_host
-from .host_rows import PackedRows, cuda_alias, pack_rows, register_with_cuda
+from .host_rows import PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, register_with_cuda
 from .table import TablePlacement, register_placement
 
 __all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
@@ -71,8 +71,8 @@ class HostPlacement(TablePlacement):
                              "machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
         target = resolve_cuda_device(device, "placement 'host'")
         rows = PackedRows.matching(value_bytes, scale_bytes)
-        if rows is None:
-            rows = pack_rows(value_bytes.cpu(), scale_bytes.cpu())
+        if rows is None or not owns_its_pages(rows):  # registered ranges may not share a page
+            rows = pack_rows_in_own_pages(value_bytes.cpu(), scale_bytes.cpu())
         release = register_with_cuda(rows.packed)
         weakref.finalize(self, release)  # unregistered when the placement goes (before its rows are freed)
         super().__init__(rows.values, rows.scales, target)

@@ -12,6 +12,7 @@ tensor aliasing them (unified addressing) lets Triton kernels read them directly
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ import torch
 from ..common import ceil_div
 from .fp8 import BLOCK_SIZE
 
-__all__ = ["packed_row_bytes", "PackedRows", "pack_rows", "register_with_cuda", "cuda_alias"]
+__all__ = ["packed_row_bytes", "PackedRows", "pack_rows", "pack_rows_in_own_pages", "owns_its_pages",
+           "register_with_cuda", "cuda_alias"]
 
 ROW_ALIGNMENT = 16
 _CUDA_HOST_REGISTER_PORTABLE = 1
@@ -99,6 +101,30 @@ def pack_rows(value_bytes: torch.Tensor, scale_bytes: torch.Tensor, buffer: torc
     return rows
 
 
+def pack_rows_in_own_pages(value_bytes: torch.Tensor, scale_bytes: torch.Tensor) -> PackedRows:
+    """:func:`pack_rows` into a private anonymous mapping of whole pages
+    (:func:`engram.table.host_memory.allocate_host_buffer`; 2 MiB pages from 2 MiB on), so the
+    rows share no page with any other allocation. CUDA pins and maps whole pages: rows packed
+    into heap memory next to another table's registered rows would share a page with them, so
+    they could look pinned before being registered (:func:`register_with_cuda` then leaves them
+    alone, and only that page is mapped for the GPU), lose that page's pinning when the other
+    table is unregistered, or be refused (CUDA error 712 on drivers that check overlaps)."""
+    from .host_memory import HUGE_PAGE_BYTES, allocate_host_buffer
+
+    num_rows, head_dim = value_bytes.shape
+    nbytes = (num_rows + 1) * packed_row_bytes(head_dim)
+    packed: list[PackedRows] = []
+    allocate_host_buffer(nbytes, fill=lambda buffer: packed.append(pack_rows(value_bytes, scale_bytes, buffer)),
+                         huge_pages=nbytes >= HUGE_PAGE_BYTES, read_only=False)
+    return packed[0]  # its tensors keep the mapping alive
+
+
+def owns_its_pages(rows: PackedRows) -> bool:
+    """Whether the storage of ``rows`` starts on a page boundary: a mapping of its own (as the
+    checkpoint loader's), not heap memory that may share its first or last page."""
+    return rows.packed.untyped_storage().data_ptr() % mmap.PAGESIZE == 0
+
+
 # Host ranges this process registered with CUDA: storage address -> [bytes, users].
 _REGISTERED: dict[int, list[int]] = {}
 
@@ -119,8 +145,10 @@ def register_with_cuda(tensor: torch.Tensor):
                                                      _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
         code = int(getattr(error, "value", error))
         if code != 0:
+            why = ("a page of the range is already registered (ranges may not share a page)" if code == 712
+                   else "pinned memory limit? see `ulimit -l`")
             raise RuntimeError(f"cudaHostRegister of {nbytes:,} bytes of host table rows failed with CUDA error "
-                               f"{code} (pinned memory limit? see `ulimit -l`)")
+                               f"{code} ({why})")
         entry = _REGISTERED[address] = [nbytes, 0]
     entry[1] += 1
     released = []
