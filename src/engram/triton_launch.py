@@ -5,7 +5,11 @@ it reaches the C launcher: with the ~45 arguments of the hash kernel that is
 most of an eager call's host time (DESIGN §4: 36-37 us for a bare launch of a
 comparable kernel on the H200 host). :class:`CompiledLaunch` does that work
 once per compiled variant, keyed by what the caller knows decides the variant,
-and then launches through the compiled kernel's own runner.
+and then calls the compiled kernel's C launcher directly; :class:`BoundLaunch`
+fixes the variant once for a prepared call, so a warm launch builds no key at all.
+Both go through Triton's own runner while a launch hook (a profiler's) is
+registered. H200, hash kernel bare: 30-54 us through ``kernel[grid]``, 14-18 us
+through :class:`CompiledLaunch` (benchmarks/NOTES.md, "Host cost v3").
 """
 
 from __future__ import annotations
