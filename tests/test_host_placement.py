@@ -175,6 +175,27 @@ def test_gpu_many_small_host_tables_register_side_by_side(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_host_table_reads_its_rows_while_neighbours_come_and_go(rng):
+    """Host tables made and released around a live one (as a test suite's garbage collector
+    unregisters earlier tables at any point): the live table keeps reading its own rows, on the
+    direct path (GPU reads of its host memory) and through the host gather."""
+    import gc
+
+    device, host = _device_and_host(3000, 256, int(rng.integers(2**31)))
+    for round_index in range(8):
+        neighbours = [_device_and_host(int(rng.integers(1, 3000)), 256, int(rng.integers(2**31)))
+                      for _ in range(3)]
+        del neighbours
+        gc.collect()  # their registrations end here, between the live table's lookups
+        for direct_max_rows in (10**9, 0):
+            host.storage.direct_max_rows = direct_max_rows
+            ids = _ids(rng, 63, 24, 3000)
+            assert torch.equal(host.lookup(ids).view(torch.int16), device.lookup(ids).view(torch.int16)), (
+                f"round {round_index}, direct_max_rows {direct_max_rows}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_gpu_prefetch_equals_the_synchronous_path_without_host_sync(rng):
     """Prefetch of both layers, then the lookups, over several steps of varying size, with
     torch's sync debug mode raising on any host sync in the caller's calls."""
