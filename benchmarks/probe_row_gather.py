@@ -29,6 +29,7 @@ torch at the same thread count (median of the per-round ratios, robust to a slow
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -185,7 +186,10 @@ def main(argv=None) -> dict:
         results.append({**{key: value for key, value in config.items() if key != "run"},
                         "median_ms": median * 1e3, "gb_per_s": gathered_bytes / median / 1e9,
                         "speedup_vs_torch_same_threads": speedup, "times_ms": [t * 1e3 for t in samples]})
-    report = {"machine": info, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    report = {"machine": info, "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "table_rows": num_rows, "row_bytes": ROW_BYTES, "huge_pages": host.huge_pages,
               "defaults": {"prefetch_distance": native_gather.PREFETCH_DISTANCE,
                            "prefetch_locality": native_gather.PREFETCH_LOCALITY,
