@@ -308,7 +308,7 @@ def test_launcher_argument_errors():
 QUANTIZE_CASES = [
     (1, 3, 64, 20, 0),        # K = 192: one full and one partial 128-group
     (7, 2, 256, 30, 1000),    # groups inside one row
-    (63, 5, 32, 40, 7),       # groups spanning 4 rows, T padded to 64
+    (63, 5, 32, 40, 7),       # groups spanning 4 rows, T padded to 128 (MIN_ACTIVATION_ROWS)
 ]
 
 

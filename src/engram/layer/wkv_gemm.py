@@ -51,11 +51,17 @@ __all__ = [
 ACTIVATION_GROUP = 128
 """Values per activation scale of path (a) (1 x 128 groups, the DeepSeek FP8 recipe)."""
 _TOKEN_PADDING = 4  # cuBLASLt wants the column-major [T, K / 128] scale's column stride 16-byte aligned
+MIN_ACTIVATION_ROWS = 128
+"""Fewest rows of the quantized activations. Below 128 rows cuBLAS's block-scaled FP8 GEMM picks a
+slower kernel: V4.1-Flash wkv (K = 6144, N = 25600) on the H200, graph-replayed, 59.1 us at M = 64
+against 56.2 us with the same rows padded to 128 (59.4 against 55.8 at M = 1;
+``benchmarks/probe_scaled_mm_small_m.py``). The padding rows are zeros; the Triton GEMMs skip them."""
 
 
 def padded_tokens(tokens: int) -> int:
-    """Rows of the quantized activation buffer: ``T`` rounded up to a multiple of 4 (at least 4)."""
-    return max(_TOKEN_PADDING, -(-tokens // _TOKEN_PADDING) * _TOKEN_PADDING)
+    """Rows of the quantized activation buffer: ``T`` rounded up to a multiple of 4, at least
+    :data:`MIN_ACTIVATION_ROWS`."""
+    return max(MIN_ACTIVATION_ROWS, -(-tokens // _TOKEN_PADDING) * _TOKEN_PADDING)
 
 
 @dataclass(frozen=True)
