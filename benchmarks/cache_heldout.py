@@ -29,6 +29,12 @@ def heldout_ceiling(reads: np.ndarray, step_reads: int, warm_steps: int) -> floa
     return float(seen_before[measured].mean()) if measured.any() else 0.0
 
 
+def measured_distinct_rows(reads: np.ndarray, step_reads: int, warm_steps: int) -> int:
+    """Distinct rows read in the measured steps: when the cache has at least as many slots,
+    :func:`best_static_share` holds them all (1.0, an oracle that says nothing of the policy)."""
+    return int(np.unique(np.asarray(reads, dtype=np.int64).reshape(-1)[warm_steps * step_reads:]).size)
+
+
 def best_static_share(reads: np.ndarray, step_reads: int, warm_steps: int, capacity: int) -> float:
     measured = np.asarray(reads, dtype=np.int64).reshape(-1)[warm_steps * step_reads:]
     if len(measured) == 0:

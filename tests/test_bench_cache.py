@@ -40,6 +40,15 @@ def test_best_static_share_takes_the_most_read_rows_of_the_measured_steps(heldou
     assert heldout.best_static_share(reads, 3, 3, 2) == 0.0
 
 
+def test_measured_distinct_rows_counts_the_rows_after_the_warm_up(heldout):
+    reads = np.array([9, 9, 9, 1, 4, 4, 4, 5, 1])
+    assert heldout.measured_distinct_rows(reads, 3, 1) == 3  # 1, 4, 5
+    assert heldout.measured_distinct_rows(reads, 3, 0) == 4
+    assert heldout.measured_distinct_rows(reads, 3, 3) == 0
+    # With room for all of them, the best static set serves every measured read.
+    assert heldout.best_static_share(reads, 3, 1, heldout.measured_distinct_rows(reads, 3, 1)) == 1.0
+
+
 def test_simulated_hit_rates_exclude_the_warm_up(heldout):
     reads = np.array([1, 2, 1, 2, 1, 2])  # steps of 2: everything after step 0 hits
     params = heldout.device_cache_params(ways=2, aging_interval=8)
@@ -68,7 +77,8 @@ def test_bench_cache_smoke_runs_end_to_end(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "cache-smoke.json").read_text())
     for key in ("hit_rate_2pct_heldout", "cached_host_bytes_ratio", "cached_T64_us", "device_T64_us", "device",
-                "torch", "triton", "commit", "date", "heldout_ceiling", "best_static_share", "simulated"):
+                "torch", "triton", "commit", "date", "heldout_ceiling", "best_static_share", "measured_distinct_rows",
+                "simulated"):
         assert key in report, key
     assert 0 <= report["hit_rate_2pct_heldout"] <= report["heldout_ceiling"] + 1e-9
     assert 0 < report["cached_host_bytes_ratio"] <= 1
