@@ -116,11 +116,9 @@ def cached_gather_rows(cache: RowCache, back_values: torch.Tensor, back_scales: 
     """
     _check(cache, back_values, back_scales, hash_ids, row_start)
     shape = (hash_ids.shape[0], hash_ids.shape[1], cache.head_dim)
+    out = _check_out(out, shape, torch.bfloat16, hash_ids.device)
     if out is None:
         out = torch.empty(shape, dtype=torch.bfloat16, device=hash_ids.device)
-    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != torch.bfloat16
-          or not out.is_contiguous() or out.device != hash_ids.device):
-        raise ValueError(f"out: expected a contiguous bfloat16 tensor {list(shape)} on {hash_ids.device}")
     _launch(cached_gather_bf16_kernel, (out,), cache, back_values, back_scales, hash_ids, row_start,
             (_DECODE_INTEGER,))
     return out
@@ -136,16 +134,7 @@ def cached_gather_rows_packed(cache: RowCache, back_values: torch.Tensor, back_s
     tokens, columns = hash_ids.shape
     head_dim = cache.head_dim
     shapes = ((tokens, columns, head_dim), (tokens, columns, head_dim // BLOCK_SIZE))
-    if out is None:
-        out_values, out_scales = (torch.empty(shape, dtype=torch.uint8, device=hash_ids.device) for shape in shapes)
-    else:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError(f"out: expected a pair (values, scales) or None, found {type(out).__name__}")
-        for index, (given, shape) in enumerate(zip(out, shapes)):
-            if (not isinstance(given, torch.Tensor) or tuple(given.shape) != shape or given.dtype != torch.uint8
-                    or not given.is_contiguous() or given.device != hash_ids.device):
-                raise ValueError(f"out[{index}]: expected a contiguous uint8 tensor {list(shape)} on {hash_ids.device}")
-        out_values, out_scales = out
+    out_values, out_scales = _out_pair(out, shapes, torch.uint8, hash_ids.device, "(values, scales)")
     _launch(cached_gather_packed_kernel, (out_values, out_scales), cache, back_values, back_scales, hash_ids,
             row_start, ())
     return out_values, out_scales
@@ -160,6 +149,17 @@ def _check_out(out, shape, dtype, device, name="out", required: bool = False) ->
         raise ValueError(f"{name}: expected a contiguous {str(dtype).replace('torch.', '')} tensor {list(shape)} "
                          f"on {device}")
     return out
+
+
+def _out_pair(out, shapes, dtype, device, names: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` checked as a pair of contiguous ``dtype`` tensors of ``shapes`` on ``device``, or a new pair
+    when it is None (``names`` says what the pair holds, for the error)."""
+    if out is None:
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape in shapes)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"out: expected a pair {names} or None, found {type(out).__name__}")
+    return tuple(_check_out(given, shape, dtype, device, f"out[{index}]", True)
+                 for index, (given, shape) in enumerate(zip(out, shapes)))
 
 
 def direct_threshold(direct_share: float) -> int:
@@ -201,13 +201,7 @@ def cached_probe(cache: RowCache, num_rows: int, hash_ids: torch.Tensor, row_sta
         raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
     threshold = direct_threshold(direct_share)
     shape = tuple(hash_ids.shape)
-    if out is None:
-        slot, miss = (torch.empty(shape, dtype=torch.int32, device=hash_ids.device) for _ in range(2))
-    else:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError(f"out: expected a pair (slot, miss) or None, found {type(out).__name__}")
-        slot, miss = (_check_out(given, shape, torch.int32, hash_ids.device, f"out[{index}]", True)
-                      for index, given in enumerate(out))
+    slot, miss = _out_pair(out, (shape, shape), torch.int32, hash_ids.device, "(slot, miss)")
     total_rows = hash_ids.numel()
     if total_rows == 0:
         return slot, miss
@@ -374,12 +368,6 @@ def cached_merge_rows_packed(cache: RowCache, slot: torch.Tensor, staged: torch.
     tokens, columns = slot.shape
     head_dim = cache.head_dim
     shapes = ((tokens, columns, head_dim), (tokens, columns, head_dim // BLOCK_SIZE))
-    if out is None:
-        out_values, out_scales = (torch.empty(shape, dtype=torch.uint8, device=slot.device) for shape in shapes)
-    else:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise ValueError(f"out: expected a pair (values, scales) or None, found {type(out).__name__}")
-        out_values, out_scales = (_check_out(given, shape, torch.uint8, slot.device, f"out[{index}]", True)
-                                  for index, (given, shape) in enumerate(zip(out, shapes)))
+    out_values, out_scales = _out_pair(out, shapes, torch.uint8, slot.device, "(values, scales)")
     _launch_merge(cached_merge_packed_kernel, (out_values, out_scales), cache, slot, staged, inverse, direct, ())
     return out_values, out_scales
