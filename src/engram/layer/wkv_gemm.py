@@ -315,6 +315,15 @@ def quantize_launch_shape(tokens: int) -> tuple[int, int]:
 _QUANTIZE_LAUNCH: list[CompiledLaunch] = []
 
 
+def new_activations(padded: int, in_features: int, groups: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unwritten ``(a float8_e4m3fn [padded_T, K], a_scale fp32 [padded_T, groups])`` for the quantize
+    to fill; ``a_scale`` column-major (strides ``(1, padded_T)``). Tests replace this to poison them."""
+    a = torch.empty(padded, in_features, dtype=torch.float8_e4m3fn, device=device)
+    a_scale = torch.empty_strided((padded, groups), (1, padded), dtype=torch.float32, device=device)
+    return a, a_scale
+
+
 def _plan_quantize(values, scales, hash_ids, row_start) -> _QuantizePlan:
     value_bytes, scale_bytes, hash_ids, tokens, columns = _check_rows_source(values, scales, hash_ids, row_start)
     head_dim = value_bytes.shape[1]
@@ -329,7 +338,7 @@ def _plan_quantize(values, scales, hash_ids, row_start) -> _QuantizePlan:
     in_place = all(t.dim() == 2 or t.stride(0) == t.shape[1] * t.stride(1) for t in (values, scales))
     ints = (tokens, padded, columns, *strides, row_start, value_bytes.shape[0],
             value_bytes.stride(0), scale_bytes.stride(0))
-    return _QuantizePlan(padded, in_features, groups, (triton.cdiv(padded, block_t), groups), ints,
+    return _QuantizePlan(padded, in_features, groups, (max(1, triton.cdiv(tokens, block_t)), groups), ints,
                          (head_dim, block_t, ids_are_rows), num_warps, ids_are_rows, in_place,
                          values.dtype != torch.uint8, scales.dtype != torch.uint8)
 
@@ -359,8 +368,7 @@ def quantize_gathered_rows(
     if plan is None:
         plan = _QUANTIZE_PLANS.put(key, _plan_quantize(values, scales, hash_ids, row_start))
     device = values.device
-    a = torch.empty(plan.padded, plan.in_features, dtype=torch.float8_e4m3fn, device=device)
-    a_scale = torch.empty_strided((plan.padded, plan.groups), (1, plan.padded), dtype=torch.float32, device=device)
+    a, a_scale = new_activations(plan.padded, plan.in_features, plan.groups, device)
     if plan.in_features == 0:
         return a, a_scale
     if not plan.rows_in_place:
@@ -412,9 +420,7 @@ class PreparedQuantize:
         if (self._bound is None or self._device_index is not None
                 and self._device_index != torch.cuda.current_device()):
             return quantize_gathered_rows(self._value_bytes, self._scale_bytes, hash_ids, self._row_start)
-        a = torch.empty(plan.padded, plan.in_features, dtype=torch.float8_e4m3fn, device=self._device)
-        a_scale = torch.empty_strided((plan.padded, plan.groups), (1, plan.padded), dtype=torch.float32,
-                                      device=self._device)
+        a, a_scale = new_activations(plan.padded, plan.in_features, plan.groups, self._device)
         self._bound[hash_ids.data_ptr() % 16 == 0](plan.grid, (hash_ids, self._value_bytes, self._scale_bytes, a,
                                                                a_scale, *self._scalars))
         return a, a_scale

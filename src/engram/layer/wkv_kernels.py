@@ -109,7 +109,8 @@ def gather_quantize_kernel(
     rounding is E4M3's: exact for the 32-value block(s) holding the group's largest scale,
     dropping low bits of the others only where ``x / s < 2**-6`` (E4M3 subnormals).
 
-    Grid ``(cdiv(padded_T, BLOCK_T), ceil(K / 128))``.
+    Grid ``(max(1, cdiv(T, BLOCK_T)), ceil(K / 128))``: the padding rows past the token blocks are
+    written by the same programs (block ``b`` writes padding blocks ``b``, ``b + grid``, ...).
     """
     block = tl.program_id(0)
     group = tl.program_id(1)
@@ -142,6 +143,18 @@ def gather_quantize_kernel(
     tl.store(out_ptr + out_rows[:, None] * total_k + k[None, :], quantized.to(out_ptr.dtype.element_ty, bitcast=True),
              mask=row_ok[:, None] & k_valid[None, :])
     tl.store(out_scale_ptr + group.to(tl.int64) * padded_tokens + out_rows, _pow2(exponent), mask=row_ok)
+
+    # Padding rows past the token blocks (zeros, scale 1) from these programs, not programs of
+    # their own: at T = 64 (128 rows) half the programs, 0.6 us of the layer on the H200.
+    zero_bytes = tl.zeros([BLOCK_T, 128], tl.uint8).to(out_ptr.dtype.element_ty, bitcast=True)
+    ones = tl.full([BLOCK_T], 1.0, tl.float32)
+    token_rows = tl.num_programs(0) * BLOCK_T
+    for first in range(token_rows + block * BLOCK_T, padded_tokens, token_rows):
+        pad_rows = first + tl.arange(0, BLOCK_T)
+        pad_ok = pad_rows < padded_tokens
+        pad_rows = pad_rows.to(tl.int64)
+        tl.store(out_ptr + pad_rows[:, None] * total_k + k[None, :], zero_bytes, mask=pad_ok[:, None] & k_valid[None, :])
+        tl.store(out_scale_ptr + group.to(tl.int64) * padded_tokens + pad_rows, ones, mask=pad_ok)
 
 
 @triton.jit
