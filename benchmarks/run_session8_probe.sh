@@ -2,6 +2,8 @@
 # Session 8 probes on one H200 machine (one device call each); outputs under $OUT.
 #   bash benchmarks/run_session8_probe.sh host-and-gemm   # call 1: host DRAM gather ceiling, L2 warm-up of the wkv weight
 #   bash benchmarks/run_session8_probe.sh pages-split-layer  # call 2: page size / table size, GEMM split forms, layer T=64
+#   bash benchmarks/run_session8_probe.sh benches         # call 3 (carry .bench-data): quantize/gate shapes at T = 1, 64,
+#                                                         # the whole layer at every T, the host placement
 set -x
 export PYTHONPATH=src
 case "${1:-}" in
@@ -22,5 +24,10 @@ pages-split-layer)
   python benchmarks/probe_scaled_mm_split.py --json $OUT/scaled-mm-split-h200.json 2>&1 | grep -v Warn | tee $OUT/scaled-mm-split-h200.log
   python benchmarks/bench_layer.py --no-sweep --tokens 64,8192 2>&1 | grep -v Warn | tail -40 | tee $OUT/bench-layer-t64-t8192.log
   ;;
-*) echo "usage: $0 host-and-gemm | pages-split-layer"; exit 2 ;;
+benches)
+  timeout 120 python benchmarks/small_t_sweep.py --tokens 1,64 --json $OUT/small-t-sweep-h200.json 2>&1 | grep -v Warn | tail -30
+  timeout 240 python benchmarks/bench_layer.py --no-sweep 2>&1 | grep -v Warn | tee $OUT/bench-layer-h200.log | tail -30
+  timeout 200 python benchmarks/bench_host.py 2>&1 | grep -v Warn | tee $OUT/bench-host-h200.log | grep -v "^direct T=64" | tail -30
+  ;;
+*) echo "usage: $0 host-and-gemm | pages-split-layer | benches"; exit 2 ;;
 esac
