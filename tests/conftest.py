@@ -1,5 +1,5 @@
-"""Shared fixtures: a small Engram geometry, a random token map, the real tokenizer, and the
-seed every random test draws from.
+"""Shared fixtures: a small Engram geometry, a random token map, the real tokenizer, the
+seed every random test draws from, and the GPU tests' synthetic model and CUDA-graph helpers.
 
 Random tests take the ``seed`` fixture (or ``rng``, a numpy Generator made from it): a fresh
 seed per test, reported in the failure's output; ``ENGRAM_TEST_SEED=<seed>`` replays it.
@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import engram
 from engram.layout import EngramLayout
 
 PACKAGED_CONFIG = Path(engram.__file__).parent / "configs" / "deepseek-v4.1-flash.json"
+POISON_BYTE = 0xAA  # written into outputs before a launch: a byte the launch did not write shows
 
 
 def small_config(*, layer_ids=(1, 3), max_ngram_size=4, n_heads=3, head_dim=64, vocab_size=1009,
@@ -152,3 +154,58 @@ def _verify_compiled_launches():
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Token maps go to this test session's own cache directory, never the user's."""
     monkeypatch.setenv("ENGRAM_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "engram-cache"))
+
+
+@pytest.fixture
+def synthetic_model_dir(tmp_path) -> Path:
+    """A synthetic checkpoint (scale "tiny", the word-level tokenizer) written to this test's ``tmp_path``."""
+    from engram.testing import write_synthetic_checkpoint
+
+    return write_synthetic_checkpoint(tmp_path, tokenizer="word").directory
+
+
+def memory_on_cuda(model_dir: Path, placement: str, **options) -> engram.EngramMemory:
+    """``EngramMemory.from_pretrained(model_dir)`` on the GPU with ``placement`` (and ``options``)."""
+    return engram.EngramMemory.from_pretrained(model_dir, placement=placement, device="cuda", progress=False,
+                                               **options)
+
+
+def assert_lookups_equal(table, on_device, hash_ids: torch.Tensor, where: str = "") -> None:
+    """``table``'s lookup and lookup_packed equal placement "device"'s bit for bit (``where`` names the case)."""
+    assert torch.equal(table.lookup(hash_ids).view(torch.int16),
+                       on_device.lookup(hash_ids).view(torch.int16)), f"bf16 rows differ: {where}"
+    got, expected = table.lookup_packed(hash_ids), on_device.lookup_packed(hash_ids)
+    assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8)), f"FP8 bytes differ: {where}"
+    assert torch.equal(got[1], expected[1]), f"scales differ: {where}"
+
+
+def assert_layers_equal(memory, on_device, hidden: torch.Tensor, hash_ids: torch.Tensor) -> None:
+    """Every layer's forward through ``memory`` equals placement "device"'s bit for bit."""
+    for layer_id in on_device.spec.layer_ids:
+        a = memory.forward_layer(layer_id, hidden, hash_ids)
+        b = on_device.forward_layer(layer_id, hidden, hash_ids)
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def capture_cuda_graph(capture, warm_up=None):
+    """``(graph, capture())``: ``warm_up()`` (default: ``capture()``) first runs on a side stream, so kernels
+    compile and buffers grow outside the capture; then ``capture()`` is recorded into ``graph``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        (warm_up or capture)()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = capture()
+    return graph, outputs
+
+
+def replay_poisoned(graph, *outputs: torch.Tensor) -> None:
+    """Replay ``graph`` with its ``outputs`` poisoned first (bf16: NaN; others: ``POISON_BYTE`` bytes)."""
+    for output in outputs:
+        if output.dtype == torch.bfloat16:
+            output.fill_(float("nan"))
+        else:
+            output.view(torch.uint8).fill_(POISON_BYTE)
+    graph.replay()

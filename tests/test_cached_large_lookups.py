@@ -23,11 +23,13 @@ import pytest
 import torch
 
 import engram
+from conftest import POISON_BYTE, assert_layers_equal, assert_lookups_equal, capture_cuda_graph, replay_poisoned
 from engram.table.host_rows import pack_rows, packed_row_bytes
 from engram.table.row_cache import (RowCache, cached_direct_reference, cached_merge_reference, cached_probe_reference,
                                     direct_class)
-from test_cached_placement import (POISON_BYTE, _check_invariants, _device_and_cached, _expected_bf16, _ids,
-                                   _kernel_device, _no_check, _on_cpu, _strided, _table)
+from test_cached_placement import (CASES, _case_id, _check_invariants, _device_and_cached, _device_and_cached_memories,
+                                   _expected_bf16, _ids, _kernel_device, _layer_inputs, _no_check, _on_cpu, _strided,
+                                   _table)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -135,21 +137,8 @@ def test_probe_and_merge_argument_errors():
 
 
 # ---------------------------------------------------------------------------
-# kernels under the interpreter (or on a GPU)
+# kernels under the interpreter (or on a GPU), at test_cached_placement's CASES
 # ---------------------------------------------------------------------------
-# (tokens, columns, head_dim, rows, row_start, slots, ways)
-CASES = [
-    (1, 3, 64, 40, 0, 8, 4),
-    (63, 5, 96, 90, 1000, 24, 8),    # D = 96: three scale groups (padded to four); C = 5
-    (63, 7, 32, 50, 7, 16, 2),       # D = 32: one scale group; C = 7
-    (9, 3, 256, 30, 3_000_000_000, 8, 8),  # a shard past 2**31 rows
-]
-
-
-def _case_id(case) -> str:
-    return f"T{case[0]}-C{case[1]}-D{case[2]}-r{case[4]}-w{case[6]}"
-
-
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -429,13 +418,6 @@ def test_kernels_compile_for_sm90():
 # ---------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------
-def _assert_equal_to_device(cached, device, hash_ids) -> None:
-    assert torch.equal(cached.lookup(hash_ids).view(torch.int16), device.lookup(hash_ids).view(torch.int16))
-    got, expected = cached.lookup_packed(hash_ids), device.lookup_packed(hash_ids)
-    assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
-    assert torch.equal(got[1], expected[1])
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens,direct_max_rows", [(1, 0), (63, 0), (1000, 0), (4097, None)],
@@ -457,8 +439,8 @@ def test_gpu_large_lookups_equal_device_after_replacements(tokens, direct_max_ro
         if step == 5:
             hash_ids = _malformed(hash_ids.cpu(), generator).cuda()
         before = cache.tags.clone()
-        for table_ids in (hash_ids, _strided(hash_ids, 1), hash_ids.to(torch.int32)):
-            _assert_equal_to_device(cached, device, table_ids)
+        for layout, table_ids in enumerate((hash_ids, _strided(hash_ids, 1), hash_ids.to(torch.int32))):
+            assert_lookups_equal(cached, device, table_ids, f"step {step}, ids layout {layout}")
         hits += int(cache.probe(hash_ids.reshape(-1).to(torch.int64) - 777, 20000)[0].sum())
         cached.update_cache(hash_ids)
         replaced += int(((before >= 0) & (cache.tags != before)).sum())
@@ -530,54 +512,42 @@ def test_gpu_capture_takes_the_one_kernel_path(seed):
     cached.storage.direct_max_rows = 0  # every eager lookup takes the host gather; captured ones cannot
     static_ids = _ids(64, 24, 3000, 0, generator, hot=100).cuda()
     cached.update_cache(static_ids)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+
+    def warm_up():
         cached.lookup(static_ids)  # the host gather
         cached.storage.direct_max_rows = 10**9
         cached.lookup(static_ids)  # the one kernel, compiled before the capture
         cached.storage.direct_max_rows = 0
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def capture():
         cached.prefetch(static_ids)  # nothing started under capture
-        static_out = cached.lookup(static_ids)
+        return cached.lookup(static_ids)
+
+    graph, static_out = capture_cuda_graph(capture, warm_up)
     assert cached.storage.lookups == {"one_kernel": 2, "host_gather": 1}
     for _ in range(3):
         static_ids.copy_(_ids(64, 24, 3000, 0, generator, hot=100).cuda())
         cached.update_cache(static_ids)
-        static_out.fill_(float("nan"))
-        graph.replay()
+        replay_poisoned(graph, static_out)
         assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_memory_prefetch_cached_equals_device(tmp_path, seed):
-    from engram.testing import write_synthetic_checkpoint
-
+def test_gpu_memory_prefetch_cached_equals_device(synthetic_model_dir, seed):
     generator = torch.Generator().manual_seed(seed)
-    model_dir = write_synthetic_checkpoint(tmp_path, tokenizer="word").directory
-    on_device = engram.EngramMemory.from_pretrained(model_dir, placement="device", device="cuda", progress=False)
-    cached = engram.EngramMemory.from_pretrained(model_dir, placement="cached", device="cuda", progress=False,
-                                                 placement_options={"cache_fraction": 0.05, "aging_interval": 1})
+    on_device, cached = _device_and_cached_memories(synthetic_model_dir)
     starts = {}
     for layer_id in cached.spec.layer_ids:
         cached.table(layer_id).storage.direct_max_rows = 1000  # 6 columns: T = 5 and 64 one kernel, 3000 not
         cached.table(layer_id).storage.direct_share = 0.3 * (layer_id == cached.spec.layer_ids[-1])
         starts[layer_id] = _CountingStarts(cached.table(layer_id).storage)
-    spec = on_device.spec
     for tokens in (5, 3000, 64, 3000):
-        hash_ids = torch.stack([_ids(tokens, spec.num_columns, on_device.layout.num_embeddings[i], 0, generator,
-                                     hot=50).cuda() for i in range(spec.num_layers)], dim=1)
-        hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, generator=generator).bfloat16().cuda()
+        hash_ids, hidden = _layer_inputs(on_device, tokens, generator)
         cached.prefetch(hash_ids)
-        for layer_id in spec.layer_ids:
-            a = cached.forward_layer(layer_id, hidden, hash_ids)
-            b = on_device.forward_layer(layer_id, hidden, hash_ids)
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert_layers_equal(cached, on_device, hidden, hash_ids)
         cached.update_cache(hash_ids)
-    for layer_id in spec.layer_ids:
+    for layer_id in on_device.spec.layer_ids:
         lookups = cached.table(layer_id).storage.lookups
         assert lookups["host_gather"] == 2 and lookups["one_kernel"] == 2
         assert starts[layer_id].calls == 2, "a lookup did not use its layer's prefetch"

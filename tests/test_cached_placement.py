@@ -22,12 +22,13 @@ import pytest
 import torch
 
 import engram
+from conftest import (POISON_BYTE, assert_layers_equal, assert_lookups_equal, capture_cuda_graph, memory_on_cuda,
+                      replay_poisoned)
 from engram.table.host_rows import pack_rows
 from engram.table.row_cache import COUNTER_MAX, RowCache, cached_lookup_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
-POISON_BYTE = 0xAA
 
 
 def _table(num_rows: int, head_dim: int, generator: torch.Generator):
@@ -296,14 +297,18 @@ def _assert_lookups_equal(cache, rows, hash_ids, row_start, device) -> None:
 CASES = [
     (1, 3, 64, 40, 0, 8, 4),
     (63, 5, 96, 90, 1000, 24, 8),    # D = 96: three scale groups (padded to four); C = 5
-    (63, 7, 32, 50, 7, 16, 2),       # D = 32: one scale group
+    (63, 7, 32, 50, 7, 16, 2),       # D = 32: one scale group; C = 7
     (9, 3, 256, 30, 3_000_000_000, 8, 8),  # a shard past 2**31 rows
 ]
 
 
+def _case_id(case) -> str:
+    return f"T{case[0]}-C{case[1]}-D{case[2]}-r{case[4]}-w{case[6]}"
+
+
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-C{c[1]}-D{c[2]}-r{c[4]}-w{c[6]}")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 def test_cached_lookup_equals_the_gather(case, id_dtype, seed):
     from interpreter_bounds import bounds_checked
@@ -476,6 +481,23 @@ def _device_and_cached(rows: int, head_dim: int, generator, row_start=0, **optio
     return device, cached
 
 
+def _device_and_cached_memories(model_dir):
+    """The synthetic model on the GPU with placement "device" and with placement "cached" (5% of the rows)."""
+    on_device = memory_on_cuda(model_dir, "device")
+    cached = memory_on_cuda(model_dir, "cached", placement_options={"cache_fraction": 0.05, "aging_interval": 1})
+    return on_device, cached
+
+
+def _layer_inputs(on_device, tokens: int, generator):
+    """``hash_ids [T, L, C]`` (half from 50 hot rows of each table), ``hidden bf16 [T, hc_mult, hidden_size]``,
+    on the GPU."""
+    spec = on_device.spec
+    hash_ids = torch.stack([_ids(tokens, spec.num_columns, on_device.layout.num_embeddings[i], 0, generator,
+                                 hot=50).cuda() for i in range(spec.num_layers)], dim=1)
+    hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, generator=generator).bfloat16().cuda()
+    return hash_ids, hidden
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("policy", ["set-lru", "dynamic"])
@@ -492,12 +514,7 @@ def test_gpu_cached_equals_device_after_replacements(tokens, policy, seed):
         hash_ids = _ids(tokens, 24, 5000, 777, generator, hot=200, hot_start=700 * (step // 2)).cuda()
         before = cache.tags.clone()
         for layout, table_ids in enumerate((hash_ids, _strided(hash_ids, 1))):
-            where = f"step {step}, ids layout {layout}, seed {seed}"
-            assert torch.equal(cached.lookup(table_ids).view(torch.int16),
-                               device.lookup(table_ids).view(torch.int16)), f"bf16 rows differ: {where}"
-            got, expected = cached.lookup_packed(table_ids), device.lookup_packed(table_ids)
-            assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8)), f"FP8 bytes differ: {where}"
-            assert torch.equal(got[1], expected[1]), f"scales differ: {where}"
+            assert_lookups_equal(cached, device, table_ids, f"step {step}, ids layout {layout}, seed {seed}")
         hits += int(cache.probe(hash_ids.reshape(-1).to(torch.int64) - 777, 5000)[0].sum())  # the lookups' hits
         cached.update_cache(hash_ids)
         replaced += int(((before >= 0) & (cache.tags != before)).sum())
@@ -526,14 +543,7 @@ def test_gpu_static_hot_set_equals_device(tokens, id_dtype, seed):
     static_ids = _ids(tokens, 24, 4000, 123, generator, dtype=id_dtype, hot=4000).cuda()
     static_ids.view(-1)[: static_ids.numel() // 2] = first_hot[torch.randint(0, 150, (static_ids.numel() // 2,),
                                                                             generator=generator)].to(id_dtype).cuda()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        cached.lookup(static_ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = cached.lookup(static_ids)
+    graph, static_out = capture_cuda_graph(lambda: cached.lookup(static_ids))
     held = cache.tags.clone()
     for step in range(3):
         if step == 2:
@@ -548,12 +558,8 @@ def test_gpu_static_hot_set_equals_device(tokens, id_dtype, seed):
         ids.view(-1)[: ids.numel() // 2] = hot[torch.randint(0, 150, (ids.numel() // 2,), generator=generator)].to(id_dtype)
         static_ids.copy_(ids.cuda())
         assert int(cache.probe(static_ids.reshape(-1).to(torch.int64) - 123, 4000)[0].sum()) > 0
-        assert torch.equal(cached.lookup(static_ids).view(torch.int16), device.lookup(static_ids).view(torch.int16))
-        got, expected = cached.lookup_packed(static_ids), device.lookup_packed(static_ids)
-        assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
-        assert torch.equal(got[1], expected[1])
-        static_out.fill_(float("nan"))
-        graph.replay()
+        assert_lookups_equal(cached, device, static_ids, f"step {step}")
+        replay_poisoned(graph, static_out)
         assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
         if step < 2:
             cached.update_cache(static_ids)
@@ -568,16 +574,8 @@ def test_gpu_lookup_captured_in_a_cuda_graph_follows_updates(tokens, seed):
     device, cached = _device_and_cached(3000, 256, generator, cache_fraction=0.05, aging_interval=1)
     static_ids = _ids(tokens, 24, 3000, 0, generator, hot=100).cuda()
     cached.lookup(static_ids)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        cached.lookup(static_ids)
-        cached.lookup_packed(static_ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = cached.lookup(static_ids)
-        static_values, static_scales = cached.lookup_packed(static_ids)
+    graph, (static_out, (static_values, static_scales)) = capture_cuda_graph(
+        lambda: (cached.lookup(static_ids), cached.lookup_packed(static_ids)))
     cache = cached.storage.cache
     for step in range(5):
         static_ids.copy_(_ids(tokens, 24, 3000, 0, generator, hot=100).cuda())
@@ -588,10 +586,7 @@ def test_gpu_lookup_captured_in_a_cuda_graph_follows_updates(tokens, seed):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert step == 0 or not torch.equal(before, cache.tags) or bool((cache.tags >= 0).all())
-        static_out.fill_(float("nan"))
-        static_values.view(torch.uint8).fill_(POISON_BYTE)
-        static_scales.fill_(POISON_BYTE)
-        graph.replay()
+        replay_poisoned(graph, static_out, static_values, static_scales)
         assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
         expected = device.lookup_packed(static_ids)
         assert torch.equal(static_values.view(torch.uint8), expected[0].view(torch.uint8))
@@ -610,26 +605,15 @@ def test_memory_placement_cached_without_cuda_names_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_memory_from_pretrained_cached_equals_device(tmp_path, seed):
-    from engram.testing import write_synthetic_checkpoint
-
+def test_gpu_memory_from_pretrained_cached_equals_device(synthetic_model_dir, seed):
     generator = torch.Generator().manual_seed(seed)
-    model_dir = write_synthetic_checkpoint(tmp_path, tokenizer="word").directory
-    on_device = engram.EngramMemory.from_pretrained(model_dir, placement="device", device="cuda", progress=False)
-    cached = engram.EngramMemory.from_pretrained(model_dir, placement="cached", device="cuda", progress=False,
-                                                 placement_options={"cache_fraction": 0.05, "aging_interval": 1})
+    on_device, cached = _device_and_cached_memories(synthetic_model_dir)
     assert cached.placement == "cached"
-    spec = on_device.spec
-    for step, tokens in enumerate((5, 3000, 64, 3000)):
-        hash_ids = torch.stack([_ids(tokens, spec.num_columns, on_device.layout.num_embeddings[i], 0, generator,
-                                     hot=50).cuda() for i in range(spec.num_layers)], dim=1)
-        hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, generator=generator).bfloat16().cuda()
-        for layer_id in spec.layer_ids:
-            a = cached.forward_layer(layer_id, hidden, hash_ids)
-            b = on_device.forward_layer(layer_id, hidden, hash_ids)
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for tokens in (5, 3000, 64, 3000):
+        hash_ids, hidden = _layer_inputs(on_device, tokens, generator)
+        assert_layers_equal(cached, on_device, hidden, hash_ids)
         cached.update_cache(hash_ids)
-    assert all(int((cached.table(layer_id).storage.cache.tags >= 0).sum()) > 0 for layer_id in spec.layer_ids)
+    assert all(int((cached.table(layer_id).storage.cache.tags >= 0).sum()) > 0 for layer_id in cached.spec.layer_ids)
 
 
 def test_launcher_argument_errors():

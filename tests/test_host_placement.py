@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import engram
+from conftest import assert_layers_equal, assert_lookups_equal, capture_cuda_graph, memory_on_cuda, replay_poisoned
 from engram.table.fp8 import quantize_rows
 from engram.table.host_dedup import distinct_rows
 from engram.table.host_gather import gather_packed_rows_host
@@ -153,12 +154,7 @@ def test_gpu_host_paths_equal_device_placement(tokens, direct_max_rows, rng):
     device, host = _device_and_host(5000, 256, int(rng.integers(2**31)), row_start=777)
     host.storage.direct_max_rows = direct_max_rows
     for _ in range(3):  # the persistent staging reused
-        ids = _ids(rng, tokens, 24, 5000, row_start=777)
-        assert torch.equal(host.lookup(ids).view(torch.int16), device.lookup(ids).view(torch.int16))
-        host_values, host_scales = host.lookup_packed(ids)
-        device_values, device_scales = device.lookup_packed(ids)
-        assert torch.equal(host_values.view(torch.uint8), device_values.view(torch.uint8))
-        assert torch.equal(host_scales, device_scales)
+        assert_lookups_equal(host, device, _ids(rng, tokens, 24, 5000, row_start=777))
 
 
 @pytest.mark.gpu
@@ -225,29 +221,18 @@ def test_gpu_direct_path_under_cuda_graph_capture(rng):
     host.storage.direct_max_rows = 0  # even so, capture takes the direct path
     static_ids = _ids(rng, 64, 24, 3000)
     host.lookup(static_ids)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        host.lookup(static_ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = host.lookup(static_ids)
+    graph, static_out = capture_cuda_graph(lambda: host.lookup(static_ids))
     for _ in range(3):
         static_ids.copy_(_ids(rng, 64, 24, 3000))
-        static_out.fill_(float("nan"))
-        graph.replay()
+        replay_poisoned(graph, static_out)
         assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_memory_from_pretrained_host_equals_device(tmp_path, rng):
-    from engram.testing import write_synthetic_checkpoint
-
-    model_dir = write_synthetic_checkpoint(tmp_path, tokenizer="word").directory
-    on_device = engram.EngramMemory.from_pretrained(model_dir, placement="device", device="cuda", progress=False)
-    on_host = engram.EngramMemory.from_pretrained(model_dir, placement="host", device="cuda", progress=False)
+def test_gpu_memory_from_pretrained_host_equals_device(synthetic_model_dir, rng):
+    on_device = memory_on_cuda(synthetic_model_dir, "device")
+    on_host = memory_on_cuda(synthetic_model_dir, "host")
     assert on_host.placement == "host"
     spec = on_device.spec
     for tokens in (5, 3000):
@@ -256,27 +241,20 @@ def test_gpu_memory_from_pretrained_host_equals_device(tmp_path, rng):
         hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, device="cuda",
                              generator=torch.Generator("cuda").manual_seed(int(rng.integers(2**31)))).bfloat16()
         on_host.prefetch(hash_ids)
-        for layer_id in spec.layer_ids:
-            a = on_host.forward_layer(layer_id, hidden, hash_ids)
-            b = on_device.forward_layer(layer_id, hidden, hash_ids)
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert_layers_equal(on_host, on_device, hidden, hash_ids)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_shared_host_tables_are_filled_once_and_equal(tmp_path, rng):
+def test_gpu_shared_host_tables_are_filled_once_and_equal(synthetic_model_dir, rng):
     """Two loads with share_host_tables=True: the second maps the first's shared file
     (filled_here False) and gives the same forward as the device placement."""
     from engram.table.host_memory import remove_shared_buffer
-    from engram.testing import write_synthetic_checkpoint
 
-    model_dir = write_synthetic_checkpoint(tmp_path, tokenizer="word").directory
-    first = engram.EngramMemory.from_pretrained(model_dir, placement="host", device="cuda", progress=False,
-                                                share_host_tables=True)
+    first = memory_on_cuda(synthetic_model_dir, "host", share_host_tables=True)
     try:
-        second = engram.EngramMemory.from_pretrained(model_dir, placement="host", device="cuda", progress=False,
-                                                     share_host_tables=True)
-        on_device = engram.EngramMemory.from_pretrained(model_dir, placement="device", device="cuda", progress=False)
+        second = memory_on_cuda(synthetic_model_dir, "host", share_host_tables=True)
+        on_device = memory_on_cuda(synthetic_model_dir, "device")
         for layer_id in first.layer_ids:
             assert first.table(layer_id).storage.host_buffer.shared_path is not None
             assert first.table(layer_id).storage.host_buffer.filled_here
@@ -286,9 +264,7 @@ def test_gpu_shared_host_tables_are_filled_once_and_equal(tmp_path, rng):
                                 for i in range(spec.num_layers)], dim=1)
         hidden = torch.randn(40, spec.hc_mult, spec.hidden_size, device="cuda",
                              generator=torch.Generator("cuda").manual_seed(int(rng.integers(2**31)))).bfloat16()
-        for layer_id in spec.layer_ids:
-            expected = on_device.forward_layer(layer_id, hidden, hash_ids).view(torch.int16)
-            assert torch.equal(second.forward_layer(layer_id, hidden, hash_ids).view(torch.int16), expected)
+        assert_layers_equal(second, on_device, hidden, hash_ids)
     finally:
         for layer_id in first.layer_ids:
             remove_shared_buffer(first.table(layer_id).storage.share_key)

@@ -49,6 +49,30 @@ def _probe(tags_ptr, local_id, inside, num_sets, WAYS: tl.constexpr):
 
 
 @triton.jit
+def _row_layout(HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr):
+    """A row's byte layout: ``group int32 [GROUPS_PADDED]``, ``group_valid = group < HEAD_DIM // 32``, ``column
+    = group * 32 + lane int32 [GROUPS_PADDED, 32]`` and ``column_mask = group_valid [1, GROUPS_PADDED, 1]``."""
+    group = tl.arange(0, GROUPS_PADDED)
+    lane = tl.arange(0, _SCALE_GROUP)
+    group_valid = group < HEAD_DIM // _SCALE_GROUP
+    column = group[:, None] * _SCALE_GROUP + lane[None, :]
+    column_mask = group_valid[None, :, None]
+    return group, group_valid, column, column_mask
+
+
+@triton.jit
+def _load_row_bytes(value_ptr, scale_ptr, row, value_stride, scale_stride, take, group, group_valid, column):
+    """Rows ``row int64 [BLOCK_ROWS]`` of one source -> ``value_bytes uint8 [BLOCK_ROWS, GROUPS_PADDED, 32]``,
+    ``scale_bytes uint8 [BLOCK_ROWS, GROUPS_PADDED]``: ``value[row * value_stride + column]``, ``scale[row *
+    scale_stride + group]`` where ``take`` and ``group_valid``, else 0 (those lanes load nothing)."""
+    value_bytes = tl.load(value_ptr + row[:, None, None] * value_stride + column[None, :, :],
+                          mask=take[:, None, None] & group_valid[None, :, None], other=0)
+    scale_bytes = tl.load(scale_ptr + row[:, None] * scale_stride + group[None, :],
+                          mask=take[:, None] & group_valid[None, :], other=0)
+    return value_bytes, scale_bytes
+
+
+@triton.jit
 def _cached_row_bytes(hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
                       total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
                       slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
@@ -66,20 +90,11 @@ def _cached_row_bytes(hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, ba
     miss = inside & ~hit
     hit = inside & hit
 
-    group = tl.arange(0, GROUPS_PADDED)
-    lane = tl.arange(0, _SCALE_GROUP)
-    group_valid = group < HEAD_DIM // _SCALE_GROUP
-    column = group[:, None] * _SCALE_GROUP + lane[None, :]  # [GROUPS_PADDED, 32]
-    column_mask = group_valid[None, :, None]
-
-    hit_values = tl.load(slot_value_ptr + slot[:, None, None] * slot_value_stride + column[None, :, :],
-                         mask=hit[:, None, None] & column_mask, other=0)
-    miss_values = tl.load(back_value_ptr + local_id[:, None, None] * back_value_stride + column[None, :, :],
-                          mask=miss[:, None, None] & column_mask, other=0)
-    hit_scales = tl.load(slot_scale_ptr + slot[:, None] * slot_scale_stride + group[None, :],
-                         mask=hit[:, None] & group_valid[None, :], other=0)
-    miss_scales = tl.load(back_scale_ptr + local_id[:, None] * back_scale_stride + group[None, :],
-                          mask=miss[:, None] & group_valid[None, :], other=0)
+    group, group_valid, column, column_mask = _row_layout(HEAD_DIM, GROUPS_PADDED)
+    hit_values, hit_scales = _load_row_bytes(slot_value_ptr, slot_scale_ptr, slot, slot_value_stride,
+                                             slot_scale_stride, hit, group, group_valid, column)
+    miss_values, miss_scales = _load_row_bytes(back_value_ptr, back_scale_ptr, local_id, back_value_stride,
+                                               back_scale_stride, miss, group, group_valid, column)
     value_bytes = tl.where(hit[:, None, None], hit_values, miss_values)
     scale_bytes = tl.where(hit[:, None], hit_scales, miss_scales)
     return row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes
@@ -191,16 +206,11 @@ def cached_direct_kernel(
     read = wanted & (local_id >= 0) & (local_id < num_rows)
     local_id = tl.where(read, local_id, 0)
 
-    group = tl.arange(0, GROUPS_PADDED)
-    lane = tl.arange(0, _SCALE_GROUP)
-    group_valid = group < HEAD_DIM // _SCALE_GROUP
-    column = group[:, None] * _SCALE_GROUP + lane[None, :]  # [GROUPS_PADDED, 32]
-    values = tl.load(back_value_ptr + local_id[:, None, None] * back_value_stride + column[None, :, :],
-                     mask=read[:, None, None] & group_valid[None, :, None], other=0)
-    scales = tl.load(back_scale_ptr + local_id[:, None] * back_scale_stride + group[None, :],
-                     mask=read[:, None] & group_valid[None, :], other=0)
+    group, group_valid, column, column_mask = _row_layout(HEAD_DIM, GROUPS_PADDED)
+    values, scales = _load_row_bytes(back_value_ptr, back_scale_ptr, local_id, back_value_stride, back_scale_stride,
+                                     read, group, group_valid, column)
     tl.store(direct_ptr + row_index[:, None, None] * direct_stride + column[None, :, :], values,
-             mask=wanted[:, None, None] & group_valid[None, :, None])
+             mask=wanted[:, None, None] & column_mask)
     tl.store(direct_ptr + row_index[:, None] * direct_stride + HEAD_DIM + group[None, :], scales,
              mask=wanted[:, None] & group_valid[None, :])
 
@@ -230,27 +240,17 @@ def _merged_row_bytes(slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, sta
     slot = tl.where(hit, slot, 0)
     staged = tl.where(from_staging, staged, 0)
 
-    group = tl.arange(0, GROUPS_PADDED)
-    lane = tl.arange(0, _SCALE_GROUP)
-    group_valid = group < HEAD_DIM // _SCALE_GROUP
-    column = group[:, None] * _SCALE_GROUP + lane[None, :]  # [GROUPS_PADDED, 32]
-    column_mask = group_valid[None, :, None]
-
-    hit_values = tl.load(slot_value_ptr + slot[:, None, None] * slot_value_stride + column[None, :, :],
-                         mask=hit[:, None, None] & column_mask, other=0)
-    staged_values = tl.load(staged_value_ptr + staged[:, None, None] * staged_value_stride + column[None, :, :],
-                            mask=from_staging[:, None, None] & column_mask, other=0)
-    hit_scales = tl.load(slot_scale_ptr + slot[:, None] * slot_scale_stride + group[None, :],
-                         mask=hit[:, None] & group_valid[None, :], other=0)
-    staged_scales = tl.load(staged_scale_ptr + staged[:, None] * staged_scale_stride + group[None, :],
-                            mask=from_staging[:, None] & group_valid[None, :], other=0)
+    group, group_valid, column, column_mask = _row_layout(HEAD_DIM, GROUPS_PADDED)
+    hit_values, hit_scales = _load_row_bytes(slot_value_ptr, slot_scale_ptr, slot, slot_value_stride,
+                                             slot_scale_stride, hit, group, group_valid, column)
+    staged_values, staged_scales = _load_row_bytes(staged_value_ptr, staged_scale_ptr, staged, staged_value_stride,
+                                                   staged_scale_stride, from_staging, group, group_valid, column)
     value_bytes = tl.where(hit[:, None, None], hit_values, staged_values)
     scale_bytes = tl.where(hit[:, None], hit_scales, staged_scales)
     if HAS_DIRECT:
-        direct_values = tl.load(direct_ptr + row_index[:, None, None] * direct_stride + column[None, :, :],
-                                mask=from_direct[:, None, None] & column_mask, other=0)
-        direct_scales = tl.load(direct_ptr + row_index[:, None] * direct_stride + HEAD_DIM + group[None, :],
-                                mask=from_direct[:, None] & group_valid[None, :], other=0)
+        # A direct row holds its values, then its scales: row i at direct + i * direct_stride.
+        direct_values, direct_scales = _load_row_bytes(direct_ptr, direct_ptr + HEAD_DIM, row_index, direct_stride,
+                                                       direct_stride, from_direct, group, group_valid, column)
         value_bytes = tl.where(from_direct[:, None, None], direct_values, value_bytes)
         scale_bytes = tl.where(from_direct[:, None], direct_scales, scale_bytes)
     return row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes
