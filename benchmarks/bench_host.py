@@ -189,10 +189,11 @@ def trace_gather(table, ids_all) -> dict:
     return traces
 
 
-def overlap(table, rng, rows) -> dict:
+def overlap(table, rng, rows, prefetch_before_gemm: int = 0) -> dict:
     """Main stream: decoder-sized bf16 GEMMs (8192 x 7168 x 7168, ~1 ms each), both layers
-    prefetched at T = 8192 before them, layer 1's rows used after 2 GEMMs and layer 14's
-    after 8 (as a decoder reaches them), against the same GEMMs alone."""
+    prefetched at T = 8192 before GEMM ``prefetch_before_gemm`` (0: before any is enqueued),
+    layer 1's rows used after 2 GEMMs and layer 14's after 8 (as a decoder reaches them),
+    against the same GEMMs alone."""
     a = torch.randn(8192, 7168, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(7168, 7168, device="cuda", dtype=torch.bfloat16)
     gemms = 12
@@ -207,9 +208,10 @@ def overlap(table, rng, rows) -> dict:
             torch.mm(a, b)
 
     def with_prefetch():
-        for layer, layer_ids in zip(layers, ids):
-            layer.prefetch(layer_ids)
         for k in range(gemms):
+            if k == prefetch_before_gemm:
+                for layer, layer_ids in zip(layers, ids):
+                    layer.prefetch(layer_ids)
             if k in uses:
                 layers[uses[k]].lookup(ids[uses[k]])
             torch.mm(a, b)

@@ -28,13 +28,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import engram  # noqa: E402
+from bench_host import overlap  # noqa: E402
 from host_table_fixture import COLUMNS, host_table  # noqa: E402
 from wall_clock import median_wall_us  # noqa: E402
-
-GEMMS = 12
-USES = {2: 0, 8: 1}  # GEMM index before which layer k's rows are read
-
 
 def prefetch_host_us(table, ids, repeats: int = 15) -> float:
     samples = []
@@ -48,29 +44,6 @@ def prefetch_host_us(table, ids, repeats: int = 15) -> float:
     return float(np.median(samples[2:]))
 
 
-def overlap(layers, ids, order: str) -> dict:
-    a = torch.randn(8192, 7168, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(7168, 7168, device="cuda", dtype=torch.bfloat16)
-
-    def alone():
-        for _ in range(GEMMS):
-            torch.mm(a, b)
-
-    def with_prefetch():
-        for k in range(GEMMS):
-            if k == (0 if order == "prefetch_first" else 1):
-                for layer, layer_ids in zip(layers, ids):
-                    layer.prefetch(layer_ids)
-            if k in USES:
-                layers[USES[k]].lookup(ids[USES[k]])
-            torch.mm(a, b)
-
-    time_alone = median_wall_us(alone, repeats=10)
-    time_with = median_wall_us(with_prefetch, repeats=10)
-    return {"gemm_loop_us": time_alone, "with_prefetch_us": time_with,
-            "overlap_slowdown_pct": 100 * (time_with - time_alone) / time_alone}
-
-
 def main() -> None:
     from engram.table.host_dedup import distinct_rows
 
@@ -80,20 +53,18 @@ def main() -> None:
     args = parser.parse_args()
     rows = int(args.gib * 2**30) // 272
     table = host_table(rows)
-    second = engram.EngramTable(table.storage.rows.values, table.storage.rows.scales, placement="host",
-                                device="cuda", validate=False)
     rng = np.random.default_rng(5)
-    ids = [torch.from_numpy(rng.integers(0, rows, (8192, COLUMNS)).astype(np.int32)).cuda() for _ in range(2)]
-    table.storage.direct_max_rows = second.storage.direct_max_rows = 0
+    ids = torch.from_numpy(rng.integers(0, rows, (8192, COLUMNS)).astype(np.int32)).cuda()
+    table.storage.direct_max_rows = 0
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "table_rows": rows}
     zero_row = table.storage.rows.packed.shape[0] - 1
-    report["distinct_rows_host_us"] = median_wall_us(lambda: distinct_rows(ids[0], 0, zero_row), repeats=15,
+    report["distinct_rows_host_us"] = median_wall_us(lambda: distinct_rows(ids, 0, zero_row), repeats=15,
                                                      until_device_done=False)
-    report["prefetch_host_us"] = prefetch_host_us(table, ids[0])
+    report["prefetch_host_us"] = prefetch_host_us(table, ids)
     print(f"prefetch host time {report['prefetch_host_us']:.0f} us (dedup launches alone "
           f"{report['distinct_rows_host_us']:.0f} us)", flush=True)
     for order in ("prefetch_first", "gemm_first", "prefetch_first", "gemm_first"):
-        result = overlap([table, second], ids, order)
+        result = overlap(table, rng, rows, prefetch_before_gemm=0 if order == "prefetch_first" else 1)
         report.setdefault(order, []).append(result)
         print(f"{order:15s}: GEMMs alone {result['gemm_loop_us']:.0f} us, with prefetch "
               f"{result['with_prefetch_us']:.0f} us, slowdown {result['overlap_slowdown_pct']:.1f}%", flush=True)

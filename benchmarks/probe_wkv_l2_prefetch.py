@@ -38,6 +38,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_layer import COLUMNS, HEAD_DIM, IN_FEATURES, OUT_FEATURES, fp8_weight, time_us  # noqa: E402
+from probe_scaled_mm_split import two_streams  # noqa: E402
 
 
 @triton.jit
@@ -88,21 +89,6 @@ def warm_up_call(kind: str, region: str, weight: torch.Tensor, megabytes: int, s
     grid = (triton.cdiv(rows, 16),)
     return lambda: load_prefetch_kernel[grid](weight, weight.stride(0), rows, row_bytes, sink, BLOCK_ROWS=16,
                                               BLOCK_BYTES=128, num_warps=4)
-
-
-def forked(first, side):
-    """``side`` on a side stream beside ``first`` on the current one, joined after both."""
-    stream = torch.cuda.Stream()
-
-    def call():
-        main = torch.cuda.current_stream()
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            side()
-        result = first()
-        main.wait_stream(stream)
-        return result
-    return call
 
 
 def main() -> None:
@@ -176,10 +162,10 @@ def main() -> None:
                     break
                 record(f"prefetch {name}", [warm])
                 record(f"prefetch_then_gemm {name}", [lambda warm=warm: (warm(), gemm())])
-                quantize_beside_warm = forked(lambda: quantize(ids), warm)
+                quantize_beside_warm = two_streams(lambda: quantize(ids), warm)
 
                 def quantize_with_prefetch_gemm(quantize_beside_warm=quantize_beside_warm):
-                    a_q, scale_q = quantize_beside_warm()
+                    (a_q, scale_q), _ = quantize_beside_warm()
                     return wkv_gemm.scaled_mm_gemm(a_q, scale_q, tokens, weight, weight_scale_t)
 
                 record(f"quantize_with_prefetch_gemm {name}", [quantize_with_prefetch_gemm])
