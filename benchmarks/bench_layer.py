@@ -98,6 +98,17 @@ def fp8_weight(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, scale
 
 
+def scaled_mm_weight(generator: torch.Generator):
+    """``(weight float8_e4m3fn [N, K], weight_scale fp32 [N / 128, K / 128], layout, note)``: the
+    :func:`fp8_weight` with its scales as fp32 factors, and what ``probe_scaled_mm_blockwise`` found
+    (``layout`` None where this build has no block-scaled ``torch._scaled_mm``)."""
+    from engram.layer.wkv_gemm import probe_scaled_mm_blockwise
+
+    weight, scale_bytes = fp8_weight(generator)
+    layout, note = probe_scaled_mm_blockwise(weight.device, IN_FEATURES, OUT_FEATURES)
+    return weight, torch.exp2(scale_bytes.float() - 127), layout, note
+
+
 def make_table(recorder: Recorder):
     """The full-size V4.1 table in HBM (rows filled where ids land), or a smaller one if it does not fit."""
     from gather_bench import V41_TABLE_ROWS, big_table

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_layer import IN_FEATURES, OUT_FEATURES, fp8_weight, time_us  # noqa: E402
+from bench_layer import IN_FEATURES, scaled_mm_weight, time_us  # noqa: E402
 
 
 def main() -> None:
@@ -39,9 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(31)
-    weight, weight_scale_e8m0 = fp8_weight(generator)
-    weight_scale = torch.exp2(weight_scale_e8m0.float() - 127)  # fp32 [N / 128, K / 128]
-    layout, note = wkv_gemm.probe_scaled_mm_blockwise(device, IN_FEATURES, OUT_FEATURES)
+    weight, weight_scale, layout, note = scaled_mm_weight(generator)  # weight_scale fp32 [N / 128, K / 128]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {note}", flush=True)
     if layout is None:
         return

@@ -26,7 +26,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_layer import IN_FEATURES, OUT_FEATURES, fp8_weight, time_us  # noqa: E402
+from bench_layer import IN_FEATURES, OUT_FEATURES, scaled_mm_weight, time_us  # noqa: E402
 
 
 def two_streams(first, second):
@@ -53,9 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(43)
-    weight, weight_scale_e8m0 = fp8_weight(generator)
-    weight_scale = torch.exp2(weight_scale_e8m0.float() - 127)  # [N / 128, K / 128]
-    layout, note = wkv_gemm.probe_scaled_mm_blockwise(device, IN_FEATURES, OUT_FEATURES)
+    weight, weight_scale, layout, note = scaled_mm_weight(generator)  # weight_scale fp32 [N / 128, K / 128]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}, triton {triton.__version__}: {note}",
           flush=True)

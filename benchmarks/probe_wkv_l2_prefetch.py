@@ -37,7 +37,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_layer import COLUMNS, HEAD_DIM, IN_FEATURES, OUT_FEATURES, fp8_weight, time_us  # noqa: E402
+from bench_layer import COLUMNS, HEAD_DIM, IN_FEATURES, scaled_mm_weight, time_us  # noqa: E402
 from probe_scaled_mm_split import two_streams  # noqa: E402
 
 
@@ -101,9 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(41)
-    weight, weight_scale_e8m0 = fp8_weight(generator)
-    weight_scale = torch.exp2(weight_scale_e8m0.float() - 127)
-    layout, note = wkv_gemm.probe_scaled_mm_blockwise(device, IN_FEATURES, OUT_FEATURES)
+    weight, weight_scale, layout, note = scaled_mm_weight(generator)  # weight_scale fp32 [N / 128, K / 128]
     workspace = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "default")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"CUBLASLT_WORKSPACE_SIZE={workspace}: {note}", flush=True)

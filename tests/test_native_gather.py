@@ -263,14 +263,19 @@ def test_failing_compiler_falls_back_to_torch(fresh_build, monkeypatch, compiler
     assert [path.name for path in fresh_build.iterdir() if path.suffix == ".tmp"] == []
 
 
-def test_forced_torch_path_is_silent(fresh_build, monkeypatch, rng):
-    monkeypatch.setenv(native_gather.FORCE_TORCH_ENV, "torch")
+def _assert_torch_path_runs_silently(rng):
+    """The gather runs index_select with no warning, and the status names ENGRAM_HOST_GATHER=torch."""
     table, ids, out = _random_case(rng, 40, 48, 100)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         native_gather.gather_rows_prefetch(table, ids, out, 2)
     assert torch.equal(out, table[ids])
     assert native_gather.native_gather_status() == (False, f"{native_gather.FORCE_TORCH_ENV}=torch")
+
+
+def test_forced_torch_path_is_silent(fresh_build, monkeypatch, rng):
+    monkeypatch.setenv(native_gather.FORCE_TORCH_ENV, "torch")
+    _assert_torch_path_runs_silently(rng)
 
 
 def test_host_tables_gather_the_same_bytes_either_way(native, monkeypatch, rng):
@@ -292,12 +297,7 @@ def test_host_tables_gather_the_same_bytes_either_way(native, monkeypatch, rng):
 def test_default_is_torch_and_a_bad_choice_is_named(fresh_build, monkeypatch, rng):
     """Without ENGRAM_HOST_GATHER the torch path runs (silently); an unknown value is refused by name."""
     monkeypatch.delenv(native_gather.FORCE_TORCH_ENV, raising=False)
-    table, ids, out = _random_case(rng, 40, 48, 100)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        native_gather.gather_rows_prefetch(table, ids, out, 2)
-    assert torch.equal(out, table[ids])
-    assert native_gather.native_gather_status() == (False, f"{native_gather.FORCE_TORCH_ENV}=torch")
+    _assert_torch_path_runs_silently(rng)
     monkeypatch.setattr(native_gather, "_LOADED", [])
     monkeypatch.setenv(native_gather.FORCE_TORCH_ENV, "fast")
     with pytest.raises(ValueError, match="ENGRAM_HOST_GATHER: expected 'torch' or 'native', found 'fast'"):
