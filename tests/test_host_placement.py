@@ -205,9 +205,9 @@ def test_gpu_prefetch_equals_the_synchronous_path_without_host_sync(rng):
         expected = [device.lookup(hash_ids[:, index, :]) for index, (device, _) in enumerate(tables)]
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for index, (_, host) in enumerate(tables):
-                host.prefetch(hash_ids[:, index, :])
-            got = [host.lookup(hash_ids[:, index, :]) for index, (_, host) in enumerate(tables)]
+            handles = [host.prefetch(hash_ids[:, index, :]) for index, (_, host) in enumerate(tables)]
+            got = [host.lookup(hash_ids[:, index, :], prefetch=handle)
+                   for index, ((_, host), handle) in enumerate(zip(tables, handles))]
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for a, b in zip(got, expected):
@@ -240,8 +240,8 @@ def test_gpu_memory_from_pretrained_host_equals_device(synthetic_model_dir, rng)
                                 for i in range(spec.num_layers)], dim=1)
         hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, device="cuda",
                              generator=torch.Generator("cuda").manual_seed(int(rng.integers(2**31)))).bfloat16()
-        on_host.prefetch(hash_ids)
-        assert_layers_equal(on_host, on_device, hidden, hash_ids)
+        handle = on_host.prefetch(hash_ids)
+        assert_layers_equal(on_host, on_device, hidden, hash_ids, prefetch=handle)
 
 
 @pytest.mark.gpu
