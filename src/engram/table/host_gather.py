@@ -82,7 +82,7 @@ def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_
         torch.index_select(packed, 0, local, out=out)
 
 
-_WORKER: list[concurrent.futures.ThreadPoolExecutor] = []
+_WORKER: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # (worker, process id)
 _WORKER_LOCK = threading.Lock()
 
 
@@ -90,12 +90,14 @@ def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
     """One worker thread for every table of the process: gathers run one at a time, in the order
     they were started (layer by layer), instead of several gathers fighting over the cores. The
     worker only waits, starts the pool's copy threads and enqueues copies; it changes no thread
-    setting of the process (torch's intra-op thread count stays the engine's)."""
+    setting of the process (torch's intra-op thread count stays the engine's). A forked child gets
+    its own (the parent's thread does not exist there)."""
     with _WORKER_LOCK:
-        if not _WORKER:
-            _WORKER.append(concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                                 thread_name_prefix="engram-host-gather"))
-        return _WORKER[0]
+        if not _WORKER or _WORKER[0][1] != os.getpid():
+            _WORKER[:] = [(concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                 thread_name_prefix="engram-host-gather"),
+                           os.getpid())]
+        return _WORKER[0][0]
 
 
 _FALLBACK_WARNED: list[bool] = []
@@ -236,7 +238,19 @@ class HostGather:
             raise
         finally:
             if self._counter is not None:
-                self._counter.write(self.copy_stream, number)
+                self._release(number)
+
+    def _release(self, number: int) -> None:
+        """Let streams waiting for gather ``number`` go: the copy stream writes it after the copies; if
+        that cannot be enqueued, the host writes it once the copy stream is idle (no stream may wait
+        forever, whatever failed)."""
+        try:
+            self._counter.write(self.copy_stream, number & 0xFFFFFFFF)
+        except BaseException:
+            try:
+                self.copy_stream.synchronize()
+            finally:
+                self._counter.set_from_host(number & 0xFFFFFFFF)
 
     def finish(self, ticket: GatherTicket, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, inverse)``: the gathered distinct rows ``uint8 [capacity, row_bytes]`` on the

@@ -135,6 +135,7 @@ def register_with_cuda(tensor: torch.Tensor):
     the last release of a range unregisters it (freed memory must not stay registered,
     or a later allocation at the same address would look pinned and only partly be).
     torch's own pinned allocations are left alone. Raises naming the CUDA error."""
+    release_deferred()
     storage = tensor.untyped_storage()
     address, nbytes = storage.data_ptr(), storage.nbytes()
     entry = _REGISTERED.get(address)
@@ -159,11 +160,30 @@ def register_with_cuda(tensor: torch.Tensor):
         released.append(True)
         entry[1] -= 1
         if entry[1] == 0 and _REGISTERED.get(address) is entry:
-            torch.cuda.synchronize()  # no kernel may still read it
-            torch.cuda.cudart().cudaHostUnregister(address)
             del _REGISTERED[address]
+            if torch.cuda.is_current_stream_capturing():
+                # The garbage collector ran this during a graph capture, where a sync would break the
+                # capture: keep the bytes (this closure holds them) and unregister them later.
+                _DEFERRED.append((address, storage))
+                return
+            _unregister(address)
 
     return release
+
+
+_DEFERRED: list[tuple[int, object]] = []  # (address, storage kept alive) to unregister outside a capture
+
+
+def _unregister(address: int) -> None:
+    torch.cuda.synchronize()  # no kernel may still read it
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def release_deferred() -> None:
+    """Unregister the ranges whose release came during a graph capture (then free their bytes)."""
+    while _DEFERRED and not torch.cuda.is_current_stream_capturing():
+        address, _storage = _DEFERRED.pop()
+        _unregister(address)
 
 
 class _CudaArrayInterface:

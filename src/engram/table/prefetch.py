@@ -62,11 +62,13 @@ class IdsIdentity:
 
 @dataclass(eq=False)
 class TablePrefetch:
-    """One table's prefetch: the table's ``serial`` of it, the ids it read, the placement's pending
-    state (None: nothing was started; the lookup reads the rows as without a prefetch), and
-    whether a lookup has claimed it (or it was dropped)."""
+    """One table's prefetch: its table (weakly: the table keeps its latest handle, and a cycle would
+    leave freeing both to the garbage collector, at any moment, a graph capture included), the
+    table's ``serial`` of it, the ids it read, the placement's pending state (None: nothing was
+    started; the lookup reads the rows as without a prefetch), and whether a lookup has claimed it
+    (or it was dropped)."""
 
-    owner: Any
+    table: weakref.ref
     serial: int
     ids: IdsIdentity
     pending: Any
@@ -74,8 +76,9 @@ class TablePrefetch:
 
     def drop(self) -> None:
         """Spend the handle unserved (counted in the owner's ``prefetches["dropped"]`` if it started a read)."""
-        if not self.spent and self.pending is not None:
-            self.owner.prefetches["dropped"] += 1
+        table = self.table()
+        if not self.spent and self.pending is not None and table is not None:
+            table.prefetches["dropped"] += 1
         self.spent = True
 
     @property

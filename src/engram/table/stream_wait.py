@@ -88,6 +88,11 @@ class StreamCounter:
         if status != 0:
             raise RuntimeError(f"cuStreamWriteValue32 failed with CUresult {status}")
 
+    def set_from_host(self, value: int) -> None:
+        """Store ``value`` from the host (a failure path: only once no stream write of a smaller value
+        is still pending, or the counter could go back)."""
+        self._cell[0] = value - (1 << 32) if value & 0x80000000 else value
+
     def wait(self, stream: torch.cuda.Stream, value: int) -> None:
         """Enqueue on ``stream``: later work waits until the counter has reached ``value`` (wrap-aware)."""
         status = self._wait(ctypes.c_void_p(stream.cuda_stream), self._address, value & 0xFFFFFFFF, _WAIT_GEQ)

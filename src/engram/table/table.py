@@ -16,7 +16,6 @@ Each placement lives in its own module beside this one and registers itself:
 from __future__ import annotations
 
 import abc
-import itertools
 import weakref
 from typing import Any, ClassVar
 
@@ -509,7 +508,8 @@ class EngramTable:
             self._latest_prefetch.drop()  # no-op when a lookup took it
         self._prefetch_serial += 1
         pending = None if capturing() else self._storage.prefetch(global_ids, self._row_start)
-        self._latest_prefetch = TablePrefetch(self, self._prefetch_serial, IdsIdentity.of(hash_ids), pending)
+        self._latest_prefetch = TablePrefetch(weakref.ref(self), self._prefetch_serial, IdsIdentity.of(hash_ids),
+                                              pending)
         return self._latest_prefetch
 
     def _claim(self, prefetch: TablePrefetch | None, hash_ids: torch.Tensor):
@@ -520,8 +520,8 @@ class EngramTable:
         if not isinstance(prefetch, TablePrefetch):
             raise ValueError(f"prefetch: expected the TablePrefetch that EngramTable.prefetch returned, or None, "
                              f"found {type(prefetch).__name__}")
-        if prefetch.owner is not self:
-            raise ValueError(f"prefetch: a handle of another table ({prefetch.owner!r}), given to {self!r}")
+        if prefetch.table() is not self:
+            raise ValueError(f"prefetch: a handle of another table ({prefetch.table()!r}), given to {self!r}")
         usable = (not prefetch.spent and prefetch.serial == self._prefetch_serial and prefetch.pending is not None
                   and prefetch.ids.matches(hash_ids) and not capturing()
                   and self._storage.prefetch_usable(prefetch.pending))
