@@ -306,50 +306,6 @@ def test_host_fill_copies_rows_into_packed_rows_and_names_a_nan(tmp_path, chunk_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_forward_layer_returns_before_its_host_gather_is_done(synthetic_model_dir, rng):
-    """The host gather's worker is held before it copies a row; forward_layer of every layer must
-    return to the caller while it is held (its stream waits, not its thread), and the outputs, once
-    the worker is let go, equal placement "device"'s."""
-    import threading
-
-    on_device = memory_on_cuda(synthetic_model_dir, "device")
-    on_host = memory_on_cuda(synthetic_model_dir, "host", placement_options={"direct_max_rows": 0})
-    release = threading.Event()
-    for layer_id in on_host.layer_ids:
-        gather = on_host.table(layer_id).storage.host_gather
-        copy_rows = gather.gather_rows
-
-        def held(*args, _copy_rows=copy_rows, **kwargs):
-            release.wait()
-            return _copy_rows(*args, **kwargs)
-
-        gather.gather_rows = held
-    spec = on_device.spec
-    tokens = 300
-    hash_ids = torch.stack([_ids(rng, tokens, spec.num_columns, on_device.layout.num_embeddings[i])
-                            for i in range(spec.num_layers)], dim=1)
-    hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, device="cuda",
-                         generator=torch.Generator("cuda").manual_seed(int(rng.integers(2**31)))).bfloat16()
-    expected = [on_device.forward_layer(layer_id, hidden, hash_ids) for layer_id in on_device.layer_ids]
-    torch.cuda.synchronize()
-    timer = threading.Timer(20.0, release.set)  # a caller that waits for the gather is released (and fails) here
-    timer.start()
-    try:
-        handle = on_host.prefetch(hash_ids)
-        got = [on_host.forward_layer(layer_id, hidden, hash_ids, prefetch=handle) for layer_id in on_host.layer_ids]
-        returned_while_held = not release.is_set()
-    finally:
-        release.set()
-        timer.cancel()
-    torch.cuda.synchronize()
-    assert returned_while_held, "forward_layer waited for the host gather on the caller's thread"
-    for a, b in zip(got, expected):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-    assert all(on_host.table(i).prefetches == {"served": 1, "dropped": 0} for i in on_host.layer_ids)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_gpu_lookup_between_a_prefetch_and_its_lookup_makes_it_stale(rng):
     """A lookup of other ids reuses the table's staging: the earlier prefetch is never served."""
     device, host = _device_and_host(20000, 256, int(rng.integers(2**31)))

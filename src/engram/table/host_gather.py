@@ -5,12 +5,16 @@ sync), copies them with their count to a pinned buffer and records an event; a w
 thread waits for that event (the caller never does), gathers each distinct row once into
 pinned staging in waves on ``gather_threads`` pool threads, and after each wave enqueues its
 host-to-device copy on a copy stream, so the copy of one wave overlaps the gather of the next.
-After the last copy the copy stream writes the gather's number into a
-:class:`~engram.table.stream_wait.StreamCounter`; the consumer's stream waits for that number
-(``cuStreamWaitValue32``) and reads the rows from the device staging through the lookup's
-``inverse``. Neither the caller's nor the consumer's thread waits for the gather. Where the
-driver has no stream memory operations the consumer's thread waits for the worker to have
-enqueued the copies instead (one warning).
+The consumer waits until the worker has enqueued the copies (not until they ran), makes its
+stream wait on the last copy's event and reads the rows from the device staging through the
+lookup's ``inverse``.
+
+Why the consumer's thread still waits for the worker: a stream that waits on a value the
+worker writes (``cuStreamWaitValue32``) deadlocked on the H200 as soon as the consumer's thread
+loaded a kernel module (Triton's first launch of a variant) while the stream was stalled: the
+load waited for the device, the worker's next ``cudaMemcpyAsync`` waited for the load. A
+worker that makes no CUDA call at all (copies enqueued up front behind host-written flags)
+would avoid it; benchmarks/NOTES.md "Host gather: the consumer's wait" has the measurement.
 
 Every :meth:`HostGather.start` makes the tickets of earlier gathers stale (they share the
 staging): :meth:`HostGather.current` tells, and a stale ticket is never finished.
@@ -25,7 +29,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +36,6 @@ import torch
 from ..common import next_power_of_2
 from .host_dedup import distinct_rows
 from .native_gather import gather_rows_prefetch, start_gather_rows
-from .stream_wait import StreamCounter, stream_counters_available
 
 __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads"]
 
@@ -100,22 +102,10 @@ def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
         return _WORKER[0][0]
 
 
-_FALLBACK_WARNED: list[bool] = []
-
-
-def _warn_thread_wait_once(device: torch.device) -> None:
-    if not _FALLBACK_WARNED:
-        _FALLBACK_WARNED.append(True)
-        warnings.warn(f"engram host gather: the CUDA driver of {device} runs no stream memory operations "
-                      "(cuStreamWaitValue32); a lookup's thread waits until the worker has enqueued its copies",
-                      RuntimeWarning, stacklevel=3)
-
-
 @dataclass(eq=False)
 class GatherTicket:
-    """One started gather: ``number`` (the value the copy stream writes into the gather's counter
-    after its copies), ``future`` (the worker's task; it returns the event of the last copy once
-    every copy is enqueued) and ``inverse`` (int32 on the device, the lookup's shape) mapping each
+    """One started gather: ``number`` (its place among the table's gathers), ``future`` (the worker's
+    task; it returns the event of the last copy once every copy is enqueued) and ``inverse`` (int32 on the device, the lookup's shape) mapping each
     lookup to its row in the device staging."""
 
     number: int
@@ -140,7 +130,6 @@ class HostGather:
         self.row_bytes = packed.shape[1]
         self.capacity = 0
         self.copy_stream = torch.cuda.Stream(device)
-        self._counter = StreamCounter(device) if stream_counters_available(device) else None
         self._worker = _shared_worker()
         self._copies_done: torch.cuda.Event | None = None  # the last copies: host staging free after it
         self._consumed: torch.cuda.Event | None = None     # the last reader: device staging free after it
@@ -171,8 +160,8 @@ class HostGather:
     def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
         if failure is not None:
-            raise RuntimeError(f"an earlier host gather of this table failed on its worker thread: {failure!r}; "
-                               "the lookup that read it returned wrong rows") from failure
+            raise RuntimeError(f"an earlier host gather of this table (a prefetch no lookup took) failed on its "
+                               f"worker thread: {failure!r}") from failure
 
     def current(self, ticket: GatherTicket) -> bool:
         """Whether ``ticket`` is the latest gather started here and not yet finished (its rows are the
@@ -208,8 +197,7 @@ class HostGather:
     def _gather(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event, number: int) -> torch.cuda.Event:
         """Worker thread (one; tasks run in order): wait for the ids and for the previous task's
         copies (the host staging is then free), start the gather of every wave, enqueue each wave's
-        copy as soon as it is gathered, then the counter's write. On any failure the counter is
-        still written (no stream waits forever) and the failure is reported by the next call."""
+        copy as soon as it is gathered. A failure is raised by the consumer's :meth:`finish`."""
         gathered = None
         try:
             ids_ready.synchronize()
@@ -236,41 +224,22 @@ class HostGather:
                 gathered.join()  # no pool thread may still write the staging once this task ends
             self._failure = failure
             raise
-        finally:
-            if self._counter is not None:
-                self._release(number)
-
-    def _release(self, number: int) -> None:
-        """Let streams waiting for gather ``number`` go: the copy stream writes it after the copies; if
-        that cannot be enqueued, the host writes it once the copy stream is idle (no stream may wait
-        forever, whatever failed)."""
-        try:
-            self._counter.write(self.copy_stream, number & 0xFFFFFFFF)
-        except BaseException:
-            try:
-                self.copy_stream.synchronize()
-            finally:
-                self._counter.set_from_host(number & 0xFFFFFFFF)
 
     def finish(self, ticket: GatherTicket, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, inverse)``: the gathered distinct rows ``uint8 [capacity, row_bytes]`` on the
         device, ordered after the copies on ``stream``, and the lookup's ``inverse`` into them.
-        Enqueues the stream's wait and returns (the calling thread does not wait for the worker,
-        except where the driver lacks stream memory operations). Call :meth:`consumed` once their
-        reader is enqueued. ``ticket`` must be :meth:`current`."""
+        Blocks the calling thread until the worker has enqueued the copies (never until they run).
+        Call :meth:`consumed` once their reader is enqueued. ``ticket`` must be :meth:`current`."""
         if not self.current(ticket):
             raise ValueError(f"ticket: gather {ticket.number} is stale (gather {self._started} started since, or "
                              "it was finished already): its rows are no longer in the staging")
         ticket.finished = True
-        if ticket.future.done() and ticket.future.exception() is not None:
+        try:
+            done = ticket.future.result()
+        except BaseException as failure:
             self._failure = None
-            raise RuntimeError(f"the host gather failed on its worker thread: {ticket.future.exception()!r}") \
-                from ticket.future.exception()
-        if self._counter is not None:
-            self._counter.wait(stream, ticket.number)
-        else:
-            _warn_thread_wait_once(self.device)
-            stream.wait_event(ticket.future.result())
+            raise RuntimeError(f"the host gather failed on its worker thread: {failure!r}") from failure
+        stream.wait_event(done)
         return self.staging_device, ticket.inverse
 
     def consumed(self, stream: torch.cuda.Stream) -> None:
