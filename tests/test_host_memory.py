@@ -282,8 +282,8 @@ def test_size_mismatch_is_refused(shm_dir, seed):
     first = allocate_host_buffer(4 * 2**20, fill=functools.partial(fill_pattern, seed), share_key=key,
                                  directory=shm_dir)
     path = shared_buffer_path(key, shm_dir)
-    with pytest.raises(ValueError, match=f"shared buffer file '{path}' holds {4 * 2**20} bytes, expected "
-                                         f"nbytes = {5 * 2**20}"):
+    with pytest.raises(ValueError, match=f"shared table file '{path}' is refused: it holds {4 * 2**20} B of "
+                                         f"content, expected nbytes = {5 * 2**20}"):
         allocate_host_buffer(5 * 2**20, fill=fill_must_not_run, share_key=key, directory=shm_dir)
     assert torch.equal(first.tensor, pattern(seed, 4 * 2**20))   # the published copy is untouched
     first.close()
@@ -292,8 +292,8 @@ def test_size_mismatch_is_refused(shm_dir, seed):
 
 def test_no_room_is_refused(shm_dir):
     free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize
-    with pytest.raises(ValueError, match=f"directory: '{shm_dir}' has .* bytes free, nbytes = {free + 2**30} "
-                                         f"do not fit"):
+    with pytest.raises(ValueError, match=f"directory: '{shm_dir}' has .* bytes free of .*, the shared table needs "
+                                         f"{free + 2**30 + 4096} bytes"):
         allocate_host_buffer(free + 2**30, fill=fill_must_not_run, share_key="too big", directory=shm_dir)
     assert [name for name in os.listdir(shm_dir) if not name.endswith(".lock")] == []
 
