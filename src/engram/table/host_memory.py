@@ -339,7 +339,8 @@ def _fill_shared(table: _SharedTable, lock_fd: int, fill) -> HostBuffer:
     os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
     _remove_leftover(table.temporary)
     header = replace(table.expected, filled=False, filler_pid=os.getpid(), fill_time_s=time.time())
-    nbytes, needed = header.nbytes, header.nbytes + _PAGE_BYTES
+    header_bytes = _round_up(len(header.encode()), _PAGE_BYTES)   # the filled header has the same length
+    nbytes, needed = header.nbytes, header.nbytes + header_bytes
     check_room(table.directory, needed)   # at once; the reservation below is what guarantees it
     try:
         fd = create_exclusive(table.temporary, table.share_mode)
@@ -354,10 +355,11 @@ def _fill_shared(table: _SharedTable, lock_fd: int, fill) -> HostBuffer:
         if table.huge_pages:
             _advise_huge(mapping)
             _populate(mapping)
-        reserve(fd, 0, _PAGE_BYTES, table.directory, needed)
+        reserve(fd, 0, header_bytes, table.directory, needed)
         reserve(fd, header.data_offset, nbytes, table.directory, needed)
         os.pwrite(fd, header.encode(), 0)
         tensor = _fill_mapping(mapping, nbytes, fill)
+        _make_read_only(tensor.data_ptr(), _round_up(nbytes, _PAGE_BYTES))   # before anyone can attach it
         mapping.flush()
         os.pwrite(fd, replace(header, filled=True).encode(), 0)   # last: the rows are all there
         os.rename(table.temporary, table.path)   # atomic: others see nothing or the whole table
@@ -368,9 +370,12 @@ def _fill_shared(table: _SharedTable, lock_fd: int, fill) -> HostBuffer:
     finally:
         os.close(fd)
     buffer = _finish(mapping, tensor, nbytes, huge_pages=table.huge_pages, shared_path=table.path,
-                     filled_here=True, read_only=True)
+                     filled_here=True, read_only=False)   # made read-only above
     if table.remove_superseded and header.sources:
-        remove_superseded_tables(table.directory, tuple(s[0] for s in header.sources), keep=table.path)
+        try:
+            remove_superseded_tables(table.directory, tuple(s[0] for s in header.sources), keep=table.path)
+        except (OSError, ValueError):   # cleanup only: the table is published either way
+            pass
     return buffer
 
 
