@@ -817,3 +817,57 @@ def test_shm_cli_exit_codes(shm_dir, seed, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["shm", "remove", key, "--all-stale", "--dir", shm_dir])   # both: argparse's usage error
     assert exit_info.value.code == 2
+
+
+def test_checkpoint_shared_host_table(tmp_path, seed, monkeypatch):
+    """The checkpoint loader's share path (CPU part; the placement, which needs CUDA, stubbed):
+    the second load attaches the first's table read-only, its header records the checkpoint's
+    files, and a load after the files changed fills a new table and removes the older one."""
+    import types
+
+    from engram import checkpoint as loader
+    from engram.layout import EngramLayout
+    from engram.table.host_rows import PackedRows, mapped_read_only, packed_row_bytes
+    from engram.testing import write_synthetic_checkpoint
+
+    synthetic = write_synthetic_checkpoint(tmp_path / "model", seed=seed % 2**31)
+    layout = EngramLayout(synthetic.spec)
+    monkeypatch.setattr(loader.EngramTable, "from_layout",
+                        staticmethod(lambda *args, **kwargs: types.SimpleNamespace(storage=types.SimpleNamespace())))
+    if not (SHM.is_dir() and os.access(SHM, os.W_OK)):
+        pytest.skip("/dev/shm is not a writable directory on this machine")
+
+    def load():
+        checkpoint = loader.SafetensorsCheckpoint(synthetic.directory)
+        infos = [checkpoint.info(checkpoint.name(synthetic.spec.layer_ids[0], kind))
+                 for kind in ("embed.weight", "embed.scale")]
+        table = loader._load_host_table(checkpoint, layout, 0, None, *infos, None, None, None, 2**20, True, "auto",
+                                        True)
+        return table.storage, infos
+
+    loads = []
+    try:
+        for _ in range(2):
+            loads.append(load())
+        (first, infos), (second, _) = loads
+        assert first.host_buffer.filled_here and not second.host_buffer.filled_here
+        assert first.share_key == second.share_key
+        buffer = second.host_buffer
+        assert mapped_read_only(buffer.tensor.data_ptr(), buffer.nbytes)
+        assert torch.equal(buffer.tensor, first.host_buffer.tensor)
+        rows = PackedRows(buffer.tensor.view(-1, packed_row_bytes(synthetic.spec.head_dim)), synthetic.spec.head_dim)
+        from safetensors.torch import load_file
+
+        values = load_file(infos[0].file)[infos[0].name].view(torch.uint8)
+        assert torch.equal(rows.values, values)
+        (entry,) = [e for e in host_memory.list_shared_tables(SHM) if e.share_key == first.share_key]
+        assert (entry.row_bytes, entry.rows, entry.filled, entry.stale) == (
+            packed_row_bytes(synthetic.spec.head_dim), values.shape[0] + 1, True, False)
+        assert set(entry.sources) == {os.path.realpath(info.file) for info in infos}
+        os.utime(infos[0].file, ns=(1, 1))   # the checkpoint changed: a new key, the old table superseded
+        loads.append(load())
+        assert loads[-1][0].host_buffer.filled_here and loads[-1][0].share_key != first.share_key
+        assert not Path(first.host_buffer.shared_path).exists()
+    finally:
+        for storage, _ in loads:
+            host_memory.remove_shared_buffer(storage.share_key)
