@@ -7,12 +7,16 @@ as shared memory in /proc), removed afterwards. Processes are started with 'spaw
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import functools
+import json
 import multiprocessing
 import os
 import re
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 import warnings
@@ -187,6 +191,16 @@ def test_huge_page_warning_once(monkeypatch, seed):
     (dict(read_only=None), "read_only: expected True or False, found None"),
     (dict(share_key="k", directory="/no/such/directory"),
      "directory: '/no/such/directory' does not exist or is not a directory"),
+    (dict(share_mode=0o660), "share_mode: expected 0o600 (owner only) or a group/other read bit added"),
+    (dict(share_mode=0o666), "never a group/other write bit, found 0o666"),
+    (dict(share_mode=0o400), "never a group/other write bit, found 0o400"),
+    (dict(share_mode="0o600"), "never a group/other write bit, found '0o600'"),
+    (dict(fingerprint="v1"), "fingerprint: expected bytes naming the content, found 'v1'"),
+    (dict(row_bytes=3), "row_bytes: expected a positive integer dividing nbytes = 4096, found 3"),
+    (dict(row_bytes=0), "row_bytes: expected a positive integer dividing nbytes = 4096, found 0"),
+    (dict(sources="model.safetensors"), "sources: expected a list of file paths, found 'model.safetensors'"),
+    (dict(share_key="k", directory="/dev/shm", sources=["/no/such/file"]),
+     "sources: '/no/such/file' cannot be read (No such file or directory)"),
 ])
 def test_bad_arguments(arguments, message):
     call = {"nbytes": 4096, "fill": lambda tensor: None, **arguments}
@@ -282,8 +296,8 @@ def test_size_mismatch_is_refused(shm_dir, seed):
     first = allocate_host_buffer(4 * 2**20, fill=functools.partial(fill_pattern, seed), share_key=key,
                                  directory=shm_dir)
     path = shared_buffer_path(key, shm_dir)
-    with pytest.raises(ValueError, match=f"shared buffer file '{path}' holds {4 * 2**20} bytes, expected "
-                                         f"nbytes = {5 * 2**20}"):
+    with pytest.raises(ValueError, match=f"shared table file '{path}' is refused: it holds {4 * 2**20} B of "
+                                         f"content, expected nbytes = {5 * 2**20}"):
         allocate_host_buffer(5 * 2**20, fill=fill_must_not_run, share_key=key, directory=shm_dir)
     assert torch.equal(first.tensor, pattern(seed, 4 * 2**20))   # the published copy is untouched
     first.close()
@@ -292,8 +306,8 @@ def test_size_mismatch_is_refused(shm_dir, seed):
 
 def test_no_room_is_refused(shm_dir):
     free = os.statvfs(shm_dir).f_bavail * os.statvfs(shm_dir).f_frsize
-    with pytest.raises(ValueError, match=f"directory: '{shm_dir}' has .* bytes free, nbytes = {free + 2**30} "
-                                         f"do not fit"):
+    with pytest.raises(ValueError, match=f"directory: '{shm_dir}' has .* bytes free of .*, the shared table needs "
+                                         f"{free + 2**30 + 4096} bytes"):
         allocate_host_buffer(free + 2**30, fill=fill_must_not_run, share_key="too big", directory=shm_dir)
     assert [name for name in os.listdir(shm_dir) if not name.endswith(".lock")] == []
 
@@ -321,3 +335,539 @@ def test_keys_name_distinct_files(tmp_path):
     b = shared_buffer_path("ckpt a_b layer 1", tmp_path)   # sanitizes alike, digests differ
     assert a != b and a.name.startswith("engram-ckpt_a_b_layer_1-")
     assert len(shared_buffer_path("x" * 5000, tmp_path).name) < 120
+
+
+# ---------------------------------------------------------------------------
+# who may write a shared table, and what is attached
+# ---------------------------------------------------------------------------
+def fill_table(key, directory, nbytes, seed, **options):
+    """A published table of ``pattern(seed)`` (filled in this process)."""
+    buffer = allocate_host_buffer(nbytes, fill=functools.partial(fill_pattern, seed), share_key=key,
+                                  directory=directory, huge_pages=False, **options)
+    assert buffer.filled_here
+    return buffer
+
+
+def header_region() -> int:
+    from engram.table import shm_files
+
+    return shm_files.HEADER_REGION_BYTES
+
+
+def refused(path, reason: str) -> str:
+    """The pattern of the refusal of ``path``: names it, says why, says how to remove it."""
+    return (re.escape(f"shared table file '{path}' is refused: ") + reason
+            + r".*Nothing was mapped.*" + re.escape(f"engram shm remove {path}"))
+
+
+def attach_and_write_worker(nbytes, key, directory, write, results):
+    """Attaches a published table with every warning an error; writes to it when ``write``."""
+    import resource
+
+    from engram.table.host_rows import mapped_read_only
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            buffer = allocate_host_buffer(nbytes, fill=fill_must_not_run, share_key=key, directory=directory,
+                                          huge_pages=False, read_only=False)
+    except BaseException as error:
+        results.put(repr(error))
+        raise
+    try:
+        buffer._mapping.write(b"x")
+        mapping_writable = True
+    except TypeError:
+        mapping_writable = False
+    results.put({"filled_here": buffer.filled_here, "mapping_writable": mapping_writable,
+                 "read_only": mapped_read_only(buffer.tensor.data_ptr(), nbytes)})
+    results.close()
+    results.join_thread()   # the result is sent before the fault below
+    if write:
+        buffer.tensor[nbytes // 2] = 1   # faults on a read-only mapping
+
+
+@pytest.mark.parametrize("planted", ["rows only", "header size", "symlink"])
+def test_planted_file_is_refused(shm_dir, seed, planted):
+    nbytes = 3 * 4096 + seed % 4096
+    key = f"planted {seed}"
+    path = shared_buffer_path(key, shm_dir)
+    content = pattern(seed, nbytes + (header_region() if planted == "header size" else 0)).numpy().tobytes()
+    if planted == "symlink":
+        target = Path(shm_dir) / "elsewhere"
+        target.write_bytes(content)
+        path.symlink_to(target)
+        reason = "it is a symbolic link"
+    else:
+        path.write_bytes(content)
+        os.chmod(path, 0o600)   # owner and mode pass: the header must refuse it
+        reason = "it (holds only|does not start with the magic).*not an engram table file"
+    with pytest.raises(ValueError, match=refused(path, reason)):
+        allocate_host_buffer(nbytes, fill=fill_must_not_run, share_key=key, directory=shm_dir)
+    assert path.read_bytes() == content if planted != "symlink" else path.is_symlink()
+
+
+@pytest.mark.parametrize("share_mode", [None, 0o640, 0o644])
+def test_file_and_lock_modes_under_umask_0(shm_dir, seed, share_mode):
+    expected = 0o600 if share_mode is None else share_mode
+    key = f"modes {seed}"
+    path = shared_buffer_path(key, shm_dir)
+    seen = {}
+
+    def fill(tensor):
+        seen["temporary"] = os.stat(str(path) + ".tmp").st_mode & 0o7777   # created exclusively, already narrow
+        seen["lock while filling"] = os.stat(str(path) + ".lock").st_mode & 0o7777
+        fill_pattern(seed, tensor)
+
+    previous = os.umask(0)
+    try:
+        options = {} if share_mode is None else {"share_mode": share_mode}
+        allocate_host_buffer(8192, fill=fill, share_key=key, directory=shm_dir, huge_pages=False, **options)
+    finally:
+        os.umask(previous)
+    assert seen == {"temporary": expected, "lock while filling": 0o600}
+    assert path.stat().st_mode & 0o7777 == expected
+    assert Path(str(path) + ".lock").stat().st_mode & 0o7777 == 0o600
+    attached = allocate_host_buffer(8192, fill=fill_must_not_run, share_key=key, directory=shm_dir,
+                                    huge_pages=False, **options)
+    assert torch.equal(attached.tensor, pattern(seed, 8192))
+
+
+@pytest.mark.parametrize("how", ["chown", "getuid"])
+def test_table_of_another_user_is_refused(shm_dir, seed, monkeypatch, how):
+    key = f"owner {seed}"
+    fill_table(key, shm_dir, 8192, seed)
+    path = shared_buffer_path(key, shm_dir)
+    other = 4242 if os.getuid() != 4242 else 4243
+    if how == "chown":
+        if os.getuid() != 0:
+            pytest.skip("chown to another uid needs root")
+        os.chown(path, other, -1)
+        reason = f"it is owned by uid {other}.*, not by this process's uid {os.getuid()}"
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: other)   # as if another user ran this process
+        reason = f"it is owned by uid {os.stat(path).st_uid}.*, not by this process's uid {other}"
+    with pytest.raises(ValueError, match=refused(path, reason)):
+        allocate_host_buffer(8192, fill=fill_must_not_run, share_key=key, directory=shm_dir)
+
+
+def lock_holder_worker(lock_path, flag_file):
+    import fcntl
+
+    fd = os.open(lock_path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    Path(flag_file).write_text("locked")
+    time.sleep(WAIT_S)
+
+
+def test_lock_of_another_user_is_refused_at_once(shm_dir, seed):
+    if os.getuid() != 0:
+        pytest.skip("planting a lock file of another uid needs root (chown)")
+    key = f"foreign lock {seed}"
+    lock_path = Path(str(shared_buffer_path(key, shm_dir)) + ".lock")
+    lock_path.write_text("")
+    os.chmod(lock_path, 0o600)
+    os.chown(lock_path, 4242, -1)
+    flag_file = os.path.join(shm_dir, "locked.flag")
+    holder = multiprocessing.get_context("spawn").Process(target=lock_holder_worker, args=(str(lock_path), flag_file))
+    holder.start()
+    try:
+        wait_for(lambda: os.path.exists(flag_file), "the other user's process to hold the lock")
+        started = time.monotonic()
+        with pytest.raises(ValueError, match=re.escape(f"lock file '{lock_path}' is refused: it is owned by uid 4242")):
+            allocate_host_buffer(8192, fill=fill_must_not_run, share_key=key, directory=shm_dir, wait_timeout_s=20)
+        assert time.monotonic() - started < 5   # at once, not after wait_timeout_s
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(WAIT_S)
+
+
+@pytest.mark.parametrize("target, mode, reason", [
+    ("table", 0o666, r"its mode 0o666 lets group or others write it \(allowed: 0o600\)"),
+    ("table", 0o620, r"its mode 0o620 lets group or others write it"),
+    ("table", 0o644, r"its mode 0o644 gives group/others more than the 0o600 asked for"),
+    ("lock", 0o666, r"its mode 0o666 lets group or others write it"),
+    ("lock", 0o640, r"its mode 0o640 gives group/others more than the 0o600 asked for"),
+])
+def test_wider_mode_is_refused(shm_dir, seed, target, mode, reason):
+    key = f"wide mode {seed}"
+    fill_table(key, shm_dir, 8192, seed)
+    path = shared_buffer_path(key, shm_dir)
+    if target == "lock":
+        path.unlink()   # a fill must take the lock
+        path = Path(str(path) + ".lock")
+        pattern_ = re.escape(f"lock file '{path}' is refused: ") + reason
+    else:
+        pattern_ = refused(path, reason)
+    os.chmod(path, mode)
+    with pytest.raises(ValueError, match=pattern_):
+        allocate_host_buffer(8192, fill=fill_must_not_run, share_key=key, directory=shm_dir, wait_timeout_s=20)
+
+
+def rewrite_header(path, **changes) -> None:
+    """Re-encode the header of ``path`` with ``changes`` (a valid checksum)."""
+    from engram.table import shm_files
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        header = shm_files.TableHeader.read(fd, os.fstat(fd).st_size)
+        os.pwrite(fd, dataclasses.replace(header, **changes).encode(), 0)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("damage", ["version", "checksum", "magic", "fingerprint", "key", "layout", "filled",
+                                    "truncated", "source changed"])
+def test_header_mismatch_is_refused(shm_dir, seed, tmp_path, damage):
+    nbytes = 16 * 512
+    key = f"header {seed}"
+    source = tmp_path / "rows.bin"
+    source.write_bytes(pattern(seed + 1, 100).numpy().tobytes())
+    fill_table(key, shm_dir, nbytes, seed, fingerprint=b"checkpoint v1", row_bytes=16, sources=[source])
+    path = shared_buffer_path(key, shm_dir)
+    attach = {"fingerprint": b"checkpoint v1", "row_bytes": 16, "sources": [source]}
+    fd = os.open(path, os.O_RDWR)
+    if damage == "version":
+        os.pwrite(fd, (99).to_bytes(4, "little"), 8)   # the u32 after the 8-byte magic
+        reason = "its header is format version 99, this engram reads version 1 only"
+    elif damage == "checksum":
+        byte = os.pread(fd, 1, 100)
+        os.pwrite(fd, bytes([byte[0] ^ 0x01]), 100)   # inside the key data
+        reason = re.escape("its header checksum does not match the header's fields (damaged or edited)")
+    elif damage == "magic":
+        os.pwrite(fd, b"NOTATABL", 0)
+        reason = "it does not start with the magic"
+    elif damage == "fingerprint":
+        attach["fingerprint"] = b"checkpoint v2"
+        reason = r"its content fingerprint [0-9a-f]{16}\.\.\. differs from this load's [0-9a-f]{16}\.\.\."
+    elif damage == "key":
+        rewrite_header(path, share_key="another key")
+        reason = re.escape(f"it was filled for share key 'another key', not {key!r}")
+    elif damage == "layout":
+        attach["row_bytes"] = 32
+        reason = re.escape(f"its row layout is 512 rows x 16 B = {nbytes} B, expected 256 rows x 32 B = {nbytes} B")
+    elif damage == "filled":
+        rewrite_header(path, filled=False)
+        reason = re.escape("it was never completely filled (filled flag 0")
+    elif damage == "truncated":
+        os.ftruncate(fd, header_region() + nbytes - 512)
+        reason = re.escape(f"it holds {header_region() + nbytes - 512} bytes where its header says "
+                           f"{header_region() + nbytes}")
+    else:
+        with open(source, "ab") as handle:
+            handle.write(b"more rows")
+        reason = re.escape(f"the files it was filled from changed since: {os.path.realpath(source)} was 100 B")
+    os.close(fd)
+    with pytest.raises(ValueError, match=refused(path, reason)):
+        allocate_host_buffer(nbytes, fill=fill_must_not_run, share_key=key, directory=shm_dir, **attach)
+
+
+def test_attached_table_is_mapped_read_only(shm_dir, seed):
+    nbytes = 64 * 1024
+    key = f"read only {seed}"
+    filler = allocate_host_buffer(nbytes, fill=functools.partial(fill_pattern, seed), share_key=key,
+                                  directory=shm_dir, huge_pages=False, read_only=False)   # as the checkpoint asks
+    from engram.table.host_rows import mapped_read_only
+
+    assert filler.filled_here and mapped_read_only(filler.tensor.data_ptr(), nbytes)   # mprotected after its fill
+    context = multiprocessing.get_context("spawn")
+    for write, exit_code in ((False, 0), (True, -signal.SIGSEGV)):
+        results = context.Queue()
+        process = context.Process(target=attach_and_write_worker, args=(nbytes, key, shm_dir, write, results))
+        process.start()
+        outcome = results.get(timeout=WAIT_S)
+        process.join(WAIT_S)
+        assert outcome == {"filled_here": False, "mapping_writable": False, "read_only": True}
+        assert process.exitcode == exit_code   # no warning became an error; the write faulted
+    assert torch.equal(filler.tensor, pattern(seed, nbytes))   # untouched
+
+
+class FakeCudart:
+    """Stands in for ``torch.cuda.cudart()``: records ``cudaHostRegister`` flags; refuses
+    the flags in ``refuse`` with CUDA error 801 (not supported)."""
+
+    def __init__(self, refuse=()):
+        self.calls, self.refuse, self.unregistered = [], set(refuse), []
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.calls.append(flags)
+        return 801 if flags in self.refuse else 0
+
+    def cudaHostUnregister(self, address):
+        self.unregistered.append(address)
+        return 0
+
+
+def test_register_with_cuda_uses_the_read_only_flag(shm_dir, seed, monkeypatch):
+    from engram.table import host_rows
+
+    key = f"register {seed}"
+    fill_table(key, shm_dir, 8192, seed)
+    attached = allocate_host_buffer(8192, fill=fill_must_not_run, share_key=key, directory=shm_dir, huge_pages=False)
+    private = allocate_host_buffer(8192, fill=functools.partial(fill_pattern, seed), huge_pages=False,
+                                   read_only=False)
+    cleared = []
+    monkeypatch.setattr(host_rows, "_clear_cuda_error", lambda: cleared.append(True))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    for tensor, refuse, calls, clears in ((attached.tensor, (), [0x0B], 0),
+                                          (attached.tensor, (0x0B,), [0x0B, 0x03], 1),   # falls back, no error
+                                          (private.tensor, (), [0x03], 0)):
+        fake = FakeCudart(refuse)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+        cleared.clear()
+        release = host_rows.register_with_cuda(tensor)
+        assert fake.calls == calls and len(cleared) == clears
+        release()
+        assert fake.unregistered == [tensor.data_ptr()]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG])
+def test_failed_reservation_is_one_clear_error(shm_dir, seed, monkeypatch, code):
+    def no_room(fd, offset, length):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    nbytes = 1 << 20
+    with pytest.raises(ValueError, match=re.escape(f"directory: '{shm_dir}' has ") + r"\d+ bytes free of \d+, "
+                       + re.escape(f"the shared table needs {nbytes + 4096} bytes: a tmpfs is sized when it is mounted; "
+                                   f"raise it with `mount -o remount,size=<bytes> {shm_dir}`") + r".*--shm-size"):
+        allocate_host_buffer(nbytes, fill=fill_must_not_run, share_key=f"no room {seed}", directory=shm_dir)
+    assert [name for name in os.listdir(shm_dir) if not name.endswith(".lock")] == []
+
+
+def wait_then_fill_worker(nbytes, seed, key, directory, go_file, ready_file, results):
+    def fill(tensor):
+        Path(ready_file).write_text("reserved")
+        wait_for(lambda: os.path.exists(go_file), "the go-ahead")
+        fill_pattern(seed, tensor)
+
+    buffer = allocate_host_buffer(nbytes, fill=fill, share_key=key, directory=directory, huge_pages=False)
+    results.put(torch.equal(buffer.tensor, pattern(seed, nbytes)))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs of its own (needs root), unmounted after the test."""
+    mount_point = tmp_path / "tmpfs"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=1777", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield str(mount_point)
+    subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def test_parallel_fills_cannot_overcommit(small_tmpfs, seed, monkeypatch):
+    """Two 3 MiB tables on a 4 MiB tmpfs: the first reserves its bytes before its fill, so the
+    second is refused with the clear error, even without the free-space check, and the first
+    completes (no SIGBUS)."""
+    nbytes = 3 << 20
+    go_file, ready_file = os.path.join(small_tmpfs, "go"), os.path.join(small_tmpfs, "ready")
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    first = context.Process(target=wait_then_fill_worker,
+                            args=(nbytes, seed, f"first {seed}", small_tmpfs, go_file, ready_file, results))
+    first.start()
+    try:
+        wait_for(lambda: os.path.exists(ready_file), "the first fill to start")
+        for free_space_check in (True, False):
+            if not free_space_check:
+                monkeypatch.setattr(host_memory, "check_room", lambda directory, needed: None)   # as if both checked at once
+            with pytest.raises(ValueError, match=re.escape(f"directory: '{small_tmpfs}' has ") + r"\d+ bytes free of "
+                               + f"{4 << 20}, the shared table needs {nbytes + 4096} bytes"):
+                allocate_host_buffer(nbytes, fill=fill_must_not_run, share_key=f"second {seed}",
+                                     directory=small_tmpfs, huge_pages=False)
+        Path(go_file).write_text("go")
+        assert results.get(timeout=WAIT_S) is True
+    finally:
+        Path(go_file).write_text("go")
+        first.join(WAIT_S)
+    assert first.exitcode == 0
+
+
+def test_killed_filler_leaves_nothing_valid(shm_dir, seed, capsys):
+    from engram.cli import main
+
+    nbytes = 4 * 2**20 + 4096
+    key = f"killed mid-fill {seed}"
+    path = shared_buffer_path(key, shm_dir)
+    temporary = Path(str(path) + ".tmp")
+    flag_file = os.path.join(shm_dir, "filling.flag")
+    context = multiprocessing.get_context("spawn")
+    hanging = context.Process(target=hang_worker, args=(nbytes, seed, key, shm_dir, flag_file))
+    hanging.start()
+    try:
+        wait_for(lambda: os.path.exists(flag_file), "the filler to be half-way")
+        (entry,) = [e for e in host_memory.list_shared_tables(shm_dir) if e.kind == "partial"]
+        assert (entry.path, entry.share_key, entry.filled, entry.live_filler, entry.filler_pid, entry.stale) == (
+            str(temporary), key, False, True, hanging.pid, False)
+        assert main(["shm", "remove", str(path)]) == 1   # its filler is alive: left
+        assert f"process {hanging.pid} is filling" in capsys.readouterr().out
+    finally:
+        os.kill(hanging.pid, signal.SIGKILL)
+        hanging.join(WAIT_S)
+    assert hanging.exitcode == -signal.SIGKILL
+    (entry,) = [e for e in host_memory.list_shared_tables(shm_dir) if e.kind == "partial"]
+    assert (entry.filled, entry.live_filler, entry.stale) == (False, False, True)
+    # Even renamed into place, the half-filled file is refused: its header says it was never filled.
+    os.rename(temporary, path)
+    with pytest.raises(ValueError, match=refused(path, re.escape("it was never completely filled"))):
+        allocate_host_buffer(nbytes, fill=fill_must_not_run, share_key=key, directory=shm_dir)
+    assert main(["shm", "list", "--dir", shm_dir]) == 1
+    assert main(["shm", "remove", "--all-stale", "--dir", shm_dir]) == 0
+    assert not path.exists() and not Path(str(path) + ".lock").exists()
+    results = context.Queue()
+    refill = context.Process(target=complete_worker, args=(nbytes, seed, key, shm_dir, results))
+    refill.start()
+    assert results.get(timeout=WAIT_S) == "started"
+    assert results.get(timeout=WAIT_S) == {"filled_here": True, "same": True}
+    refill.join(WAIT_S)
+    assert refill.exitcode == 0
+
+
+def test_list_and_remove(shm_dir, seed, tmp_path):
+    from engram.table.shm_files import content_fingerprint
+
+    source = tmp_path / "checkpoint.bin"
+    source.write_bytes(b"v1")
+    keys = {name: f"/models/x {name} {seed}" for name in ("kept", "removed", "older")}   # keys hold '/'
+    fill_table(keys["kept"], shm_dir, 8192, seed, sources=[source], remove_superseded=False)
+    fill_table(keys["removed"], shm_dir, 4096 * 3, seed, row_bytes=4096)
+    fill_table(keys["older"], shm_dir, 8192, seed, sources=[source])
+    source.write_bytes(b"v2, longer")   # "kept" and "older" are now of an older checkpoint
+    kept, removed, older = (shared_buffer_path(keys[name], shm_dir) for name in ("kept", "removed", "older"))
+    os.utime(source, ns=(0, 0))
+    lonely_lock = Path(shm_dir) / "engram-gone-0123456789abcdef.lock"
+    lonely_lock.write_text("")
+    foreign = Path(shm_dir) / "engram-planted-fedcba9876543210"
+    foreign.write_bytes(b"\0" * 5000)
+    if os.getuid() == 0:
+        os.chown(foreign, 4242, -1)
+    entries = {e.path: e for e in host_memory.list_shared_tables(shm_dir)}
+    assert sorted(entries) == sorted(map(str, (kept, removed, older, lonely_lock, foreign)))
+    entry = entries[str(removed)]
+    assert (entry.kind, entry.size, entry.owner_uid, entry.share_key, entry.fingerprint, entry.rows,
+            entry.row_bytes, entry.filled, entry.live_filler, entry.problem, entry.stale) == (
+        "table", header_region() + 4096 * 3, os.getuid(), keys["removed"],
+        content_fingerprint(keys["removed"]).hex(), 3, 4096, True, False, None, False)
+    assert entries[str(older)].superseded and entries[str(older)].stale
+    assert "the files it was filled from changed since" in entries[str(older)].problem
+    assert (entries[str(lonely_lock)].kind, entries[str(lonely_lock)].stale) == ("lock", True)
+    assert "not an engram table file" in entries[str(foreign)].problem or "owned by uid 4242" in entries[str(foreign)].problem
+    assert entries[str(foreign)].stale == (os.getuid() != 0)   # another user's file is never stale for us
+
+    removal = host_memory.remove_shared_table(keys["removed"], directory=shm_dir)
+    assert (sorted(removal.removed), removal.refused) == (sorted([str(removed), str(removed) + ".lock"]), [])
+    if os.getuid() == 0:
+        removal = host_memory.remove_shared_table(directory=shm_dir, all_stale=True)
+        assert sorted(removal.removed) == sorted([str(kept), str(kept) + ".lock", str(older), str(older) + ".lock",
+                                                  str(lonely_lock)])
+        assert [e.path for e in host_memory.list_shared_tables(shm_dir)] == [str(foreign)]
+    with pytest.raises(ValueError, match="expected a target .* or all_stale=True, found neither"):
+        host_memory.remove_shared_table(directory=shm_dir)
+    with pytest.raises(ValueError, match="found both"):
+        host_memory.remove_shared_table("k", directory=shm_dir, all_stale=True)
+
+
+def test_filling_a_newer_table_removes_superseded_ones(shm_dir, seed, tmp_path):
+    source = tmp_path / "model.safetensors"
+    source.write_bytes(b"old weights")
+    first = fill_table(f"ckpt old {seed}", shm_dir, 8192, seed, sources=[source])
+    source.write_bytes(b"new weights, more of them")
+    unrelated = tmp_path / "other.safetensors"
+    unrelated.write_bytes(b"other")
+    fill_table(f"ckpt other {seed}", shm_dir, 8192, seed, sources=[unrelated])
+    fill_table(f"ckpt new {seed}", shm_dir, 8192, seed + 1, sources=[source], remove_superseded=False)
+    assert Path(first.shared_path).exists()   # kept when asked to
+    host_memory.remove_shared_buffer(f"ckpt new {seed}", shm_dir)
+    fill_table(f"ckpt new {seed}", shm_dir, 8192, seed + 1, sources=[source])
+    assert not Path(first.shared_path).exists()   # the older checkpoint's table went
+    assert torch.equal(first.tensor, pattern(seed, 8192))   # a process mapping it keeps its copy
+    names = {e.share_key for e in host_memory.list_shared_tables(shm_dir)}
+    assert names == {f"ckpt other {seed}", f"ckpt new {seed}"}
+
+
+def test_shm_cli_exit_codes(shm_dir, seed, capsys):
+    from engram.cli import main
+
+    assert main(["shm", "list", "--dir", shm_dir]) == 0
+    assert "no shared table files" in capsys.readouterr().out
+    key = f"/models/cli {seed}"
+    fill_table(key, shm_dir, 8192, seed)
+    assert main(["shm", "list", "--dir", shm_dir]) == 0
+    out = capsys.readouterr().out
+    assert shared_buffer_path(key, shm_dir).name[:20] in out and "ok" in out
+    assert main(["shm", "list", "--dir", shm_dir, "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert (listed["share_key"], listed["filled"], listed["stale"]) == (key, True, False)
+    Path(shm_dir, "engram-gone-0123456789abcdef.lock").write_text("")
+    assert main(["shm", "list", "--dir", shm_dir]) == 1   # a stale file
+    assert "1 stale" in capsys.readouterr().out
+    assert main(["shm", "remove", "--all-stale", "--dir", shm_dir]) == 0
+    assert main(["shm", "remove", "--all-stale", "--dir", shm_dir]) == 0   # nothing stale: fine
+    assert main(["shm", "remove", key, "--dir", shm_dir]) == 0
+    assert main(["shm", "remove", key, "--dir", shm_dir]) == 1   # nothing to remove
+    assert "nothing to remove" in capsys.readouterr().out
+    assert main(["shm", "list", "--dir", "/no/such/directory"]) == 2
+    assert main(["shm", "remove", "--all-stale", "--dir", "/no/such/directory"]) == 2
+    out = capsys.readouterr().out
+    assert "directory: '/no/such/directory' does not exist" in out and "Traceback" not in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["shm", "remove", key, "--all-stale", "--dir", shm_dir])   # both: argparse's usage error
+    assert exit_info.value.code == 2
+
+
+def test_checkpoint_shared_host_table(tmp_path, seed, monkeypatch):
+    """The checkpoint loader's share path (CPU part; the placement, which needs CUDA, stubbed):
+    the second load attaches the first's table read-only, its header records the checkpoint's
+    files, and a load after the files changed fills a new table and removes the older one."""
+    import types
+
+    from engram import checkpoint as loader
+    from engram.layout import EngramLayout
+    from engram.table.host_rows import PackedRows, mapped_read_only, packed_row_bytes
+    from engram.testing import write_synthetic_checkpoint
+
+    synthetic = write_synthetic_checkpoint(tmp_path / "model", seed=seed % 2**31)
+    layout = EngramLayout(synthetic.spec)
+    monkeypatch.setattr(loader.EngramTable, "from_layout",
+                        staticmethod(lambda *args, **kwargs: types.SimpleNamespace(storage=types.SimpleNamespace())))
+    if not (SHM.is_dir() and os.access(SHM, os.W_OK)):
+        pytest.skip("/dev/shm is not a writable directory on this machine")
+
+    def load():
+        checkpoint = loader.SafetensorsCheckpoint(synthetic.directory)
+        infos = [checkpoint.info(checkpoint.name(synthetic.spec.layer_ids[0], kind))
+                 for kind in ("embed.weight", "embed.scale")]
+        table = loader._load_host_table(checkpoint, layout, 0, None, *infos, None, None, None, 2**20, True, "auto",
+                                        True)
+        return table.storage, infos
+
+    loads = []
+    try:
+        for _ in range(2):
+            loads.append(load())
+        (first, infos), (second, _) = loads
+        assert first.host_buffer.filled_here and not second.host_buffer.filled_here
+        assert first.share_key == second.share_key
+        buffer = second.host_buffer
+        assert mapped_read_only(buffer.tensor.data_ptr(), buffer.nbytes)
+        assert torch.equal(buffer.tensor, first.host_buffer.tensor)
+        rows = PackedRows(buffer.tensor.view(-1, packed_row_bytes(synthetic.spec.head_dim)), synthetic.spec.head_dim)
+        from safetensors.torch import load_file
+
+        values = load_file(infos[0].file)[infos[0].name].view(torch.uint8)
+        assert torch.equal(rows.values, values)
+        (entry,) = [e for e in host_memory.list_shared_tables(SHM) if e.share_key == first.share_key]
+        assert (entry.row_bytes, entry.rows, entry.filled, entry.stale) == (
+            packed_row_bytes(synthetic.spec.head_dim), values.shape[0] + 1, True, False)
+        assert set(entry.sources) == {os.path.realpath(info.file) for info in infos}
+        os.utime(infos[0].file, ns=(1, 1))   # the checkpoint changed: a new key, the old table superseded
+        loads.append(load())
+        assert loads[-1][0].host_buffer.filled_here and loads[-1][0].share_key != first.share_key
+        assert not Path(first.host_buffer.shared_path).exists()
+    finally:
+        for storage, _ in loads:
+            host_memory.remove_shared_buffer(storage.share_key)

@@ -493,8 +493,9 @@ def load_engram_table(
     ``share_host_table`` (placement ``"host"``): keep the rows in one shared-memory file per
     node (``/dev/shm``), filled by the first process that loads them and mapped by every
     other process of the node that loads the same rows of the same files (one copy per
-    node; :mod:`engram.table.host_memory`). The file outlives the processes: remove it
-    with :func:`engram.table.host_memory.remove_shared_buffer` and :func:`host_share_key`.
+    node; :mod:`engram.table.host_memory`; mapped read-only, only files of this user). The
+    file outlives the processes: ``engram shm list|remove`` lists and removes them
+    (:func:`engram.table.host_memory.remove_shared_buffer` with :func:`host_share_key`).
     Placement ``"cached"`` loads its host rows the same way.
 
     ``placement_options``: keyword arguments of the placement (``EngramTable(placement_options=)``).
@@ -585,7 +586,8 @@ def _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales
                 bar.close()
 
     key = host_share_key(values_info, scales_info, row_start, row_end, head_dim) if share else None
-    host_buffer = allocate_host_buffer(nbytes, fill=fill, share_key=key, read_only=False)
+    host_buffer = allocate_host_buffer(nbytes, fill=fill, share_key=key, read_only=False, row_bytes=row_bytes,
+                                       sources=(values_info.file, scales_info.file) if share else ())
     rows = PackedRows(host_buffer.tensor[:nbytes].view(num_rows + 1, row_bytes), head_dim)
     table = EngramTable.from_layout(layout, layer_index, shard, rows.values, rows.scales, placement=placement,
                                     device=device, validate=validate, backend=backend,

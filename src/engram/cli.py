@@ -395,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "attached, per-step Engram cost (needs pip install -e '.[transformers]')")
     demo.set_defaults(run=command_demo)
     _add_profile_parser(commands)
+    from .shm_cli import add_shm_parser
+    add_shm_parser(commands)
     return parser
 
 

@@ -7,22 +7,30 @@ memory that ``fill`` writes once:
   2 MiB, advised to use transparent huge pages (``MADV_HUGEPAGE``) before ``fill``
   touches it.
 - **shared** (``share_key`` given): one file per key in ``directory`` (a tmpfs such as
-  ``/dev/shm``), mapped ``MAP_SHARED`` by every process that asks for the key, so a node
-  keeps one copy however many processes serve from it (one per GPU). The first process
-  fills a temporary file while holding an ``flock`` on the key's lock file, then renames
-  it into place (atomic publication). The others sleep-poll until it is published; a
-  waiter that gets the lock while nothing is published knows the filler died (the
-  kernel drops the lock of a dead process), removes its temporary file and fills it
-  itself. Every wait is bounded by ``wait_timeout_s``.
+  ``/dev/shm``), mapped ``MAP_SHARED`` by every process of this user that asks for the key,
+  so a node keeps one copy however many processes serve from it (one per GPU). Only its
+  owner can write it (:mod:`engram.table.shm_files`): the first process creates a temporary
+  file exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode ``share_mode``, 0600 by default,
+  whatever the umask) while holding an ``flock`` on the key's lock file (created the same
+  way), reserves its bytes (``posix_fallocate``: a full tmpfs is one clear error, never a
+  SIGBUS mid-fill), writes a header with filled 0, fills the rows, sets filled 1, renames it
+  into place (atomic publication) and makes its mapping read-only. The others map it
+  read-only after checking owner, mode and header (magic, version, checksum, content
+  fingerprint, row layout, filled flag, source files), and refuse a mismatch with one
+  ValueError naming the file and what is wrong. They sleep-poll until it is published; a
+  waiter that gets the lock while nothing is published knows the filler died (the kernel
+  drops the lock of a dead process), removes its temporary file and fills it itself. Every
+  wait is bounded by ``wait_timeout_s``; a lock file of another user is refused at once.
+  :mod:`engram.table.shm_admin` lists and removes them (``engram shm list|remove``).
 
 Whether huge pages were obtained is read back from ``/proc/self/smaps`` after ``fill``
 (``AnonHugePages``, ``ShmemPmdMapped``, ``FilePmdMapped`` of the mapping), never assumed;
 when they were asked for and not obtained, one warning per process says so.
 
-After ``fill`` the mapping is made read-only (``mprotect``) unless ``read_only=False``:
-a stray write then faults instead of corrupting a table other processes read. (A GPU
-registration of a read-only mapping, ``cudaHostRegister``, needs the flag
-``cudaHostRegisterReadOnly``.)
+After ``fill`` the mapping is made read-only (``mprotect``; always for a shared table,
+else unless ``read_only=False``): a stray write then faults instead of corrupting a table
+other processes read. (:func:`engram.table.host_rows.register_with_cuda` registers a
+read-only mapping with ``cudaHostRegisterReadOnly``.)
 
 :func:`memory_report` gives this process's RSS, shared and PSS bytes, to show that a
 shared table is counted once per node (each of ``n`` processes mapping it carries
@@ -32,9 +40,6 @@ shared table is counted once per node (each of ``n`` processes mapping it carrie
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
-import hashlib
 import math
 import mmap
 import os
@@ -42,20 +47,25 @@ import re
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
+from .shm_admin import SharedTableInfo, list_shared_tables, remove_shared_table, remove_superseded_tables
+from .shm_files import (DEFAULT_SHARE_MODE, HeaderProblem, TableHeader, check_room,
+                        check_share_mode, content_fingerprint, create_exclusive, file_problem, open_checked, refusal,
+                        reserve, shared_buffer_path, source_stamps, table_paths, try_lock, lock_holder)
+
 __all__ = ["HUGE_PAGE_BYTES", "HostBuffer", "allocate_host_buffer", "remove_shared_buffer", "memory_report",
-           "shared_buffer_path"]
+           "shared_buffer_path", "list_shared_tables", "remove_shared_table", "SharedTableInfo"]
 
 HUGE_PAGE_BYTES = 2 * 2**20
 """Size of one transparent huge page (x86-64 and most arm64 kernels: a PMD)."""
 
 _PAGE_BYTES = mmap.PAGESIZE
-_FILE_PREFIX = "engram-"
+_MADV_POPULATE_WRITE = 23   # Linux 5.14+: fault pages in writable; an error, never SIGBUS, when there is no room
 _POLL_FIRST_S = 0.01        # a waiter's first sleep between checks; doubles up to _POLL_MAX_S
 _POLL_MAX_S = 0.5
 _THP_DIR = Path("/sys/kernel/mm/transparent_hugepage")
@@ -72,7 +82,8 @@ class HostBuffer:
 
     Attributes:
         tensor: ``torch.uint8 [nbytes]`` on the CPU, a view of the mapping (read-only after
-            ``fill`` unless allocated with ``read_only=False``). None after :meth:`close`.
+            ``fill``: always when shared, else unless allocated with ``read_only=False``; a
+            write to a read-only one faults). None after :meth:`close`.
         huge_pages: at least half of the mapping is backed by 2 MiB pages (read from
             ``/proc/self/smaps`` after ``fill``).
         shared_path: the shared file when shared, else None.
@@ -126,17 +137,6 @@ def _check_directory(directory) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"directory: {str(path)!r} is not writable by this process")
     return path
-
-
-def shared_buffer_path(share_key: str, directory: str | os.PathLike = "/dev/shm") -> Path:
-    """The file of ``share_key`` in ``directory``: ``engram-<key, sanitized, cut to 80
-    characters>-<16 hex digits of the key's SHA-256>`` (the digest keeps distinct keys apart
-    however they sanitize)."""
-    if not isinstance(share_key, str) or not share_key:
-        raise ValueError(f"share_key: expected a non-empty string, found {share_key!r}")
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", share_key).strip("._")[:80]
-    digest = hashlib.sha256(share_key.encode("utf-8")).hexdigest()[:16]
-    return Path(directory) / f"{_FILE_PREFIX}{readable}-{digest}"
 
 
 # ---------------------------------------------------------------------------
@@ -252,131 +252,169 @@ def _allocate_private(nbytes: int, fill, huge_pages: bool, read_only: bool) -> H
                    read_only=read_only)
 
 
-def _map_file(fd: int, nbytes: int, huge_pages: bool) -> mmap.mmap:
-    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if huge_pages:
-        _advise_huge(mapping)
-    return mapping
+def _read_only_tensor(mapping: mmap.mmap, nbytes: int) -> torch.Tensor:
+    """``uint8 [nbytes]`` over a read-only mapping. torch has no read-only tensors and warns
+    about the buffer once; nothing in engram writes an attached table (a write would fault)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
 
 
-def _map_published(path: Path, nbytes: int, huge_pages: bool, read_only: bool) -> HostBuffer | None:
-    """Map the published file of a key, or None when there is none (yet)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
+# ---------------------------------------------------------------------------
+# shared tables
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _SharedTable:
+    """What a shared allocation asks for: where, who may read it, and the header it must have."""
+
+    path: Path
+    directory: Path
+    expected: TableHeader   # filled, with the sources as they are now
+    share_mode: int
+    huge_pages: bool
+    remove_superseded: bool
+
+    @property
+    def temporary(self) -> Path:
+        return table_paths(self.path)[1]
+
+    @property
+    def lock_path(self) -> Path:
+        return table_paths(self.path)[2]
+
+
+def _attach(table: _SharedTable) -> HostBuffer | None:
+    """Map the published file of a key read-only after checking it, or None when there is none
+    (yet). A file that is not the table asked for is refused (ValueError naming it and why)."""
+    fd = open_checked(table.path, os.O_RDONLY, table.share_mode)
+    if fd is None:
         return None
     try:
-        size = os.fstat(fd).st_size
-        if size != nbytes:
-            raise ValueError(f"shared buffer file {str(path)!r} holds {size} bytes, expected nbytes = {nbytes}: "
-                             f"the key does not identify the content (or the file is damaged); remove it with "
-                             f"remove_shared_buffer or use a key naming everything the content depends on")
-        mapping = _map_file(fd, nbytes, huge_pages)
+        try:
+            header = TableHeader.read(fd, os.fstat(fd).st_size)
+        except HeaderProblem as problem:
+            raise refusal(table.path, str(problem)) from None
+        problem = header.mismatch(table.expected)
+        if problem is not None:
+            raise refusal(table.path, problem)
+        mapping = mmap.mmap(fd, header.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
+                            offset=header.data_offset)
     finally:
         os.close(fd)
-    tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
-    return _finish(mapping, tensor, nbytes, huge_pages=huge_pages, shared_path=path, filled_here=False,
-                   read_only=read_only)
+    if table.huge_pages:
+        _advise_huge(mapping)
+    tensor = _read_only_tensor(mapping, header.nbytes)
+    return _finish(mapping, tensor, header.nbytes, huge_pages=table.huge_pages, shared_path=table.path,
+                   filled_here=False, read_only=False)   # mapped read-only already
 
 
-# ---------------------------------------------------------------------------
-# the lock of a key
-# ---------------------------------------------------------------------------
-def _try_lock(lock_path: Path) -> int | None:
-    """An fd holding the exclusive flock of ``lock_path`` (created if needed), or None when
-    another process holds it. Retries when the file was replaced while we waited (the lock
-    must be on the inode the path names now)."""
-    while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(fd)
-            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return None
-            raise
-        try:
-            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)   # removed or replaced meanwhile: lock the current file
-
-
-def _lock_holder(lock_path: Path) -> str:
-    """The pid the filler wrote into the lock file, as text for an error ("unknown" if none)."""
+def _remove_leftover(temporary: Path) -> None:
+    """Remove a dead filler's temporary file (we hold the lock: no filler is alive)."""
     try:
-        text = lock_path.read_text().strip()
-    except OSError:
-        return "unknown"
-    return text if text.isdigit() else "unknown"
+        temporary.unlink()
+    except FileNotFoundError:
+        pass
+    except PermissionError:
+        try:
+            problem = file_problem(os.lstat(temporary), 0o600) or "this user may not remove it"
+        except OSError:
+            problem = "this user may not remove it"
+        raise refusal(temporary, problem) from None
 
 
-def _check_free_space(directory: Path, nbytes: int) -> None:
-    """Refuse a fill that cannot fit: on a full tmpfs, writing a mapped page kills the process
-    with SIGBUS instead of raising."""
-    stats = os.statvfs(directory)
-    free = stats.f_bavail * stats.f_frsize
-    if free < nbytes:
-        raise ValueError(f"directory: {str(directory)!r} has {free} bytes free, nbytes = {nbytes} do not fit "
-                         f"(a tmpfs such as /dev/shm is sized at mount time: mount -o remount,size=...)")
+def _populate(mapping: mmap.mmap) -> None:
+    """Fault the (huge-page advised) mapping in, so that a tmpfs mounted ``huge=advise`` gives
+    2 MiB pages before ``posix_fallocate``, which has no mapping to take the advice from,
+    reserves the rest. Best effort: a kernel without it, or no room, is left to the reservation."""
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE)
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
-def _fill_shared(path: Path, lock_fd: int, nbytes: int, fill, huge_pages: bool, read_only: bool) -> HostBuffer:
-    """Holding the lock: fill ``<path>.tmp`` (removing a dead filler's), publish it by rename."""
+def _fill_shared(table: _SharedTable, lock_fd: int, fill) -> HostBuffer:
+    """Holding the lock: create ``<path>.tmp`` exclusively (removing a dead filler's), reserve
+    it, write the header (filled 0), fill, set filled 1, publish it by rename."""
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.unlink(missing_ok=True)   # a filler that died left it
-    _check_free_space(path.parent, nbytes)
-    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    _remove_leftover(table.temporary)
+    header = replace(table.expected, filled=False, filler_pid=os.getpid(), fill_time_s=time.time())
+    header_bytes = _round_up(len(header.encode()), _PAGE_BYTES)   # the filled header has the same length
+    nbytes, needed = header.nbytes, header.nbytes + header_bytes
+    check_room(table.directory, needed)   # at once; the reservation below is what guarantees it
     try:
-        os.ftruncate(fd, nbytes)
-        mapping = _map_file(fd, nbytes, huge_pages)
-    except BaseException:
-        os.close(fd)
-        temporary.unlink(missing_ok=True)
-        raise
-    os.close(fd)
+        fd = create_exclusive(table.temporary, table.share_mode)
+    except FileExistsError:
+        raise refusal(table.temporary, "it was created again while this process held the lock (by another "
+                                       "user or a process that does not lock)") from None
+    mapping = tensor = None
     try:
+        os.ftruncate(fd, header.total_bytes)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                            offset=header.data_offset)
+        if table.huge_pages:
+            _advise_huge(mapping)
+            _populate(mapping)
+        reserve(fd, 0, header_bytes, table.directory, needed)
+        reserve(fd, header.data_offset, nbytes, table.directory, needed)
+        os.pwrite(fd, header.encode(), 0)
         tensor = _fill_mapping(mapping, nbytes, fill)
-        os.rename(temporary, path)   # atomic: others see nothing or the whole table
+        _make_read_only(tensor.data_ptr(), _round_up(nbytes, _PAGE_BYTES))   # before anyone can attach it
+        mapping.flush()
+        os.pwrite(fd, replace(header, filled=True).encode(), 0)   # last: the rows are all there
+        os.rename(table.temporary, table.path)   # atomic: others see nothing or the whole table
     except BaseException:
-        mapping = None
-        temporary.unlink(missing_ok=True)
+        tensor = mapping = None
+        table.temporary.unlink(missing_ok=True)
         raise
-    return _finish(mapping, tensor, nbytes, huge_pages=huge_pages, shared_path=path, filled_here=True,
-                   read_only=read_only)
+    finally:
+        os.close(fd)
+    buffer = _finish(mapping, tensor, nbytes, huge_pages=table.huge_pages, shared_path=table.path,
+                     filled_here=True, read_only=False)   # made read-only above
+    if table.remove_superseded and header.sources:
+        try:
+            remove_superseded_tables(table.directory, tuple(s[0] for s in header.sources), keep=table.path)
+        except (OSError, ValueError):   # cleanup only: the table is published either way
+            pass
+    return buffer
 
 
-def _allocate_shared(nbytes: int, fill, share_key: str, huge_pages: bool, wait_timeout_s: float,
-                     directory: Path, read_only: bool) -> HostBuffer:
-    path = shared_buffer_path(share_key, directory)
-    lock_path = path.with_name(path.name + ".lock")
+def _allocate_shared(table: _SharedTable, fill, share_key: str, wait_timeout_s: float) -> HostBuffer:
     deadline = time.monotonic() + wait_timeout_s
     pause = _POLL_FIRST_S
     while True:
-        published = _map_published(path, nbytes, huge_pages, read_only)
+        published = _attach(table)
         if published is not None:
             return published
-        lock_fd = _try_lock(lock_path)
+        lock_fd = try_lock(table.lock_path)   # a lock file of another user: refused at once
         if lock_fd is not None:
             try:
                 # Published between our look and the lock? Then the filler is done.
-                published = _map_published(path, nbytes, huge_pages, read_only)
+                published = _attach(table)
                 if published is not None:
                     return published
-                return _fill_shared(path, lock_fd, nbytes, fill, huge_pages, read_only)
+                return _fill_shared(table, lock_fd, fill)
             finally:
                 os.close(lock_fd)   # releases the flock
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"share_key {share_key!r}: waited {wait_timeout_s} s (wait_timeout_s) for another "
-                               f"process to fill {str(path)!r}; the filler (pid {_lock_holder(lock_path)}, holding "
-                               f"{str(lock_path)!r}) has not finished")
+                               f"process to fill {str(table.path)!r}; the filler (pid {lock_holder(table.lock_path)}, "
+                               f"holding {str(table.lock_path)!r}) has not finished")
         time.sleep(min(pause, remaining))
         pause = min(pause * 2, _POLL_MAX_S)
+
+
+def _check_shared_arguments(nbytes, share_mode, fingerprint, row_bytes, sources, remove_superseded) -> None:
+    check_share_mode(share_mode)
+    if not isinstance(fingerprint, (bytes, bytearray, memoryview)):
+        raise ValueError(f"fingerprint: expected bytes naming the content, found {fingerprint!r}")
+    if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes <= 0 or nbytes % row_bytes:
+        raise ValueError(f"row_bytes: expected a positive integer dividing nbytes = {nbytes}, found {row_bytes!r}")
+    if isinstance(sources, (str, bytes, os.PathLike)) or not isinstance(sources, Iterable):
+        raise ValueError(f"sources: expected a list of file paths, found {sources!r}")
+    if not isinstance(remove_superseded, bool):
+        raise ValueError(f"remove_superseded: expected True or False, found {remove_superseded!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -384,7 +422,9 @@ def _allocate_shared(nbytes: int, fill, share_key: str, huge_pages: bool, wait_t
 # ---------------------------------------------------------------------------
 def allocate_host_buffer(nbytes: int, *, fill: Callable[[torch.Tensor], None], share_key: str | None = None,
                          huge_pages: bool = True, wait_timeout_s: float = 3600.0,
-                         directory: str = "/dev/shm", read_only: bool = True) -> HostBuffer:
+                         directory: str = "/dev/shm", read_only: bool = True, share_mode: int = DEFAULT_SHARE_MODE,
+                         fingerprint: bytes = b"", row_bytes: int = 1, sources: Iterable[str | os.PathLike] = (),
+                         remove_superseded: bool = True) -> HostBuffer:
     """``nbytes`` of host memory, written once by ``fill(tensor)`` (``tensor``: ``uint8 [nbytes]``).
 
     Args:
@@ -392,45 +432,59 @@ def allocate_host_buffer(nbytes: int, *, fill: Callable[[torch.Tensor], None], s
         fill: writes the content; runs in at most one process per ``share_key`` (the first
             to come; another if that one dies). An exception in ``fill`` leaves nothing behind.
         share_key: None for private memory; else the name of the content, shared by every
-            process of the node that passes the same key. It must name everything the
-            content depends on (e.g. checkpoint path, file sizes and mtimes, layer, row range,
-            row format): a published file of another size is refused.
+            process of this user on the node that passes the same key. It must name
+            everything the content depends on (e.g. checkpoint path, file sizes and mtimes,
+            layer, row range, row format): it is recorded in the file's header, and a file
+            filled for another key, fingerprint, layout or size is refused.
         huge_pages: ask for 2 MiB pages (``MADV_HUGEPAGE``); one warning per process if the
             OS does not give them (then 4 KiB pages are used).
         wait_timeout_s: how long a process waits for another's fill before ``TimeoutError``.
         directory: where shared files live (a tmpfs: ``/dev/shm``).
-        read_only: make the mapping read-only after ``fill`` (writes then fault).
+        read_only: make a private mapping read-only after ``fill`` (writes then fault). A
+            shared table is always read-only after its fill, in every process.
+        share_mode: permission bits of a shared file: 0o600 (default: this user only), or
+            with group/other read added (0o640, 0o604, 0o644) for other readers; never write.
+            Only files of this process's user are attached, whatever the mode.
+        fingerprint: bytes the caller has about the content (a checksum, a version), recorded
+            with the key as the header's content fingerprint and compared on attach.
+        row_bytes: bytes per row of the content (dividing ``nbytes``), recorded and compared.
+        sources: files the content is read from; their size and mtime are recorded, and a
+            table whose sources changed is refused and listed as stale.
+        remove_superseded: after a fill, remove this user's tables in ``directory`` filled from
+            the same source files that changed since (an older checkpoint's; no load can
+            attach them again). Processes that map them keep their copy.
 
     Raises:
-        ValueError: a bad argument, or a published file whose size is not ``nbytes``.
+        ValueError: a bad argument; a shared file that is not the table asked for (the message
+            names the file, what is wrong and how to remove it); a lock file of another user;
+            too little room in ``directory`` (its size, the bytes needed, how to grow it).
         TimeoutError: another process held the key's fill longer than ``wait_timeout_s``.
     """
     _check_arguments(nbytes, fill, share_key, huge_pages, wait_timeout_s, directory)
     if not isinstance(read_only, bool):
         raise ValueError(f"read_only: expected True or False, found {read_only!r}")
+    _check_shared_arguments(nbytes, share_mode, fingerprint, row_bytes, sources, remove_superseded)
     if share_key is None:
         return _allocate_private(nbytes, fill, huge_pages, read_only)
-    return _allocate_shared(nbytes, fill, share_key, huge_pages, float(wait_timeout_s), Path(directory), read_only)
+    directory = Path(directory)
+    expected = TableHeader(share_key, content_fingerprint(share_key, bytes(fingerprint)), row_bytes,
+                           nbytes // row_bytes, nbytes, filled=True, sources=source_stamps(sources))
+    expected.encode()   # a key too long for the header: refused now
+    table = _SharedTable(shared_buffer_path(share_key, directory), directory, expected, share_mode, huge_pages,
+                         remove_superseded)
+    return _allocate_shared(table, fill, share_key, float(wait_timeout_s))
 
 
 def remove_shared_buffer(share_key: str, directory: str = "/dev/shm") -> None:
     """Delete the shared file of ``share_key`` (and a dead filler's temporary and the lock
     file). Processes that map it keep their copy until they close it; the next
     :func:`allocate_host_buffer` of the key fills a new one. Refused (ValueError naming the
-    pid) while a process is filling it. Nothing there is not an error."""
+    pid) while a process is filling it, or when the files are another user's. Nothing there
+    is not an error. (:func:`remove_shared_table` also takes paths and removes stale files.)"""
     directory = _check_directory(directory)
-    path = shared_buffer_path(share_key, directory)
-    lock_path = path.with_name(path.name + ".lock")
-    lock_fd = _try_lock(lock_path)
-    if lock_fd is None:
-        raise ValueError(f"share_key {share_key!r}: process {_lock_holder(lock_path)} is filling {str(path)!r}; "
-                         f"remove it after the fill")
-    try:
-        path.unlink(missing_ok=True)
-        path.with_name(path.name + ".tmp").unlink(missing_ok=True)
-        lock_path.unlink(missing_ok=True)   # waiters that hold the old inode re-lock the new file
-    finally:
-        os.close(lock_fd)
+    removal = remove_shared_table(shared_buffer_path(share_key, directory))
+    if removal.refused:
+        raise ValueError(f"share_key {share_key!r}: " + "; ".join(removal.refused))
 
 
 _STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem",

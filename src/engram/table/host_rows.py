@@ -6,13 +6,16 @@ reads and the host's ``index_select`` each move one contiguous row. One extra al
 row at the end (value +0, scale byte 0) stands in for ids outside the table, so both
 read paths return +0 there without a branch.
 
-The bytes are registered with CUDA (``cudaHostRegister``: pinned, mapped), and a CUDA
+The bytes are registered with CUDA (``cudaHostRegister``: pinned, mapped; read-only for the
+device when the host mapping is read-only, as a node-shared table is), and a CUDA
 tensor aliasing them (unified addressing) lets Triton kernels read them directly.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +24,12 @@ from ..common import ceil_div
 from .fp8 import BLOCK_SIZE
 
 __all__ = ["packed_row_bytes", "PackedRows", "pack_rows", "pack_rows_in_own_pages", "owns_its_pages",
-           "register_with_cuda", "cuda_alias"]
+           "register_with_cuda", "mapped_read_only", "cuda_alias"]
 
 ROW_ALIGNMENT = 16
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_MAPPED = 2
+_CUDA_HOST_REGISTER_READ_ONLY = 8   # cudaHostRegisterReadOnly (CUDA 11.1+): the device only reads the range
 
 
 def packed_row_bytes(head_dim: int) -> int:
@@ -129,12 +133,48 @@ def owns_its_pages(rows: PackedRows) -> bool:
 _REGISTERED: dict[int, list[int]] = {}
 
 
+def mapped_read_only(address: int, nbytes: int) -> bool:
+    """Whether some page of ``[address, address + nbytes)`` is mapped without write permission
+    (``/proc/self/maps``): a shared table attached read-only, a buffer made read-only after its fill."""
+    end = address + nbytes
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            for line in maps:
+                bounds, permissions = line.split(maxsplit=2)[:2]
+                start, stop = (int(bound, 16) for bound in bounds.split("-"))
+                if start < end and stop > address and "w" not in permissions:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a refused ``cudaHostRegister``: torch reads it
+    after its own kernel launches and would report this one there. Only a runtime already
+    loaded in this process is used (``RTLD_NOLOAD``)."""
+    major = (torch.version.cuda or "").split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+def _host_register(address: int, nbytes: int, flags: int) -> int:
+    error = torch.cuda.cudart().cudaHostRegister(address, nbytes, flags)
+    return int(getattr(error, "value", error))
+
+
 def register_with_cuda(tensor: torch.Tensor):
     """Pin ``tensor``'s storage in place and map it for the GPU (``cudaHostRegister``,
-    portable + mapped). Returns ``release()``, to call once the GPU no longer reads it:
-    the last release of a range unregisters it (freed memory must not stay registered,
-    or a later allocation at the same address would look pinned and only partly be).
-    torch's own pinned allocations are left alone. Raises naming the CUDA error."""
+    portable + mapped; read-only, ``cudaHostRegisterReadOnly``, when the host mapping is
+    read-only, falling back to the plain flags where CUDA refuses that flag). Returns
+    ``release()``, to call once the GPU no longer reads it: the last release of a range
+    unregisters it (freed memory must not stay registered, or a later allocation at the
+    same address would look pinned and only partly be). torch's own pinned allocations are
+    left alone. Raises naming the CUDA error."""
     release_deferred()
     storage = tensor.untyped_storage()
     address, nbytes = storage.data_ptr(), storage.nbytes()
@@ -142,11 +182,17 @@ def register_with_cuda(tensor: torch.Tensor):
     if entry is None:
         if tensor.is_pinned():
             return lambda: None
-        error = torch.cuda.cudart().cudaHostRegister(address, nbytes,
-                                                     _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED)
-        code = int(getattr(error, "value", error))
+        flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
+        read_only = mapped_read_only(address, nbytes)
+        code = _host_register(address, nbytes, flags | _CUDA_HOST_REGISTER_READ_ONLY) if read_only else -1
         if code != 0:
+            if read_only:
+                _clear_cuda_error()   # the read-only flag refused (CUDA < 11.1, or the device lacks it)
+            code = _host_register(address, nbytes, flags)
+        if code != 0:
+            _clear_cuda_error()
             why = ("a page of the range is already registered (ranges may not share a page)" if code == 712
+                   else "the rows are mapped read-only and this CUDA refused cudaHostRegisterReadOnly" if read_only
                    else "pinned memory limit? see `ulimit -l`")
             raise RuntimeError(f"cudaHostRegister of {nbytes:,} bytes of host table rows failed with CUDA error "
                                f"{code} ({why})")

@@ -1,0 +1,434 @@
+"""Files of node-shared host tables: names, the header, exclusive creation, the checks made
+before a file is attached, lock files and the space reservation.
+
+A shared table is one regular file in a tmpfs directory (``/dev/shm``), owned by the user
+that filled it and writable by nobody else::
+
+    [ header region: HEADER_REGION_BYTES = 2 MiB ][ rows: nbytes ]
+
+The header has a leading region of one 2 MiB huge page so that the rows start at a 2 MiB
+file offset: a tmpfs maps a file with 2 MiB pages only at 2 MiB-aligned offsets, so the rows
+keep huge pages (and their 16-byte and page alignment, which ``host_rows`` and
+``cudaHostRegister`` need) exactly as a file of rows alone did. The header is read at offset 0
+before anything else in the file is trusted, whatever the file's size. Only the first 4 KiB
+page of the region is written (tmpfs allocates on write; a ``huge=always`` mount spends one
+2 MiB page per table).
+
+Header, little-endian: magic ``ENGRAMHT``, format version, filled flag, rows offset, bytes per
+row, rows, row bytes in all, length of a JSON part, a reserved word, the 32-byte content
+fingerprint (BLAKE2b of the share key and the caller's fingerprint bytes); then the JSON part
+(share key, source files with size and mtime, filler pid, fill time); then a 32-byte BLAKE2b
+checksum of everything before it. The filler writes it with filled 0, fills the rows, then
+rewrites it with filled 1 before publishing the file under its name.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["HEADER_REGION_BYTES", "FORMAT_VERSION", "MAGIC", "DEFAULT_SHARE_MODE", "TableHeader", "HeaderProblem",
+           "shared_buffer_path", "table_paths", "content_fingerprint", "source_stamps", "changed_sources",
+           "check_share_mode", "file_problem", "refusal", "create_exclusive", "open_checked", "open_lock", "try_lock",
+           "lock_holder", "probe_lock", "check_room", "reserve", "no_room_error"]
+
+HEADER_REGION_BYTES = 2 * 2**20
+"""Bytes before the rows: one 2 MiB huge page holding the header."""
+FORMAT_VERSION = 1
+MAGIC = b"ENGRAMHT"
+DEFAULT_SHARE_MODE = 0o600
+LOCK_MODE = 0o600
+FILE_PREFIX = "engram-"
+TEMPORARY_SUFFIX = ".tmp"
+LOCK_SUFFIX = ".lock"
+
+_FIXED = struct.Struct("<8sIIQQQQII32s")   # magic, version, filled, offset, row bytes, rows, nbytes, json, 0, fp
+_CHECKSUM_BYTES = 32
+_MAX_JSON_BYTES = 2**20   # share keys and source paths: far below; refuses garbage lengths
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK   # NONBLOCK: a planted FIFO must not hang open()
+
+
+# ---------------------------------------------------------------------------
+# names
+# ---------------------------------------------------------------------------
+def shared_buffer_path(share_key: str, directory: str | os.PathLike = "/dev/shm") -> Path:
+    """The file of ``share_key`` in ``directory``: ``engram-<key, sanitized, cut to 80
+    characters>-<16 hex digits of the key's SHA-256>`` (the digest keeps distinct keys apart
+    however they sanitize)."""
+    if not isinstance(share_key, str) or not share_key:
+        raise ValueError(f"share_key: expected a non-empty string, found {share_key!r}")
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", share_key).strip("._")[:80]
+    digest = hashlib.sha256(share_key.encode("utf-8")).hexdigest()[:16]
+    return Path(directory) / f"{FILE_PREFIX}{readable}-{digest}"
+
+
+def table_paths(path: Path) -> tuple[Path, Path, Path]:
+    """(table, its filler's temporary file, its lock file) of a table path."""
+    return path, path.with_name(path.name + TEMPORARY_SUFFIX), path.with_name(path.name + LOCK_SUFFIX)
+
+
+# ---------------------------------------------------------------------------
+# the header
+# ---------------------------------------------------------------------------
+class HeaderProblem(Exception):
+    """What is wrong with a file's header, as a phrase for an error message."""
+
+
+def content_fingerprint(share_key: str, fingerprint: bytes = b"") -> bytes:
+    """32 bytes naming the content: BLAKE2b of the share key and the caller's fingerprint."""
+    digest = hashlib.blake2b(digest_size=32, person=b"engram-table")
+    digest.update(share_key.encode("utf-8"))
+    digest.update(b"\0")
+    digest.update(bytes(fingerprint))
+    return digest.digest()
+
+
+def _checksum(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=_CHECKSUM_BYTES, person=b"engram-header").digest()
+
+
+Stamp = tuple[str, int, int]   # (real path, size in bytes, mtime in ns)
+
+
+@dataclass(frozen=True)
+class TableHeader:
+    """The header of a shared table file (see the module docstring for the bytes)."""
+
+    share_key: str
+    fingerprint: bytes
+    row_bytes: int
+    rows: int
+    nbytes: int
+    filled: bool = False
+    sources: tuple[Stamp, ...] = ()
+    filler_pid: int = 0
+    fill_time_s: float = 0.0
+    data_offset: int = HEADER_REGION_BYTES
+    version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole file: header region and rows."""
+        return self.data_offset + self.nbytes
+
+    def encode(self) -> bytes:
+        meta = json.dumps({"share_key": self.share_key, "sources": [list(s) for s in self.sources],
+                           "filler_pid": self.filler_pid, "fill_time_s": self.fill_time_s},
+                          separators=(",", ":")).encode("utf-8")
+        if len(meta) > _MAX_JSON_BYTES or _FIXED.size + len(meta) + _CHECKSUM_BYTES > self.data_offset:
+            raise ValueError(f"share_key: {len(meta)} bytes of key and source paths do not fit the "
+                             f"{_MAX_JSON_BYTES}-byte header; use a shorter key")
+        body = _FIXED.pack(MAGIC, self.version, int(self.filled), self.data_offset, self.row_bytes, self.rows,
+                           self.nbytes, len(meta), 0, self.fingerprint) + meta
+        return body + _checksum(body)
+
+    @classmethod
+    def read(cls, fd: int, file_bytes: int) -> "TableHeader":
+        """The header of the open file ``fd`` of ``file_bytes`` bytes; :class:`HeaderProblem`
+        says what is wrong when it is not a valid one."""
+        not_ours = "it is not an engram table file (planted, damaged, or written by an engram older than its header)"
+        fixed = os.pread(fd, _FIXED.size, 0)
+        if len(fixed) < _FIXED.size:
+            raise HeaderProblem(f"it holds only {file_bytes} bytes, too few for a header: {not_ours}")
+        magic, version, filled, offset, row_bytes, rows, nbytes, meta_bytes, _, fingerprint = _FIXED.unpack(fixed)
+        if magic != MAGIC:
+            raise HeaderProblem(f"it does not start with the magic {MAGIC!r} (found {magic!r}): {not_ours}")
+        if version != FORMAT_VERSION:
+            raise HeaderProblem(f"its header is format version {version}, this engram reads version "
+                                f"{FORMAT_VERSION} only")
+        if meta_bytes > _MAX_JSON_BYTES:
+            raise HeaderProblem(f"its header claims {meta_bytes} bytes of key data, more than the limit "
+                                f"{_MAX_JSON_BYTES}: the header is damaged")
+        rest = os.pread(fd, meta_bytes + _CHECKSUM_BYTES, _FIXED.size)
+        if len(rest) < meta_bytes + _CHECKSUM_BYTES:
+            raise HeaderProblem(f"it holds only {file_bytes} bytes, its header is cut short: the file is truncated")
+        meta, checksum = rest[:meta_bytes], rest[meta_bytes:]
+        if _checksum(fixed + meta) != checksum:
+            raise HeaderProblem("its header checksum does not match the header's fields (damaged or edited)")
+        try:
+            fields = json.loads(meta.decode("utf-8"))
+            sources = tuple((str(p), int(s), int(m)) for p, s, m in fields["sources"])
+            header = cls(str(fields["share_key"]), fingerprint, row_bytes, rows, nbytes, bool(filled), sources,
+                         int(fields["filler_pid"]), float(fields["fill_time_s"]), offset, version)
+        except (ValueError, KeyError, TypeError) as error:
+            raise HeaderProblem(f"its header's key data is unreadable ({error})") from None
+        if offset != HEADER_REGION_BYTES or row_bytes < 1 or rows * row_bytes != nbytes:
+            raise HeaderProblem(f"its header's layout is inconsistent (rows at byte {offset}, {rows} rows x "
+                                f"{row_bytes} B != {nbytes} B)")
+        if file_bytes != header.total_bytes:
+            raise HeaderProblem(f"it holds {file_bytes} bytes where its header says {header.total_bytes} "
+                                f"(header + {nbytes} B of rows): the file is truncated or was resized")
+        return header
+
+    def mismatch(self, expected: "TableHeader") -> str | None:
+        """Why this (valid) header is not the table ``expected`` describes, or None."""
+        if self.share_key != expected.share_key:
+            return f"it was filled for share key {self.share_key!r}, not {expected.share_key!r}"
+        if self.fingerprint != expected.fingerprint:
+            return (f"its content fingerprint {self.fingerprint.hex()[:16]}... differs from this load's "
+                    f"{expected.fingerprint.hex()[:16]}... (filled from other content under the same key)")
+        if self.row_bytes == expected.row_bytes == 1 and self.nbytes != expected.nbytes:
+            return f"it holds {self.nbytes} B of content, expected nbytes = {expected.nbytes}"
+        if (self.row_bytes, self.rows, self.nbytes) != (expected.row_bytes, expected.rows, expected.nbytes):
+            return (f"its row layout is {self.rows} rows x {self.row_bytes} B = {self.nbytes} B, expected "
+                    f"{expected.rows} rows x {expected.row_bytes} B = {expected.nbytes} B (nbytes = {expected.nbytes})")
+        if not self.filled:
+            return ("it was never completely filled (filled flag 0: its filler died or was killed mid-fill, "
+                    "or it was renamed into place)")
+        changed = changed_sources(self.sources)
+        if changed:
+            return "the files it was filled from changed since: " + "; ".join(changed)
+        if [s[0] for s in self.sources] != [s[0] for s in expected.sources]:
+            return (f"it was filled from {[s[0] for s in self.sources]}, this load reads "
+                    f"{[s[0] for s in expected.sources]}")
+        return None
+
+
+def source_stamps(sources) -> tuple[Stamp, ...]:
+    """(real path, size, mtime ns) of each source file, each file once, in order."""
+    stamps, seen = [], set()
+    for source in sources:
+        path = os.path.realpath(source)
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            info = os.stat(path)
+        except OSError as error:
+            raise ValueError(f"sources: {str(source)!r} cannot be read ({error.strerror})") from None
+        stamps.append((path, info.st_size, info.st_mtime_ns))
+    return tuple(stamps)
+
+
+def changed_sources(stamps: tuple[Stamp, ...]) -> list[str]:
+    """Each recorded source that is gone or whose size or mtime changed, described."""
+    changed = []
+    for path, size, mtime_ns in stamps:
+        try:
+            info = os.stat(path)
+        except OSError:
+            changed.append(f"{path} is gone")
+            continue
+        if (info.st_size, info.st_mtime_ns) != (size, mtime_ns):
+            changed.append(f"{path} was {size} B (mtime {mtime_ns} ns), now {info.st_size} B "
+                           f"(mtime {info.st_mtime_ns} ns)")
+    return changed
+
+
+# ---------------------------------------------------------------------------
+# who may write it
+# ---------------------------------------------------------------------------
+def check_share_mode(share_mode) -> int:
+    """``share_mode``: owner read-write, group/other read at most (0o600, 0o640, 0o604, 0o644)."""
+    if (isinstance(share_mode, bool) or not isinstance(share_mode, int) or share_mode & ~0o644
+            or share_mode & 0o600 != 0o600):
+        shown = oct(share_mode) if isinstance(share_mode, int) and not isinstance(share_mode, bool) else repr(share_mode)
+        raise ValueError(f"share_mode: expected 0o600 (owner only) or a group/other read bit added (0o640, 0o604, "
+                         f"0o644), never a group/other write bit, found {shown}")
+    return share_mode
+
+
+def _uid_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def file_problem(info: os.stat_result, allowed_mode: int) -> str | None:
+    """Why a file with ``info`` (from ``fstat`` of the open file) may not be trusted: not a
+    regular file, not owned by this process's user, or group/other bits beyond ``allowed_mode``."""
+    if not stat.S_ISREG(info.st_mode):
+        return f"it is not a regular file ({stat.filemode(info.st_mode)})"
+    uid = os.getuid()
+    if info.st_uid != uid:
+        return (f"it is owned by {_uid_name(info.st_uid)}, not by this process's {_uid_name(uid)}: another user "
+                f"created it, so its content cannot be trusted (only that user or root can remove it)")
+    mode = stat.S_IMODE(info.st_mode)
+    extra = mode & ~allowed_mode & 0o7077
+    if extra & 0o022:
+        return f"its mode {oct(mode)} lets group or others write it (allowed: {oct(allowed_mode)})"
+    if extra:
+        return f"its mode {oct(mode)} gives group/others more than the {oct(allowed_mode)} asked for"
+    return None
+
+
+def _describe_unopenable(path: Path, error: OSError) -> str:
+    if error.errno == errno.ELOOP:
+        return "it is a symbolic link"
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return f"it cannot be opened ({error.strerror})"
+    return file_problem(info, 0o600) or f"it cannot be opened ({error.strerror})"
+
+
+def refusal(path: Path, problem: str) -> ValueError:
+    """The one error of a shared table file that may not be attached."""
+    directory = path.parent
+    base = path.name.removesuffix(TEMPORARY_SUFFIX).removesuffix(LOCK_SUFFIX)
+    return ValueError(f"shared table file {str(path)!r} is refused: {problem}. Nothing was mapped: remove it with "
+                      f"`engram shm remove {directory / base}` and load again to refill it (`engram shm list --dir "
+                      f"{directory}` lists every table)")
+
+
+def create_exclusive(path: Path, mode: int, flags: int = os.O_RDWR) -> int:
+    """A new file at ``path`` (``O_CREAT | O_EXCL | O_NOFOLLOW``: never an existing file or a
+    link), its mode set to ``mode`` by ``fchmod`` whatever the umask. Raises FileExistsError."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_checked(path: Path, flags: int, allowed_mode: int) -> int | None:
+    """``path`` opened (``O_NOFOLLOW``), refused (:func:`refusal`) unless it is a regular file of
+    ours within ``allowed_mode``; None when there is no such file."""
+    try:
+        fd = os.open(path, flags | _OPEN_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise refusal(path, _describe_unopenable(path, error)) from None
+    problem = file_problem(os.fstat(fd), allowed_mode)
+    if problem is not None:
+        os.close(fd)
+        raise refusal(path, problem)
+    return fd
+
+
+# ---------------------------------------------------------------------------
+# lock files
+# ---------------------------------------------------------------------------
+def _lock_refusal(lock_path: Path, problem: str) -> ValueError:
+    table = lock_path.with_name(lock_path.name.removesuffix(LOCK_SUFFIX))
+    return ValueError(f"lock file {str(lock_path)!r} is refused: {problem}. A lock that another user can hold "
+                      f"would keep this process waiting for a fill that is not ours: remove it with `engram shm "
+                      f"remove {table}` and load again")
+
+
+def open_lock(lock_path: Path) -> int:
+    """An fd of ``lock_path``: created (exclusively, mode 0600) when absent, else opened and
+    checked to be a regular file of ours that nobody else can open. ValueError at once when not."""
+    while True:
+        try:
+            return create_exclusive(lock_path, LOCK_MODE)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(lock_path, os.O_RDWR | _OPEN_FLAGS)
+        except FileNotFoundError:
+            continue   # removed meanwhile: create it
+        except OSError as error:
+            raise _lock_refusal(lock_path, _describe_unopenable(lock_path, error)) from None
+        problem = file_problem(os.fstat(fd), LOCK_MODE)
+        if problem is not None:
+            os.close(fd)
+            raise _lock_refusal(lock_path, problem)
+        return fd
+
+
+def try_lock(lock_path: Path) -> int | None:
+    """An fd holding the exclusive ``flock`` of ``lock_path`` (:func:`open_lock`), or None while
+    another process holds it. Retries when the file was replaced meanwhile (the lock must be on
+    the inode the path names now)."""
+    while True:
+        fd = open_lock(lock_path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            raise
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def lock_holder(lock_path: Path) -> str:
+    """The pid the filler wrote into the lock file, as text ("unknown" if none)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | _OPEN_FLAGS)
+    except OSError:
+        return "unknown"
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return "unknown"
+    finally:
+        os.close(fd)
+    return text if text.isdigit() else "unknown"
+
+
+def probe_lock(lock_path: Path, *, hold: bool = False) -> tuple[bool, int | None]:
+    """(a live process holds the lock, an fd holding it exclusively when ``hold`` and it was
+    free). A missing or unopenable lock file counts as free (and gives no fd)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | _OPEN_FLAGS)
+    except OSError:
+        return False, None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if hold else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except OSError as error:
+        os.close(fd)
+        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return True, None
+        raise
+    if hold:
+        return False, fd
+    os.close(fd)   # releases the probe's shared lock
+    return False, None
+
+
+# ---------------------------------------------------------------------------
+# space
+# ---------------------------------------------------------------------------
+def no_room_error(directory: Path, needed: int) -> ValueError:
+    """The one error of a table that does not fit ``directory`` (its size, free bytes, how to grow it)."""
+    try:
+        stats = os.statvfs(directory)
+        size, free = stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
+        room = f"has {free} bytes free of {size}"
+    except OSError:
+        room = "has too few bytes free"
+    return ValueError(f"directory: {str(directory)!r} {room}, the shared table needs {needed} bytes: a tmpfs is "
+                      f"sized when it is mounted; raise it with `mount -o remount,size=<bytes> {directory}` (as root), "
+                      f"or start the container with a larger shared memory (`docker run --shm-size=<bytes>`; "
+                      f"Docker's default /dev/shm is 64 MiB), or pass another directory")
+
+
+def check_room(directory: Path, needed: int) -> None:
+    """Refuse at once a table larger than the free space (before any work); the reservation
+    (:func:`reserve`) is what guarantees the space."""
+    stats = os.statvfs(directory)
+    if stats.f_bavail * stats.f_frsize < needed:
+        raise no_room_error(directory, needed)
+
+
+def reserve(fd: int, offset: int, length: int, directory: Path, needed: int) -> None:
+    """Allocate ``[offset, offset + length)`` of the file now (``posix_fallocate``), so that
+    writing its mapped pages can never hit a full tmpfs (which kills with SIGBUS)."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT):
+            raise no_room_error(directory, needed) from None
+        raise
