@@ -1,5 +1,6 @@
-"""engram.triton_launch: the alignment-free jit and CompiledLaunch's keys (CPU checks;
-the GPU tests run every CompiledLaunch with VERIFY_VARIANTS on, tests/conftest.py)."""
+"""engram.triton_launch: the alignment-free jit, the direct launch path and its fallback (CPU
+checks with a stand-in kernel; the GPU tests run every CompiledLaunch with VERIFY_VARIANTS on,
+tests/conftest.py). The variant keys themselves: tests/test_triton_variants.py."""
 
 from __future__ import annotations
 
