@@ -74,7 +74,7 @@ def _fp8_layer(spec, table):
 
 
 def record_launches(call) -> list[tuple]:
-    """``[(launcher, grid, variant, args, options, replay)]``: the Triton launches one ``call()``
+    """``[(launcher, grid, args, options, replay)]``: the Triton launches one ``call()``
     makes, in order, through a CompiledLaunch or a prepared call's BoundLaunch (``launcher``: the
     CompiledLaunch either way); ``replay()`` launches it again the same way, bare."""
     from engram import triton_launch
@@ -84,15 +84,14 @@ def record_launches(call) -> list[tuple]:
 
     inside_bound = []  # a cold BoundLaunch launches through its CompiledLaunch: record it once
 
-    def record(self, grid, variant, args, num_warps, device_index=0, num_stages=None):
+    def record(self, grid, args, num_warps, device_index=0, num_stages=None):
         options = dict(num_warps=num_warps, device_index=device_index, num_stages=num_stages)
         if not inside_bound:
-            recorded.append((self, grid, variant, args, options,
-                             lambda: original(self, grid, variant, args, **options)))
-        return original(self, grid, variant, args, **options)
+            recorded.append((self, grid, args, options, lambda: original(self, grid, args, **options)))
+        return original(self, grid, args, **options)
 
-    def record_bound(self, grid, args):  # a prepared call's launch, replayed through its CompiledLaunch
-        recorded.append((self._owner, grid, self._variant, args,
+    def record_bound(self, grid, args):  # a prepared call's launch, replayed through its BoundLaunch
+        recorded.append((self._owner, grid, args,
                          dict(num_warps=self._num_warps, device_index=self._device_index,
                               num_stages=self._num_stages), lambda: original_bound(self, grid, args)))
         inside_bound.append(True)
@@ -135,7 +134,7 @@ def bench_host_cost() -> dict:
     buffer = torch.zeros(1, device="cuda")
     result["empty_kernel_launch_us"] = host_us(lambda: _empty_kernel[(1,)](buffer))
     empty = triton_launch.CompiledLaunch(_empty_kernel)
-    result["empty_kernel_compiled_launch_us"] = host_us(lambda: empty(1, (), (buffer,), num_warps=1))
+    result["empty_kernel_compiled_launch_us"] = host_us(lambda: empty(1, (buffer,), num_warps=1))
 
     for tokens in (1, 64):
         call = hash_call(layout, vocab, tokens, rng)
@@ -144,11 +143,11 @@ def bench_host_cost() -> dict:
     # The same hash kernel launched bare, through Triton's own path and through CompiledLaunch.
     launches = [entry for entry in record_launches(hash_call(layout, vocab, 1, rng))
                 if entry[0].kernel.__name__ == "ngram_hash_kernel"]
-    launcher, grid, variant, args, options, _ = launches[0]
+    launcher, grid, args, options, _ = launches[0]
     kernel = launcher.kernel
     warps = options["num_warps"]
     result["hash_kernel_triton_launch_us"] = host_us(lambda: kernel[(grid,)](*args, num_warps=warps))
-    result["hash_kernel_compiled_launch_us"] = host_us(lambda: launcher(grid, variant, args, **options))
+    result["hash_kernel_compiled_launch_us"] = host_us(lambda: launcher(grid, args, **options))
 
     spec, layer = _layer()
     tokens = 64

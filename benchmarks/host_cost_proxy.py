@@ -57,17 +57,21 @@ class LaunchCounts:
     raw = 0
 
 
-def _stub_compiled_launch(self, grid, variant, args, num_warps, device_index=0, num_stages=None):
+def _stub_compiled_launch(self, grid, args, num_warps, device_index=0, num_stages=None):
     """What a warm CompiledLaunch does in Python before the C launcher: build its key, look it up."""
-    key = (variant, num_warps, num_stages, device_index)
+    key = (self.rule.key(args), num_warps, num_stages, device_index)
     self.compiled.get(key)
     LaunchCounts.compiled += 1
     return None
 
 
 def _stub_bound_launch(self, grid, args):
-    """What a warm BoundLaunch does in Python before the C launcher: read its bound launcher."""
-    self._direct
+    """What a warm BoundLaunch does in Python before the C launcher: read the pointers' alignment
+    (the only per-call part of its variant) and look up its launcher."""
+    prepared = self._prepared
+    if prepared is None:
+        prepared = self._prepared = self._owner.rule.prepare(args)
+    self._direct.get(prepared.alignment(args) if prepared.positions else 0)
     LaunchCounts.compiled += 1
     return None
 

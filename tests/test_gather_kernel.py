@@ -250,6 +250,59 @@ def test_row_start_past_int32(seed):
                 row_start=3_000_000_000, id_dtype=torch.int64, layout="layer_slice", seed=seed)
 
 
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_misaligned_out_view_after_an_aligned_call(monkeypatch, seed):
+    """A given ``out`` that is a misaligned view, after calls of the same structure with aligned
+    ones: the launch's variant key differs in that output pointer's alignment alone (a binary
+    compiled for 16-byte-aligned stores is not reused for it), and the bytes equal the reference."""
+    from engram.triton_launch import CompiledLaunch
+    from engram.triton_variants import PreparedVariant
+
+    device = _kernel_device()
+    gather = _gather_module()
+    keys = []
+    original = CompiledLaunch._launch
+
+    def recording(self, grid, variant, args, *options):
+        if isinstance(variant, tuple) and len(variant) == 2 and isinstance(variant[0], PreparedVariant):
+            full = variant[0].expand(variant[1])
+        else:
+            full = variant
+        keys.append(dict(zip([name for name, *_ in self.rule.rules], full)))
+        return original(self, grid, variant, args, *options)
+
+    monkeypatch.setattr(CompiledLaunch, "_launch", recording)
+    generator = torch.Generator().manual_seed(seed)
+    value_bytes, scale_bytes = _random_table(30, 64, generator, device)
+    hash_ids = _random_ids(5, 3, 0, 30, generator, torch.int32).to(device)
+    expected = lookup_reference(value_bytes, scale_bytes, hash_ids)
+    expected_values, expected_scales = _expected_packed(value_bytes, scale_bytes, hash_ids, 0, 0, 3)
+    exact = dequantize_rows(expected_values, expected_scales, torch.float32)
+
+    shape, count = (5, 3, 64), 5 * 3 * 64
+    storage = torch.empty(count + 8, dtype=torch.bfloat16, device=device)
+    for out in (storage[:count].view(shape), storage[1:count + 1].view(shape)):  # 16-byte aligned, then 2 bytes off
+        out.fill_(float("nan"))
+        gather.gather_rows(value_bytes, scale_bytes, hash_ids, out=out)
+        _assert_bf16_equal(out, expected, seed, interpret=INTERPRET, exact=exact)
+    aligned, misaligned = keys
+    assert [name for name in aligned if aligned[name] != misaligned[name]] == ["out_ptr"]
+    assert aligned["out_ptr"] == (torch.bfloat16, True) and misaligned["out_ptr"] == (torch.bfloat16, False)
+
+    keys.clear()
+    byte_storage = torch.full((2 * count + 64,), POISON_BYTE, dtype=torch.uint8, device=device)
+    values_out = byte_storage[:count].view(shape)
+    for offset in (count + 16, count + 17):  # the scales output aligned, then 1 byte off
+        scales_out = byte_storage[offset:offset + 5 * 3 * 2].view(5, 3, 2)
+        values_out.fill_(POISON_BYTE)
+        scales_out.fill_(POISON_BYTE)
+        gather.gather_rows_packed(value_bytes, scale_bytes, hash_ids, out=(values_out, scales_out))
+        assert torch.equal(values_out, expected_values) and torch.equal(scales_out, expected_scales), f"seed {seed}"
+    aligned, misaligned = keys
+    assert [name for name in aligned if aligned[name] != misaligned[name]] == ["out_scale_ptr"]
+
+
 # ---------------------------------------------------------------------------
 # argument checks (no kernel runs)
 # ---------------------------------------------------------------------------

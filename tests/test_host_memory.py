@@ -610,6 +610,7 @@ def test_register_with_cuda_uses_the_read_only_flag(shm_dir, seed, monkeypatch):
     cleared = []
     monkeypatch.setattr(host_rows, "_clear_cuda_error", lambda: cleared.append(True))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     for tensor, refuse, calls, clears in ((attached.tensor, (), [0x0B], 0),
                                           (attached.tensor, (0x0B,), [0x0B, 0x03], 1),   # falls back, no error
                                           (private.tensor, (), [0x03], 0)):

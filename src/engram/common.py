@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HASH_ID_DTYPES", "ceil_div", "next_power_of_2", "as_device", "resolve_cuda_device", "resolve_device"]
+__all__ = ["HASH_ID_DTYPES", "ceil_div", "next_power_of_2", "as_device", "resolve_cuda_device", "resolve_device",
+           "cuda_capturing"]
 
 HASH_ID_DTYPES = (torch.int32, torch.int64)
 """Dtypes a table lookup accepts for hash ids (the hasher returns int32)."""
@@ -74,3 +75,8 @@ def resolve_device(device: torch.device | str | int | None, purpose: str) -> tor
     if resolved.type != "cuda":
         raise ValueError(f"device: {purpose} runs on the CPU or a CUDA device, found {device!r}")
     return resolve_cuda_device(device, purpose)
+
+
+def cuda_capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -352,14 +352,20 @@ class NgramHasher:
 
     def _gather_windows(self, batch: BatchMetadata, tokens: "_TokenPlaces", compressed: torch.Tensor,
                         dead: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Source id ``[T, N]`` int64 per shift, its dead flag, and where no source knows it."""
+        """Source id ``[T, N]`` int64 per shift, its dead flag, and where no source knows it.
+
+        A source earlier in the batch counts only if its position is ``position - shift``: positions
+        that repeat or skip inside a request (token-tree drafts) make it unknown, and the shifts
+        after it are blocked, so history before the request is read only behind consecutive ones."""
         shifts = torch.arange(self.history_length + 1, device=self.device)
-        source_position = batch.positions.long()[:, None] - shifts                   # [T, N]
+        positions = batch.positions.long()
+        source_position = positions[:, None] - shifts                                # [T, N]
         in_batch = tokens.offset_in_request[:, None] >= shifts
         before_sequence = source_position < 0
         source_token = (torch.arange(batch.num_tokens, device=self.device)[:, None] - shifts).clamp(min=0)
         values = compressed[source_token]
         source_dead = dead[source_token]
+        out_of_sequence = in_batch & ~tokens.padding[:, None] & (positions[source_token] != source_position)
 
         outside = ~in_batch & ~before_sequence  # needs a source before the batch
         known = torch.zeros_like(outside)
@@ -379,7 +385,7 @@ class NgramHasher:
             values = torch.where(use, store_values, values)
             source_dead = torch.where(use, store_values == DEAD, source_dead)
             known = known | use
-        return values.clamp(min=0), before_sequence | source_dead, outside & ~known
+        return values.clamp(min=0), before_sequence | source_dead, (outside & ~known) | out_of_sequence
 
     def _store_reads(self, batch: BatchMetadata, request: torch.Tensor, position: torch.Tensor):
         """What each bound store holds for ``position`` ``[T, N]``, in priority order."""
@@ -394,21 +400,32 @@ class NgramHasher:
     def _write_request_history(self, batch: BatchMetadata) -> None:
         """After hashing: store the known lookback entries, then the last ``width`` tokens
         of each request (drafts included), position-tagged. A separate step from the
-        hash because a step reads and writes the same ring cells."""
+        hash because a step reads and writes the same ring cells. A request whose kept tokens
+        are not at consecutive positions after its first one (positions that repeat or skip, as
+        token-tree drafts give) would write a cell twice or tag a token with a position it does
+        not hold: its row is cleared instead, so later reads of it are reported missing."""
         history = self.request_history
         if batch.num_requests == 0:
             return
         rows = batch.request_rows.long()
-        if batch.lookback_token_ids is not None:
-            seeds = self._lookback_seeds(batch)
-            seed_rows = rows[:, None].expand_as(seeds.positions)
-            history.write(seed_rows.reshape(-1), seeds.positions.reshape(-1), seeds.stored.reshape(-1),
-                          seeds.known.reshape(-1))
         tokens = self._locate_tokens(batch)
         starts = batch.query_start_loc.long().clamp(0, batch.num_tokens)  # any value stays in bounds
         length = (starts[1:] - starts[:-1])[tokens.request]
         keep = ~tokens.padding & (tokens.offset_in_request >= length - history.width)
-        history.write(rows[tokens.request], batch.positions.long(), self._stored_values(batch, tokens), keep)
+        positions = batch.positions.long()
+        first_position = positions[starts[:-1].clamp(max=max(batch.num_tokens - 1, 0))]  # [R]
+        out_of_sequence = keep & (positions != first_position[tokens.request] + tokens.offset_in_request)
+        cleared = torch.zeros(batch.num_requests, dtype=torch.bool, device=self.device)
+        cleared[tokens.request[out_of_sequence]] = True
+        if bool(cleared.any()):
+            history.reset(rows[cleared].clamp(0, history.max_requests))  # out-of-range rows: the spare one
+        if batch.lookback_token_ids is not None:
+            seeds = self._lookback_seeds(batch)
+            seed_rows = rows[:, None].expand_as(seeds.positions)
+            history.write(seed_rows.reshape(-1), seeds.positions.reshape(-1), seeds.stored.reshape(-1),
+                          (seeds.known & ~cleared[:, None]).reshape(-1))
+        history.write(rows[tokens.request], positions, self._stored_values(batch, tokens),
+                      keep & ~cleared[tokens.request])
 
     def _missing_history_error(self, batch: BatchMetadata, tokens: "_TokenPlaces", token: int, shift: int) -> ValueError:
         k = int(tokens.request[token])

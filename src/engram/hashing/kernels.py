@@ -201,8 +201,12 @@ def _write_history(block, input_ids_ptr, positions_ptr, query_start_ptr, dead_pt
     the last ``width`` tokens of each request (drafts included), position-tagged:
     ``values[row, p % width] = id or DEAD``, ``tags[row, p % width] = p``. Every cell is
     written at most once: a lookback entry whose cell a kept token takes is skipped (the
-    later position wins, as in the torch path). Rows are clamped into
-    ``[0, history_rows]`` (the last row is the spare one), negative positions skipped."""
+    later position wins, as in the torch path). A request whose kept tokens are not at
+    consecutive positions ending at ``first position + count - 1`` (positions that repeat or
+    skip, as token-tree drafts give) would write a cell twice or tag a token with a position
+    it does not hold: its row is cleared instead (every later read of it is reported missing).
+    Rows are clamped into ``[0, history_rows]`` (the last row is the spare one), negative
+    positions skipped."""
     request = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     has_request = request < num_requests
     first, after = _request_span(request, has_request, query_start_ptr, num_tokens)
@@ -217,7 +221,10 @@ def _write_history(block, input_ids_ptr, positions_ptr, query_start_ptr, dead_pt
     keep = has_request[:, None] & (lane[None, :] < kept[:, None])
     token = after[:, None] - kept[:, None] + lane[None, :]
     position = tl.load(positions_ptr + token, mask=keep, other=0).to(tl.int64)
-    keep = keep & (position >= 0)
+    # Kept token i of a consecutive request is at first_position + (count - kept) + i.
+    out_of_sequence = keep & (position != (first_position + count - kept)[:, None] + lane[None, :])
+    in_sequence = tl.max(out_of_sequence.to(tl.int32), axis=1) == 0  # [BLOCK]
+    keep = keep & (position >= 0) & in_sequence[:, None]
     raw = tl.load(input_ids_ptr + token, mask=keep, other=0).to(tl.int32)
     value = _compress(raw, token_map_ptr, vocab_size, keep)
     if HAS_DEAD:
@@ -225,6 +232,10 @@ def _write_history(block, input_ids_ptr, positions_ptr, query_start_ptr, dead_pt
     cell = row[:, None] * history_width + position % history_width
     tl.store(history_values_ptr + cell, value.to(tl.int32), mask=keep)
     tl.store(history_tags_ptr + cell, position, mask=keep)
+    clear = (has_request & (count > 0) & ~in_sequence)[:, None] & (lane < history_width)[None, :]
+    row_cell = row[:, None] * history_width + lane[None, :]
+    tl.store(history_values_ptr + row_cell, tl.full([BLOCK, WIDTH_PAD], UNWRITTEN_CODE, tl.int32), mask=clear)
+    tl.store(history_tags_ptr + row_cell, tl.full([BLOCK, WIDTH_PAD], -1, tl.int64), mask=clear)
 
     if HAS_LOOKBACK:
         column = tl.arange(0, HISTORY_PAD).to(tl.int64)
@@ -236,7 +247,8 @@ def _write_history(block, input_ids_ptr, positions_ptr, query_start_ptr, dead_pt
         kept_from = first_position + (count - kept)  # position of the first kept token
         last = first_position + count                # one past the request's last position
         later = seed_position + history_width * ((kept_from[:, None] - seed_position + history_width - 1) // history_width)
-        seed_known = in_window & (seed_raw >= 0) & (seed_position >= 0) & (later >= last[:, None])
+        seed_known = (in_window & (seed_raw >= 0) & (seed_position >= 0) & (later >= last[:, None])
+                      & in_sequence[:, None])
         seed_value = _compress(seed_raw, token_map_ptr, vocab_size, seed_known)
         if HAS_LOOKBACK_DEAD:
             seed_dead = tl.load(lookback_dead_ptr + lookback_cell, mask=seed_known, other=0) != 0
@@ -266,15 +278,18 @@ def history_write_kernel(
 @triton.jit
 def _hash_tokens(
     token, valid, live, request, position, offset_in_request, prime, barrett, first_row, column_shift, layers,
-    layer_ok, input_ids_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr, block_table_ptr,
-    slot_values_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr, multipliers_ptr,
+    layer_ok, input_ids_ptr, positions_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
+    block_table_ptr, slot_values_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr, multipliers_ptr,
     vocab_size, pad_id, block_size, num_slots, block_table_width, block_table_stride, history_width, history_rows,
     LAYERS_PAD: tl.constexpr, MAX_NGRAM: tl.constexpr, COLUMNS_PAD: tl.constexpr,
     HAS_DEAD: tl.constexpr, HAS_LOOKBACK: tl.constexpr, HAS_LOOKBACK_DEAD: tl.constexpr,
     READ_SLOTS: tl.constexpr, READ_HISTORY: tl.constexpr, REPORT_MISSING: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
 ):
     """Ids int64 ``[L, C, tokens]`` of the tokens, from every history source, and the
-    first shift no source knew per token (0 = none)."""
+    first shift no source knew per token (0 = none). A source earlier in the batch counts only
+    if its position is ``position - shift`` (positions that repeat or skip inside a request, as
+    token-tree drafts give, make it unknown: hashed as pad, reported as missing); the shifts
+    after it are blocked, so history before the request is read only behind consecutive ones."""
     HISTORY: tl.constexpr = MAX_NGRAM - 1
     blocked = ~live
     first_missing = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
@@ -295,6 +310,8 @@ def _hash_tokens(
         if HAS_DEAD:
             dead = dead | (in_batch & (tl.load(dead_ptr + source_token, mask=loadable, other=0) != 0))
         if shift > 0:
+            in_batch_position = tl.load(positions_ptr + source_token, mask=loadable & in_batch, other=0).to(tl.int32)
+            out_of_sequence = live & in_batch & (in_batch_position != source_position)
             known = tl.zeros([BLOCK_TOKENS], dtype=tl.int1)
             # ``outside`` implies 0 <= offset_in_request < shift: the column is in [0, HISTORY).
             lookback_column = shift - offset_in_request - 1
@@ -331,7 +348,7 @@ def _hash_tokens(
                 value = tl.where(use, remembered, value)
                 dead = tl.where(use, remembered == DEAD_CODE, dead)
                 known = known | use
-            unknown = outside & ~known
+            unknown = (outside & ~known) | out_of_sequence
             if REPORT_MISSING:  # only where no earlier shift is blocked already
                 first_missing = tl.where(unknown & ~blocked & (first_missing == 0), shift, first_missing)
             dead = dead | unknown  # unknown history hashes as pad (validation reports it)
@@ -425,8 +442,8 @@ def ngram_hash_kernel(
 
     ids, first_missing = _hash_tokens(
         token, valid, live, request, position, offset_in_request, prime, barrett, first_row, column_shift, layers,
-        layer_ok, input_ids_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr, block_table_ptr,
-        slot_values_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr, multipliers_ptr,
+        layer_ok, input_ids_ptr, positions_ptr, dead_ptr, token_map_ptr, lookback_ids_ptr, lookback_dead_ptr,
+        block_table_ptr, slot_values_ptr, history_rows_ptr, history_values_ptr, history_tags_ptr, multipliers_ptr,
         vocab_size, pad_id, block_size, num_slots, block_table_width, block_table_stride, history_width,
         history_rows, LAYERS_PAD, MAX_NGRAM, COLUMNS_PAD, HAS_DEAD, HAS_LOOKBACK, HAS_LOOKBACK_DEAD,
         READ_SLOTS, READ_HISTORY, REPORT_MISSING, BLOCK_TOKENS)

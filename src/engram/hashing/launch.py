@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from ..common import ceil_div, next_power_of_2
-from ..triton_launch import ALIGNMENT_SPECIALIZED, CompiledLaunch, integer_widths, tensor_variant
+from ..triton_launch import BoundLaunch, CompiledLaunch
 
 __all__ = ["HashConstants", "HashLaunchPlan", "PreparedHash", "launch_hash_kernels", "plan_hash_launch",
            "prepare_hash_launch", "run_hash_launch", "block_tokens_for"]
@@ -71,7 +71,6 @@ class HashConstants(NamedTuple):
                 next_power_of_2(history))
 
 
-_ALIGNMENT_IN_KEY: bool | None = None  # decided once the kernels are imported
 _hash_launch: CompiledLaunch | None = None
 _slot_launch: CompiledLaunch | None = None
 _history_launch: CompiledLaunch | None = None
@@ -100,10 +99,11 @@ def _padded_sizes(constants: HashConstants) -> tuple[int, int, int]:
 
 
 class _KernelLaunch(NamedTuple):
-    """One launch of a plan: grid, variant key, and the arguments after the tensors."""
+    """One launch of a plan: grid, the bound launch of its call structure (variant from the
+    kernel's rules, prepared from the first call's arguments), and the arguments after the tensors."""
 
     grid: int
-    variant: tuple
+    launch: BoundLaunch
     scalars: tuple  # ints, then constexprs, in the kernel's parameter order
 
 
@@ -120,7 +120,6 @@ class HashLaunchPlan(NamedTuple):
     hash_launch: _KernelLaunch
     history_launch: _KernelLaunch | None
     num_warps: int
-    alignment_in_key: bool    # the variants take the tensors' alignment, found per call
 
 
 def plan_hash_launch(constants: HashConstants, batch, slot_cache=None, history=None, fused_slot_write=False,
@@ -128,10 +127,8 @@ def plan_hash_launch(constants: HashConstants, batch, slot_cache=None, history=N
     """The launches of :func:`launch_hash_kernels` for ``batch`` (shape-checked), decided from
     its shapes, dtypes and strides and the stores' geometry alone: the same for every batch
     with the same structure, so a caller may keep it (see :class:`NgramHasher`)."""
-    global _ALIGNMENT_IN_KEY
-    if _ALIGNMENT_IN_KEY is None:
-        _launchers()
-        _ALIGNMENT_IN_KEY = bool(ALIGNMENT_SPECIALIZED)
+    hash_launcher, slot_launcher, history_launcher = _launchers()
+    device_index = constants.device_index
     num_tokens, num_requests = batch.num_tokens, batch.num_requests
     history_length = constants.max_ngram_size - 1
     lookback, lookback_dead, block_table = batch.lookback_token_ids, batch.lookback_dead_mask, batch.block_table
@@ -165,25 +162,12 @@ def plan_hash_launch(constants: HashConstants, batch, slot_cache=None, history=N
     has_lookback_dead = lookback_dead is not None
     layers_pad, columns_pad, history_pad = _padded_sizes(constants)
     width_pad = next_power_of_2(history.width) if uses_history else 1
-    # What decides the compiled binaries beyond the constexprs: the caller's tensors'
-    # dtypes (the kernels do not specialize on alignment), and which ints need 64 bits.
-    placeholder = constants.token_map
-    caller = (batch.input_ids, batch.positions, batch.query_start_loc,
-              batch.dead_mask if has_dead else placeholder, lookback if has_lookback else placeholder,
-              lookback_dead if has_lookback_dead else placeholder,
-              batch.slot_mapping if batch.slot_mapping is not None else placeholder,
-              block_table if block_table is not None else placeholder,
-              batch.request_rows if uses_history else placeholder)
-    # With a Triton that specializes alignment, run_hash_launch puts each call's alignment here.
-    caller_tensors = tuple(t.dtype for t in caller)
-    largest = max(slot_geometry[1], slot_geometry[3], num_requests)  # the ints that can grow large
-    widths = integer_widths(num_tokens, num_requests, *slot_geometry, *history_geometry) if largest >= 2**31 else ()
 
     slot_launch = None
     if (write_slots or write_seeds) and not slots_in_hash:
         constexprs = (history_length, history_pad, has_dead, has_lookback_dead, write_slots, write_seeds,
                       _WRITE_BLOCK)
-        slot_launch = _KernelLaunch(ceil_div(write_items, _WRITE_BLOCK), (caller_tensors, widths, constexprs),
+        slot_launch = _KernelLaunch(ceil_div(write_items, _WRITE_BLOCK), slot_launcher.bind(1, device_index),
                                     (num_tokens, num_requests, constants.vocab_size, *slot_geometry, *constexprs))
 
     constexprs = (constants.num_layers, layers_pad, constants.max_ngram_size,
@@ -193,7 +177,7 @@ def plan_hash_launch(constants: HashConstants, batch, slot_cache=None, history=N
                   slots_before_reads, history_in_hash,
                   width_pad, with_missing_shift, block_tokens, _HISTORY_BLOCK,
                   min(_REQUEST_CHUNK_LARGEST, next_power_of_2(max(num_requests, 2))))
-    hash_launch = _KernelLaunch(num_hash_programs, (caller_tensors, widths, constexprs),
+    hash_launch = _KernelLaunch(num_hash_programs, hash_launcher.bind(num_warps, device_index),
                                 (num_tokens, num_requests, constants.vocab_size, constants.pad_id, *slot_geometry,
                                  *history_geometry, *constexprs))
 
@@ -201,24 +185,17 @@ def plan_hash_launch(constants: HashConstants, batch, slot_cache=None, history=N
     if uses_history and not history_in_hash and num_requests > 0:
         constexprs = (history_length, history_pad, has_dead, has_lookback, has_lookback_dead, _HISTORY_BLOCK,
                       width_pad)
-        history_launch = _KernelLaunch(ceil_div(num_requests, _HISTORY_BLOCK), (caller_tensors, widths, constexprs),
+        history_launch = _KernelLaunch(ceil_div(num_requests, _HISTORY_BLOCK), history_launcher.bind(1, device_index),
                                        (num_tokens, num_requests, constants.vocab_size, *history_geometry,
                                         *constexprs))
     return HashLaunchPlan(num_tokens, copy_lookback, copy_lookback_dead, copy_block_table, uses_history,
-                          slot_launch, hash_launch, history_launch, num_warps, _ALIGNMENT_IN_KEY)
-
-
-def _with_alignment(launch: _KernelLaunch, caller: tuple) -> _KernelLaunch:
-    """``launch`` with its variant's dtypes replaced by the caller tensors' dtype and alignment."""
-    _, widths, constexprs = launch.variant
-    return launch._replace(variant=(tuple(tensor_variant(t) for t in caller), widths, constexprs))
+                          slot_launch, hash_launch, history_launch, num_warps)
 
 
 def run_hash_launch(plan: HashLaunchPlan, constants: HashConstants, batch, slot_cache=None, history=None,
                     missing_shift: torch.Tensor | None = None) -> torch.Tensor:
     """Launch ``plan`` (made by :func:`plan_hash_launch` for a batch of the same structure) on
     ``batch``'s tensors: hash ids int32 ``[T, L, C]``."""
-    hash_launch, slot_launch, history_launch = _launchers()
     out = torch.empty((plan.num_tokens, constants.num_layers, (constants.max_ngram_size - 1) * constants.n_heads),
                       dtype=torch.int32, device=constants.token_map.device)
     if plan.num_tokens == 0:
@@ -244,27 +221,17 @@ def run_hash_launch(plan: HashLaunchPlan, constants: HashConstants, batch, slot_
         history_tensors = (batch.request_rows, history.values, history.tags)
     else:
         history_tensors = (placeholder, placeholder, placeholder)
-    device_index = constants.device_index
-    slot_plan, hash_plan, history_plan = plan.slot_launch, plan.hash_launch, plan.history_launch
-    if plan.alignment_in_key:
-        caller = (*inputs[:4], inputs[5], inputs[6], slot_mapping, table, history_tensors[0])
-        slot_plan, hash_plan, history_plan = (None if launch is None else _with_alignment(launch, caller)
-                                              for launch in (slot_plan, hash_plan, history_plan))
-
-    launch = slot_plan
+    launch = plan.slot_launch
     if launch is not None:
-        slot_launch(launch.grid, launch.variant, (*inputs, slot_mapping, table, slot_values, *launch.scalars),
-                    num_warps=1, device_index=device_index)
-    launch = hash_plan
-    hash_launch(launch.grid, launch.variant,
-                (*inputs, slot_mapping, table, slot_values, *history_tensors,
-                 constants.multipliers, constants.column_primes, constants.barrett_multipliers,
-                 constants.column_offsets, out, missing_shift if missing_shift is not None else placeholder,
-                 *launch.scalars), num_warps=plan.num_warps, device_index=device_index)
-    launch = history_plan
+        launch.launch(launch.grid, (*inputs, slot_mapping, table, slot_values, *launch.scalars))
+    launch = plan.hash_launch
+    launch.launch(launch.grid, (*inputs, slot_mapping, table, slot_values, *history_tensors,
+                                constants.multipliers, constants.column_primes, constants.barrett_multipliers,
+                                constants.column_offsets, out,
+                                missing_shift if missing_shift is not None else placeholder, *launch.scalars))
+    launch = plan.history_launch
     if launch is not None:
-        history_launch(launch.grid, launch.variant, (*inputs, *history_tensors, *launch.scalars),
-                       num_warps=1, device_index=device_index)
+        launch.launch(launch.grid, (*inputs, *history_tensors, *launch.scalars))
     return out
 
 
@@ -275,7 +242,7 @@ class PreparedHash:
     dead_mask, lookback_token_ids, lookback_dead_mask, slot_mapping, block_table,
     request_rows) -> int32 [T, L, C]``, for batches of the plan's structure only
     (the caller keys it by :func:`~engram.call_cache.structure`). Made by
-    :func:`prepare_hash_launch` for plans that need no per-call copy or alignment check.
+    :func:`prepare_hash_launch` for plans that need no per-call copy.
     """
 
     __slots__ = ("_slot", "_hash", "_history", "_slot_grid", "_hash_grid", "_history_grid", "_slot_scalars",
@@ -283,18 +250,16 @@ class PreparedHash:
                  "_slot_cache", "_request_history")
 
     def __init__(self, plan: HashLaunchPlan, constants: HashConstants, slot_cache=None, history=None):
-        hash_launch, slot_launch, history_launch = _launchers()
-        device_index = constants.device_index
         self._slot = self._hash = self._history = None
         self._slot_grid = self._hash_grid = self._history_grid = 0
         self._slot_scalars = self._hash_scalars = self._history_scalars = ()
         if plan.slot_launch is not None:
-            self._slot = slot_launch.bind(plan.slot_launch.variant, 1, device_index)
+            self._slot = plan.slot_launch.launch
             self._slot_grid, self._slot_scalars = plan.slot_launch.grid, plan.slot_launch.scalars
-        self._hash = hash_launch.bind(plan.hash_launch.variant, plan.num_warps, device_index)
+        self._hash = plan.hash_launch.launch
         self._hash_grid, self._hash_scalars = plan.hash_launch.grid, plan.hash_launch.scalars
         if plan.history_launch is not None:
-            self._history = history_launch.bind(plan.history_launch.variant, 1, device_index)
+            self._history = plan.history_launch.launch
             self._history_grid, self._history_scalars = plan.history_launch.grid, plan.history_launch.scalars
         self._constants = (constants.multipliers, constants.column_primes, constants.barrett_multipliers,
                            constants.column_offsets)
@@ -329,10 +294,9 @@ class PreparedHash:
 
 def prepare_hash_launch(plan: HashLaunchPlan, constants: HashConstants, slot_cache=None,
                         history=None) -> PreparedHash | None:
-    """A :class:`PreparedHash` of ``plan``, or None where its calls need per-call work beyond
-    launching (copies of non-contiguous inputs, alignment checks, an empty batch)."""
-    if (plan.num_tokens == 0 or plan.alignment_in_key or plan.copy_lookback or plan.copy_lookback_dead
-            or plan.copy_block_table):
+    """A :class:`PreparedHash` of ``plan`` (sharing its bound launches), or None where its calls
+    need per-call work beyond launching (copies of non-contiguous inputs, an empty batch)."""
+    if plan.num_tokens == 0 or plan.copy_lookback or plan.copy_lookback_dead or plan.copy_block_table:
         return None
     return PreparedHash(plan, constants, slot_cache, history)
 

@@ -95,7 +95,10 @@ class RequestHistory:
     its first token, so rejected drafts are never read: they are overwritten when
     the request reaches their positions again. ``width = N - 1 + max_draft_tokens + 1``
     keeps the ``N - 1`` ids before a step alive through one step of drafts; a
-    read whose tag does not match is reported, never hashed silently.
+    read whose tag does not match is reported, never hashed silently. Each cell holds
+    one position, so a step's tokens of one request must be at consecutive positions:
+    a request whose positions repeat or skip (token-tree drafts) gets its row cleared
+    by the writers (validation refuses such a batch first).
 
     Rows may be named: :meth:`rows` maps the engine's request ids to rows and
     gives a fresh, empty row to a name it has not seen; :meth:`release` frees it.

@@ -172,7 +172,9 @@ def validate_batch(
         raise ValueError(f"positions[{i}] = {int(positions[i])} exceeds {MAX_POSITION} "
                          "(the hash kernel computes positions in int32)")
 
-    # Inside a request positions go up by exactly one per token.
+    # Inside a request positions go up by exactly one per token: the hash reads a token's
+    # history at the tokens before it, and the request history stores one token per position
+    # (a token tree's drafts share or skip positions).
     token_request = torch.searchsorted(starts[1:], torch.arange(num_tokens), right=True)
     follows = torch.zeros(num_tokens, dtype=torch.bool)
     if num_tokens > 1:
@@ -183,10 +185,12 @@ def validate_batch(
     if jumps.any():
         i = _first(jumps)
         k = int(token_request[i])
-        direction = "goes backwards" if positions[i] <= positions[i - 1] else "skips"
+        direction = ("repeats" if positions[i] == positions[i - 1] else
+                     "goes backwards" if positions[i] < positions[i - 1] else "skips")
         raise ValueError(
             f"positions {direction} inside request {k}: positions[{i - 1}] = {int(positions[i - 1])}, "
-            f"positions[{i}] = {int(positions[i])} (expected {int(positions[i - 1]) + 1})"
+            f"positions[{i}] = {int(positions[i])} (expected {int(positions[i - 1]) + 1}); each request's tokens "
+            f"must be at consecutive positions (token-tree drafts are not supported: pass one branch)"
         )
 
     if batch.lookback_token_ids is not None:

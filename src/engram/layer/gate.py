@@ -37,7 +37,7 @@ import torch
 from ..backends import resolve_backend
 from ..call_cache import CallCache, structure
 from ..common import next_power_of_2
-from ..triton_launch import CompiledLaunch, int_variant, tensor_variant
+from ..triton_launch import BoundLaunch, CompiledLaunch
 
 __all__ = ["engram_gate", "engram_gate_kv", "engram_gate_torch", "gate_launch_config", "GateLaunchConfig"]
 
@@ -224,9 +224,7 @@ def _launch_gate_kernel(
                   "evict_first" if config.cache_hints else "", "evict_last" if config.cache_hints else "")
     mask_or_placeholder = hidden_states if token_mask is None else token_mask
     tensors = (hidden_states, key_source, value_source, q_weight, k_weight, mask_or_placeholder, out)
-    variant = (tuple(tensor_variant(t) for t in tensors), tuple(int_variant(i) for i in ints), constexprs)
-    kernel = _gate_launcher()(tokens * (hc_mult // copies), variant,
-                              (*tensors, *ints, float(eps), math.sqrt(hidden), *constexprs),
+    kernel = _gate_launcher()(tokens * (hc_mult // copies), (*tensors, *ints, float(eps), math.sqrt(hidden), *constexprs),
                               num_warps=config.num_warps,
                               device_index=hidden_states.device.index if hidden_states.is_cuda else 0)
     if compiled is not None:
@@ -373,11 +371,11 @@ class _GateKvPlan(NamedTuple):
     triton: bool
     grid: int
     ints: tuple
-    int_variants: tuple
     constexprs: tuple
     num_warps: int
     device_index: int
     sqrt_hidden: float
+    launch: BoundLaunch | None  # the Triton launches of this structure (variant from the kernel's rules)
 
 
 _KV_PLANS = CallCache()
@@ -391,7 +389,7 @@ def _plan_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask, out_dtype, 
     out_dtype, _ = _resolve_out(hidden_states, out_dtype, None)
     tokens, hc_mult, hidden = hidden_states.shape
     if not _use_triton(backend, hidden_states, (hidden_states, kv, q_weight, k_weight), out_dtype):
-        return _GateKvPlan(out_dtype, False, 0, (), (), (), 0, 0, 0.0)
+        return _GateKvPlan(out_dtype, False, 0, (), (), 0, 0, 0.0, None)
     if any(t is not _contiguous_rows(t) for t in (hidden_states, kv, q_weight, k_weight)):
         return None
     if token_mask is not None and not token_mask.is_contiguous():
@@ -405,9 +403,9 @@ def _plan_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask, out_dtype, 
             q_weight.stride(0), k_weight.stride(0), hc_mult * hidden, hidden)
     constexprs = (hidden, hc_mult, copies, head_block, tail_block, token_mask is not None, config.early_value,
                   "evict_first" if config.cache_hints else "", "evict_last" if config.cache_hints else "")
-    return _GateKvPlan(out_dtype, True, tokens * (hc_mult // copies), ints, tuple(int_variant(i) for i in ints),
-                       constexprs, config.num_warps, hidden_states.device.index if hidden_states.is_cuda else 0,
-                       math.sqrt(hidden))
+    device_index = hidden_states.device.index if hidden_states.is_cuda else 0
+    return _GateKvPlan(out_dtype, True, tokens * (hc_mult // copies), ints, constexprs, config.num_warps, device_index,
+                       math.sqrt(hidden), _gate_launcher().bind(config.num_warps, device_index))
 
 
 def prepare_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask=None, *, backend=None):
@@ -424,26 +422,20 @@ def prepare_gate_kv(hidden_states, kv, q_weight, k_weight, token_mask=None, *, b
 
 
 class _PreparedGate:
-    """:func:`_run_gate_kv` of one Triton plan, launching through one bound launch per
-    combination of the pointers' 16-byte alignments (the kernel's only per-call variant choice)."""
+    """:func:`_run_gate_kv` of one Triton plan, through the plan's bound launch (which reads each
+    pointer's 16-byte alignment per call: the kernel's only per-call variant choice)."""
 
-    __slots__ = ("_plan", "_bound")
+    __slots__ = ("_plan",)
 
     def __init__(self, plan: _GateKvPlan):
         self._plan = plan
-        self._bound: dict[tuple, object] = {}
 
     def __call__(self, hidden_states, kv, q_weight, k_weight, eps, token_mask) -> torch.Tensor:
         plan = self._plan
         out = torch.empty(hidden_states.shape, dtype=plan.out_dtype, device=hidden_states.device)
         mask = hidden_states if token_mask is None else token_mask  # bool, read as bytes (no view op per call)
-        aligned = (hidden_states.data_ptr() % 16, kv.data_ptr() % 16, q_weight.data_ptr() % 16,
-                   k_weight.data_ptr() % 16, mask.data_ptr() % 16)
-        bound = self._bound.get(aligned)
-        if bound is None:
-            bound = self._bound[aligned] = _gate_launcher().bind((plan, aligned), plan.num_warps, plan.device_index)
-        bound(plan.grid, (hidden_states, kv, kv, q_weight, k_weight, mask, out, *plan.ints, float(eps),
-                          plan.sqrt_hidden, *plan.constexprs))
+        plan.launch(plan.grid, (hidden_states, kv, kv, q_weight, k_weight, mask, out, *plan.ints, float(eps),
+                                plan.sqrt_hidden, *plan.constexprs))
         return out
 
 
@@ -457,11 +449,6 @@ def _run_gate_kv(plan: _GateKvPlan, hidden_states, kv, q_weight, k_weight, eps, 
     if not plan.grid:
         return out
     mask = hidden_states if token_mask is None else token_mask  # bool, read as bytes (no view op per call)
-    tensors = (hidden_states, kv, kv, q_weight, k_weight, mask, out)
-    # The dtypes are the plan's; the kernel also specializes on each pointer's 16-byte alignment.
-    aligned = (hidden_states.data_ptr() % 16, kv.data_ptr() % 16, q_weight.data_ptr() % 16,
-               k_weight.data_ptr() % 16, mask.data_ptr() % 16)
-    variant = (plan, aligned)
-    _gate_launcher()(plan.grid, variant, (*tensors, *plan.ints, float(eps), plan.sqrt_hidden, *plan.constexprs),
-                     num_warps=plan.num_warps, device_index=plan.device_index)
+    plan.launch(plan.grid, (hidden_states, kv, kv, q_weight, k_weight, mask, out, *plan.ints, float(eps),
+                            plan.sqrt_hidden, *plan.constexprs))
     return out

@@ -26,7 +26,7 @@ import triton
 
 from ..call_cache import CallCache, structure
 from ..table.fp8 import BLOCK_SIZE
-from ..triton_launch import CompiledLaunch, interpreting, tensor_variant
+from ..triton_launch import BoundLaunch, CompiledLaunch, interpreting
 from .wkv_kernels import block_scaled_gemm_kernel, fused_gather_gemm_kernel, gather_quantize_kernel
 from .wkv_small_m_kernels import small_m_gemm_kernel, split_k_reduce_kernel
 
@@ -292,6 +292,7 @@ class _QuantizePlan(NamedTuple):
     rows_in_place: bool
     values_need_view: bool
     scales_need_view: bool
+    launch: BoundLaunch  # the launches of this structure (variant from the kernel's rules)
 
 
 _QUANTIZE_PLANS = CallCache()
@@ -338,9 +339,11 @@ def _plan_quantize(values, scales, hash_ids, row_start) -> _QuantizePlan:
     in_place = all(t.dim() == 2 or t.stride(0) == t.shape[1] * t.stride(1) for t in (values, scales))
     ints = (tokens, padded, columns, *strides, row_start, value_bytes.shape[0],
             value_bytes.stride(0), scale_bytes.stride(0))
+    device_index = values.device.index if values.is_cuda else 0
     return _QuantizePlan(padded, in_features, groups, (max(1, triton.cdiv(tokens, block_t)), groups), ints,
                          (head_dim, block_t, ids_are_rows), num_warps, ids_are_rows, in_place,
-                         values.dtype != torch.uint8, scales.dtype != torch.uint8)
+                         values.dtype != torch.uint8, scales.dtype != torch.uint8,
+                         _quantize_launch().bind(num_warps, device_index))
 
 
 def quantize_gathered_rows(
@@ -376,12 +379,8 @@ def quantize_gathered_rows(
     value_bytes = values.view(torch.uint8) if plan.values_need_view else values
     scale_bytes = scales.view(torch.uint8) if plan.scales_need_view else scales
     ids = value_bytes if plan.ids_are_rows else hash_ids  # any pointer when unused
-    variant = (tensor_variant(ids), tensor_variant(value_bytes), tensor_variant(scale_bytes),
-               plan.ints, plan.constexprs)  # a, a_scale: new, so aligned; ints: part of the structure
     with _on_device(value_bytes):
-        _quantize_launch()(plan.grid, variant, (ids, value_bytes, scale_bytes, a, a_scale, *plan.ints,
-                                                 *plan.constexprs),
-                            num_warps=plan.num_warps, device_index=device.index if device.type == "cuda" else 0)
+        plan.launch(plan.grid, (ids, value_bytes, scale_bytes, a, a_scale, *plan.ints, *plan.constexprs))
     return a, a_scale
 
 
@@ -394,11 +393,10 @@ def _quantize_launch() -> CompiledLaunch:
 class PreparedQuantize:
     """:func:`quantize_gathered_rows` of a table's rows (``values`` / ``scales [R, ...]``) read by
     ids of one structure, checked and planned once: ``prepared(hash_ids) -> (a, a_scale)``, two
-    allocations and one bound launch per call (one per alignment of the ids: the kernel's only
-    per-call variant choice). ``hash_ids`` must have the structure it was prepared with."""
+    allocations and the plan's bound launch per call (it reads the pointers' alignment, the
+    kernel's only per-call variant choice). ``hash_ids`` must have the structure it was prepared with."""
 
-    __slots__ = ("_plan", "_value_bytes", "_scale_bytes", "_row_start", "_device", "_device_index", "_bound",
-                 "_scalars")
+    __slots__ = ("_plan", "_value_bytes", "_scale_bytes", "_row_start", "_device", "_device_index", "_scalars")
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, hash_ids: torch.Tensor, row_start: int = 0):
         plan = _plan_quantize(values, scales, hash_ids, row_start)
@@ -410,19 +408,14 @@ class PreparedQuantize:
         self._device = values.device
         self._device_index = values.device.index if values.is_cuda else None
         self._scalars = (*plan.ints, *plan.constexprs)
-        fixed = (tensor_variant(self._value_bytes), tensor_variant(self._scale_bytes), plan.ints, plan.constexprs)
-        self._bound = [_quantize_launch().bind(((hash_ids.dtype, aligned), *fixed), plan.num_warps,
-                                               self._device_index or 0)
-                       for aligned in (False, True)] if plan.in_features else None
 
     def __call__(self, hash_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self._plan
-        if (self._bound is None or self._device_index is not None
+        if (not plan.in_features or self._device_index is not None
                 and self._device_index != torch.cuda.current_device()):
             return quantize_gathered_rows(self._value_bytes, self._scale_bytes, hash_ids, self._row_start)
         a, a_scale = new_activations(plan.padded, plan.in_features, plan.groups, self._device)
-        self._bound[hash_ids.data_ptr() % 16 == 0](plan.grid, (hash_ids, self._value_bytes, self._scale_bytes, a,
-                                                               a_scale, *self._scalars))
+        plan.launch(plan.grid, (hash_ids, self._value_bytes, self._scale_bytes, a, a_scale, *self._scalars))
         return a, a_scale
 
 

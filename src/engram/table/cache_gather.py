@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..common import HASH_ID_DTYPES
-from ..triton_launch import CompiledLaunch, int_variant, interpreting, tensor_variant
+from ..triton_launch import CompiledLaunch, interpreting
 from .cache_kernels import (cached_direct_kernel, cached_gather_bf16_kernel, cached_gather_packed_kernel,
                             cached_merge_bf16_kernel, cached_merge_packed_kernel, cached_probe_kernel)
 from .fp8 import BLOCK_SIZE
@@ -90,9 +90,8 @@ def _launch(kernel, outputs, cache: RowCache, back_values, back_scales, hash_ids
             back_scales.stride(0))
     constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, cache.ways, *extra)
     tensors = (hash_ids, cache.tags, slot_values, slot_scales, back_values, back_scales, *outputs)
-    variant = (tuple(tensor_variant(t) for t in tensors), tuple(int_variant(i) for i in ints), constexprs)
     grid = -(-total_rows // rows_per_program)
-    _LAUNCHERS[kernel](grid, variant, (*tensors, *ints, *constexprs), num_warps=4, num_stages=1,
+    _LAUNCHERS[kernel](grid, (*tensors, *ints, *constexprs), num_warps=4, num_stages=1,
                        device_index=hash_ids.device.index if hash_ids.is_cuda else 0)
 
 
@@ -214,8 +213,7 @@ def cached_probe(cache: RowCache, num_rows: int, hash_ids: torch.Tensor, row_sta
             threshold)
     constexprs = (_PROBE_BLOCK_ROWS, cache.ways)
     tensors = (hash_ids, cache.tags, slot, miss)
-    variant = (tuple(tensor_variant(t) for t in tensors), tuple(int_variant(i) for i in ints), constexprs)
-    _LAUNCHERS[cached_probe_kernel](-(-total_rows // _PROBE_BLOCK_ROWS), variant, (*tensors, *ints, *constexprs),
+    _LAUNCHERS[cached_probe_kernel](-(-total_rows // _PROBE_BLOCK_ROWS), (*tensors, *ints, *constexprs),
                                     num_warps=4, num_stages=1,
                                     device_index=hash_ids.device.index if hash_ids.is_cuda else 0)
     return slot, miss
@@ -272,8 +270,7 @@ def cached_direct_reads(slot: torch.Tensor, back_values: torch.Tensor, back_scal
     ints = (total_rows, back_values.shape[0], back_values.stride(0), back_scales.stride(0), out.stride(1))
     constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program)
     tensors = (slot, back_values, back_scales, out)
-    variant = (tuple(tensor_variant(t) for t in tensors), tuple(int_variant(i) for i in ints), constexprs)
-    _LAUNCHERS[cached_direct_kernel](-(-total_rows // rows_per_program), variant, (*tensors, *ints, *constexprs),
+    _LAUNCHERS[cached_direct_kernel](-(-total_rows // rows_per_program), (*tensors, *ints, *constexprs),
                                      num_warps=4, num_stages=1, device_index=slot.device.index if slot.is_cuda else 0)
     return out
 
@@ -325,8 +322,7 @@ def _launch_merge(kernel, outputs, cache: RowCache, slot, staged, inverse, direc
             staged_values.stride(0), staged_scales.stride(0), direct.stride(1) if has_direct else 0)
     constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, has_direct, *extra)
     tensors = (slot, inverse, slot_values, slot_scales, staged_values, staged_scales, direct_rows, *outputs)
-    variant = (tuple(tensor_variant(t) for t in tensors), tuple(int_variant(i) for i in ints), constexprs)
-    _LAUNCHERS[kernel](-(-total_rows // rows_per_program), variant, (*tensors, *ints, *constexprs), num_warps=4,
+    _LAUNCHERS[kernel](-(-total_rows // rows_per_program), (*tensors, *ints, *constexprs), num_warps=4,
                        num_stages=1, device_index=slot.device.index if slot.is_cuda else 0)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ..call_cache import CallCache, structure
 from ..common import HASH_ID_DTYPES
-from ..triton_launch import CompiledLaunch, int_variant, interpreting, tensor_variant
+from ..triton_launch import BoundLaunch, CompiledLaunch, interpreting
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes
 from .kernels import gather_rows_bf16_kernel, gather_rows_packed_kernel
 
@@ -144,12 +144,12 @@ class _GatherPlan(NamedTuple):
     out_dtype: torch.dtype
     grid: int                    # 0: nothing to launch
     ints: tuple
-    int_variants: tuple
     constexprs: tuple
     num_warps: int
     column_start: int
     column_end: int
     full_width: bool             # the served columns are all of hash_ids: no slice needed
+    launch: BoundLaunch          # the launches of this structure (variant from the kernel's rules)
 
 
 _PLANS = CallCache()
@@ -186,9 +186,10 @@ def _plan(kernel, values, scales, hash_ids, row_start, column_start, column_end,
             row_start, num_rows, value_bytes.stride(0), scale_bytes.stride(0))
     constexprs = (head_dim, 1 << (groups - 1).bit_length(), config.block_rows, *extra,
                   config.value_eviction, config.out_cache)
-    plan = _GatherPlan(out_shapes, out_dtype, -(-total_rows // config.block_rows), ints,
-                       tuple(int_variant(i) for i in ints), constexprs, config.num_warps, column_start, column_end,
-                       column_start == 0 and column_end == width)
+    device_index = hash_ids.device.index if hash_ids.is_cuda else 0
+    plan = _GatherPlan(out_shapes, out_dtype, -(-total_rows // config.block_rows), ints, constexprs,
+                       config.num_warps, column_start, column_end, column_start == 0 and column_end == width,
+                       _LAUNCHERS[kernel].bind(config.num_warps, device_index, num_stages=1))
     if out is None:
         _PLANS.put(key, plan)
     return plan, value_bytes, scale_bytes
@@ -202,12 +203,9 @@ def _launch(kernel, plan: _GatherPlan, outputs, value_bytes, scale_bytes, hash_i
     if local_ids.is_cuda and local_ids.device.index != torch.cuda.current_device():
         with torch.cuda.device(local_ids.device):  # Triton launches on the current device
             return _launch(kernel, plan, outputs, value_bytes, scale_bytes, hash_ids)
-    variant = (tensor_variant(local_ids), tensor_variant(value_bytes), tensor_variant(scale_bytes),
-               plan.int_variants, plan.constexprs)
-    _LAUNCHERS[kernel](plan.grid, variant, (local_ids, value_bytes, scale_bytes, *outputs, *plan.ints,
-                                            *plan.constexprs),
-                       num_warps=plan.num_warps, num_stages=1,
-                       device_index=local_ids.device.index if local_ids.is_cuda else 0)
+    # Every pointer's alignment (outputs included: a given ``out`` may be a misaligned view) is
+    # read per call by the bound launch; the rest of the variant is the plan's.
+    plan.launch(plan.grid, (local_ids, value_bytes, scale_bytes, *outputs, *plan.ints, *plan.constexprs))
 
 
 def gather_rows(
@@ -285,8 +283,7 @@ class PreparedGather:
     prepared with (the caller keys its prepared calls by :func:`~engram.call_cache.structure`).
     """
 
-    __slots__ = ("_plan", "_value_bytes", "_scale_bytes", "_shape", "_device", "_device_index", "_bound",
-                 "_scalars")
+    __slots__ = ("_plan", "_value_bytes", "_scale_bytes", "_shape", "_device", "_device_index", "_scalars")
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, hash_ids: torch.Tensor, row_start: int = 0,
                  column_start: int = 0, column_end: int | None = None, *, flat: bool = False):
@@ -298,21 +295,15 @@ class PreparedGather:
         self._device = hash_ids.device
         self._device_index = hash_ids.device.index if hash_ids.is_cuda else None
         self._scalars = (*plan.ints, *plan.constexprs)
-        # One bound launch per alignment of the ids (the table's bytes are fixed): [unaligned, aligned].
-        launcher, fixed = _LAUNCHERS[gather_rows_bf16_kernel], (tensor_variant(value_bytes), tensor_variant(scale_bytes))
-        self._bound = [launcher.bind(((hash_ids.dtype, aligned), *fixed, plan.int_variants, plan.constexprs),
-                                     plan.num_warps, self._device_index or 0, num_stages=1)
-                       for aligned in (False, True)] if plan.grid else None
 
     def __call__(self, hash_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self._shape, dtype=torch.bfloat16, device=self._device)
         plan = self._plan
-        if self._bound is None:  # no row to read
+        if not plan.grid:  # no row to read
             return out
         if self._device_index is not None and self._device_index != torch.cuda.current_device():
             _launch(gather_rows_bf16_kernel, plan, (out,), self._value_bytes, self._scale_bytes, hash_ids)
             return out
         local_ids = hash_ids if plan.full_width else hash_ids[:, plan.column_start:plan.column_end]
-        self._bound[local_ids.data_ptr() % 16 == 0](plan.grid, (local_ids, self._value_bytes, self._scale_bytes, out,
-                                                                *self._scalars))
+        plan.launch(plan.grid, (local_ids, self._value_bytes, self._scale_bytes, out, *self._scalars))
         return out

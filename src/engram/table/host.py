@@ -94,8 +94,8 @@ class HostPlacement(TablePlacement):
         rows = PackedRows.matching(value_bytes, scale_bytes)
         if rows is None or not owns_its_pages(rows):  # registered ranges may not share a page
             rows = pack_rows_in_own_pages(value_bytes.cpu(), scale_bytes.cpu())
-        release = register_with_cuda(rows.packed)
-        weakref.finalize(self, release)  # unregistered when the placement goes (before its rows are freed)
+        registration = self.registration = register_with_cuda(rows.packed, target)  # .close(): unregister now
+        weakref.finalize(self, registration.close)  # else when the placement goes (before its rows are freed)
         super().__init__(rows.values, rows.scales, target)
         self.rows = rows
         self.direct_max_rows = direct_max_rows

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..triton_launch import CompiledLaunch, int_variant, interpreting, tensor_variant
+from ..triton_launch import CompiledLaunch, interpreting
 from .dedup_kernels import count_firsts_kernel, local_rows_kernel, scatter_distinct_kernel
 from .reference import distinct_rows_reference
 
@@ -63,17 +63,14 @@ def distinct_rows(global_ids: torch.Tensor, row_start: int, num_rows: int) -> Di
     blocks = -(-total // _BLOCK)
     local = torch.empty(total, dtype=torch.int32, device=device)
     ints = (total, global_ids.shape[1], global_ids.stride(0), global_ids.stride(1), row_start, num_rows)
-    _LOCAL_ROWS(blocks, (tensor_variant(global_ids), tuple(int_variant(i) for i in ints)),
-                (global_ids, local, *ints, _BLOCK), num_warps=4, device_index=device_index)
+    _LOCAL_ROWS(blocks, (global_ids, local, *ints, _BLOCK), num_warps=4, device_index=device_index)
     ordered, order = torch.sort(local)
     rank = torch.empty(total, dtype=torch.int32, device=device)
     block_count = torch.empty(blocks, dtype=torch.int32, device=device)
-    _COUNT_FIRSTS(blocks, (int_variant(total),), (ordered, rank, block_count, total, _BLOCK), num_warps=4,
-                  device_index=device_index)
+    _COUNT_FIRSTS(blocks, (ordered, rank, block_count, total, _BLOCK), num_warps=4, device_index=device_index)
     block_end = torch.cumsum(block_count, 0, dtype=torch.int32)
     rows_and_count = torch.empty(total + 1, dtype=torch.int32, device=device)
     inverse = torch.empty(total, dtype=torch.int32, device=device)
-    _SCATTER_DISTINCT(blocks, (int_variant(total), int_variant(blocks)),
-                      (ordered, order, rank, block_count, block_end, rows_and_count, inverse, total, blocks, _BLOCK),
-                      num_warps=4, device_index=device_index)
+    _SCATTER_DISTINCT(blocks, (ordered, order, rank, block_count, block_end, rows_and_count, inverse, total, blocks,
+                               _BLOCK), num_warps=4, device_index=device_index)
     return DistinctRows(rows_and_count, inverse)

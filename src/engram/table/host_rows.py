@@ -6,8 +6,7 @@ reads and the host's ``index_select`` each move one contiguous row. One extra al
 row at the end (value +0, scale byte 0) stands in for ids outside the table, so both
 read paths return +0 there without a branch.
 
-The bytes are registered with CUDA (``cudaHostRegister``: pinned, mapped; read-only for the
-device when the host mapping is read-only, as a node-shared table is), and a CUDA
+The bytes are registered with CUDA (``cudaHostRegister``: pinned, mapped), and a CUDA
 tensor aliasing them (unified addressing) lets Triton kernels read them directly.
 """
 
@@ -20,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common import ceil_div
+from ..common import ceil_div, cuda_capturing
 from .fp8 import BLOCK_SIZE
 
 __all__ = ["packed_row_bytes", "PackedRows", "pack_rows", "pack_rows_in_own_pages", "owns_its_pages",
-           "register_with_cuda", "mapped_read_only", "cuda_alias"]
+           "register_with_cuda", "HostRegistration", "mapped_read_only", "release_deferred", "cuda_alias"]
 
 ROW_ALIGNMENT = 16
 _CUDA_HOST_REGISTER_PORTABLE = 1
@@ -129,8 +128,14 @@ def owns_its_pages(rows: PackedRows) -> bool:
     return rows.packed.untyped_storage().data_ptr() % mmap.PAGESIZE == 0
 
 
-# Host ranges this process registered with CUDA: storage address -> [bytes, users].
-_REGISTERED: dict[int, list[int]] = {}
+class _RegisteredRange:
+    """One host range this process registered with CUDA: its bytes, its open registrations, and
+    every device a registration was made for (any of them may still read it)."""
+
+    __slots__ = ("nbytes", "users", "devices")
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.users, self.devices = nbytes, 0, set()
 
 
 def mapped_read_only(address: int, nbytes: int) -> bool:
@@ -167,21 +172,96 @@ def _host_register(address: int, nbytes: int, flags: int) -> int:
     return int(getattr(error, "value", error))
 
 
-def register_with_cuda(tensor: torch.Tensor):
+# Host ranges this process registered with CUDA, by storage address.
+_REGISTERED: dict[int, _RegisteredRange] = {}
+
+
+def _device_index(device) -> int:
+    """The CUDA device index of ``device`` (a ``torch.device``, an index, or None: the current device)."""
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, found {device}")
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+class HostRegistration:
+    """A host range pinned and mapped for the GPU (made by :func:`register_with_cuda`).
+
+    ``close()`` (also ``registration()``, or leaving a ``with`` block) ends this registration,
+    once; the last open registration of a range unregisters it (``cudaHostUnregister``), after
+    synchronizing every device any registration of the range was made for, since a kernel or
+    copy queued on any of them may still read it. Freed memory must not stay registered: a later
+    allocation at the same address would look pinned and only partly be. Call it once no GPU work
+    that reads the memory is still to be enqueued; the owner's finalizer calls it otherwise.
+    """
+
+    __slots__ = ("address", "nbytes", "device_index", "_range", "_storage", "_closed", "__weakref__")
+
+    def __init__(self, address: int, nbytes: int, device_index: int, registered: _RegisteredRange | None,
+                 storage=None):
+        self.address, self.nbytes, self.device_index = address, nbytes, device_index
+        self._range = registered  # None: torch's own pinned memory, left alone
+        self._storage = storage   # the bytes stay allocated until they are unregistered
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        registered = self._range
+        last = registered is not None and registered.users == 1 and _REGISTERED.get(self.address) is registered
+        if last and cuda_capturing():
+            # The garbage collector ran this during a graph capture, where a sync would break the capture:
+            # keep the bytes (held by this registration) and unregister them after the capture.
+            _DEFERRED.append(self)
+            return
+        code = 0
+        if last:
+            for index in sorted(registered.devices):
+                torch.cuda.synchronize(index)  # no kernel or copy on that device may still read it
+            error = torch.cuda.cudart().cudaHostUnregister(self.address)
+            code = int(getattr(error, "value", error) or 0)
+            del _REGISTERED[self.address]
+        if registered is not None:
+            registered.users -= 1
+        self._closed = True
+        self._storage = None
+        if code != 0:
+            raise RuntimeError(f"cudaHostUnregister of {self.nbytes:,} bytes of host table rows failed with CUDA "
+                               f"error {code}")
+
+    __call__ = close
+
+    def __enter__(self) -> "HostRegistration":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def register_with_cuda(tensor: torch.Tensor, device=None) -> HostRegistration:
     """Pin ``tensor``'s storage in place and map it for the GPU (``cudaHostRegister``,
     portable + mapped; read-only, ``cudaHostRegisterReadOnly``, when the host mapping is
-    read-only, falling back to the plain flags where CUDA refuses that flag). Returns
-    ``release()``, to call once the GPU no longer reads it: the last release of a range
-    unregisters it (freed memory must not stay registered, or a later allocation at the
-    same address would look pinned and only partly be). torch's own pinned allocations are
-    left alone. Raises naming the CUDA error."""
+    read-only, falling back to the plain flags where CUDA refuses that flag), for CUDA ``device``
+    to read (default: the current device). Returns its
+    :class:`HostRegistration`: ``close()`` it once the GPU no longer reads it (see there).
+    Registering a range again (another reader, another device) shares the registration; torch's
+    own pinned allocations are left alone. Raises naming the CUDA error."""
+    device_index = _device_index(device)
     release_deferred()
     storage = tensor.untyped_storage()
     address, nbytes = storage.data_ptr(), storage.nbytes()
-    entry = _REGISTERED.get(address)
-    if entry is None:
+    registered = _REGISTERED.get(address)
+    if registered is None:
         if tensor.is_pinned():
-            return lambda: None
+            return HostRegistration(address, nbytes, device_index, None)
         flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
         read_only = mapped_read_only(address, nbytes)
         code = _host_register(address, nbytes, flags | _CUDA_HOST_REGISTER_READ_ONLY) if read_only else -1
@@ -196,40 +276,19 @@ def register_with_cuda(tensor: torch.Tensor):
                    else "pinned memory limit? see `ulimit -l`")
             raise RuntimeError(f"cudaHostRegister of {nbytes:,} bytes of host table rows failed with CUDA error "
                                f"{code} ({why})")
-        entry = _REGISTERED[address] = [nbytes, 0]
-    entry[1] += 1
-    released = []
-
-    def release() -> None:
-        if released:
-            return
-        released.append(True)
-        entry[1] -= 1
-        if entry[1] == 0 and _REGISTERED.get(address) is entry:
-            del _REGISTERED[address]
-            if torch.cuda.is_current_stream_capturing():
-                # The garbage collector ran this during a graph capture, where a sync would break the
-                # capture: keep the bytes (this closure holds them) and unregister them later.
-                _DEFERRED.append((address, storage))
-                return
-            _unregister(address)
-
-    return release
+        registered = _REGISTERED[address] = _RegisteredRange(nbytes)
+    registered.users += 1
+    registered.devices.add(device_index)
+    return HostRegistration(address, nbytes, device_index, registered, storage)
 
 
-_DEFERRED: list[tuple[int, object]] = []  # (address, storage kept alive) to unregister outside a capture
-
-
-def _unregister(address: int) -> None:
-    torch.cuda.synchronize()  # no kernel may still read it
-    torch.cuda.cudart().cudaHostUnregister(address)
+_DEFERRED: list[HostRegistration] = []  # closed during a graph capture: unregistered after it
 
 
 def release_deferred() -> None:
-    """Unregister the ranges whose release came during a graph capture (then free their bytes)."""
-    while _DEFERRED and not torch.cuda.is_current_stream_capturing():
-        address, _storage = _DEFERRED.pop()
-        _unregister(address)
+    """Close the registrations whose close came during a graph capture (then their bytes may go)."""
+    while _DEFERRED and not cuda_capturing():
+        _DEFERRED.pop().close()
 
 
 class _CudaArrayInterface:

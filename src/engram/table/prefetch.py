@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
+from ..common import cuda_capturing
+
 __all__ = ["TablePrefetch", "IdsIdentity", "capturing"]
 
 
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+capturing = cuda_capturing
 
 
 def _version(tensor: torch.Tensor) -> int | None:
