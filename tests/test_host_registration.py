@@ -121,3 +121,24 @@ def test_device_must_be_a_cuda_device(cuda):
     with pytest.raises(ValueError, match="device: expected a CUDA device, found cpu"):
         host_rows.register_with_cuda(_rows(), "cpu")
     assert not cuda.calls
+
+
+def test_a_close_during_graph_capture_is_deferred_until_after_it(cuda, monkeypatch):
+    """The garbage collector may run a placement's finalizer while a graph is being captured, where a
+    device sync breaks the capture: the unregister waits, the bytes stay allocated meanwhile, and the
+    next registration outside the capture performs it."""
+    capturing = [True]
+    monkeypatch.setattr(host_rows, "cuda_capturing", lambda: capturing[0])
+    monkeypatch.setattr(host_rows, "_DEFERRED", [])
+    rows = _rows()
+    address = rows.untyped_storage().data_ptr()
+    registration = host_rows.register_with_cuda(rows, 0)
+    storage_ref = weakref.ref(rows.untyped_storage())
+    del rows
+    registration.close()
+    gc.collect()
+    assert [call[0] for call in cuda.calls] == ["register"] and not registration.closed
+    assert storage_ref() is not None, "the bytes were freed while still registered"
+    capturing[0] = False
+    host_rows.register_with_cuda(_rows(), 0)  # outside the capture: the deferred close runs first
+    assert cuda.calls[1:3] == [("synchronize", 0), ("unregister", address)] and registration.closed
