@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import os
 import warnings
 from typing import Any, Callable, Hashable
 
 from .triton_variants import PreparedVariant, VariantRule
+from .environment import triton_interpret
 
 __all__ = ["BoundLaunch", "CompiledLaunch", "triton_available", "interpreting", "jit_without_alignment",
            "launcher_signature_known", "VERIFY_VARIANTS"]
@@ -41,7 +41,7 @@ def triton_available() -> bool:
 
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, read at import)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_interpret()
 
 
 def jit_without_alignment(**options):

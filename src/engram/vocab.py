@@ -20,6 +20,7 @@ import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
 from .spec import EngramSpec
+from .environment import cache_directory
 
 __all__ = ["TokenCompressor", "compression_normalizer", "cache_dir"]
 
@@ -46,10 +47,7 @@ def compression_normalizer() -> normalizers.Normalizer:
 
 def cache_dir() -> Path:
     """``$ENGRAM_CACHE_DIR``, else ``$XDG_CACHE_HOME/engram``, else ``~/.cache/engram``."""
-    if os.environ.get("ENGRAM_CACHE_DIR"):
-        return Path(os.environ["ENGRAM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "engram"
+    return cache_directory()
 
 
 def _resolve_tokenizer(source: Any) -> tuple[Callable[[], Tokenizer], bytes]:

@@ -48,25 +48,23 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import os
 
 import torch
 
 from ..call_cache import CallCache, structure
 from ..common import ceil_div
+from ..environment import WKV_BACKEND_ENV, WKV_SMALL_M_ENV, wkv_backend_default, wkv_small_m_default
 from ..table.fp8 import E8M0_DTYPE, scale_bytes_to_float
 from ..triton_launch import interpreting
 
 __all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv", "WKV_BACKEND_ENV", "WKV_BACKENDS",
            "WKV_SMALL_M_ENV", "SMALL_M_DEFAULT"]
 
-WKV_BACKEND_ENV = "ENGRAM_WKV_BACKEND"
 """Environment variable choosing :class:`WkvProjection`'s path when ``backend`` is not given."""
 WKV_BACKENDS = ("auto", "bf16", "scaled_mm", "triton", "fused")
 _FP8_BACKENDS = ("scaled_mm", "triton", "fused")
 _SMALL_M_BACKENDS = ("scaled_mm", "triton")  # path (a): the backends whose GEMM takes quantized activations
 
-WKV_SMALL_M_ENV = "ENGRAM_WKV_SMALL_M"
 """Environment variable (``1`` / ``0``) turning the small-T split-K GEMM of path (a) on or off
 when :class:`WkvProjection`'s ``small_m`` is not given; read once, at construction."""
 SMALL_M_DEFAULT = False
@@ -178,19 +176,16 @@ def _resolve_small_m(small_m) -> bool:
         if not isinstance(small_m, bool):
             raise ValueError(f"small_m: expected a bool or None, found {small_m!r}")
         return small_m
-    given = os.environ.get(WKV_SMALL_M_ENV)
-    if given is None or given == "":
-        return SMALL_M_DEFAULT
-    if given not in ("0", "1"):
-        raise ValueError(f"{WKV_SMALL_M_ENV}: expected '0' or '1', found {given!r}")
-    return given == "1"
+    given = wkv_small_m_default()
+    return SMALL_M_DEFAULT if given is None else given
 
 
 def _resolve_backend(backend, weight: torch.Tensor) -> str:
     """The requested backend (argument, else ``ENGRAM_WKV_BACKEND``, else ``"auto"``), checked."""
     source = "backend"
     if backend is None:
-        backend, source = os.environ.get(WKV_BACKEND_ENV, "auto"), WKV_BACKEND_ENV
+        given, source = wkv_backend_default()
+        backend = given or "auto"
     if backend not in WKV_BACKENDS:
         raise ValueError(f"{source}: expected one of {', '.join(repr(b) for b in WKV_BACKENDS)}, found {backend!r}")
     if backend == "auto":

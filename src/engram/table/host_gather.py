@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..common import next_power_of_2
+from ..environment import local_world_size
 from .host_dedup import distinct_rows
 from .native_gather import gather_rows_prefetch, start_gather_rows
 
@@ -55,10 +56,7 @@ def default_gather_threads(processes_per_node: int | None = None) -> int:
     """Host-gather threads of one process: its usable cores divided by the processes sharing the
     node (``processes_per_node``, else ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1), at least 1.
     Eight ranks on one node then split its cores instead of each taking all of them."""
-    sharing = processes_per_node
-    if sharing is None:
-        given = os.environ.get("LOCAL_WORLD_SIZE", "")
-        sharing = int(given) if given.isdigit() and int(given) > 0 else 1
+    sharing = processes_per_node if processes_per_node is not None else (local_world_size() or 1)
     return max(1, _usable_cores() // max(1, sharing))
 
 

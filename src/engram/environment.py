@@ -1,0 +1,58 @@
+"""Every environment variable the library reads, in one place.
+
+They are documented defaults only: each has an argument or a :class:`~engram.options.ServingOptions`
+field that wins over it. Read where a default is needed (at construction, never per call):
+
+``ENGRAM_WKV_BACKEND``  default of ``ServingOptions.wkv_backend`` / ``WkvProjection(backend=None)``
+``ENGRAM_WKV_SMALL_M``  default of ``ServingOptions.wkv_small_m`` (``1`` / ``0``)
+``LOCAL_WORLD_SIZE``    processes sharing the node (torchrun sets it): splits the host-gather threads
+``ENGRAM_CACHE_DIR``    where token maps are cached (else ``$XDG_CACHE_HOME/engram``, ``~/.cache/engram``)
+``TRITON_INTERPRET``    Triton's own switch (``1``: kernels run on the CPU interpreter)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["WKV_BACKEND_ENV", "WKV_SMALL_M_ENV", "wkv_backend_default", "wkv_small_m_default",
+           "local_world_size", "cache_directory", "triton_interpret"]
+
+WKV_BACKEND_ENV = "ENGRAM_WKV_BACKEND"
+WKV_SMALL_M_ENV = "ENGRAM_WKV_SMALL_M"
+
+
+def wkv_backend_default() -> tuple[str | None, str]:
+    """``(value or None, the variable's name)`` of ``ENGRAM_WKV_BACKEND`` (checked by the caller, which
+    names the variable in its error)."""
+    given = os.environ.get(WKV_BACKEND_ENV, "")
+    return (given or None), WKV_BACKEND_ENV
+
+
+def wkv_small_m_default() -> bool | None:
+    """``ENGRAM_WKV_SMALL_M`` as a bool, None when unset; ValueError naming the variable otherwise."""
+    given = os.environ.get(WKV_SMALL_M_ENV, "")
+    if given == "":
+        return None
+    if given not in ("0", "1"):
+        raise ValueError(f"{WKV_SMALL_M_ENV}: expected '0' or '1', found {given!r}")
+    return given == "1"
+
+
+def local_world_size() -> int | None:
+    """``LOCAL_WORLD_SIZE`` when it is a positive integer, else None."""
+    given = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(given) if given.isdigit() and int(given) > 0 else None
+
+
+def cache_directory() -> Path:
+    """Where the library caches what it derives (token maps)."""
+    if os.environ.get("ENGRAM_CACHE_DIR"):
+        return Path(os.environ["ENGRAM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "engram"
+
+
+def triton_interpret() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` (set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
