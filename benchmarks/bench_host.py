@@ -208,12 +208,12 @@ def overlap(table, rng, rows, prefetch_before_gemm: int = 0) -> dict:
             torch.mm(a, b)
 
     def with_prefetch():
+        handles = [None, None]
         for k in range(gemms):
             if k == prefetch_before_gemm:
-                for layer, layer_ids in zip(layers, ids):
-                    layer.prefetch(layer_ids)
+                handles = [layer.prefetch(layer_ids) for layer, layer_ids in zip(layers, ids)]
             if k in uses:
-                layers[uses[k]].lookup(ids[uses[k]])
+                layers[uses[k]].lookup(ids[uses[k]], prefetch=handles[uses[k]])
             torch.mm(a, b)
 
     time_alone = median_wall_us(alone, repeats=10)

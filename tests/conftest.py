@@ -179,10 +179,11 @@ def assert_lookups_equal(table, on_device, hash_ids: torch.Tensor, where: str = 
     assert torch.equal(got[1], expected[1]), f"scales differ: {where}"
 
 
-def assert_layers_equal(memory, on_device, hidden: torch.Tensor, hash_ids: torch.Tensor) -> None:
-    """Every layer's forward through ``memory`` equals placement "device"'s bit for bit."""
+def assert_layers_equal(memory, on_device, hidden: torch.Tensor, hash_ids: torch.Tensor, prefetch=None) -> None:
+    """Every layer's forward through ``memory`` (given ``prefetch``, its step's handle) equals placement
+    "device"'s bit for bit."""
     for layer_id in on_device.spec.layer_ids:
-        a = memory.forward_layer(layer_id, hidden, hash_ids)
+        a = memory.forward_layer(layer_id, hidden, hash_ids, prefetch=prefetch)
         b = on_device.forward_layer(layer_id, hidden, hash_ids)
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 

@@ -324,12 +324,13 @@ def test_cached_table_large_lookups_equal_the_cpu_table(seed):
             expected_bf16 = _expected_bf16(plain, rows, hash_ids, "triton")
             expected = plain.lookup_packed(hash_ids)
             before = starts.calls
+            handle = None
             if step == 1:
-                cached.prefetch(hash_ids)
+                handle = cached.prefetch(hash_ids)
             if step == 2:
-                cached.prefetch(hash_ids)
+                handle = cached.prefetch(hash_ids)
                 cached.update_cache(hash_ids)  # the prefetch's probe may name replaced slots: discarded
-            assert torch.equal(cached.lookup(hash_ids).view(torch.int16), expected_bf16)
+            assert torch.equal(cached.lookup(hash_ids, prefetch=handle).view(torch.int16), expected_bf16)
             got = cached.lookup_packed(hash_ids)
             assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
             assert torch.equal(got[1], expected[1])
@@ -343,9 +344,9 @@ def test_cached_table_large_lookups_equal_the_cpu_table(seed):
     assert storage.lookups == {"one_kernel": 0, "host_gather": 8}
     assert hits > 0, "no lookup hit the cache"
     storage.direct_max_rows = 10**9
-    cached.prefetch(hash_ids)  # the one-kernel path: nothing started
-    assert storage._prefetched is None
-    cached.lookup(hash_ids)
+    handle = cached.prefetch(hash_ids)  # the one-kernel path: nothing started
+    assert not handle.started
+    cached.lookup(hash_ids, prefetch=handle)
     assert storage.lookups["one_kernel"] == 1
 
 
@@ -368,13 +369,14 @@ def test_content_change_between_prefetch_and_lookup_is_safe(change, seed):
     assert (storage.cache.num_sets, storage.cache.num_slots) == (1, 2)
     assert cached.load_hot_rows(torch.tensor([5, 3])) == 2
     hash_ids = torch.tensor([[3], [9], [9], [9], [11], [11], [11]])
-    cached.prefetch(hash_ids)
+    handle = cached.prefetch(hash_ids)
     if change == "update":
         cached.update_cache(hash_ids)
     else:
         cached.load_hot_rows(torch.tensor([9, 11]))
     assert sorted(storage.cache.held_rows().tolist()) == [9, 11]
-    got = cached.lookup_packed(hash_ids)
+    got = cached.lookup_packed(hash_ids, prefetch=handle)
+    assert cached.prefetches == {"served": 0, "dropped": 1}
     expected = plain.lookup_packed(hash_ids)
     assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8)) and torch.equal(got[1], expected[1])
     assert storage.lookups == {"one_kernel": 0, "host_gather": 1}
@@ -479,15 +481,14 @@ def test_gpu_prefetch_of_large_lookups_without_host_sync(seed):
             if step == 1:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    for index, (_, cached) in enumerate(tables):
-                        cached.prefetch(hash_ids[:, index, :])
+                    handles = [cached.prefetch(hash_ids[:, index, :]) for index, (_, cached) in enumerate(tables)]
             else:
-                for index, (_, cached) in enumerate(tables):
-                    cached.prefetch(hash_ids[:, index, :])
+                handles = [cached.prefetch(hash_ids[:, index, :]) for index, (_, cached) in enumerate(tables)]
             if step == 3:
                 for index, (_, cached) in enumerate(tables):
                     cached.update_cache(hash_ids[:, index, :])
-            got = [cached.lookup(hash_ids[:, index, :]) for index, (_, cached) in enumerate(tables)]
+            got = [cached.lookup(hash_ids[:, index, :], prefetch=handle)
+                   for index, ((_, cached), handle) in enumerate(zip(tables, handles))]
             got_packed = [cached.lookup_packed(hash_ids[:, index, :]) for index, (_, cached) in enumerate(tables)]
             if step != 3:
                 for index, (_, cached) in enumerate(tables):
@@ -520,8 +521,9 @@ def test_gpu_capture_takes_the_one_kernel_path(seed):
         cached.storage.direct_max_rows = 0
 
     def capture():
-        cached.prefetch(static_ids)  # nothing started under capture
-        return cached.lookup(static_ids)
+        handle = cached.prefetch(static_ids)  # nothing started under capture
+        assert not handle.started
+        return cached.lookup(static_ids, prefetch=handle)
 
     graph, static_out = capture_cuda_graph(capture, warm_up)
     assert cached.storage.lookups == {"one_kernel": 2, "host_gather": 1}
@@ -544,8 +546,8 @@ def test_gpu_memory_prefetch_cached_equals_device(synthetic_model_dir, seed):
         starts[layer_id] = _CountingStarts(cached.table(layer_id).storage)
     for tokens in (5, 3000, 64, 3000):
         hash_ids, hidden = _layer_inputs(on_device, tokens, generator)
-        cached.prefetch(hash_ids)
-        assert_layers_equal(cached, on_device, hidden, hash_ids)
+        handle = cached.prefetch(hash_ids)
+        assert_layers_equal(cached, on_device, hidden, hash_ids, prefetch=handle)
         cached.update_cache(hash_ids)
     for layer_id in on_device.spec.layer_ids:
         lookups = cached.table(layer_id).storage.lookups

@@ -205,9 +205,9 @@ def test_gpu_prefetch_equals_the_synchronous_path_without_host_sync(rng):
         expected = [device.lookup(hash_ids[:, index, :]) for index, (device, _) in enumerate(tables)]
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for index, (_, host) in enumerate(tables):
-                host.prefetch(hash_ids[:, index, :])
-            got = [host.lookup(hash_ids[:, index, :]) for index, (_, host) in enumerate(tables)]
+            handles = [host.prefetch(hash_ids[:, index, :]) for index, (_, host) in enumerate(tables)]
+            got = [host.lookup(hash_ids[:, index, :], prefetch=handle)
+                   for index, ((_, host), handle) in enumerate(zip(tables, handles))]
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for a, b in zip(got, expected):
@@ -240,8 +240,8 @@ def test_gpu_memory_from_pretrained_host_equals_device(synthetic_model_dir, rng)
                                 for i in range(spec.num_layers)], dim=1)
         hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, device="cuda",
                              generator=torch.Generator("cuda").manual_seed(int(rng.integers(2**31)))).bfloat16()
-        on_host.prefetch(hash_ids)
-        assert_layers_equal(on_host, on_device, hidden, hash_ids)
+        handle = on_host.prefetch(hash_ids)
+        assert_layers_equal(on_host, on_device, hidden, hash_ids, prefetch=handle)
 
 
 @pytest.mark.gpu
@@ -302,3 +302,81 @@ def test_host_fill_copies_rows_into_packed_rows_and_names_a_nan(tmp_path, chunk_
     save_file(tensors, values_file)
     with pytest.raises(ValueError, match=rf"row {row} holds value byte 0xff \(E4M3 NaN\) at column {column}"):
         _copy_checked_rows(checkpoint.info(infos[0].name), rows.values, row_start, row_end, chunk_bytes, None, "e4m3")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_forward_layer_returns_before_its_host_gather_is_done(synthetic_model_dir, rng):
+    """The host gather's worker is held before it copies a row; forward_layer of every layer must
+    return to the caller while it is held (its stream waits, not its thread), and the outputs, once
+    the worker is let go, equal placement "device"'s."""
+    import threading
+
+    on_device = memory_on_cuda(synthetic_model_dir, "device")
+    on_host = memory_on_cuda(synthetic_model_dir, "host", placement_options={"direct_max_rows": 0})
+    release = threading.Event()
+    for layer_id in on_host.layer_ids:
+        gather = on_host.table(layer_id).storage.host_gather
+        copy_rows = gather.gather_rows
+
+        def held(*args, _copy_rows=copy_rows, **kwargs):
+            release.wait()
+            return _copy_rows(*args, **kwargs)
+
+        gather.gather_rows = held
+    spec = on_device.spec
+    tokens = 300
+    hash_ids = torch.stack([_ids(rng, tokens, spec.num_columns, on_device.layout.num_embeddings[i])
+                            for i in range(spec.num_layers)], dim=1)
+    hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, device="cuda",
+                         generator=torch.Generator("cuda").manual_seed(int(rng.integers(2**31)))).bfloat16()
+    expected = [on_device.forward_layer(layer_id, hidden, hash_ids) for layer_id in on_device.layer_ids]
+    torch.cuda.synchronize()
+    timer = threading.Timer(20.0, release.set)  # a caller that waits for the gather is released (and fails) here
+    timer.start()
+    try:
+        handle = on_host.prefetch(hash_ids)
+        got = [on_host.forward_layer(layer_id, hidden, hash_ids, prefetch=handle) for layer_id in on_host.layer_ids]
+        returned_while_held = not release.is_set()
+    finally:
+        release.set()
+        timer.cancel()
+    torch.cuda.synchronize()
+    assert returned_while_held, "forward_layer waited for the host gather on the caller's thread"
+    for a, b in zip(got, expected):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert all(on_host.table(i).prefetches == {"served": 1, "dropped": 0} for i in on_host.layer_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_lookup_between_a_prefetch_and_its_lookup_makes_it_stale(rng):
+    """A lookup of other ids reuses the table's staging: the earlier prefetch is never served."""
+    device, host = _device_and_host(20000, 256, int(rng.integers(2**31)))
+    host.storage.direct_max_rows = 0
+    first, other = _ids(rng, 2000, 24, 20000), _ids(rng, 2000, 24, 20000)
+    handle = host.prefetch(first)
+    assert torch.equal(host.lookup(other).view(torch.int16), device.lookup(other).view(torch.int16))
+    assert torch.equal(host.lookup(first, prefetch=handle).view(torch.int16), device.lookup(first).view(torch.int16))
+    assert host.prefetches == {"served": 0, "dropped": 1}
+    # Refilled in place after its prefetch: not served either.
+    handle = host.prefetch(first)
+    first.copy_(other)
+    assert torch.equal(host.lookup(first, prefetch=handle).view(torch.int16), device.lookup(other).view(torch.int16))
+    assert host.prefetches == {"served": 0, "dropped": 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_update_cache_is_refused_under_capture(rng):
+    values, scales = _table(3000, 256, int(rng.integers(2**31)))
+    cached = engram.EngramTable(values, scales, placement="cached", device="cuda", validate=False)
+    static_ids = _ids(rng, 8, 24, 3000)
+    cached.lookup(static_ids)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            cached.lookup(static_ids)
+            with pytest.raises(RuntimeError, match="update_cache: .*outside the capture"):
+                cached.update_cache(static_ids)

@@ -28,8 +28,20 @@ class ShardTable:
         self.column_start, self.column_end = column_start, column_end
         self.rows = rows[column_start * BUCKET: column_end * BUCKET].clone()
         self.calls: list[int] = []
+        self.prefetched: list[tuple] = []   # geometry of each prefetch's ids
+        self.served: list[bool] = []        # per lookup given a handle: whether its ids are the prefetch's
 
-    def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _geometry(ids: torch.Tensor) -> tuple:
+        return ids.data_ptr(), tuple(ids.shape), tuple(ids.stride())
+
+    def prefetch(self, hash_ids: torch.Tensor) -> tuple:
+        self.prefetched.append(self._geometry(hash_ids))
+        return self.prefetched[-1]
+
+    def lookup(self, hash_ids: torch.Tensor, prefetch=None) -> torch.Tensor:
+        if prefetch is not None:
+            self.served.append(prefetch == self._geometry(hash_ids))
         self.calls.append(hash_ids.shape[0])
         local = hash_ids[:, self.column_start:self.column_end].long() - self.column_start * BUCKET
         assert bool(((local >= 0) & (local < self.rows.shape[0])).all()), "hash id outside this shard"
@@ -251,10 +263,12 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
             mask = inputs["token_mask"]
             if index % 2:  # half the scenarios pass this rank's slice of the mask, half the whole mask
                 mask = mask[start:start + count]
+            handle = layer.prefetch(inputs["hash_ids"], sp_token_counts=counts)
             out = layer(inputs["hidden_states"][start:start + count], inputs["hash_ids"], mask,
-                        sp_token_counts=counts)
+                        sp_token_counts=counts, prefetch=handle)
             results[name] = {"out": out, "start": start, "count": count, "mode": layer.mode,
-                             "lookup_tokens": sum(layer.table.calls)}
+                             "lookup_tokens": sum(layer.table.calls), "prefetched": layer.table.prefetched,
+                             "served": layer.table.served, "lookups": len(layer.table.calls)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -289,6 +303,9 @@ def test_parallel_equals_single_process_bit_for_bit(parallel_results, scenario):
         assert torch.equal(out.view(torch.int16), single[start:start + count].view(torch.int16)), \
             f"rank {rank}: tokens [{start}, {start + count}) differ from the single-process result"
         covered.update(range(start, start + count))
+        # The rank's prefetch read exactly the ids its lookup read (one prefetch, one lookup, or neither).
+        assert len(result["prefetched"]) == result["lookups"] <= 1, f"rank {rank}"
+        assert result["served"] == [True] * result["lookups"], f"rank {rank}: prefetch and lookup ids differ"
         # Lookups touch only the rank's own tokens where the table allows it.
         if mode in ("sequence", "sequence x tensor"):
             assert result["lookup_tokens"] == count

@@ -382,3 +382,64 @@ def test_demo_generates_from_real_text(checkpoint, deepseek_tokenizer_path, caps
     assert main(["demo", "--transformers", "--texts", "2", "--tokenizer", str(deepseek_tokenizer_path)]) == 0
     printed = capsys.readouterr().out
     assert "Engram hash" in printed and "decode" in printed and "match" in printed
+
+
+# ---------------------------------------------------------------------------
+# prefetch and row-cache updates
+# ---------------------------------------------------------------------------
+def test_generate_prefetches_each_forward_and_updates_the_cache_after_it(model, monkeypatch):
+    """Each forward prefetches its rows once right after hashing, every Engram layer is given that
+    step's handle, and the row cache (placement "cached"; a no-op here) learns from the forward's ids
+    once it is over."""
+    memory = model.engram_handle.memory
+    events: list = []
+    prefetch, forward_layer, update_cache = memory.prefetch, memory.forward_layer, memory.update_cache
+
+    def spy_prefetch(hash_ids, **kwargs):
+        handle = prefetch(hash_ids, **kwargs)
+        events.append(("prefetch", hash_ids, handle))
+        return handle
+
+    def spy_forward_layer(layer_id, hidden, hash_ids, token_mask=None, **kwargs):
+        events.append(("layer", hash_ids, kwargs.get("prefetch")))
+        return forward_layer(layer_id, hidden, hash_ids, token_mask, **kwargs)
+
+    def spy_update_cache(hash_ids):
+        events.append(("update", hash_ids, None))
+        return update_cache(hash_ids)
+
+    monkeypatch.setattr(memory, "prefetch", spy_prefetch)
+    monkeypatch.setattr(memory, "forward_layer", spy_forward_layer)
+    monkeypatch.setattr(memory, "update_cache", spy_update_cache)
+    rng = np.random.default_rng(_seed())
+    ids = torch.stack(_prompts(rng, model.config.vocab_size, [6, 6]))
+    model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=PAD)
+    layers = len(memory.layer_ids)
+    forwards = [events[k:k + layers + 2] for k in range(0, len(events), layers + 2)]
+    assert len(forwards) == 3 and len(events) == 3 * (layers + 2)
+    for forward in forwards:
+        kinds = [kind for kind, _, _ in forward]
+        assert kinds == ["prefetch"] + ["layer"] * layers + ["update"]
+        hash_ids, handle = forward[0][1], forward[0][2]
+        assert all(step_ids is hash_ids for _, step_ids, _ in forward)
+        assert all(given is handle for _, _, given in forward[1:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_load_model_cached_serves_hits_during_generate(checkpoint):
+    """placement "cached" through load_model: generate() updates the row cache after each forward, so a
+    second generate() of the same prompt reads rows the first admitted (hits), and its tokens equal
+    placement "device"'s."""
+    rng = np.random.default_rng(_seed())
+    cached = load_model(checkpoint.directory, placement="cached", engram_device="cuda", progress=False).eval()
+    on_device = load_model(checkpoint.directory, placement="device", engram_device="cuda", progress=False).eval()
+    ids = torch.stack(_prompts(rng, cached.config.vocab_size, [12, 12]))
+    memory = cached.engram_handle.memory
+    outputs = []
+    for _ in range(2):
+        outputs.append(cached.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=PAD))
+    expected = on_device.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    hits = sum(int(memory.table(layer_id).storage.cache.stats[1]) for layer_id in memory.layer_ids)
+    assert hits > 0, "the row cache served no read: update_cache never ran"
+    assert all(torch.equal(out, expected) for out in outputs)

@@ -26,9 +26,10 @@ from .layer import Engram
 from .layout import ColumnShard, EngramLayout
 from .spec import EngramSpec
 from .table import EngramTable, available_placements
+from .table.prefetch import IdsIdentity, TablePrefetch
 from .vocab import TokenCompressor
 
-__all__ = ["EngramMemory", "resolve_placement"]
+__all__ = ["EngramMemory", "StepPrefetch", "resolve_placement"]
 
 
 # "auto" keeps the tables in HBM when they take at most this fraction of the free device
@@ -70,6 +71,39 @@ def resolve_placement(placement: str, device: torch.device | str | int | None = 
         raise ValueError(f"placement: {placement!r} keeps the tables in host memory for a CUDA device to read, and "
                          "this machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
     return placement, resolve_cuda_device(device, f"placement {asked!r}")
+
+
+class StepPrefetch:
+    """One step's prefetch of every Engram layer (what :meth:`EngramMemory.prefetch` returns).
+
+    It holds the step's ids tensor (weakly, with its version), the hasher's call count at the
+    prefetch, and each layer's :class:`~engram.table.prefetch.TablePrefetch`. :meth:`take` hands a
+    layer its table handle once, and only for the same ids in the same step; a refilled or reused
+    buffer, a later hashing call or a second use gets None (the layer then reads its own rows)."""
+
+    def __init__(self, memory: "EngramMemory", hasher_calls: int, ids: IdsIdentity,
+                 tables: dict[int, TablePrefetch | None]):
+        self.memory, self.hasher_calls, self.ids = memory, hasher_calls, ids
+        self._tables = dict(tables)
+
+    def take(self, layer_id: int, hash_ids: torch.Tensor, hasher_calls: int) -> TablePrefetch | None:
+        """Layer ``layer_id``'s handle for the lookup of ``hash_ids [T, L, C]`` when this prefetch was
+        made for exactly that tensor and no hashing ran since; it is taken either way."""
+        handle = self._tables.pop(layer_id, None)
+        if handle is None or hasher_calls != self.hasher_calls or not self.ids.matches(hash_ids):
+            if handle is not None:
+                handle.drop()
+            return None
+        return handle
+
+    @property
+    def started(self) -> dict[int, bool]:
+        """Layer id -> whether its prefetch started a read that a lookup can still take."""
+        return {layer_id: handle is not None and handle.started and not handle.spent
+                for layer_id, handle in self._tables.items()}
+
+    def __repr__(self) -> str:
+        return f"StepPrefetch(layers={list(self._tables)}, hasher_calls={self.hasher_calls})"
 
 
 def _read_spec(model_dir: Path) -> EngramSpec:
@@ -273,30 +307,38 @@ class EngramMemory:
             raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
                              f"hash columns), found {found}")
 
-    def prefetch(self, hash_ids: torch.Tensor) -> None:
-        """Start reading every layer's rows of ``hash_ids [T, L, C]`` now, in layer order
-        (call it right after hashing, on the stream that runs the layers). With placement
-        ``"host"`` large batches are gathered on the host and copied by the copy engine
-        while the decoder runs (``"cached"``: only the rows its HBM cache misses; call
-        :meth:`update_cache` after the step's layers, not between this and them); each :meth:`forward_layer` given the same ``hash_ids``
-        then waits, on the GPU, for its own layer's rows only. Returns at once (no host
-        sync); a no-op where the rows already live on the device, for decode-sized batches
-        (read directly, graph-capturable) and while a CUDA graph is being captured."""
+    def prefetch(self, hash_ids: torch.Tensor, *, sp_token_counts: Sequence[int] | None = None) -> "StepPrefetch":
+        """Start reading every layer's rows of ``hash_ids [T, L, C]`` now, in layer order, and return
+        the step's handle for ``forward_layer(..., prefetch=handle)``. Call it right after hashing, on
+        the stream that runs the layers. With placement ``"host"`` large batches are gathered on the
+        host and copied by the copy engine while the decoder runs (``"cached"``: only the rows its HBM
+        cache misses; call :meth:`update_cache` after the step's layers, not between this and them);
+        each :meth:`forward_layer` given the handle waits, on the GPU, for its own layer's rows only.
+        Under sequence parallelism each rank fetches exactly the rows it looks up (give the same
+        ``sp_token_counts`` as to :meth:`forward_layer`).
+
+        The handle serves only this step: a layer's rows are used at most once, by the lookup of this
+        very ``hash_ids`` tensor, unrefilled, before the hasher runs again and before the next prefetch;
+        otherwise the layer reads its rows itself (correct, without the head start). Returns at once
+        (no host sync); nothing is started where the rows already live on the device, for
+        decode-sized batches (read directly, graph-capturable) and while a CUDA graph is being captured."""
         self._check_step_ids(hash_ids)
-        for index, layer_id in enumerate(self.spec.layer_ids):
-            self.tables[layer_id].prefetch(hash_ids[:, index, :])
+        tables = {layer_id: self._layers[layer_id].prefetch(hash_ids[:, index, :], sp_token_counts=sp_token_counts)
+                  for index, layer_id in enumerate(self.spec.layer_ids)}
+        return StepPrefetch(self, self.hasher.calls, IdsIdentity.of(hash_ids), tables)
 
     def update_cache(self, hash_ids: torch.Tensor) -> None:
         """Between engine steps, with the step's ``hash_ids [T, L, C]``: placement ``"cached"`` admits
         missed rows into each layer's HBM cache (counts hits, ages counters); a no-op for the other
-        placements. Not inside a captured graph; captured lookups serve the updated content."""
+        placements. Refused inside a captured graph; captured lookups serve the updated content."""
         self._check_step_ids(hash_ids)
         for index, layer_id in enumerate(self.spec.layer_ids):
             self.tables[layer_id].update_cache(hash_ids[:, index, :])
 
     def forward_layer(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
                       token_mask: torch.Tensor | None = None, *,
-                      sp_token_counts: Sequence[int] | None = None) -> torch.Tensor:
+                      sp_token_counts: Sequence[int] | None = None,
+                      prefetch: "StepPrefetch | None" = None) -> torch.Tensor:
         """Run layer ``layer_id``: ``out [n, hc, D] = h + g * value``.
 
         Args:
@@ -305,13 +347,21 @@ class EngramMemory:
                 layer's slice ``[:, index, :]`` is used.
             token_mask: bool ``[T]`` (False = dead token, output = input bit for bit) or None.
             sp_token_counts: see :meth:`Engram.forward`.
+            prefetch: the handle :meth:`prefetch` returned for this step's ``hash_ids``, or None;
+                only its own layer's rows are used, and only while the handle is valid.
         """
         index = self._index(layer_id)
         self._check_step_ids(hash_ids)
         if self.tables[layer_id].validate:
             self._check_columns(index, hash_ids[:, index, :])
+        layer_prefetch = None
+        if prefetch is not None:
+            if not isinstance(prefetch, StepPrefetch) or prefetch.memory is not self:
+                raise ValueError(f"prefetch: expected the handle this EngramMemory's prefetch() returned, or None, "
+                                 f"found {type(prefetch).__name__}")
+            layer_prefetch = prefetch.take(layer_id, hash_ids, self.hasher.calls)
         return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask,
-                                      sp_token_counts=sp_token_counts)
+                                      sp_token_counts=sp_token_counts, prefetch=layer_prefetch)
 
     def _check_columns(self, index: int, hash_ids: torch.Tensor) -> None:
         """Each column's ids must lie in that column's rows ``[offset, offset + prime)`` of layer

@@ -90,6 +90,8 @@ class NgramHasher:
         self.request_history: RequestHistory | None = None
         # Per batch structure, with checks off: the launch plan (shapes already checked).
         self._plans = CallCache()
+        self.calls = 0
+        """Calls made (batches hashed); :class:`~engram.memory.EngramMemory` keys its prefetches by it."""
 
     @property
     def backend(self) -> str:
@@ -181,6 +183,7 @@ class NgramHasher:
             request_rows: int ``[R]`` rows of the bound request history
                 (see :meth:`request_rows`); read before, written after hashing.
         """
+        self.calls += 1  # a step counter: prefetches made before this call are of another step
         if self._triton and not self._validating and not LAUNCH_OVERRIDE:
             # An eager step's path: checks and launch decisions made once per batch structure.
             key = (structure(input_ids), structure(positions), structure(query_start_loc), structure(dead_mask),

@@ -127,11 +127,14 @@ def _output_cache(output: Any) -> Any:
 
 
 class _Step:
-    """What one forward hashed: ids ``[B*S, L, C]`` and live tokens ``[B*S]`` on the memory's device."""
+    """What one forward hashed: ids ``[B*S, L, C]`` and live tokens ``[B*S]`` on the memory's device, and
+    the prefetch of every layer's rows started right after hashing."""
 
-    def __init__(self, batch: int, length: int, hash_ids: torch.Tensor, token_mask: torch.Tensor):
+    def __init__(self, batch: int, length: int, hash_ids: torch.Tensor, token_mask: torch.Tensor, prefetch):
         self.batch, self.length = batch, length
         self.hash_ids, self.token_mask = hash_ids, token_mask
+        self.prefetch = prefetch
+        self.layers_run = 0
 
 
 class EngramHandle:
@@ -227,7 +230,8 @@ class EngramHandle:
         hash_ids = self.hasher(input_ids.reshape(-1).to(device), positions, query_start_loc,
                                dead_mask=~live.reshape(-1), request_rows=rows)
         self._next_position = past + length
-        self._step = _Step(batch, length, hash_ids, live.reshape(-1))
+        # Every layer's rows start now (host placements), each consumed by its own layer only.
+        self._step = _Step(batch, length, hash_ids, live.reshape(-1), self.memory.prefetch(hash_ids))
         self.hash_ids = hash_ids.view(batch, length, *hash_ids.shape[1:])
         self.token_mask = live
         self.timings["hash"] += self._clock() - started
@@ -282,7 +286,8 @@ class EngramHandle:
             raise ValueError(f"hidden_states of decoder layer {layer_id}: expected the hc stream {expected} "
                              f"(batch, sequence, hc_mult, hidden), found {found}")
         flat = hidden.reshape(-1, spec.hc_mult, spec.hidden_size).to(self.memory.device)
-        out = self.memory.forward_layer(layer_id, flat, step.hash_ids, step.token_mask)
+        out = self.memory.forward_layer(layer_id, flat, step.hash_ids, step.token_mask, prefetch=step.prefetch)
+        step.layers_run += 1
         out = out.to(hidden.device, hidden.dtype).view_as(hidden)
         self.timings["layers"] += self._clock() - started
         if in_kwargs:
@@ -290,8 +295,13 @@ class EngramHandle:
         return (out, *args[1:]), kwargs
 
     def _after_model(self, module, args: tuple, kwargs: dict, output: Any):
-        """The forward is over; beam search may now reorder its cache, and the history follows."""
-        self._step = None
+        """The forward is over: a row cache learns from its reads (placement ``"cached"``; a no-op for the
+        others, and skipped for a forward that failed or is being captured); beam search may now reorder
+        its cache, and the history follows."""
+        step, self._step = self._step, None
+        capturing = self.memory.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if step is not None and output is not None and step.layers_run == len(self.memory.layer_ids) and not capturing:
+            self.memory.update_cache(step.hash_ids)
         cache = _output_cache(output)
         if cache is None:
             cache = _cache_argument(self._signature, self._cache_name, args, kwargs)

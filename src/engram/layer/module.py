@@ -51,6 +51,7 @@ gate are exact.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -282,26 +283,27 @@ class Engram(torch.nn.Module):
         return counts, starts
 
     # ---- rows ------------------------------------------------------------------
-    def _lookup(self, hash_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def _lookup(self, hash_ids: torch.Tensor, device: torch.device, prefetch=None) -> torch.Tensor:
         """This rank's columns for the tokens of ``hash_ids [n, C]``: bf16 ``[n, C_local, hd]``."""
         local_columns = self.column_end - self.column_start
         if hash_ids.shape[0] == 0:
             return torch.empty(0, local_columns, self.head_dim, dtype=torch.bfloat16, device=device)
-        rows = self.table.lookup(hash_ids)
+        rows = self.table.lookup(hash_ids) if prefetch is None else self.table.lookup(hash_ids, prefetch=prefetch)
         expected = [hash_ids.shape[0], local_columns, self.head_dim]
         if not isinstance(rows, torch.Tensor) or list(rows.shape) != expected or rows.dtype != torch.bfloat16:
             found = f"{rows.dtype} {list(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
             raise ValueError(f"table.lookup: expected a bfloat16 tensor {expected} [T, C_local, head_dim], found {found}")
         return rows
 
-    def _lookup_packed(self, hash_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def _lookup_packed(self, hash_ids: torch.Tensor, device: torch.device, prefetch=None) -> torch.Tensor:
         """This rank's columns for the tokens of ``hash_ids [n, C]`` as FP8 rows:
         ``uint8 [n, C_local, hd + hd / 32]`` (E4M3 bytes, then the UE8M0 scale bytes of each row)."""
         local_columns = self.column_end - self.column_start
         width = self.head_dim + self.head_dim // 32
         if hash_ids.shape[0] == 0:
             return torch.empty(0, local_columns, width, dtype=torch.uint8, device=device)
-        values, scales = self.table.lookup_packed(hash_ids)
+        values, scales = (self.table.lookup_packed(hash_ids) if prefetch is None
+                          else self.table.lookup_packed(hash_ids, prefetch=prefetch))
         return torch.cat([values.view(torch.uint8), scales], dim=-1)
 
     def _pad_columns(self, rows: torch.Tensor) -> torch.Tensor:
@@ -320,22 +322,47 @@ class Engram(torch.nn.Module):
         return rows[:, : self.num_columns].contiguous()
 
     def gather_rows(self, hash_ids: torch.Tensor, counts: Sequence[int], starts: Sequence[int],
-                    device: torch.device) -> torch.Tensor:
+                    device: torch.device, prefetch=None) -> torch.Tensor:
         """bf16 ``[n, C, head_dim]``: all columns' rows of this rank's ``n`` tokens (see the module docstring)."""
-        return self._gather(hash_ids, counts, starts, device, self._lookup, self.head_dim, torch.bfloat16)
+        return self._gather(hash_ids, counts, starts, device, self._lookup, self.head_dim, torch.bfloat16,
+                            prefetch)
 
     def gather_packed_rows(self, hash_ids: torch.Tensor, counts: Sequence[int], starts: Sequence[int],
-                           device: torch.device) -> torch.Tensor:
+                           device: torch.device, prefetch=None) -> torch.Tensor:
         """FP8 rows ``uint8 [n, C, hd + hd / 32]`` (E4M3 bytes, then scale bytes) of this rank's
         ``n`` tokens: the same data movement as :meth:`gather_rows` with 264 bytes per V4.1 row
         instead of 512."""
         return self._gather(hash_ids, counts, starts, device, self._lookup_packed,
-                            self.head_dim + self.head_dim // 32, torch.uint8)
+                            self.head_dim + self.head_dim // 32, torch.uint8, prefetch)
 
-    def _gather(self, hash_ids, counts, starts, device, lookup, width: int, dtype: torch.dtype) -> torch.Tensor:
+    def lookup_ids(self, hash_ids: torch.Tensor, counts: Sequence[int], starts: Sequence[int]) -> torch.Tensor | None:
+        """The view of ``hash_ids [T, C]`` this rank's table lookup reads (None: it reads none): its own
+        tokens, or all tokens in mode ``"sequence+tensor"`` (own columns of every token)."""
+        start, count = starts[self.sp_rank], counts[self.sp_rank]
+        if self.mode == "sequence+tensor":
+            return hash_ids if max(counts) > 0 else None
+        return _token_range(hash_ids, start, count) if count > 0 else None
+
+    def prefetch(self, hash_ids: torch.Tensor, *, sp_token_counts: Sequence[int] | None = None):
+        """Start reading the rows that :meth:`forward` of ``hash_ids int [T, C]`` (with the same
+        ``sp_token_counts``) will look up on this rank, exactly those; returns the table's handle for
+        ``forward(..., prefetch=handle)``, or None when this rank looks up nothing."""
+        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
+            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
+            raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {found}")
+        counts, starts = self._token_layout(hash_ids.shape[0], sp_token_counts)
+        ids = self.lookup_ids(hash_ids, counts, starts)
+        if ids is None or not hasattr(self.table, "prefetch"):
+            return None
+        return self.table.prefetch(ids)
+
+    def _gather(self, hash_ids, counts, starts, device, lookup, width: int, dtype: torch.dtype,
+                prefetch=None) -> torch.Tensor:
         """``[n, C, width]`` rows of this rank's tokens, ``lookup(ids, device) -> [m, C_local, width]``."""
         rank = self.sp_rank
         start, count = starts[rank], counts[rank]
+        if prefetch is not None:
+            lookup = functools.partial(lookup, prefetch=prefetch)
         if self.mode in ("single", "sequence"):
             return lookup(_token_range(hash_ids, start, count), device)
         if self.mode in ("tensor", "sequence x tensor"):
@@ -360,7 +387,7 @@ class Engram(torch.nn.Module):
         return self._unshard_columns(received, count)
 
     def project(self, hash_ids: torch.Tensor, counts: Sequence[int], starts: Sequence[int],
-                device: torch.device) -> torch.Tensor:
+                device: torch.device, prefetch=None) -> torch.Tensor:
         """``kv`` bf16 ``[n, (hc + 1) * D]`` of this rank's tokens: rows -> wkv.
 
         bf16 wkv: :meth:`gather_rows`, then the bf16 GEMM. FP8 wkv: without tensor parallelism,
@@ -370,14 +397,14 @@ class Engram(torch.nn.Module):
         read them as packed rows.
         """
         if not self.wkv.fp8:
-            return self.wkv(self.gather_rows(hash_ids, counts, starts, device))
+            return self.wkv(self.gather_rows(hash_ids, counts, starts, device, prefetch))
         if self.mode in ("single", "sequence") and hasattr(self.table, "rows_in_place"):
             start, count = starts[self.sp_rank], counts[self.sp_rank]
             source = self.table.rows_in_place(_token_range(hash_ids, start, count))
             if source is not None:
                 values, scales, local_ids, row_start = source
                 return self.wkv.forward_fp8_rows(values, scales, local_ids, row_start)
-        packed = self.gather_packed_rows(hash_ids, counts, starts, device)
+        packed = self.gather_packed_rows(hash_ids, counts, starts, device, prefetch)
         return self.wkv.forward_fp8_rows(packed[..., : self.head_dim], packed[..., self.head_dim:])
 
     # ---- forward ---------------------------------------------------------------
@@ -388,6 +415,7 @@ class Engram(torch.nn.Module):
         token_mask: torch.Tensor | None = None,
         *,
         sp_token_counts: Sequence[int] | None = None,
+        prefetch=None,
     ) -> torch.Tensor:
         """``out [n, hc, D] = h + g * value`` (DESIGN §2 "Gate"), dtype of ``hidden_states``.
 
@@ -399,6 +427,8 @@ class Engram(torch.nn.Module):
                 for bit), or None.
             sp_token_counts: tokens per sequence-parallel rank (same list on every rank);
                 default the ceil split of :func:`sequence_parallel_sizes`.
+            prefetch: the handle :meth:`prefetch` returned for this ``hash_ids`` (or None); served only
+                while valid (:mod:`engram.table.prefetch`).
 
         Every rank of a group must call forward with the same ``hash_ids`` (and counts).
         """
@@ -408,12 +438,12 @@ class Engram(torch.nn.Module):
             if planned is None:
                 planned = self._checked_calls.put(key, self._check_single_call(hidden_states, hash_ids, token_mask))
             if planned:
-                if planned is not True and planned.current(self):  # an EagerStep: launches only
+                if planned is not True and planned.current(self):  # an EagerStep: launches only (rows in place)
                     return planned(self, hidden_states, hash_ids, token_mask)
-                kv = self.project(hash_ids, [hash_ids.shape[0]], [0], hidden_states.device)
+                kv = self.project(hash_ids, [hash_ids.shape[0]], [0], hidden_states.device, prefetch)
                 return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask,
                                       backend=self.gate_backend)
-        return self._forward_checked(hidden_states, hash_ids, token_mask, sp_token_counts)
+        return self._forward_checked(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch=prefetch)
 
     def _check_single_call(self, hidden_states, hash_ids, token_mask):
         """The checks of :meth:`forward` without parallelism. What calls of this structure run:
@@ -429,7 +459,8 @@ class Engram(torch.nn.Module):
         self._checked_calls.clear()  # steps hold views and launch plans of the tensors being replaced
         return super()._apply(fn, *args, **kwargs)
 
-    def _forward_checked(self, hidden_states, hash_ids, token_mask, sp_token_counts, check_only: bool = False):
+    def _forward_checked(self, hidden_states, hash_ids, token_mask, sp_token_counts, check_only: bool = False,
+                         prefetch=None):
         """:meth:`forward` with every check on this call (``check_only``: the checks alone)."""
         if not isinstance(hash_ids, torch.Tensor):
             raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
@@ -466,7 +497,7 @@ class Engram(torch.nn.Module):
         if check_only:
             return None
 
-        kv = self.project(hash_ids, counts, starts, hidden_states.device)
+        kv = self.project(hash_ids, counts, starts, hidden_states.device, prefetch)
         # The fused Triton gate on CUDA (keys and value read in place from kv), torch on the CPU.
         return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask,
                               backend=self.gate_backend)

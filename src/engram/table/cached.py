@@ -23,12 +23,14 @@ cache holds. Two read paths, chosen per lookup as the host placement chooses its
   on a side stream) while the host gathers the rest: both transports at once.
 
 :meth:`CachedPlacement.prefetch` starts the second path early (probe and host gather), as
-``"host"`` does; the lookup of the same ids tensor then only waits, on the GPU, for its copies
-and merges. The probe's slots must still hold the same rows when the merge runs: a change of
-the cache's content between the two (``update_cache``, ``load_hot_rows``; the
-:attr:`RowCache.version <engram.table.row_cache.RowCache.version>` tells) discards the
-prefetch, and the lookup probes and gathers again itself (right, but the prefetch's head start
-is lost): call ``update_cache`` after a step's lookups, not between a layer's prefetch and its lookup.
+``"host"`` does, and returns its pending state; the lookup given it (through
+:class:`~engram.table.table.TablePrefetch`) then only waits, on the GPU, for its copies and
+merges. The probe's slots must still hold the same rows when the merge runs: a change of the
+cache's content between the two (``update_cache``, ``load_hot_rows``; the
+:attr:`RowCache.version <engram.table.row_cache.RowCache.version>` tells), or a later host
+gather of the same table, makes the prefetch unusable, and the lookup probes and gathers again
+itself (right, but the prefetch's head start is lost): call ``update_cache`` after a step's
+lookups, not between a layer's prefetch and its lookup.
 
 Three policies, the same rules as those of :mod:`engram.table.cache_policy` (which
 ``engram profile eval`` replays on recorded text; its default is this placement's):
@@ -59,8 +61,8 @@ from dataclasses import dataclass
 import torch
 
 from ..triton_launch import interpreting, triton_available
-from .host import DIRECT_MAX_ROWS, HostPlacement
-from .host_gather import GatherTicket, gather_packed_rows_host
+from .host import DIRECT_MAX_ROWS, HostPlacement, check_direct_max_rows
+from .host_gather import GatherTicket, check_gather_threads, gather_packed_rows_host
 from .host_rows import PackedRows, pack_rows
 from .table import TablePlacement, register_placement
 
@@ -83,6 +85,9 @@ class CachedPlacement(TablePlacement):
         aging_interval: policy ``"dynamic"``: scores halve every this many updates.
         policy: ``"set-lru"`` (default), ``"dynamic"`` or ``"static"``.
         hot_rows: optional local row ids ``int [K]`` (hottest first) loaded as the starting content.
+        direct_max_rows: lookups of at most this many rows take the one-kernel path, larger ones send
+            their misses through the host gather (0: every lookup outside CUDA-graph capture does).
+        gather_threads: host threads of the host gather (as placement ``"host"``'s option).
     """
 
     name = "cached"
@@ -90,14 +95,18 @@ class CachedPlacement(TablePlacement):
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
                  cache_fraction: float = DEFAULT_CACHE_FRACTION, ways: int = 8, aging_interval: int = 16,
-                 policy: str = "set-lru", hot_rows: torch.Tensor | None = None):
+                 policy: str = "set-lru", hot_rows: torch.Tensor | None = None,
+                 direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None):
         if isinstance(cache_fraction, bool) or not isinstance(cache_fraction, (int, float)) or not (
                 0 < cache_fraction <= 1):
             raise ValueError(f"cache_fraction: expected a number in (0, 1], found {cache_fraction!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy: expected one of {list(POLICIES)}, found {policy!r}")
+        direct_max_rows = check_direct_max_rows(direct_max_rows)
+        if gather_threads is not None:
+            check_gather_threads(gather_threads)
         if torch.cuda.is_available():
-            self.host = HostPlacement(value_bytes, scale_bytes, device)
+            self.host = HostPlacement(value_bytes, scale_bytes, device, gather_threads=gather_threads)
             target = self.host.device
             self._back_values, self._back_scales = self.host._direct_values, self.host._direct_scales
             self._packed = self.host.rows.packed
@@ -120,16 +129,15 @@ class CachedPlacement(TablePlacement):
                               aging_interval=aging_interval, recency=policy == "set-lru")
         if hot_rows is not None:
             self.load_hot(hot_rows)
-        self.direct_max_rows = DIRECT_MAX_ROWS
+        self.direct_max_rows = direct_max_rows
         """Lookups of at most this many rows take the one-kernel path, larger ones send their misses
-        through the host gather (tests set 0 to send every lookup there)."""
+        through the host gather."""
         self.direct_share = 0.0
         """Share (0..1) of a large lookup's missed rows (a hash class of row ids) read directly from host
         memory, on a side stream, while the host gathers the others; 0 (default): every miss goes
         through the host gather. Two transports at once (GPU reads over PCIe, CPU gather + copy engine)."""
         self.lookups = {"one_kernel": 0, "host_gather": 0}
         """Lookups served by each path since construction (host-side counts, for tests and benchmarks)."""
-        self._prefetched: tuple[tuple, _Pending] | None = None
         self._direct_stream = None
 
     @property
@@ -173,7 +181,7 @@ class CachedPlacement(TablePlacement):
         return values[0], scales[0]
 
     def _use_one_kernel(self, global_ids: torch.Tensor) -> bool:
-        return (global_ids.numel() <= max(self.direct_max_rows, 0) or global_ids.numel() == 0
+        return (global_ids.numel() <= self.direct_max_rows or global_ids.numel() == 0
                 or (self.host is not None and torch.cuda.is_current_stream_capturing()))
 
     def _start_misses(self, global_ids: torch.Tensor, row_start: int) -> "_Pending":
@@ -228,25 +236,26 @@ class CachedPlacement(TablePlacement):
         self.lookups["host_gather"] += 1
         return out
 
-    def prefetch(self, global_ids: torch.Tensor, row_start: int) -> None:
+    def prefetch(self, global_ids: torch.Tensor, row_start: int) -> "_Pending | None":
         """Start the large-lookup path for ``global_ids [T, C_local]`` (on :attr:`device`) now: the probe
-        and the host gather of the misses; the lookup of the same tensor picks it up, unless the cache's
-        content changed in between (module docstring). Lookups that take the one-kernel path (decode
-        sizes, CUDA-graph capture) need no prefetch: nothing is started."""
+        and the host gather of the misses; returns the pending state for the lookup of exactly these
+        ids. Lookups that take the one-kernel path (decode sizes, CUDA-graph capture) need no prefetch:
+        nothing is started (None)."""
         if self.backend != "triton" or self._use_one_kernel(global_ids):
-            self._prefetched = None
-            return
-        self._prefetched = (HostPlacement._key(global_ids, row_start), self._start_misses(global_ids, row_start))
+            return None
+        return self._start_misses(global_ids, row_start)
 
-    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
+    def prefetch_usable(self, pending: "_Pending") -> bool:
+        """Whether a prefetch's probe and gathered misses still hold: the cache's content is the one the
+        probe saw, and no later host gather reused the staging."""
+        if pending.version != self.cache.version:
+            return False
+        return self.host is None or self.host.host_gather.current(pending.ticket)
+
+    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool,
+                     pending: "_Pending | None" = None):
         if self.backend != "triton":
             return None
-        pending = None
-        if self._prefetched is not None:
-            key, started = self._prefetched
-            self._prefetched = None
-            if key == HostPlacement._key(global_ids, row_start) and started.version == self.cache.version:
-                pending = started
         if pending is None:
             if self._use_one_kernel(global_ids):
                 from .cache_gather import cached_gather_rows, cached_gather_rows_packed

@@ -36,7 +36,7 @@ class DevicePlacement(TablePlacement):
         return (self._value_bytes.index_select(0, local_row_ids),
                 self._scale_bytes.index_select(0, local_row_ids))
 
-    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
+    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool, pending=None):
         """The Triton gather kernel (one launch, no host sync) with backend ``"triton"``."""
         if self.backend != "triton":
             return None

@@ -11,9 +11,10 @@ Two read paths, chosen per lookup by its row count (``direct_max_rows``):
   back in token order from the device staging.
   Needs a host thread, so it is never used while a CUDA graph is being captured.
 
-:meth:`HostPlacement.prefetch` starts path (b) early (right after hashing); the lookup
-then waits on that layer's copies only, on the GPU. Every path returns the bytes the
-``device`` placement returns, bit for bit.
+:meth:`HostPlacement.prefetch` starts path (b) early (right after hashing) and returns its
+ticket; the lookup given that ticket (through :class:`~engram.table.table.TablePrefetch`) then
+waits on that layer's copies only, on the GPU. Every path returns the bytes the ``device``
+placement returns, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import weakref
 import torch
 
 from ..common import resolve_cuda_device
-from .host_gather import GatherTicket, HostGather, gather_packed_rows_host
+from .host_gather import GatherTicket, HostGather, check_gather_threads, gather_packed_rows_host
 from .host_rows import PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, register_with_cuda
 from .table import TablePlacement, register_placement
 
@@ -55,17 +56,37 @@ def _decode_direct_config():
     return _gather_launchers().GatherConfig(**DECODE_DIRECT_SHAPE)
 
 
+def check_direct_max_rows(value) -> int:
+    """``direct_max_rows`` as given by a caller: an integer >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"direct_max_rows: expected an integer >= 0 (0: every lookup takes the host gather), "
+                         f"found {value!r}")
+    return value
+
+
 @register_placement
 class HostPlacement(TablePlacement):
     """Rows packed ``[D values | D / 32 scales | pad]`` (16-byte aligned, see
     :mod:`engram.table.host_rows`) in pinned host memory; ``device`` is the CUDA device
     whose hash ids it takes and where rows land. Separate value / scale tensors are
-    packed (one copy); the loader writes packed views directly (no copy)."""
+    packed (one copy); the loader writes packed views directly (no copy).
+
+    Options (``placement_options``):
+        direct_max_rows: lookups of at most this many rows read host memory directly (path a),
+            larger ones take the host gather (path b); 0 sends every lookup outside CUDA-graph
+            capture through the host gather.
+        gather_threads: host threads copying rows for path (b) (default: the usable cores over
+            the processes sharing the node, :func:`~engram.table.host_gather.default_gather_threads`).
+    """
 
     name = "host"
     has_triton_lookup = True
 
-    def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
+    def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
+                 direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None):
+        direct_max_rows = check_direct_max_rows(direct_max_rows)
+        if gather_threads is not None:
+            check_gather_threads(gather_threads)
         if not torch.cuda.is_available():
             raise ValueError("placement 'host' keeps the table in host memory for a CUDA device to read, and this "
                              "machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
@@ -77,14 +98,13 @@ class HostPlacement(TablePlacement):
         weakref.finalize(self, release)  # unregistered when the placement goes (before its rows are freed)
         super().__init__(rows.values, rows.scales, target)
         self.rows = rows
-        self.direct_max_rows = DIRECT_MAX_ROWS
+        self.direct_max_rows = direct_max_rows
         self.direct_config = None  # launch shape of the direct reads (None: by size, as above)
         head_dim = rows.head_dim
         alias = cuda_alias(rows.packed, target)  # [rows + 1, row_bytes], host memory, a CUDA tensor
         self._direct_values = alias[:-1, :head_dim]
         self._direct_scales = alias[:-1, head_dim: head_dim + head_dim // 32]
-        self._host_gather = HostGather(rows.packed, target)
-        self._prefetched: tuple[tuple, GatherTicket] | None = None
+        self._host_gather = HostGather(rows.packed, target, gather_threads)
 
     @property
     def nbytes(self) -> int:
@@ -101,40 +121,33 @@ class HostPlacement(TablePlacement):
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch path (backend ``"torch"``): ids to the host (a sync), ``index_select`` there."""
         staged = torch.empty(local_row_ids.numel(), self.rows.packed.shape[1], dtype=torch.uint8)
-        gather_packed_rows_host(self.rows.packed, local_row_ids.cpu(), 0, staged)
+        gather_packed_rows_host(self.rows.packed, local_row_ids.cpu(), 0, staged, self._host_gather.gather_threads)
         staged = staged.to(self.device)
         head_dim = self.rows.head_dim
         return staged[:, :head_dim], staged[:, head_dim: head_dim + head_dim // 32]
 
     # ---- Triton paths --------------------------------------------------------
-    @staticmethod
-    def _key(global_ids: torch.Tensor, row_start: int) -> tuple:
-        return (global_ids.data_ptr(), tuple(global_ids.shape), tuple(global_ids.stride()), global_ids.dtype,
-                row_start)
-
     def _use_direct(self, global_ids: torch.Tensor) -> bool:
         return global_ids.numel() <= self.direct_max_rows or torch.cuda.is_current_stream_capturing()
 
-    def prefetch(self, global_ids: torch.Tensor, row_start: int) -> None:
-        """Start the host gather of ``global_ids`` (``[T, C_local]`` on :attr:`device`) now; the
-        lookup of the same tensor picks it up. Decode-sized lookups (the direct path) and
-        lookups under CUDA-graph capture need no prefetch: nothing is started."""
+    def prefetch(self, global_ids: torch.Tensor, row_start: int) -> GatherTicket | None:
+        """Start the host gather of ``global_ids`` (``[T, C_local]`` on :attr:`device`) now and return
+        its ticket, for the lookup of exactly these ids. Decode-sized lookups (the direct path) and
+        lookups under CUDA-graph capture need no prefetch: nothing is started (None)."""
         if self.backend != "triton" or self._use_direct(global_ids):
-            self._prefetched = None
-            return
-        stream = torch.cuda.current_stream(self.device)
-        self._prefetched = (self._key(global_ids, row_start), self._host_gather.start(global_ids, row_start, stream))
+            return None
+        return self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
 
-    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
+    def prefetch_usable(self, pending: GatherTicket) -> bool:
+        """Whether a prefetch's ticket still holds its rows (no later gather reused the staging)."""
+        return self._host_gather.current(pending)
+
+    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool,
+                     pending: GatherTicket | None = None):
         if self.backend != "triton":
             return None
         gather = _gather_launchers()
-        ticket = None
-        if self._prefetched is not None:
-            key, started = self._prefetched
-            self._prefetched = None
-            if key == self._key(global_ids, row_start):
-                ticket = started
+        ticket = pending
         if ticket is None:
             if self._use_direct(global_ids):
                 config = self.direct_config
@@ -148,6 +161,8 @@ class HostPlacement(TablePlacement):
             ticket = self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
         stream = torch.cuda.current_stream(self.device)
         staged, inverse = self._host_gather.finish(ticket, stream)
+        if pending is not None:
+            inverse.record_stream(stream)  # made on the prefetch's stream
         head_dim = self.rows.head_dim
         values, scales = staged[:, :head_dim], staged[:, head_dim: head_dim + head_dim // 32]
         if packed:

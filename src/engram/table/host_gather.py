@@ -3,15 +3,17 @@
 The caller's stream finds the lookup's distinct rows (:mod:`engram.table.host_dedup`, no
 sync), copies them with their count to a pinned buffer and records an event; a worker
 thread waits for that event (the caller never does), gathers each distinct row once into
-pinned staging in waves, and after each wave enqueues its host-to-device copy on a copy
-stream, so the copy of one wave overlaps the gather of the next. The consumer makes its
-stream wait on the last copy's event and reads the rows from the device staging buffer
-through the lookup's ``inverse``.
+pinned staging in waves on ``gather_threads`` pool threads, and after each wave enqueues its
+host-to-device copy on a copy stream, so the copy of one wave overlaps the gather of the next.
+After the last copy the copy stream writes the gather's number into a
+:class:`~engram.table.stream_wait.StreamCounter`; the consumer's stream waits for that number
+(``cuStreamWaitValue32``) and reads the rows from the device staging through the lookup's
+``inverse``. Neither the caller's nor the consumer's thread waits for the gather. Where the
+driver has no stream memory operations the consumer's thread waits for the worker to have
+enqueued the copies instead (one warning).
 
-The rows are copied by the prefetching C gather (:mod:`engram.table.native_gather`) on
-``GATHER_THREADS`` pool threads, all waves started at once and waited for in order (the
-worker only waits and enqueues copies); without a C compiler, by ``index_select`` on the
-worker's ``GATHER_THREADS`` intra-op threads, one wave after the other.
+Every :meth:`HostGather.start` makes the tickets of earlier gathers stale (they share the
+staging): :meth:`HostGather.current` tells, and a stale ticket is never finished.
 
 Buffers are persistent (grown, never shrunk) and guarded by events: the host staging
 is rewritten only after the previous copies finished, the device staging only after
@@ -23,66 +25,101 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 
 from ..common import next_power_of_2
 from .host_dedup import distinct_rows
 from .native_gather import gather_rows_prefetch, start_gather_rows
+from .stream_wait import StreamCounter, stream_counters_available
 
-__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "GATHER_THREADS"]
+__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads"]
 
 # The gather runs in waves (each wave's copy overlaps the next wave's gather) over the
 # distinct rows, ascending. H200 host (16 cores, KVM), 196,608 distinct rows of 272 B from
-# DRAM (probe_host_pipeline.py, NOTES "Host tables v2"): torch index_select, one call 2.4 ms
-# (22 GB/s, bound by DRAM latency: one row in flight per thread), 4 waves 0.75-0.85 ms each;
-# 14 threads beat 16 (the caller's thread and the CUDA driver's keep their cores); the copy
-# of all rows 1.0 ms. The C gather prefetches rows ahead instead: 1.7x index_select per thread
-# on a 2-vCPU AMD KVM (probe_row_gather.py, NOTES "Host tables v3"); not yet measured on the H200.
+# DRAM (NOTES "Host tables v2"): one index_select 2.4 ms (22 GB/s, DRAM-latency bound),
+# 4 waves 0.75-0.85 ms each; the copy of all rows 1.0 ms.
 _MIN_WAVE_ROWS = 16384
 _MAX_WAVES = 4
-GATHER_THREADS = max(1, len(os.sched_getaffinity(0)) - 2) if hasattr(os, "sched_getaffinity") else 1
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_gather_threads(processes_per_node: int | None = None) -> int:
+    """Host-gather threads of one process: its usable cores divided by the processes sharing the
+    node (``processes_per_node``, else ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1), at least 1.
+    Eight ranks on one node then split its cores instead of each taking all of them."""
+    sharing = processes_per_node
+    if sharing is None:
+        given = os.environ.get("LOCAL_WORLD_SIZE", "")
+        sharing = int(given) if given.isdigit() and int(given) > 0 else 1
+    return max(1, _usable_cores() // max(1, sharing))
+
+
+def check_gather_threads(value) -> int:
+    """``gather_threads`` as given by a caller: an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"gather_threads: expected an integer >= 1, found {value!r}")
+    return value
 
 
 def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_start: int,
-                            out: torch.Tensor) -> None:
+                            out: torch.Tensor, threads: int | None = None) -> None:
     """``out[i] = packed[global_ids[i] - row_start]``, the zero row (``packed[-1]``) for ids
     outside the table. ``packed uint8 [rows + 1, row_bytes]``, ``global_ids`` int ``[N]``,
-    ``out uint8 [N, row_bytes]``, all on the CPU. Copied by the C gather on ``GATHER_THREADS``
-    threads when ``packed`` and ``out`` are contiguous, else by ``index_select``."""
+    ``out uint8 [N, row_bytes]``, all on the CPU. Copied on ``threads`` pool threads (default
+    :func:`default_gather_threads`) when ``packed`` and ``out`` are contiguous, else by ``index_select``."""
     zero_row = packed.shape[0] - 1
     local = global_ids.reshape(-1).to(torch.int64) - row_start
     local = torch.where((local >= 0) & (local < zero_row), local, torch.full_like(local, zero_row))
     if packed.is_contiguous() and out.is_contiguous():
-        gather_rows_prefetch(packed, local, out, GATHER_THREADS)
+        gather_rows_prefetch(packed, local, out, default_gather_threads() if threads is None else threads)
     else:
         torch.index_select(packed, 0, local, out=out)
 
 
 _WORKER: list[concurrent.futures.ThreadPoolExecutor] = []
+_WORKER_LOCK = threading.Lock()
+
+
 def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
-    """One worker thread for every table of the process: gathers run one at a time, in
-    the order they were started (layer by layer), each on ``GATHER_THREADS`` threads (the C
-    gather's pool; on the torch fallback, this thread's intra-op threads), instead of
-    several gathers fighting over the cores. With the C gather the worker itself only
-    waits and enqueues copies: its OpenMP team runs no parallel region, so it never spins
-    on the cores the pool copies on."""
-    if not _WORKER:
-        _WORKER.append(concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="engram-host-gather",
-            initializer=torch.set_num_threads, initargs=(GATHER_THREADS,)))  # this thread's OpenMP team only
-    return _WORKER[0]
+    """One worker thread for every table of the process: gathers run one at a time, in the order
+    they were started (layer by layer), instead of several gathers fighting over the cores. The
+    worker only waits, starts the pool's copy threads and enqueues copies; it changes no thread
+    setting of the process (torch's intra-op thread count stays the engine's)."""
+    with _WORKER_LOCK:
+        if not _WORKER:
+            _WORKER.append(concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                 thread_name_prefix="engram-host-gather"))
+        return _WORKER[0]
 
 
-@dataclass
+_FALLBACK_WARNED: list[bool] = []
+
+
+def _warn_thread_wait_once(device: torch.device) -> None:
+    if not _FALLBACK_WARNED:
+        _FALLBACK_WARNED.append(True)
+        warnings.warn(f"engram host gather: the CUDA driver of {device} runs no stream memory operations "
+                      "(cuStreamWaitValue32); a lookup's thread waits until the worker has enqueued its copies",
+                      RuntimeWarning, stacklevel=3)
+
+
+@dataclass(eq=False)
 class GatherTicket:
-    """One started gather: ``future`` returns the event of its last copy once every copy is
-    enqueued; ``inverse`` (int32 on the device, the lookup's shape) maps each lookup to its
-    row in the device staging."""
+    """One started gather: ``number`` (the value the copy stream writes into the gather's counter
+    after its copies), ``future`` (the worker's task; it returns the event of the last copy once
+    every copy is enqueued) and ``inverse`` (int32 on the device, the lookup's shape) mapping each
+    lookup to its row in the device staging."""
 
+    number: int
     future: concurrent.futures.Future
     inverse: torch.Tensor
+    finished: bool = field(default=False)
 
 
 class HostGather:
@@ -90,20 +127,26 @@ class HostGather:
     are needed (see the module docstring).
 
     ``packed``: pinned CPU ``uint8 [rows + 1, row_bytes]`` (last row zero); ``device``:
-    where the rows land.
+    where the rows land; ``gather_threads``: pool threads copying rows on the host.
     """
 
-    def __init__(self, packed: torch.Tensor, device: torch.device):
+    def __init__(self, packed: torch.Tensor, device: torch.device, gather_threads: int | None = None):
         self.packed = packed
         self.device = device
+        self.gather_threads = default_gather_threads() if gather_threads is None else check_gather_threads(
+            gather_threads)
         self.row_bytes = packed.shape[1]
         self.capacity = 0
         self.copy_stream = torch.cuda.Stream(device)
+        self._counter = StreamCounter(device) if stream_counters_available(device) else None
         self._worker = _shared_worker()
         self._copies_done: torch.cuda.Event | None = None  # the last copies: host staging free after it
         self._consumed: torch.cuda.Event | None = None     # the last reader: device staging free after it
         self._last_future: concurrent.futures.Future | None = None
+        self._started = 0                                   # gathers started (the last ticket's number)
+        self._failure: BaseException | None = None          # a worker failure not yet reported
         self._lock = threading.Lock()
+        self.gather_rows = start_gather_rows                # the host copy (tests wrap it)
 
     def _ensure_capacity(self, num_rows: int) -> None:
         if num_rows <= self.capacity:
@@ -111,9 +154,10 @@ class HostGather:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"host gather of {num_rows} rows needs larger staging buffers, which cannot be "
                                "allocated during CUDA-graph capture: run one eager step of this size first")
-        # Grown buffers replace ones a pending gather or reader may still use: let them finish.
+        # Grown buffers replace ones a pending gather or reader may still use: let them finish
+        # (warm-up only: buffers grow to the largest batch and stay).
         if self._last_future is not None:
-            self._last_future.result()
+            concurrent.futures.wait([self._last_future])
         for event in (self._copies_done, self._consumed):
             if event is not None:
                 event.synchronize()
@@ -122,14 +166,26 @@ class HostGather:
         self.staging_device = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self.device)
         self.capacity = capacity
 
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise RuntimeError(f"an earlier host gather of this table failed on its worker thread: {failure!r}; "
+                               "the lookup that read it returned wrong rows") from failure
+
+    def current(self, ticket: GatherTicket) -> bool:
+        """Whether ``ticket`` is the latest gather started here and not yet finished (its rows are the
+        ones the staging will hold)."""
+        return ticket.number == self._started and not ticket.finished
+
     def start(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream) -> GatherTicket:
         """Begin gathering the rows of ``global_ids`` (int32/int64, any shape, at least one id, on
         the device; ``packed[0]`` is row ``row_start``): enqueues the dedup and the id copy on
-        ``stream`` and returns at once."""
+        ``stream`` and returns at once. Earlier tickets become stale."""
         num_ids = global_ids.numel()
         if num_ids == 0:
             raise ValueError("global_ids: the host gather needs at least one id, found an empty tensor")
         with self._lock:
+            self._raise_failure()
             self._ensure_capacity(num_ids)
             # A pinned id buffer per gather (torch's caching host allocator): the worker may
             # still be reading the previous one.
@@ -141,26 +197,29 @@ class HostGather:
                 ids_ready.record(stream)
             if self._consumed is not None:  # the device staging's last reader runs first
                 self.copy_stream.wait_event(self._consumed)
-            future = self._worker.submit(self._gather, ids_host, ids_ready)
+            self._started += 1
+            number = self._started
+            future = self._worker.submit(self._gather, ids_host, ids_ready, number)
             self._last_future = future
-            return GatherTicket(future, distinct.inverse.view(global_ids.shape))
+            return GatherTicket(number, future, distinct.inverse.view(global_ids.shape))
 
-    def _gather(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event) -> torch.cuda.Event:
-        """Worker thread (one; tasks run in order): wait for the ids and for the previous
-        task's copies (the host staging is then free), start the gather of every wave (the C
-        gather's pool threads take the blocks in order), enqueue each wave's copy as soon as
-        it is gathered."""
-        ids_ready.synchronize()
-        if self._copies_done is not None:
-            self._copies_done.synchronize()
-        num_ids = ids_host.numel() - 1
-        num_rows = min(max(int(ids_host[num_ids]), 1), num_ids)  # clamped: the count came from the device
-        rows = ids_host[:num_rows]
-        num_waves = max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
-        bounds = [num_rows * k // num_waves for k in range(num_waves + 1)]
-        gathered = start_gather_rows(self.packed, rows, self.staging_host[:num_rows], GATHER_THREADS,
-                                     wave_ends=bounds[1:])
+    def _gather(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event, number: int) -> torch.cuda.Event:
+        """Worker thread (one; tasks run in order): wait for the ids and for the previous task's
+        copies (the host staging is then free), start the gather of every wave, enqueue each wave's
+        copy as soon as it is gathered, then the counter's write. On any failure the counter is
+        still written (no stream waits forever) and the failure is reported by the next call."""
+        gathered = None
         try:
+            ids_ready.synchronize()
+            if self._copies_done is not None:
+                self._copies_done.synchronize()
+            num_ids = ids_host.numel() - 1
+            num_rows = min(max(int(ids_host[num_ids]), 1), num_ids)  # clamped: the count came from the device
+            rows = ids_host[:num_rows]
+            num_waves = max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
+            bounds = [num_rows * k // num_waves for k in range(num_waves + 1)]
+            gathered = self.gather_rows(self.packed, rows, self.staging_host[:num_rows], self.gather_threads,
+                                        wave_ends=bounds[1:])
             with torch.cuda.device(self.device):
                 for wave, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
                     gathered.wait(wave)
@@ -168,19 +227,36 @@ class HostGather:
                         self.staging_device[begin:end].copy_(self.staging_host[begin:end], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
-        except BaseException:
-            gathered.join()  # no pool thread may still write the staging once this task ends
+            self._copies_done = done
+            return done
+        except BaseException as failure:
+            if gathered is not None:
+                gathered.join()  # no pool thread may still write the staging once this task ends
+            self._failure = failure
             raise
-        self._copies_done = done
-        return done
+        finally:
+            if self._counter is not None:
+                self._counter.write(self.copy_stream, number)
 
     def finish(self, ticket: GatherTicket, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, inverse)``: the gathered distinct rows ``uint8 [capacity, row_bytes]`` on the
         device, ordered after the copies on ``stream``, and the lookup's ``inverse`` into them.
-        Blocks the calling thread only until the worker has enqueued the copies (never until
-        they run). Call :meth:`consumed` once their reader is enqueued."""
-        done = ticket.future.result()
-        stream.wait_event(done)
+        Enqueues the stream's wait and returns (the calling thread does not wait for the worker,
+        except where the driver lacks stream memory operations). Call :meth:`consumed` once their
+        reader is enqueued. ``ticket`` must be :meth:`current`."""
+        if not self.current(ticket):
+            raise ValueError(f"ticket: gather {ticket.number} is stale (gather {self._started} started since, or "
+                             "it was finished already): its rows are no longer in the staging")
+        ticket.finished = True
+        if ticket.future.done() and ticket.future.exception() is not None:
+            self._failure = None
+            raise RuntimeError(f"the host gather failed on its worker thread: {ticket.future.exception()!r}") \
+                from ticket.future.exception()
+        if self._counter is not None:
+            self._counter.wait(stream, ticket.number)
+        else:
+            _warn_thread_wait_once(self.device)
+            stream.wait_event(ticket.future.result())
         return self.staging_device, ticket.inverse
 
     def consumed(self, stream: torch.cuda.Stream) -> None:
@@ -192,4 +268,4 @@ class HostGather:
     def wait_idle(self) -> None:
         """Block until every started gather has enqueued its copies (tests, shutdown)."""
         if self._last_future is not None:
-            self._last_future.result()
+            concurrent.futures.wait([self._last_future])

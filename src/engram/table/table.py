@@ -16,7 +16,9 @@ Each placement lives in its own module beside this one and registers itself:
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+import itertools
+import weakref
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,6 +27,7 @@ from ..call_cache import CallCache, structure
 from ..common import HASH_ID_DTYPES
 from ..layout import ColumnShard, EngramLayout
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, dequantize_rows
+from .prefetch import IdsIdentity, TablePrefetch, capturing
 
 __all__ = [
     "EngramTable",
@@ -32,6 +35,7 @@ __all__ = [
     "register_placement",
     "available_placements",
     "make_placement",
+    "TablePrefetch",
 ]
 
 _PLANNED_PLACEMENTS: tuple[str, ...] = ()
@@ -95,11 +99,34 @@ class TablePlacement(abc.ABC):
         """``int64 [N]`` local row ids in ``[0, rows)`` on :attr:`device` ->
         ``(uint8 [N, D], uint8 [N, D // 32])`` on :attr:`device`: ``storage[local_row_ids]``."""
 
-    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool):
+    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool, pending: Any = None):
         """Optional fused lookup: ``global_ids`` int32/int64 ``[T, C_local]`` (any strides) on
         :attr:`device` -> ``bfloat16 [T, C_local, D]``, or when ``packed`` ``(uint8 [T, C_local, D],
         uint8 [T, C_local, D // 32])``; zeros for ids outside ``[row_start, row_start + rows)``.
+        ``pending``: what :meth:`prefetch` returned for exactly these ids, checked usable by the table.
         None (the default) means "no fused path": the table then uses :meth:`gather`."""
+        return None
+
+    # ---- optional hooks (defaults: nothing to do) ------------------------------------
+    def prefetch(self, global_ids: torch.Tensor, row_start: int) -> Any:
+        """Start reading the rows of ``global_ids int [T, C_local]`` now; returns the pending state that
+        :meth:`gather_fused` finishes, or None (the default: nothing to start, rows are at hand)."""
+        return None
+
+    def prefetch_usable(self, pending: Any) -> bool:
+        """Whether ``pending`` (from :meth:`prefetch`) still holds the rows it was started for."""
+        return True
+
+    def update(self, global_ids: torch.Tensor, row_start: int) -> None:
+        """Between steps: learn from the reads ``global_ids int [T, C_local]`` (row caches). Default: nothing."""
+
+    def load_hot(self, local_row_ids: torch.Tensor) -> int:
+        """Make the rows ``local_row_ids int [K]`` the content of a row cache; the rows held. Default: refused."""
+        raise ValueError(f"load_hot_rows: placement {self.name!r} has no row cache; use placement 'cached'")
+
+    def prepare_gather(self, global_ids: torch.Tensor, row_start: int, column_start: int, column_end: int,
+                       flat: bool):
+        """Optional: a planned lookup for every call of ``global_ids``' structure, or None (default)."""
         return None
 
     def __repr__(self) -> str:
@@ -250,6 +277,11 @@ class EngramTable:
 
         self._storage = make_placement(placement, value_bytes, scale_bytes, device, placement_options)
         self._checked_ids = CallCache(64)  # hash-id structures checked by _local_columns
+        self._prefetch_serial = 0          # prefetches made; only the latest may be served
+        self._latest_prefetch: TablePrefetch | None = None
+        self.prefetches = {"served": 0, "dropped": 0}
+        """Prefetches that a lookup served, and those never served (stale, superseded, mismatched ids,
+        under graph capture); host-side counts for tests and benchmarks."""
         self._column_start = column_start
         self._column_end = column_end
         self._row_start = row_start
@@ -418,18 +450,21 @@ class EngramTable:
                 f"the layer's table rows {bound_text}"
             )
 
-    def lookup_packed(self, hash_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup_packed(self, hash_ids: torch.Tensor, prefetch: TablePrefetch | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw FP8 rows for an FP8 consumer.
 
         ``hash_ids`` int32/int64 ``[T, C]`` (global row ids) ->
         ``(values float8_e4m3fn [T, C_local, D], scales uint8 [T, C_local, D // 32])``,
         ``C_local = column_end - column_start``: row ``hash_ids[t, column_start + j] - row_start``;
         ids outside this table's rows read all-zero bytes (value +0, scale byte 0).
+        ``prefetch``: the handle :meth:`prefetch` returned for these ids (see :meth:`lookup`).
         """
         global_ids = self._local_columns(hash_ids)  # [T, C_local]
         if self.validate:
             self._check_ids(global_ids)
-        fused = self._storage.gather_fused(global_ids, self._row_start, packed=True)
+        pending = self._claim(prefetch, hash_ids)
+        fused = self._storage.gather_fused(global_ids, self._row_start, packed=True, pending=pending)
         if fused is not None:
             value_bytes, scale_bytes = fused
             return value_bytes.view(torch.float8_e4m3fn), scale_bytes
@@ -463,40 +498,76 @@ class EngramTable:
             self._check_ids(global_ids)
         return storage.value_bytes, storage.scale_bytes, global_ids, self._row_start
 
-    def prefetch(self, hash_ids: torch.Tensor) -> None:
-        """Start reading the rows of ``hash_ids [T, C]`` now (placements that read host memory);
-        the next :meth:`lookup` / :meth:`lookup_packed` of the same tensor uses them. A no-op
-        for placements that hold their rows on the device."""
-        prefetch = getattr(self._storage, "prefetch", None)
-        if prefetch is not None:
-            prefetch(self._local_columns(hash_ids), self._row_start)
+    def prefetch(self, hash_ids: torch.Tensor) -> TablePrefetch:
+        """Start reading the rows of ``hash_ids [T, C]`` now (placements that read host memory) and
+        return the handle that the lookup of exactly this tensor passes as ``prefetch=``. An earlier
+        handle of this table that no lookup consumed is dropped, never served. Nothing is started
+        under CUDA-graph capture, nor where the rows live on the device (the handle then serves
+        nothing and the lookup runs as without it)."""
+        global_ids = self._local_columns(hash_ids)
+        if self._latest_prefetch is not None:
+            self._latest_prefetch.drop()  # no-op when a lookup took it
+        self._prefetch_serial += 1
+        pending = None if capturing() else self._storage.prefetch(global_ids, self._row_start)
+        self._latest_prefetch = TablePrefetch(self, self._prefetch_serial, IdsIdentity.of(hash_ids), pending)
+        return self._latest_prefetch
+
+    def _claim(self, prefetch: TablePrefetch | None, hash_ids: torch.Tensor):
+        """The placement's pending state of ``prefetch`` when it may serve the lookup of ``hash_ids``
+        (:mod:`engram.table.prefetch` lists the rules), else None; the handle is spent either way."""
+        if prefetch is None:
+            return None
+        if not isinstance(prefetch, TablePrefetch):
+            raise ValueError(f"prefetch: expected the TablePrefetch that EngramTable.prefetch returned, or None, "
+                             f"found {type(prefetch).__name__}")
+        if prefetch.owner is not self:
+            raise ValueError(f"prefetch: a handle of another table ({prefetch.owner!r}), given to {self!r}")
+        usable = (not prefetch.spent and prefetch.serial == self._prefetch_serial and prefetch.pending is not None
+                  and prefetch.ids.matches(hash_ids) and not capturing()
+                  and self._storage.prefetch_usable(prefetch.pending))
+        if not usable:
+            prefetch.drop()
+            return None
+        prefetch.spent = True
+        self.prefetches["served"] += 1
+        return prefetch.pending
+
+    @staticmethod
+    def _refuse_under_capture(what: str) -> None:
+        if capturing():
+            raise RuntimeError(f"{what}: changes the table's cache on the host side, which a CUDA graph being "
+                               "captured cannot record; call it between graph replays, outside the capture")
 
     def update_cache(self, hash_ids: torch.Tensor) -> None:
         """Between engine steps: let a placement with a row cache (``"cached"``) learn from the
         reads of ``hash_ids [T, C]`` (admit missed rows, count hits, age). A no-op for the others.
-        Never call it inside a captured graph; lookups captured before keep serving the new content."""
-        update = getattr(self._storage, "update", None)
-        if update is not None:
-            update(self._local_columns(hash_ids), self._row_start)
+        Refused inside a captured graph; lookups captured before keep serving the new content."""
+        global_ids = self._local_columns(hash_ids)
+        self._refuse_under_capture("update_cache")
+        self._storage.update(global_ids, self._row_start)
 
     def load_hot_rows(self, global_row_ids: torch.Tensor) -> int:
         """Placement ``"cached"``: make the rows ``global_row_ids int [K]`` (hottest first; ids outside
         this table's rows ignored) the cache's content; returns the rows held. Other placements refuse."""
-        load_hot = getattr(self._storage, "load_hot", None)
-        if load_hot is None:
-            raise ValueError(f"load_hot_rows: placement {self.placement!r} has no row cache; use placement 'cached'")
+        self._refuse_under_capture("load_hot_rows")
+        load_hot = self._storage.load_hot
         if not isinstance(global_row_ids, torch.Tensor) or global_row_ids.dtype not in HASH_ID_DTYPES:
             raise ValueError(f"global_row_ids: expected an int32/int64 tensor, found "
                              f"{getattr(global_row_ids, 'dtype', type(global_row_ids).__name__)}")
         return load_hot(global_row_ids.to(torch.int64) - self._row_start)
 
-    def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, hash_ids: torch.Tensor, prefetch: TablePrefetch | None = None) -> torch.Tensor:
         """Dequantized rows: ``hash_ids`` int32/int64 ``[T, C]`` -> ``bfloat16 [T, C_local, D]``,
-        ``out[t, j] = e4m3 * 2**(b - 127)`` of row ``hash_ids[t, column_start + j]``; +0 outside the table's rows."""
+        ``out[t, j] = e4m3 * 2**(b - 127)`` of row ``hash_ids[t, column_start + j]``; +0 outside the table's rows.
+
+        ``prefetch``: the handle :meth:`prefetch` returned for this very tensor; its rows are served only
+        when it is still valid (:mod:`engram.table.prefetch`), else the lookup reads them itself. Without
+        a handle nothing prefetched is ever used."""
         global_ids = self._local_columns(hash_ids)  # [T, C_local]
         if self.validate:
             self._check_ids(global_ids)
-        fused = self._storage.gather_fused(global_ids, self._row_start, packed=False)
+        pending = self._claim(prefetch, hash_ids)
+        fused = self._storage.gather_fused(global_ids, self._row_start, packed=False, pending=pending)
         if fused is not None:
             return fused
         values, scales = self._gather_packed(global_ids)
@@ -513,8 +584,7 @@ class EngramTable:
         start, end = self._check_hash_ids(hash_ids)
         if self.validate:
             return None
-        prepare = getattr(self._storage, "prepare_gather", None)
-        return None if prepare is None else prepare(hash_ids, self._row_start, start, end, flat)
+        return self._storage.prepare_gather(hash_ids, self._row_start, start, end, flat)
 
     def __repr__(self) -> str:
         return (f"EngramTable(rows=[{self.row_start}, {self.row_end}), head_dim={self.head_dim}, "

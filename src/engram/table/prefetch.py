@@ -1,0 +1,84 @@
+"""Prefetch handles: a started read that only the lookup it was made for may consume.
+
+:meth:`EngramTable.prefetch <engram.table.table.EngramTable.prefetch>` returns a
+:class:`TablePrefetch`; :meth:`~engram.table.table.EngramTable.lookup` given it serves the
+prefetched rows only when every one of these holds, and otherwise reads the rows itself
+(right, only slower):
+
+* the handle is the table's latest prefetch (a later prefetch drops it) and not consumed yet;
+* the lookup's ids are the tensor the prefetch read: the same storage (the same base tensor
+  object, alive; a fresh tensor that the caching allocator put at the same address is another
+  object), the same view geometry, and the same version counter (an in-place refill bumps it;
+  inference tensors have none, and then :class:`~engram.memory.EngramMemory`'s step counter
+  is what tells a refill by the hasher);
+* no CUDA graph is being captured (a graph must not bake in a staging buffer);
+* the placement says its pending state still holds (no later gather reused its staging, the
+  row cache's content is the one it probed).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["TablePrefetch", "IdsIdentity", "capturing"]
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # inference tensors track no version
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class IdsIdentity:
+    """What identifies one ids tensor as read at one moment: its base tensor (weakly), its version
+    and its view's geometry."""
+
+    base: weakref.ref
+    version: int | None
+    geometry: tuple
+
+    @staticmethod
+    def of(ids: torch.Tensor) -> "IdsIdentity":
+        base = ids._base if ids._base is not None else ids
+        return IdsIdentity(weakref.ref(base), _version(ids),
+                           (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device))
+
+    def matches(self, ids: torch.Tensor) -> bool:
+        base = ids._base if ids._base is not None else ids
+        return (self.base() is base and _version(ids) == self.version
+                and (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device) == self.geometry)
+
+
+@dataclass(eq=False)
+class TablePrefetch:
+    """One table's prefetch: the table's ``serial`` of it, the ids it read, the placement's pending
+    state (None: nothing was started; the lookup reads the rows as without a prefetch), and
+    whether a lookup has claimed it (or it was dropped)."""
+
+    owner: Any
+    serial: int
+    ids: IdsIdentity
+    pending: Any
+    spent: bool = field(default=False)
+
+    def drop(self) -> None:
+        """Spend the handle unserved (counted in the owner's ``prefetches["dropped"]`` if it started a read)."""
+        if not self.spent and self.pending is not None:
+            self.owner.prefetches["dropped"] += 1
+        self.spent = True
+
+    @property
+    def started(self) -> bool:
+        """Whether the prefetch started a read (a host gather) that a lookup can finish."""
+        return self.pending is not None

@@ -1,0 +1,46 @@
+"""The host gather leaves the engine's threads alone: no process-wide torch thread setting is
+changed, its thread count is an option (default: the node's cores shared by its processes), and
+bad option values are refused before anything is allocated."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import engram
+from engram.table import host_gather
+from engram.table.host_gather import default_gather_threads
+
+
+def test_worker_changes_no_thread_setting_of_the_process():
+    before = torch.get_num_threads()
+    worker = host_gather._shared_worker()
+    assert worker.submit(torch.get_num_threads).result() == before  # the worker runs with the process's count
+    seen = []
+    later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert seen == [before] and torch.get_num_threads() == before
+
+
+def test_default_gather_threads_splits_the_cores_between_local_processes(monkeypatch):
+    monkeypatch.setattr(host_gather, "_usable_cores", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_gather_threads() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_gather_threads() == 2
+    assert default_gather_threads(processes_per_node=32) == 1   # at least one
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "garbage")
+    assert default_gather_threads() == 16
+
+
+@pytest.mark.parametrize("placement", ["host", "cached"])
+@pytest.mark.parametrize("option,value", [("gather_threads", 0), ("gather_threads", 2.5), ("gather_threads", True),
+                                          ("direct_max_rows", -1), ("direct_max_rows", "all")])
+def test_bad_placement_options_name_the_option(placement, option, value):
+    values = torch.zeros(4, 32, dtype=torch.uint8)
+    scales = torch.full((4, 1), 127, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=f"{option}: expected an integer >= "):
+        engram.EngramTable(values, scales, placement=placement, placement_options={option: value})
