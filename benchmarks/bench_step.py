@@ -275,7 +275,8 @@ class StepRun:
                 self._eager()
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # thread_local: the host gather's worker threads may touch CUDA while this thread captures
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.output = self._eager()
             self.graph.replay()
             self._after()
@@ -401,13 +402,41 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
         phase["steps_cut"] = f"cut to {steps} steps per variant by the time budget"
         print(f"  {phase['steps_cut']}", flush=True)
     samples = {run.variant.name: [] for run in runs}
-    for round_index in range(steps):
-        shift = round_index % max(len(runs), 1)
-        for run in runs[shift:] + runs[:shift]:
-            samples[run.variant.name].append(run.timed())
-    for run in runs:
-        run.release()
+    counters_before = table_counters(setup.memories)
     phase["steps"] = steps
+    try:
+        for round_index in range(steps):
+            shift = round_index % max(len(runs), 1)
+            for run in runs[shift:] + runs[:shift]:
+                try:
+                    samples[run.variant.name].append(run.timed())
+                except Exception as error:  # noqa: BLE001 - drop this variant, keep the others
+                    report.error(f"{mode} T={tokens} {run.variant.name} step", error)
+                    runs.remove(run)
+                    run.release()
+    finally:  # what was measured is kept, also when the run is stopped mid-phase
+        for run in runs:
+            run.release()
+        summarize(phase, samples, setup)
+        phase["table_counters"] = counter_changes(counters_before, table_counters(setup.memories))
+    if tokens == 8192 and setup.cuda and "host" in setup.memories:
+        host = setup.memories["host"]
+
+        def make_ids():
+            inputs.refresh()
+            return inputs.hash(host)[:, 0, :]
+
+        try:
+            report["host_path_T8192"] = step_probes.host_path_alone(host.table(host.layer_ids[0]), make_ids)
+            print(f"  host path alone, T=8192 (prefetch to rows ready): {report['host_path_T8192']}", flush=True)
+        except Exception as error:  # noqa: BLE001
+            report.error("host path alone at T=8192", error)
+    phase["seconds"] = time.perf_counter() - started
+    return phase
+
+
+def summarize(phase: dict, samples: dict[str, list[float]], setup: Setup) -> None:
+    """Each variant's spread, and its median against ``none`` and ``device`` (in %)."""
     none_ms = statistics.median(samples["none"]) if samples.get("none") else None
     device_ms = statistics.median(samples["device"]) if samples.get("device") else None
     for name, values in samples.items():
@@ -419,17 +448,25 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
     if none_ms:
         phase["decoder_layer_share_of_none"] = phase["decoder_layer_us"] * setup.decoder.shape.layers / 1e3 / none_ms
         phase["floor_pct_of_none"] = 100 * phase["floor_us"] / 1e3 / none_ms
-    if tokens == 8192 and setup.cuda and "host" in setup.memories:
-        host = setup.memories["host"]
 
-        def make_ids():
-            inputs.refresh()
-            return inputs.hash(host)[:, 0, :]
 
-        report["host_path_T8192"] = step_probes.host_path_alone(host.table(host.layer_ids[0]), make_ids)
-        print(f"  host path alone, T=8192 (prefetch to rows ready): {report['host_path_T8192']}", flush=True)
-    phase["seconds"] = time.perf_counter() - started
-    return phase
+def table_counters(memories: dict) -> dict:
+    """Per memory and layer, the host-side counters tables keep where this version has them: prefetches
+    served / dropped (``EngramTable.prefetches``) and, for ``cached``, lookups per path."""
+    found = {}
+    for kind, memory in memories.items():
+        for layer_id in memory.layer_ids:
+            table = memory.table(layer_id)
+            counts = dict(getattr(table, "prefetches", {}) or {})
+            counts.update({f"lookups_{k}": v for k, v in (getattr(table.storage, "lookups", {}) or {}).items()})
+            if counts:
+                found[f"{kind}/{layer_id}"] = counts
+    return found
+
+
+def counter_changes(before: dict, after: dict) -> dict:
+    return {key: {name: value - before.get(key, {}).get(name, 0) for name, value in counts.items()}
+            for key, counts in after.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -562,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         report["seconds"] = time.perf_counter() - begun
         report.write()
         print_table(report)
-    return 0
+    return 1 if report.get("errors") else 0
 
 
 def print_table(report: dict) -> None:
