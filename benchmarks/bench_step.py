@@ -17,9 +17,12 @@ kv_ahead=True)``, where this version has it); ``seed`` (the seed's design: place
 every row read over PCIe by the gather kernel, on the main stream). Placement ``cached`` calls
 ``memory.update_cache`` after each step, inside the timed step (an engine pays it per step).
 
-Measuring: the variants interleaved (rounds of one step each, the order rotated per round), each
-step timed with CUDA events, fresh random token ids per step from a seeded generator; medians and
-spreads (IQR, min-max). In the same run: one decoder layer alone, the floor (the two Engram layers'
+Measuring: before a prefill phase one prefetched pass of the Engram layers per host placement grows
+the host gathers' buffers (an engine's warm-up batch), then each variant's warm-up steps (on the same
+token ids: every variant's output is compared with ``device``'s), then the variants interleaved
+(rounds of one step each, the order rotated per round), each step timed with CUDA events, fresh
+random token ids per step from a seeded generator; medians and spreads (IQR, min-max). A watchdog
+writes the report and ends the run when a warm-up or step stalls (``--stall-s``). In the same run: one decoder layer alone, the floor (the two Engram layers'
 wkv + gate with their rows already on the device), one Engram layer alone (``device``, graph), the
 copy engine's rate, the host's random-row gather ceiling (``host_gather_ceiling.c``) and the host
 path's own end-to-end rate at T = 8192. Writes ``results/step-h200.json`` (and a copy to ``$OUT``)
@@ -39,6 +42,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -55,8 +59,9 @@ import step_engram  # noqa: E402
 import step_probes  # noqa: E402
 
 DECODE_TOKENS, PREFILL_TOKENS = (1, 64, 256), (4096, 8192)
-# Run order: the headline phases first, so a run cut short by its budget still has them.
-PRIORITY = (("decode", 64), ("prefill", 8192), ("decode", 1), ("decode", 256), ("prefill", 4096))
+# Run order: decode and T = 4096 first (every host read there takes the direct path), then T = 8192, the one
+# phase whose host variants run the host gather: a stall there (see Watchdog) loses nothing before it.
+PRIORITY = (("decode", 64), ("decode", 1), ("decode", 256), ("prefill", 4096), ("prefill", 8192))
 VARIANTS = (("none", None, None), ("device", "device", "inline"),
             ("host_inline", "host", "inline"), ("host_prefetch", "host", "prefetch"),
             ("host_kv_ahead", "host", "kv_ahead"),
@@ -179,6 +184,43 @@ class Clock:
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+
+
+class Watchdog:
+    """Ends the run with its report written when one armed piece of work (a warm-up, a step) runs past
+    ``limit_s``, or the run past its deadline: a step blocked inside CUDA never returns to Python, so
+    neither an exception nor SIGTERM would reach the code that writes the report."""
+
+    def __init__(self, report: "Report", limit_s: float, deadline: float, grace_s: float = 30.0):
+        self.report, self.limit_s, self.deadline, self.grace_s = report, limit_s, deadline, grace_s
+        self.what, self.since = None, 0.0
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="bench-step-watchdog", daemon=True).start()
+
+    def arm(self, what: str) -> None:
+        self.what, self.since = what, time.perf_counter()
+
+    def disarm(self) -> None:
+        self.what = None
+
+    def stop(self) -> None:
+        self.what = None
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(1.0):
+            what, now = self.what, time.perf_counter()
+            late = now > self.deadline + self.grace_s
+            if what is not None and (now - self.since > self.limit_s or late):
+                why = "the run's deadline" if late else f"{self.limit_s:.0f} s"
+                self.report["stalled"] = {"what": what, "seconds": now - self.since, "limit": why}
+                print(f"\nSTALLED: {what} ran {now - self.since:.0f} s (past {why}); writing the report and "
+                      "exiting", flush=True)
+                try:
+                    self.report.write()
+                    print_table(self.report)
+                finally:
+                    os._exit(3)
 
 
 def time_us(call, cuda: bool, graph: bool = True) -> float:
@@ -315,6 +357,7 @@ class Setup:
     deadline: float
     min_steps: int
     warmups: int
+    watchdog: Watchdog | None = None
     keep: list = field(default_factory=list)         # what must outlive the tables (pinned rows)
     plan_order: list = field(default_factory=list)   # the phases, in run order
     done: set = field(default_factory=set)
@@ -353,6 +396,8 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
              "equal_to_device": {}}
     report.setdefault("phases", []).append(phase)
 
+    guard = setup.watchdog.arm if setup.watchdog else (lambda what: None)
+    guard(f"{mode} T={tokens}: decoder layer, floor and Engram layer alone")
     layer_us = time_us(lambda: setup.decoder.layer(inputs.hidden, plan), setup.cuda)
     phase["decoder_layer_us"] = layer_us
     phase["decoder_layer_TFLOPs"] = setup.decoder.flops(tokens) / (layer_us * 1e-6) / 1e12
@@ -366,6 +411,13 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
           f"floor (2 Engram layers, wkv + gate) {phase['floor_us']:.1f} us, one Engram layer (device) "
           f"{one_layer:.1f} us", flush=True)
 
+    if not decode and setup.cuda:
+        phase["prewarm_s"] = {}
+        for kind in ("host", "cached", "seed"):
+            if kind in setup.memories:
+                guard(f"{mode} T={tokens}: prewarm {kind}")
+                phase["prewarm_s"][kind] = prewarm(setup.memories[kind], inputs, setup.api)
+
     runs, reference = [], None
     for variant in setup.variants:
         if variant.status is not None:
@@ -375,6 +427,7 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
         run = StepRun(variant, memory, setup.decoder, plan, inputs, setup.clock, graph,
                       setup.api["forward_layer_takes_prefetch"])
         try:
+            guard(f"{mode} T={tokens}: {variant.name} warm-up")
             first, warm_ms = run.prepare(setup.warmups)
         except Exception as error:  # noqa: BLE001 - one variant's failure must not stop the others
             report.error(f"{mode} T={tokens} {variant.name} warm-up", error)
@@ -409,6 +462,7 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
             shift = round_index % max(len(runs), 1)
             for run in runs[shift:] + runs[:shift]:
                 try:
+                    guard(f"{mode} T={tokens}: {run.variant.name} step {round_index}")
                     samples[run.variant.name].append(run.timed())
                 except Exception as error:  # noqa: BLE001 - drop this variant, keep the others
                     report.error(f"{mode} T={tokens} {run.variant.name} step", error)
@@ -419,6 +473,9 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
             run.release()
         summarize(phase, samples, setup)
         phase["table_counters"] = counter_changes(counters_before, table_counters(setup.memories))
+    if "cached" in setup.memories:
+        guard(f"{mode} T={tokens}: update_cache alone")
+        phase["update_cache_ms"] = update_cache_ms(setup.memories["cached"], inputs, setup.clock)
     if tokens == 8192 and setup.cuda and "host" in setup.memories:
         host = setup.memories["host"]
 
@@ -427,12 +484,40 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
             return inputs.hash(host)[:, 0, :]
 
         try:
+            guard("host path alone at T=8192")
             report["host_path_T8192"] = step_probes.host_path_alone(host.table(host.layer_ids[0]), make_ids)
             print(f"  host path alone, T=8192 (prefetch to rows ready): {report['host_path_T8192']}", flush=True)
         except Exception as error:  # noqa: BLE001
             report.error("host path alone at T=8192", error)
+    if setup.watchdog:
+        setup.watchdog.disarm()
     phase["seconds"] = time.perf_counter() - started
     return phase
+
+
+def prewarm(memory, inputs, api: dict) -> float:
+    """One prefetched pass of the Engram layers alone at this T (as an engine's warm-up batch), synced:
+    the host gathers' staging and pinned id buffers are allocated here, outside any step. Seconds."""
+    started = time.perf_counter()
+    hash_ids = inputs.hash(memory)
+    handle = memory.prefetch(hash_ids)
+    handed = {"prefetch": handle} if handle is not None and api["forward_layer_takes_prefetch"] else {}
+    h = inputs.hidden
+    for layer_id in memory.layer_ids:
+        h = memory.forward_layer(layer_id, h, hash_ids, **handed)
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def update_cache_ms(memory, inputs, clock: Clock, repeats: int = 5) -> float:
+    """Median ms of ``memory.update_cache`` alone on fresh hash ids (part of each ``cached`` step)."""
+    samples = []
+    for _ in range(repeats):
+        inputs.refresh()
+        hash_ids = inputs.hash(memory)
+        clock.sync()
+        samples.append(clock.time(lambda: memory.update_cache(hash_ids)))
+    return statistics.median(samples)
 
 
 def summarize(phase: dict, samples: dict[str, list[float]], setup: Setup) -> None:
@@ -472,7 +557,7 @@ def counter_changes(before: dict, after: dict) -> dict:
 # ---------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------
-def build(args, report: Report) -> Setup:
+def build(args, report: Report, watchdog: Watchdog | None) -> Setup:
     from engram.table.host_rows import packed_row_bytes
 
     cuda = torch.cuda.is_available()
@@ -519,7 +604,7 @@ def build(args, report: Report) -> Setup:
           f"({', '.join(kinds)}); prefetch API {api}; setup {time.perf_counter() - started:.1f} s", flush=True)
     variants = make_variants(memories, api, cuda)
     return Setup(cuda, device, decoder, memories, variants, api, spec, generator, Clock(cuda), args.steps,
-                 report.deadline, args.min_steps, 1 if args.smoke else 2, keep)
+                 report.deadline, args.min_steps, 1 if args.smoke else 2, watchdog, keep)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -538,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling-gib", type=int, default=26, help="table of the C ceiling probe (GiB)")
     parser.add_argument("--ceiling-threads", default="8,12,14,16")
     parser.add_argument("--seed", type=int, default=20261201)
+    parser.add_argument("--stall-s", type=float, default=120.0,
+                        help="a warm-up or step running longer ends the run, its report written")
     args = parser.parse_args(argv)
     begun = time.perf_counter()
     if args.steps is None:
@@ -562,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"stopped by signal {signum}")
 
     previous_handler = signal.signal(signal.SIGTERM, stop)
+    watchdog = None
     try:
         if cuda:  # before the pinned tables take the host's memory
             report["host_gather_ceiling"] = step_probes.host_gather_ceiling(args.ceiling_gib, args.ceiling_threads,
@@ -575,7 +663,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"copy engine, pinned host -> device: {report['copy_engine_GBps']:.1f} GB/s", flush=True)
         else:
             report["host_gather_ceiling"] = {"skipped": "no CUDA (smoke on the CPU)"}
-        setup = build(args, report)
+        watchdog = Watchdog(report, args.stall_s, report.deadline)
+        watchdog.arm("setup (tables, weights, GEMM checks)")
+        setup = build(args, report, watchdog)
+        watchdog.disarm()
         report.write()
         wanted = [(m, t) for m, t in PRIORITY if (m == "decode" and t in decode) or (m == "prefill" and t in prefill)]
         wanted += [("decode", t) for t in decode if ("decode", t) not in wanted]
@@ -595,6 +686,8 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 torch.cuda.empty_cache()
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         signal.signal(signal.SIGTERM, previous_handler)
         report["seconds"] = time.perf_counter() - begun
         report.write()

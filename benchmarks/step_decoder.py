@@ -12,16 +12,18 @@ groups, 384 routed experts of 2304, 6 per token, 1 shared expert), on the GPU's 
   fails, see :func:`choose_forms`).
 
 GEMMs are ``torch._scaled_mm`` with rowwise fp32 scales (FP8 E4M3 operands, bf16 out); where this
-build has no ``torch._scaled_mm`` for the device (:func:`fp8_gemm_available`), plain bf16 ``torch.mm``. Between them only what the data flow needs: FP8 casts of
-the activations, the hyper-connection mix of the residual ``h [T, hc, hidden]`` before each
-sub-layer (a mean over ``hc``) and its update after it (an add), the gate * up product of the
-experts, the dispatch copy of the routed rows and the sum over a token's 6 experts.
+build has no ``torch._scaled_mm`` for the device (:func:`fp8_gemm_available`), plain bf16 ``torch.mm``.
+Between them only what the data flow needs: before each sub-layer the hyper-connection mix of the
+residual ``h [T, hc, hidden]`` (a mean over ``hc``) and an RMSNorm (the model's; it also keeps the
+E4M3 casts in range: unnormalized, the gate * up products grow quadratically layer after layer and
+overflow to NaN), FP8 casts of the activations, the gate * up product of the experts, the dispatch
+copy of the routed rows, the sum over a token's 6 experts, and the residual update (an add).
 
 Left out: the attention core (and its KV cache) and the all-to-all of expert parallelism. Both make a
 real step longer, so Engram's share of this stand-in's step is an upper bound.
 
 One layer's weights (1.7 GB of FP8 at V4.1 shapes, far beyond the 60 MB L2) serve every layer.
-Values stay in range: weights N(0, 1 / K) (E4M3 bytes of N(0, 16^2), scale 1 / (16 sqrt K)),
+Values stay in range: weights N(0, 1 / K) (E4M3 bytes of N(0, 16^2), scale 1 / (16 sqrt K)), normalized
 activations ~N(0, 1), residual updates added at half weight.
 """
 
@@ -216,15 +218,19 @@ class Decoder:
     def weight_bytes(self) -> int:
         return sum(w.nbytes for w in self.weights.values())
 
+    def _norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The sub-layer input: ``h [T, hc, hidden]`` mixed over ``hc``, RMS-normalized (bf16 ``[T, hidden]``)."""
+        return torch.nn.functional.rms_norm(h.mean(dim=1), (self.shape.hidden,), eps=1e-6)
+
     def layer(self, h: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
         """``h`` bf16 ``[T, hc, hidden]`` -> the next layer's ``h``."""
         g, e = self.gemms, self.shape.expert_dim
-        x8 = g.cast(h.mean(dim=1))
+        x8 = g.cast(self._norm(h))
         q = g.linear(g.cast(g.linear(x8, self.q_a)), self.q_b)  # queries: what the attention core would read
         g.linear(x8, self.kv)                                   # the KV latent the attention core would cache
         attention = g.linear(g.grouped_o(g.cast(q), self.o_a), self.o_b)
         h = torch.add(h, attention.unsqueeze(1), alpha=0.5)
-        y8 = g.cast(h.mean(dim=1))
+        y8 = g.cast(self._norm(h))
         shared = g.linear(y8, self.shared_up)
         shared = g.linear(g.cast(shared[:, :e] * shared[:, e:]), self.shared_down)
         routed_in = (y8.view(torch.uint8).index_select(0, plan.route).view(y8.dtype) if g.fp8

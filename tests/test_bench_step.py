@@ -209,3 +209,44 @@ def test_prefetched_step_equals_the_inline_step(bench, seed):
     before = inputs.input_ids.clone()
     inputs.refresh()
     assert not torch.equal(before, inputs.input_ids)
+
+
+def test_stand_in_keeps_fp8_operands_in_range_through_40_layers(monkeypatch, seed):
+    """Every activation the stand-in casts to E4M3 stays below its largest value (448; on the GPU anything
+    beyond becomes NaN) through a V4.1-deep stack, also after an Engram-sized kick to the residual."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_decoder
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = step_decoder.DecoderShape(**{**step_decoder.SMOKE.__dict__, "layers": 40})
+    decoder = step_decoder.Decoder(shape, step_decoder.Gemms(fp8=step_decoder.fp8_gemm_available("cpu")),
+                                   generator, "cpu")
+    step_decoder.choose_forms(decoder, generator)
+    largest = []
+    cast = decoder.gemms.cast
+    monkeypatch.setattr(decoder.gemms, "cast", lambda x: (largest.append(float(x.float().abs().max())), cast(x))[1])
+    plan = step_decoder.routing_plan(shape, 4, "cpu")
+    h = (torch.randn(4, shape.hc, shape.hidden, generator=generator) * 30).to(torch.bfloat16)
+    for _ in range(shape.layers):
+        h = decoder.layer(h, plan)
+    assert len(largest) == 40 * 7 and max(largest) < 448, max(largest)
+    assert bool(torch.isfinite(h).all())
+
+
+def test_watchdog_writes_the_report_and_ends_a_stalled_run(tmp_path):
+    """A step stuck inside CUDA never returns to Python: the watchdog thread writes what finished and exits."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "stalled.json"
+    code = (f"import sys, time; sys.path.insert(0, {str(BENCHMARKS)!r}); import bench_step\n"
+            f"report = bench_step.Report(__import__('pathlib').Path({str(path)!r}), device='cpu', torch='-', "
+            "triton='-', commit='-', date='-', phases=[])\n"
+            "dog = bench_step.Watchdog(report, limit_s=1.0, deadline=time.perf_counter() + 60)\n"
+            "dog.arm('a stuck step'); time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "PYTHONPATH": str(BENCHMARKS.parent / "src")})
+    assert done.returncode == 3, done.stdout + done.stderr
+    report = json.loads(path.read_text())
+    assert report["stalled"]["what"] == "a stuck step" and report["stalled"]["seconds"] >= 1.0
+    assert "STALLED: a stuck step" in done.stdout
