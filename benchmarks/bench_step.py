@@ -607,6 +607,17 @@ def build(args, report: Report, watchdog: Watchdog | None) -> Setup:
                  report.deadline, args.min_steps, 1 if args.smoke else 2, watchdog, keep)
 
 
+def token_counts(text: str) -> list[int]:
+    """``--decode-tokens`` / ``--prefill-tokens``: comma-separated positive integers (empty: none)."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts such as 1,64,256, found {text!r}")
+    if any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(f"expected token counts >= 1, found {text!r}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few steps (the CPU smoke test)")
@@ -615,8 +626,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant and T (default 20, smoke 2)")
     parser.add_argument("--min-steps", type=int, default=10, help="fewest steps the time budget may cut a phase to")
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run")
-    parser.add_argument("--decode-tokens", default=None, help="comma-separated decode T (default 1,64,256)")
-    parser.add_argument("--prefill-tokens", default=None, help="comma-separated prefill T (default 4096,8192)")
+    parser.add_argument("--decode-tokens", type=token_counts, default=None,
+                        help="comma-separated decode T (default 1,64,256)")
+    parser.add_argument("--prefill-tokens", type=token_counts, default=None,
+                        help="comma-separated prefill T (default 4096,8192; smoke 128)")
     parser.add_argument("--table-gib", type=float, default=25.5, help="size of each Engram table (GiB)")
     parser.add_argument("--distinct-rows", type=int, default=1 << 22,
                         help="random rows drawn per host table, repeated through it")
@@ -630,10 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is None:
         args.steps = 2 if args.smoke else 20
     args.min_steps = min(args.min_steps, args.steps)
-    decode = [int(t) for t in args.decode_tokens.split(",")] if args.decode_tokens else list(DECODE_TOKENS)
-    prefill = [int(t) for t in args.prefill_tokens.split(",")] if args.prefill_tokens else list(PREFILL_TOKENS)
-    if args.smoke and args.prefill_tokens is None:
-        prefill = [128]
+    decode = list(DECODE_TOKENS) if args.decode_tokens is None else args.decode_tokens
+    prefill = ([128] if args.smoke else list(PREFILL_TOKENS)) if args.prefill_tokens is None else args.prefill_tokens
     path = args.json or HERE / "results" / ("step-smoke.json" if args.smoke else "step-h200.json")
 
     import triton

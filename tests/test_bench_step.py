@@ -250,3 +250,12 @@ def test_watchdog_writes_the_report_and_ends_a_stalled_run(tmp_path):
     report = json.loads(path.read_text())
     assert report["stalled"]["what"] == "a stuck step" and report["stalled"]["seconds"] >= 1.0
     assert "STALLED: a stuck step" in done.stdout
+
+
+def test_bad_token_counts_are_one_clear_error(bench, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--smoke", "--decode-tokens", "1,x"])
+    assert stopped.value.code == 2
+    assert "--decode-tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--prefill-tokens", "0"])
