@@ -85,11 +85,16 @@ class Recorder:
 # ---------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------
-def fp8_weight(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weight float8_e4m3fn [N, K], scale uint8 [N / 128, K / 128])`` on the GPU: N(0, 1 / K)
-    quantized per 128 x 128 block with power-of-two (UE8M0) scales."""
-    dense = torch.randn(OUT_FEATURES, IN_FEATURES, device=DEVICE, generator=generator) / IN_FEATURES ** 0.5
-    amax = dense.reshape(OUT_FEATURES // 128, 128, IN_FEATURES // 128, 128).abs().amax(dim=(1, 3))
+def fp8_weight(generator: torch.Generator, out_features: int | None = None, in_features: int | None = None,
+               device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight float8_e4m3fn [N, K], scale uint8 [N / 128, K / 128])`` on ``device`` (default the
+    benchmark's GPU; N, K default V4.1's wkv, multiples of 128): N(0, 1 / K) quantized per 128 x 128
+    block with power-of-two (UE8M0) scales."""
+    out_features = OUT_FEATURES if out_features is None else out_features
+    in_features = IN_FEATURES if in_features is None else in_features
+    dense = torch.randn(out_features, in_features, device=DEVICE if device is None else device,
+                        generator=generator) / in_features ** 0.5
+    amax = dense.reshape(out_features // 128, 128, in_features // 128, 128).abs().amax(dim=(1, 3))
     mantissa, exponent = torch.frexp(amax)
     scale = (exponent - 9 + (mantissa > 0.875).to(exponent.dtype) + 127).to(torch.uint8)
     factors = torch.exp2(scale.float() - 127).repeat_interleave(128, 0).repeat_interleave(128, 1)

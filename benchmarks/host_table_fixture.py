@@ -39,23 +39,28 @@ def gpu_us(call, graph: bool = False) -> float:
     return triton.testing.do_bench(captured.replay, warmup=10, rep=100, return_mode="median") * 1e3
 
 
-def host_table(rows: int, head_dim: int = HEAD_DIM, seed: int = 0) -> engram.EngramTable:
+def host_table(rows: int, head_dim: int = HEAD_DIM, seed: int = 0,
+               distinct_rows: int | None = None) -> engram.EngramTable:
     """A placement "host" table of ``rows`` random rows (E4M3 bytes below NaN, scales 0..126) on
-    ``cuda``; its rows stay alive with the table (``table.storage.host_buffer``)."""
+    ``cuda``; its rows stay alive with the table (``table.storage.host_buffer``). ``distinct_rows``:
+    draw only that many random rows and repeat them through the table (the fill is then host-to-host
+    copies, without a device-to-host copy per GiB; reads move the same bytes), else every row is drawn."""
     from engram.table.host_memory import allocate_host_buffer
 
     started = time.perf_counter()
     row_bytes = packed_row_bytes(head_dim)
     generator = torch.Generator("cuda").manual_seed(seed)
 
+    def random_rows(count: int) -> torch.Tensor:
+        return torch.randint(0, 0x7F, (count, row_bytes), dtype=torch.uint8, device="cuda", generator=generator)
+
     def fill(buffer: torch.Tensor) -> None:
         packed = PackedRows.view_of(buffer, rows, head_dim).packed
-        piece = (1 << 30) // row_bytes
+        pattern = None if distinct_rows is None else random_rows(min(rows, distinct_rows)).cpu()
+        piece = (1 << 30) // row_bytes if pattern is None else pattern.shape[0]
         for first in range(0, rows, piece):
             last = min(rows, first + piece)
-            random = torch.randint(0, 0x7F, (last - first, row_bytes), dtype=torch.uint8, device="cuda",
-                                   generator=generator)
-            packed[first:last].copy_(random.cpu())
+            packed[first:last].copy_(random_rows(last - first).cpu() if pattern is None else pattern[:last - first])
         packed[:-1, head_dim + head_dim // 32:].zero_()
 
     nbytes = (rows + 1) * row_bytes

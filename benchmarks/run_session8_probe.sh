@@ -10,16 +10,16 @@ case "${1:-}" in
 host-and-gemm)
   lscpu | head -25; cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag; free -g
   nvcc --version | tail -2; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv
-  cc -O3 -pthread -o /tmp/probe_host_dram benchmarks/probe_host_dram.c && /tmp/probe_host_dram 32 1,2,4,8,12,14,16 0,16,32 2>&1 | tee $OUT/host-dram-h200.log
+  cc -O3 -pthread -o /tmp/host_gather_ceiling benchmarks/host_gather_ceiling.c && /tmp/host_gather_ceiling 32 1,2,4,8,12,14,16 0,16,32 2>&1 | tee $OUT/host-dram-h200.log
   python benchmarks/probe_wkv_l2_prefetch.py --json $OUT/wkv-l2-prefetch-h200.json 2>&1 | grep -v Warn | tee $OUT/wkv-l2-prefetch-h200.log
   for w in 1024 131072; do CUBLASLT_WORKSPACE_SIZE=$w python benchmarks/probe_wkv_l2_prefetch.py --gemm-only 2>&1 | grep -v Warn | tee -a $OUT/wkv-l2-prefetch-h200.log; done
   ;;
 pages-split-layer)
-  cc -O3 -pthread -o /tmp/probe_host_dram benchmarks/probe_host_dram.c
-  { /tmp/probe_host_dram 4 8,14,16 0,16
-    /tmp/probe_host_dram 32 8,14,16 0,16
+  cc -O3 -pthread -o /tmp/host_gather_ceiling benchmarks/host_gather_ceiling.c
+  { /tmp/host_gather_ceiling 4 8,14,16 0,16
+    /tmp/host_gather_ceiling 32 8,14,16 0,16
     echo 34 > /sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages; cat /sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages
-    /tmp/probe_host_dram 32 8,14,16 0,16 1g
+    /tmp/host_gather_ceiling 32 8,14,16 0,16 1g
     echo 0 > /sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages; } 2>&1 | tee $OUT/host-dram-pages-h200.log
   python benchmarks/probe_scaled_mm_split.py --json $OUT/scaled-mm-split-h200.json 2>&1 | grep -v Warn | tee $OUT/scaled-mm-split-h200.log
   python benchmarks/bench_layer.py --no-sweep --tokens 64,8192 2>&1 | grep -v Warn | tail -40 | tee $OUT/bench-layer-t64-t8192.log

@@ -1,5 +1,5 @@
 /*
- * What can the host's memory give a row gather? (issue 11: 40 GB/s of 272-byte rows at T = 8192)
+ * The host gather ceiling: what the host's memory gives a row gather (272-byte rows, T = 8192 x 24)
  *
  * Plain C, pthreads, no Python: the ceiling of the host gather on this machine, apart from the
  * library's thread pool and ctypes calls. A table of GIB GiB (anonymous memory, 2 MiB pages
@@ -11,8 +11,8 @@
  * Prints, per (threads, distance): median ms of 5 gathers and GB/s of row bytes; also one
  * thread's dependent-load latency over the table (ns per hop) and the sequential read rate.
  *
- *   cc -O3 -pthread -o /tmp/probe_host_dram benchmarks/probe_host_dram.c
- *   /tmp/probe_host_dram 32 1,2,4,8,12,14,16 0,16,32 [1g]
+ *   cc -O3 -pthread -o /tmp/host_gather_ceiling benchmarks/host_gather_ceiling.c
+ *   /tmp/host_gather_ceiling 32 1,2,4,8,12,14,16 0,16,32 [1g]
  * (1g: the table on 1 GiB hugetlb pages, reserved beforehand as root.)
  */
 #define _GNU_SOURCE

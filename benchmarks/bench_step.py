@@ -1,0 +1,746 @@
+"""Decoder-step benchmark: what Engram adds to a whole served decoder step, on one GPU, in one call.
+
+The step: a stand-in for the 40 decoder layers of DeepSeek-V4.1-Flash as one GPU runs them under
+8-way data-parallel attention and expert parallelism (``step_decoder.py``: FP8 GEMMs of the
+attention projections, the shared expert and 48 local routed experts; no attention core, no
+all-to-all, so Engram's shares here are upper bounds), with Engram at layers 1 and 14 through the
+public API (``step_engram.py``): ``memory.hasher(...)`` once per step on the step's token ids, then
+``memory.forward_layer`` before decoder layers 1 and 14.
+
+Steps: decode, T in {1, 64, 256}, as CUDA-graph replays of the whole step (hasher and forward_layer
+included); prefill / mixed, T in {4096, 8192}, eager (chunks of 2048 tokens).
+
+Variants per T: ``none`` (no Engram); ``device`` (HBM tables); ``host`` and ``cached``, each inline,
+prefetched (``memory.prefetch(hash_ids)`` right after hashing; a returned handle goes to
+``forward_layer(..., prefetch=handle)``) and with kv ahead (``memory.prefetch(hash_ids,
+kv_ahead=True)``, where this version has it); ``seed`` (the seed's design: placement ``host`` with
+every row read over PCIe by the gather kernel, on the main stream). Placement ``cached`` calls
+``memory.update_cache`` after each step, inside the timed step (an engine pays it per step).
+
+Measuring: before a prefill phase one prefetched pass of the Engram layers per host placement grows
+the host gathers' buffers (an engine's warm-up batch), then each variant's warm-up steps (on the same
+token ids: every variant's output is compared with ``device``'s), then the variants interleaved
+(rounds of one step each, the order rotated per round), each step timed with CUDA events, fresh
+random token ids per step from a seeded generator; medians and spreads (IQR, min-max). A watchdog
+writes the report and ends the run when a warm-up or step stalls (``--stall-s``). In the same run: one decoder layer alone, the floor (the two Engram layers'
+wkv + gate with their rows already on the device), one Engram layer alone (``device``, graph), the
+copy engine's rate, the host's random-row gather ceiling (``host_gather_ceiling.c``) and the host
+path's own end-to-end rate at T = 8192. Writes ``results/step-h200.json`` (and a copy to ``$OUT``)
+after every phase, so a cut-off run keeps what finished.
+
+    PYTHONPATH=src python benchmarks/bench_step.py             # GPU
+    PYTHONPATH=src python benchmarks/bench_step.py --smoke     # tiny shapes; on the CPU without CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+import step_decoder  # noqa: E402
+import step_engram  # noqa: E402
+import step_probes  # noqa: E402
+
+DECODE_TOKENS, PREFILL_TOKENS = (1, 64, 256), (4096, 8192)
+# Run order: decode and T = 4096 first (every host read there takes the direct path), then T = 8192, the one
+# phase whose host variants run the host gather: a stall there (see Watchdog) loses nothing before it.
+PRIORITY = (("decode", 64), ("decode", 1), ("decode", 256), ("prefill", 4096), ("prefill", 8192))
+VARIANTS = (("none", None, None), ("device", "device", "inline"),
+            ("host_inline", "host", "inline"), ("host_prefetch", "host", "prefetch"),
+            ("host_kv_ahead", "host", "kv_ahead"),
+            ("cached_inline", "cached", "inline"), ("cached_prefetch", "cached", "prefetch"),
+            ("cached_kv_ahead", "cached", "kv_ahead"), ("seed", "seed", "inline"))
+LEFT_OUT = ("the stand-in leaves out the attention core (and its KV cache) and the all-to-all of expert "
+            "parallelism; both make a real step longer, so Engram's shares here are upper bounds")
+
+
+# ---------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------
+class Report(dict):
+    """The JSON report, written whole after every phase (and once more at the end)."""
+
+    def __init__(self, path: Path, **fields):
+        super().__init__(**fields)
+        self.path = path
+
+    def write(self) -> None:
+        self.update(headline(self))
+        text = json.dumps(self, indent=2, default=str)
+        targets = [self.path]
+        out = os.environ.get("OUT")
+        if out and Path(out).is_dir() and Path(out).resolve() != self.path.parent.resolve():
+            targets.append(Path(out) / self.path.name)
+        for target in targets:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+
+    def error(self, what: str, error: BaseException) -> None:
+        text = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+        print(f"FAILED {what}: {text}", flush=True)
+        traceback.print_exc(limit=4)
+        self.setdefault("errors", []).append({"what": what, "error": text})
+
+
+def _commit() -> str:
+    if os.environ.get("ENGRAM_COMMIT"):
+        return os.environ["ENGRAM_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def spread(samples: list[float]) -> dict:
+    """Median, quartiles, min, max (ms) of one variant's steps."""
+    ordered = sorted(samples)
+    quartiles = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
+    return {"median_ms": statistics.median(ordered), "p25_ms": quartiles[0], "p75_ms": quartiles[2],
+            "min_ms": ordered[0], "max_ms": ordered[-1], "n": len(ordered)}
+
+
+def _pct(value, base):
+    return None if value is None or not base else 100 * (value - base) / base
+
+
+def _phase(report: dict, mode: str, tokens: int) -> dict | None:
+    return next((p for p in report.get("phases", []) if p["mode"] == mode and p["T"] == tokens), None)
+
+
+def _median(phase: dict | None, name: str):
+    if phase is None:
+        return None
+    return phase["variants"].get(name, {}).get("median_ms")
+
+
+def _best(phase: dict | None, names: tuple[str, ...]):
+    found = [m for m in (_median(phase, n) for n in names) if m is not None]
+    return min(found) if found else None
+
+
+def headline(report: dict) -> dict:
+    """The keys the task asks for, from what has finished (None where its phase did not run)."""
+    decode64, prefill = _phase(report, "decode", 64), _phase(report, "prefill", 8192)
+    device_prefill, device_decode = _median(prefill, "device"), _median(decode64, "device")
+    none_prefill = _median(prefill, "none")
+    floor_prefill = None if prefill is None or prefill.get("floor_us") is None else prefill["floor_us"] / 1e3
+    over_floor = None
+    if None not in (device_prefill, none_prefill, floor_prefill):
+        over_floor = 100 * (device_prefill - none_prefill - floor_prefill) / none_prefill
+    ceiling = (report.get("host_gather_ceiling") or {}).get("best_GBps")
+    alone = report.get("host_path_T8192") or {}
+    return {
+        "host_vs_device_prefill_T8192_pct": _pct(_best(prefill, ("host_prefetch", "host_kv_ahead")), device_prefill),
+        "host_vs_device_decode_T64_pct": _pct(_best(decode64, ("host_prefetch", "host_kv_ahead")), device_decode),
+        "cached_vs_device_prefill_T8192_pct": _pct(_best(prefill, ("cached_prefetch", "cached_kv_ahead")),
+                                                   device_prefill),
+        "common_vs_device_prefill_T8192_pct": _pct(_median(prefill, "seed"), device_prefill),
+        "device_over_floor_prefill_T8192_pct": over_floor,
+        "host_gather_vs_ceiling_T8192": alone["GBps"] / ceiling if ceiling and alone.get("GBps") else None,
+        "layer_us_T64": report.get("layer_us", {}).get("64"),
+        "layer_us_T8192": report.get("layer_us", {}).get("8192"),
+    }
+
+
+# ---------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------
+class Clock:
+    """Per-step times in ms: CUDA events on a GPU, the host clock on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def time(self, call) -> float:
+        if not self.cuda:
+            started = time.perf_counter()
+            call()
+            return (time.perf_counter() - started) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+class Watchdog:
+    """Ends the run with its report written when one armed piece of work (a warm-up, a step) runs past
+    ``limit_s``, or the run past its deadline: a step blocked inside CUDA never returns to Python, so
+    neither an exception nor SIGTERM would reach the code that writes the report."""
+
+    def __init__(self, report: "Report", limit_s: float, deadline: float, grace_s: float = 30.0):
+        self.report, self.limit_s, self.deadline, self.grace_s = report, limit_s, deadline, grace_s
+        self.what, self.since = None, 0.0
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="bench-step-watchdog", daemon=True).start()
+
+    def arm(self, what: str) -> None:
+        self.what, self.since = what, time.perf_counter()
+
+    def disarm(self) -> None:
+        self.what = None
+
+    def stop(self) -> None:
+        self.what = None
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(1.0):
+            what, now = self.what, time.perf_counter()
+            late = now > self.deadline + self.grace_s
+            if what is not None and (now - self.since > self.limit_s or late):
+                why = "the run's deadline" if late else f"{self.limit_s:.0f} s"
+                self.report["stalled"] = {"what": what, "seconds": now - self.since, "limit": why}
+                print(f"\nSTALLED: {what} ran {now - self.since:.0f} s (past {why}); writing the report and "
+                      "exiting", flush=True)
+                try:
+                    self.report.write()
+                    print_table(self.report)
+                finally:
+                    os._exit(3)
+
+
+def time_us(call, cuda: bool, graph: bool = True) -> float:
+    """Median us of ``call`` alone: on a GPU do_bench (L2 cleared before each run) of its graph's
+    replays (``graph``) or of eager calls; on the CPU the median of 3 host-timed calls."""
+    if cuda:
+        from host_table_fixture import gpu_us
+
+        return gpu_us(call, graph=graph)
+    call()
+    samples = []
+    for _ in range(3):
+        started = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - started) * 1e6)
+    return statistics.median(samples)
+
+
+@dataclass
+class Variant:
+    """One way of running the step; ``status`` says why it does not run (None: it runs)."""
+
+    name: str
+    kind: str | None
+    form: str | None
+    status: str | None = None
+
+
+def make_variants(memories: dict, api: dict, cuda: bool) -> list[Variant]:
+    variants = []
+    for name, kind, form in VARIANTS:
+        status = None
+        if kind is not None and not cuda and kind != "device":
+            status = "skipped (no CUDA: placements host, cached and seed need a CUDA device)"
+        elif form == "kv_ahead" and not api["kv_ahead"]:
+            status = "n/a (not in this version)"
+        variants.append(Variant(name, ("cpu" if not cuda and kind == "device" else kind), form, status))
+    return variants
+
+
+def engram_step(decoder, plan, inputs, memory, form: str | None, takes_prefetch: bool):
+    """The served step: hash once, prefetch (``form``), the decoder layers with Engram before its layers.
+    Returns ``(h [T, hc, hidden], hash_ids or None)``."""
+    h, hash_ids, handle = inputs.hidden, None, None
+    if memory is not None:
+        hash_ids = inputs.hash(memory)
+        if form == "prefetch":
+            handle = memory.prefetch(hash_ids)
+        elif form == "kv_ahead":
+            handle = memory.prefetch(hash_ids, kv_ahead=True)
+    handed = {"prefetch": handle} if handle is not None and takes_prefetch else {}
+    for index in range(decoder.shape.layers):
+        if memory is not None and index in memory.layer_ids:
+            h = memory.forward_layer(index, h, hash_ids, **handed)
+        h = decoder.layer(h, plan)
+    return h, hash_ids
+
+
+class StepRun:
+    """One variant at one T: warm-up (eager), then a captured graph (``graph``) or eager steps."""
+
+    def __init__(self, variant: Variant, memory, decoder, plan, inputs, clock: Clock, graph: bool,
+                 takes_prefetch: bool):
+        self.variant, self.memory, self.decoder, self.plan, self.inputs = variant, memory, decoder, plan, inputs
+        self.clock, self.use_graph, self.takes_prefetch = clock, graph, takes_prefetch
+        self.updates_cache = variant.kind == "cached"
+        self.graph = None
+        self.output = None
+        self.hash_ids = None
+        self.warm_ms = 0.0
+
+    def _eager(self):
+        out, self.hash_ids = engram_step(self.decoder, self.plan, self.inputs, self.memory, self.variant.form,
+                                         self.takes_prefetch)
+        return out
+
+    def _after(self) -> None:
+        if self.updates_cache:
+            self.memory.update_cache(self.hash_ids)
+
+    def prepare(self, warmups: int = 2) -> tuple[torch.Tensor, float]:
+        """Warm-up steps on the current inputs (not refreshed: every variant's first step sees the same
+        ones); returns the first step's output and the last warm-up's time (ms)."""
+        first, last_ms = None, 0.0
+        for index in range(warmups):
+            holder = {}
+            last_ms = self.clock.time(lambda: (holder.update(out=self._eager()), self._after()))
+            if index == 0:
+                first = holder["out"]
+        if self.use_graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._eager()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: the host gather's worker threads may touch CUDA while this thread captures
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.output = self._eager()
+            self.graph.replay()
+            self._after()
+            last_ms = self.clock.time(lambda: (self.graph.replay(), self._after()))
+        return first, last_ms
+
+    def timed(self) -> float:
+        """One step on fresh token ids (drawn before the clock starts)."""
+        self.inputs.refresh()
+        self.clock.sync()
+        if self.graph is not None:
+            return self.clock.time(lambda: (self.graph.replay(), self._after()))
+        return self.clock.time(lambda: (self._eager(), self._after()))
+
+    def release(self) -> None:
+        self.graph = None
+        self.output = None
+        self.hash_ids = None
+
+
+# ---------------------------------------------------------------------------
+# phases
+# ---------------------------------------------------------------------------
+@dataclass
+class Setup:
+    cuda: bool
+    device: str
+    decoder: object
+    memories: dict
+    variants: list
+    api: dict
+    spec: object
+    generator: torch.Generator
+    clock: Clock
+    steps: int
+    deadline: float
+    min_steps: int
+    warmups: int
+    watchdog: Watchdog | None = None
+    keep: list = field(default_factory=list)         # what must outlive the tables (pinned rows)
+    plan_order: list = field(default_factory=list)   # the phases, in run order
+    done: set = field(default_factory=set)
+
+
+def floor_call(memory, inputs, hash_ids):
+    """The two Engram layers' wkv + gate on rows already on the device (packed FP8 rows gathered once,
+    beforehand): what every implementation pays."""
+    from engram.layer import engram_gate_kv
+
+    head_dim = memory.spec.head_dim
+    parts = []
+    for index, layer_id in enumerate(memory.layer_ids):
+        values, scales = memory.table(layer_id).lookup_packed(hash_ids[:, index, :])
+        packed = torch.cat([values.view(torch.uint8), scales], dim=-1)
+        parts.append((memory.layer(layer_id), packed))
+
+    def call():
+        for layer, packed in parts:
+            kv = layer.wkv.forward_fp8_rows(packed[..., :head_dim], packed[..., head_dim:])
+            engram_gate_kv(inputs.hidden, kv, layer.q_weight, layer.k_weight, layer.eps, None,
+                           backend=layer.gate_backend)
+
+    return call
+
+
+def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
+    """One T: decoder layer alone, the floor, one Engram layer alone, then the interleaved steps."""
+    started = time.perf_counter()
+    decode = mode == "decode"
+    graph = decode and setup.cuda
+    device_memory = setup.memories.get("device") or setup.memories.get("cpu")
+    inputs = step_engram.StepInputs(setup.spec, tokens, decode, setup.device, setup.generator)
+    plan = step_decoder.routing_plan(setup.decoder.shape, tokens, setup.device)
+    phase = {"mode": mode, "T": tokens, "graph": graph, "variants": {v.name: {} for v in setup.variants},
+             "equal_to_device": {}}
+    report.setdefault("phases", []).append(phase)
+
+    guard = setup.watchdog.arm if setup.watchdog else (lambda what: None)
+    guard(f"{mode} T={tokens}: decoder layer, floor and Engram layer alone")
+    layer_us = time_us(lambda: setup.decoder.layer(inputs.hidden, plan), setup.cuda)
+    phase["decoder_layer_us"] = layer_us
+    phase["decoder_layer_TFLOPs"] = setup.decoder.flops(tokens) / (layer_us * 1e-6) / 1e12
+    hash_ids = inputs.hash(device_memory)
+    phase["floor_us"] = time_us(floor_call(device_memory, inputs, hash_ids), setup.cuda)
+    one_layer = time_us(lambda: device_memory.forward_layer(device_memory.layer_ids[0], inputs.hidden, hash_ids),
+                        setup.cuda, graph=setup.cuda)
+    phase["engram_layer_us"] = one_layer
+    report.setdefault("layer_us", {})[str(tokens)] = one_layer
+    print(f"{mode} T={tokens}: decoder layer {layer_us:.1f} us ({phase['decoder_layer_TFLOPs']:.0f} TFLOP/s), "
+          f"floor (2 Engram layers, wkv + gate) {phase['floor_us']:.1f} us, one Engram layer (device) "
+          f"{one_layer:.1f} us", flush=True)
+
+    if not decode and setup.cuda:
+        phase["prewarm_s"] = {}
+        for kind in ("host", "cached", "seed"):
+            if kind in setup.memories:
+                guard(f"{mode} T={tokens}: prewarm {kind}")
+                phase["prewarm_s"][kind] = prewarm(setup.memories[kind], inputs, setup.api)
+
+    runs, reference = [], None
+    for variant in setup.variants:
+        if variant.status is not None:
+            phase["variants"][variant.name] = {"status": variant.status}
+            continue
+        memory = None if variant.kind is None else setup.memories[variant.kind]
+        run = StepRun(variant, memory, setup.decoder, plan, inputs, setup.clock, graph,
+                      setup.api["forward_layer_takes_prefetch"])
+        try:
+            guard(f"{mode} T={tokens}: {variant.name} warm-up")
+            first, warm_ms = run.prepare(setup.warmups)
+        except Exception as error:  # noqa: BLE001 - one variant's failure must not stop the others
+            report.error(f"{mode} T={tokens} {variant.name} warm-up", error)
+            phase["variants"][variant.name] = {"status": f"failed: {type(error).__name__}"}
+            run.release()
+            continue
+        if not bool(torch.isfinite(first).all()):
+            phase.setdefault("nonfinite", []).append(variant.name)
+        if variant.name == "device":
+            reference = first.clone()
+        elif reference is not None and variant.kind is not None:
+            phase["equal_to_device"][variant.name] = bool(torch.equal(first, reference))
+        run.warm_ms = warm_ms
+        runs.append(run)
+        print(f"  {variant.name}: warm step {warm_ms:.2f} ms", flush=True)
+    del reference
+
+    # As many interleaved rounds as the budget allows (the later phases keep a share).
+    round_ms = sum(run.warm_ms for run in runs)
+    phases_left = sum(1 for m, t in setup.plan_order if (m, t) not in setup.done) - 1
+    remaining_s = setup.deadline - time.perf_counter() - 25 * max(phases_left, 0)
+    steps = setup.steps
+    if round_ms > 0 and steps * round_ms / 1e3 * 1.15 > remaining_s:
+        steps = max(setup.min_steps, int(remaining_s / (round_ms / 1e3 * 1.15)))
+        phase["steps_cut"] = f"cut to {steps} steps per variant by the time budget"
+        print(f"  {phase['steps_cut']}", flush=True)
+    samples = {run.variant.name: [] for run in runs}
+    counters_before = table_counters(setup.memories)
+    phase["steps"] = steps
+    try:
+        for round_index in range(steps):
+            shift = round_index % max(len(runs), 1)
+            for run in runs[shift:] + runs[:shift]:
+                try:
+                    guard(f"{mode} T={tokens}: {run.variant.name} step {round_index}")
+                    samples[run.variant.name].append(run.timed())
+                except Exception as error:  # noqa: BLE001 - drop this variant, keep the others
+                    report.error(f"{mode} T={tokens} {run.variant.name} step", error)
+                    runs.remove(run)
+                    run.release()
+    finally:  # what was measured is kept, also when the run is stopped mid-phase
+        for run in runs:
+            run.release()
+        summarize(phase, samples, setup)
+        phase["table_counters"] = counter_changes(counters_before, table_counters(setup.memories))
+    if "cached" in setup.memories:
+        guard(f"{mode} T={tokens}: update_cache alone")
+        phase["update_cache_ms"] = update_cache_ms(setup.memories["cached"], inputs, setup.clock)
+    if tokens == 8192 and setup.cuda and "host" in setup.memories:
+        host = setup.memories["host"]
+
+        def make_ids():
+            inputs.refresh()
+            return inputs.hash(host)[:, 0, :]
+
+        try:
+            guard("host path alone at T=8192")
+            report["host_path_T8192"] = step_probes.host_path_alone(host.table(host.layer_ids[0]), make_ids)
+            print(f"  host path alone, T=8192 (prefetch to rows ready): {report['host_path_T8192']}", flush=True)
+        except Exception as error:  # noqa: BLE001
+            report.error("host path alone at T=8192", error)
+    if setup.watchdog:
+        setup.watchdog.disarm()
+    phase["seconds"] = time.perf_counter() - started
+    return phase
+
+
+def prewarm(memory, inputs, api: dict) -> float:
+    """One prefetched pass of the Engram layers alone at this T (as an engine's warm-up batch), synced:
+    the host gathers' staging and pinned id buffers are allocated here, outside any step. Seconds."""
+    started = time.perf_counter()
+    hash_ids = inputs.hash(memory)
+    handle = memory.prefetch(hash_ids)
+    handed = {"prefetch": handle} if handle is not None and api["forward_layer_takes_prefetch"] else {}
+    h = inputs.hidden
+    for layer_id in memory.layer_ids:
+        h = memory.forward_layer(layer_id, h, hash_ids, **handed)
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def update_cache_ms(memory, inputs, clock: Clock, repeats: int = 5) -> float:
+    """Median ms of ``memory.update_cache`` alone on fresh hash ids (part of each ``cached`` step)."""
+    samples = []
+    for _ in range(repeats):
+        inputs.refresh()
+        hash_ids = inputs.hash(memory)
+        clock.sync()
+        samples.append(clock.time(lambda: memory.update_cache(hash_ids)))
+    return statistics.median(samples)
+
+
+def summarize(phase: dict, samples: dict[str, list[float]], setup: Setup) -> None:
+    """Each variant's spread, and its median against ``none`` and ``device`` (in %)."""
+    none_ms = statistics.median(samples["none"]) if samples.get("none") else None
+    device_ms = statistics.median(samples["device"]) if samples.get("device") else None
+    for name, values in samples.items():
+        if values:
+            stats = spread(values)
+            stats["vs_none_pct"] = _pct(stats["median_ms"], none_ms)
+            stats["vs_device_pct"] = _pct(stats["median_ms"], device_ms) if name != "none" else None
+            phase["variants"][name] = stats
+    if none_ms:
+        phase["decoder_layer_share_of_none"] = phase["decoder_layer_us"] * setup.decoder.shape.layers / 1e3 / none_ms
+        phase["floor_pct_of_none"] = 100 * phase["floor_us"] / 1e3 / none_ms
+
+
+def table_counters(memories: dict) -> dict:
+    """Per memory and layer, the host-side counters tables keep where this version has them: prefetches
+    served / dropped (``EngramTable.prefetches``) and, for ``cached``, lookups per path."""
+    found = {}
+    for kind, memory in memories.items():
+        for layer_id in memory.layer_ids:
+            table = memory.table(layer_id)
+            counts = dict(getattr(table, "prefetches", {}) or {})
+            counts.update({f"lookups_{k}": v for k, v in (getattr(table.storage, "lookups", {}) or {}).items()})
+            if counts:
+                found[f"{kind}/{layer_id}"] = counts
+    return found
+
+
+def counter_changes(before: dict, after: dict) -> dict:
+    return {key: {name: value - before.get(key, {}).get(name, 0) for name, value in counts.items()}
+            for key, counts in after.items()}
+
+
+# ---------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------
+def build(args, report: Report, watchdog: Watchdog | None) -> Setup:
+    from engram.table.host_rows import packed_row_bytes
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    if not cuda:
+        report["notes"].append("no CUDA: placement 'cpu' stands in for 'device'; host, cached and seed, CUDA "
+                               "graphs, pinned memory, the copy engine and the C ceiling are skipped")
+        print(report["notes"][-1], flush=True)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    started = time.perf_counter()
+    shape = step_decoder.SMOKE if args.smoke else step_decoder.V41_FLASH
+    fp8 = step_decoder.fp8_gemm_available(device)
+    decoder = step_decoder.Decoder(shape, step_decoder.Gemms(fp8=fp8), generator, device)
+    report["gemm_forms"] = step_decoder.choose_forms(decoder, generator)
+    forms = report["gemm_forms"]
+    report["decoder"] = {**shape.__dict__, "weight_bytes": decoder.weight_bytes}
+    print(f"decoder stand-in: {shape}, {decoder.weight_bytes / 1e9:.2f} GB of weights (one layer's, serving "
+          f"every layer); GEMMs: {'torch._scaled_mm rowwise FP8' if fp8 else 'bf16 torch.mm'}, experts "
+          f"{forms['expert_form']}, o {forms['o_form']}", flush=True)
+    if fp8 and forms["expert_form"] == "loop":
+        report["notes"].append(f"torch._scaled_grouped_mm failed for the experts: a loop of GEMMs (one per local "
+                               f"expert) instead: {forms['errors']}")
+        print(report["notes"][-1], flush=True)
+    elif fp8 and forms["o_form"] != "grouped":
+        report["notes"].append(f"the o GEMM runs as {forms['o_form']!r}: {forms['errors']}")
+
+    vocab_size = None if args.smoke else step_engram.v41_vocab_size_for(args.table_gib)
+    spec = step_engram.make_spec(vocab_size, args.smoke)
+    layout = step_engram.EngramLayout(spec)
+    vocab = step_engram.synthetic_vocab(spec)
+    weights = step_engram.layer_weights(spec, generator, device)
+    kinds = ["device", "host", "cached", "seed"] if cuda else ["cpu"]
+    tables, facts, keep = step_engram.build_tables(spec, layout, kinds, device, distinct_rows=args.distinct_rows,
+                                                   generator=generator)
+    memories = step_engram.build_memories(spec, layout, vocab, tables, weights, device)
+    api = step_engram.prefetch_api(next(iter(memories.values())))
+    report["engram"] = {"spec": spec.to_hf_config(), **facts, "kinds": kinds, "api": api,
+                        "table_GiB": [rows * packed_row_bytes(spec.head_dim) / 2**30 for rows in layout.num_embeddings],
+                        "cached_slots": {str(k): t.storage.cache.num_slots for k, t in tables.get("cached", {}).items()},
+                        "token_ids": "uniform random over 129,280 raw ids (a synthetic map to the compressed "
+                                     "vocabulary), fresh every step: hash rows nearly uniform, so the cached "
+                                     "placement hits about its cache fraction (real text: 40-55%)"}
+    print(f"Engram: layers {list(spec.layer_ids)}, tables {[f'{g:.1f} GiB' for g in report['engram']['table_GiB']]} "
+          f"({', '.join(kinds)}); prefetch API {api}; setup {time.perf_counter() - started:.1f} s", flush=True)
+    variants = make_variants(memories, api, cuda)
+    return Setup(cuda, device, decoder, memories, variants, api, spec, generator, Clock(cuda), args.steps,
+                 report.deadline, args.min_steps, 1 if args.smoke else 2, watchdog, keep)
+
+
+def token_counts(text: str) -> list[int]:
+    """``--decode-tokens`` / ``--prefill-tokens``: comma-separated positive integers (empty: none)."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts such as 1,64,256, found {text!r}")
+    if any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(f"expected token counts >= 1, found {text!r}")
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, few steps (the CPU smoke test)")
+    parser.add_argument("--json", type=Path, default=None, help="report path (default results/step-h200.json, "
+                                                                 "with --smoke results/step-smoke.json)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per variant and T (default 20, smoke 2)")
+    parser.add_argument("--min-steps", type=int, default=10, help="fewest steps the time budget may cut a phase to")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run")
+    parser.add_argument("--decode-tokens", type=token_counts, default=None,
+                        help="comma-separated decode T (default 1,64,256)")
+    parser.add_argument("--prefill-tokens", type=token_counts, default=None,
+                        help="comma-separated prefill T (default 4096,8192; smoke 128)")
+    parser.add_argument("--table-gib", type=float, default=25.5, help="size of each Engram table (GiB)")
+    parser.add_argument("--distinct-rows", type=int, default=1 << 22,
+                        help="random rows drawn per host table, repeated through it")
+    parser.add_argument("--ceiling-gib", type=int, default=26, help="table of the C ceiling probe (GiB)")
+    parser.add_argument("--ceiling-threads", default="8,12,14,16")
+    parser.add_argument("--seed", type=int, default=20261201)
+    parser.add_argument("--stall-s", type=float, default=120.0,
+                        help="a warm-up or step running longer ends the run, its report written")
+    args = parser.parse_args(argv)
+    begun = time.perf_counter()
+    if args.steps is None:
+        args.steps = 2 if args.smoke else 20
+    args.min_steps = min(args.min_steps, args.steps)
+    decode = list(DECODE_TOKENS) if args.decode_tokens is None else args.decode_tokens
+    prefill = ([128] if args.smoke else list(PREFILL_TOKENS)) if args.prefill_tokens is None else args.prefill_tokens
+    path = args.json or HERE / "results" / ("step-smoke.json" if args.smoke else "step-h200.json")
+
+    import triton
+
+    cuda = torch.cuda.is_available()
+    report = Report(path, device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                    triton=triton.__version__, commit=_commit(),
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    smoke=args.smoke, steps_per_variant=args.steps, notes=[LEFT_OUT])
+    report.deadline = begun + args.budget_s
+
+    def stop(signum, frame):  # a kill from outside still leaves the report of what finished
+        raise SystemExit(f"stopped by signal {signum}")
+
+    previous_handler = signal.signal(signal.SIGTERM, stop)
+    watchdog = None
+    try:
+        if cuda:  # before the pinned tables take the host's memory
+            report["host_gather_ceiling"] = step_probes.host_gather_ceiling(args.ceiling_gib, args.ceiling_threads,
+                                                                            "0,16")
+            ceiling = report["host_gather_ceiling"]
+            print(f"host gather ceiling (C, {ceiling.get('table_gib')} GiB, 196,608 rows of 272 B): "
+                  f"{ceiling.get('best_GBps', ceiling.get('skipped'))} GB/s, best {ceiling.get('best')}", flush=True)
+            from bench_host import copy_engine_gbps
+
+            report["copy_engine_GBps"] = copy_engine_gbps()
+            print(f"copy engine, pinned host -> device: {report['copy_engine_GBps']:.1f} GB/s", flush=True)
+        else:
+            report["host_gather_ceiling"] = {"skipped": "no CUDA (smoke on the CPU)"}
+        watchdog = Watchdog(report, args.stall_s, report.deadline)
+        watchdog.arm("setup (tables, weights, GEMM checks)")
+        setup = build(args, report, watchdog)
+        watchdog.disarm()
+        report.write()
+        wanted = [(m, t) for m, t in PRIORITY if (m == "decode" and t in decode) or (m == "prefill" and t in prefill)]
+        wanted += [("decode", t) for t in decode if ("decode", t) not in wanted]
+        wanted += [("prefill", t) for t in prefill if ("prefill", t) not in wanted]
+        setup.plan_order = wanted
+        for mode, tokens in wanted:
+            if time.perf_counter() > setup.deadline - 20:
+                report.setdefault("skipped_phases", []).append(f"{mode} T={tokens} (time budget)")
+                print(f"skipped {mode} T={tokens}: time budget", flush=True)
+                continue
+            try:
+                run_phase(setup, report, mode, tokens)
+            except Exception as error:  # noqa: BLE001 - keep the phases that can still run
+                report.error(f"{mode} T={tokens}", error)
+            setup.done.add((mode, tokens))
+            report.write()
+            if cuda:
+                torch.cuda.empty_cache()
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        signal.signal(signal.SIGTERM, previous_handler)
+        report["seconds"] = time.perf_counter() - begun
+        report.write()
+        print_table(report)
+    return 1 if report.get("errors") else 0
+
+
+def print_table(report: dict) -> None:
+    phases = sorted(report.get("phases", []), key=lambda p: (p["mode"] != "decode", p["T"]))
+    print(f"\nEngram in a served decoder step: {report['device']} (torch {report['torch']}, Triton {report['triton']}), "
+          f"commit {report['commit'][:12]}; step = {report.get('decoder', {}).get('layers')} stand-in layers")
+    print(f"{'step':>14} {'variant':>16} {'median ms':>10} {'IQR ms':>15} {'min-max ms':>17} {'vs none':>8} "
+          f"{'vs device':>9}")
+    for phase in phases:
+        label = f"{phase['mode']} T={phase['T']}"
+        for name, stats in phase["variants"].items():
+            if "median_ms" not in stats:
+                print(f"{label:>14} {name:>16} {stats.get('status', '')}")
+                continue
+            vs_none = "" if stats.get("vs_none_pct") is None else f"{stats['vs_none_pct']:+.2f}%"
+            vs_device = "" if stats.get("vs_device_pct") is None else f"{stats['vs_device_pct']:+.2f}%"
+            print(f"{label:>14} {name:>16} {stats['median_ms']:10.3f} "
+                  f"{stats['p25_ms']:7.3f}-{stats['p75_ms']:<7.3f} {stats['min_ms']:8.3f}-{stats['max_ms']:<8.3f} "
+                  f"{vs_none:>8} {vs_device:>9}")
+        floor = phase.get("floor_pct_of_none")
+        print(f"{label:>14} {'':>16} decoder layer alone {phase.get('decoder_layer_us', 0):.1f} us, floor (2 Engram "
+              f"layers' wkv + gate) {phase.get('floor_us', 0):.1f} us"
+              + ("" if floor is None else f" = {floor:.2f}% of the step without Engram")
+              + f", {phase.get('steps')} steps per variant" + (f" ({phase['steps_cut']})" if phase.get("steps_cut") else "")
+              + ("" if not phase.get("equal_to_device") else
+                 f"; outputs equal to device: {sum(phase['equal_to_device'].values())}/{len(phase['equal_to_device'])}"))
+    ceiling = report.get("host_gather_ceiling") or {}
+    print(f"copy engine {report.get('copy_engine_GBps', 'n/a')} GB/s; host gather ceiling (C) "
+          f"{ceiling.get('best_GBps', ceiling.get('skipped'))}; host path alone at T=8192 "
+          f"{(report.get('host_path_T8192') or {}).get('GBps', 'n/a')} GB/s")
+    for note in report.get("notes", []):
+        print(f"note: {note}")
+    keys = headline(report)
+    print("headline: " + ", ".join(f"{k} {'n/a' if v is None else round(v, 3)}" for k, v in keys.items()))
+    if report.get("errors"):
+        print(f"{len(report['errors'])} errors (see JSON): " + "; ".join(e["what"] for e in report["errors"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""benchmarks/bench_step.py on the CPU: the whole script in its --smoke mode (tiny shapes, placement "cpu"
+for "device"), the decoder stand-in's GEMM forms (fallbacks where torch._scaled_grouped_mm does not run,
+argument checks of the grouped forms at V4.1 shapes on the meta device), its routing plan, the report's
+headline figures and the C host-gather ceiling, so the one unattended GPU run does not die on a Python
+error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_step
+
+    return bench_step
+
+
+def test_smoke_runs_end_to_end(bench, tmp_path, seed, capsys):
+    path = tmp_path / "step.json"
+    assert bench.main(["--smoke", "--json", str(path), "--decode-tokens", "1,8", "--prefill-tokens", "16",
+                       "--seed", str(seed % 2**62)]) == 0
+    report = json.loads(path.read_text())
+    for key in ("device", "torch", "triton", "commit", "date", "host_vs_device_prefill_T8192_pct",
+                "host_vs_device_decode_T64_pct", "cached_vs_device_prefill_T8192_pct",
+                "common_vs_device_prefill_T8192_pct", "device_over_floor_prefill_T8192_pct",
+                "host_gather_vs_ceiling_T8192", "layer_us_T64", "layer_us_T8192", "gemm_forms", "engram"):
+        assert key in report, key
+    assert not report.get("errors"), report.get("errors")
+    phases = {(p["mode"], p["T"]): p for p in report["phases"]}
+    assert set(phases) == {("decode", 1), ("decode", 8), ("prefill", 16)}
+    names = [name for name, _, _ in bench.VARIANTS]
+    for phase in phases.values():
+        assert list(phase["variants"]) == names  # every variant reported, in order
+        for name in ("none", "device"):
+            stats = phase["variants"][name]
+            assert stats["n"] == 2 and stats["min_ms"] <= stats["median_ms"] <= stats["max_ms"], stats
+        assert phase["variants"]["device"]["vs_none_pct"] is not None
+        assert phase["floor_us"] > 0 and phase["decoder_layer_us"] > 0 and phase["engram_layer_us"] > 0
+        for name in names[2:]:  # host, cached and seed need CUDA; kv ahead is not in this version either way
+            assert phase["variants"][name]["status"].startswith(("skipped", "n/a")), (name, phase["variants"][name])
+        assert "nonfinite" not in phase
+    assert set(report["layer_us"]) == {"1", "8", "16"}
+    printed = capsys.readouterr().out
+    assert "Engram in a served decoder step" in printed and "headline:" in printed
+    assert "attention core" in printed  # what the stand-in leaves out is said
+
+
+def test_variant_statuses_follow_the_prefetch_api(bench):
+    with_kv = {v.name: v for v in bench.make_variants({}, {"kv_ahead": True, "forward_layer_takes_prefetch": True},
+                                                      cuda=True)}
+    without = {v.name: v for v in bench.make_variants({}, {"kv_ahead": False, "forward_layer_takes_prefetch": False},
+                                                      cuda=True)}
+    assert with_kv["host_kv_ahead"].status is None and with_kv["cached_kv_ahead"].form == "kv_ahead"
+    assert without["host_kv_ahead"].status == "n/a (not in this version)"
+    assert without["seed"].status is None and without["seed"].kind == "seed"
+    on_cpu = {v.name: v for v in bench.make_variants({}, {"kv_ahead": False, "forward_layer_takes_prefetch": False},
+                                                     cuda=False)}
+    assert on_cpu["device"].kind == "cpu" and on_cpu["device"].status is None
+    assert on_cpu["host_prefetch"].status.startswith("skipped")
+
+
+def test_headline_figures_follow_their_definitions(bench):
+    def variants(**medians):
+        return {name: {"median_ms": value} for name, value in medians.items()}
+
+    report = {
+        "phases": [
+            {"mode": "prefill", "T": 8192, "floor_us": 4000.0,
+             "variants": variants(none=200.0, device=208.0, host_inline=230.0, host_prefetch=214.0,
+                                  cached_prefetch=212.0, seed=221.0)},
+            {"mode": "decode", "T": 64, "variants": variants(none=20.0, device=20.5, host_prefetch=20.9)},
+        ],
+        "host_gather_ceiling": {"best_GBps": 25.0},
+        "host_path_T8192": {"GBps": 10.0},
+        "layer_us": {"64": 60.0, "8192": 2600.0},
+    }
+    keys = bench.headline(report)
+    assert keys["host_vs_device_prefill_T8192_pct"] == pytest.approx(100 * (214 - 208) / 208)  # best prefetched
+    assert keys["host_vs_device_decode_T64_pct"] == pytest.approx(100 * (20.9 - 20.5) / 20.5)
+    assert keys["cached_vs_device_prefill_T8192_pct"] == pytest.approx(100 * (212 - 208) / 208)
+    assert keys["common_vs_device_prefill_T8192_pct"] == pytest.approx(100 * (221 - 208) / 208)
+    assert keys["device_over_floor_prefill_T8192_pct"] == pytest.approx(100 * (208 - 200 - 4.0) / 200)
+    assert keys["host_gather_vs_ceiling_T8192"] == pytest.approx(0.4)
+    assert keys["layer_us_T64"] == 60.0 and keys["layer_us_T8192"] == 2600.0
+    assert all(value is None for value in bench.headline({}).values())
+
+
+def test_spread_reports_quartiles(bench, rng):
+    samples = list(rng.uniform(1.0, 2.0, size=21))
+    stats = bench.spread(samples)
+    assert stats["median_ms"] == statistics.median(samples) and stats["n"] == 21
+    assert stats["min_ms"] <= stats["p25_ms"] <= stats["median_ms"] <= stats["p75_ms"] <= stats["max_ms"]
+
+
+def test_routing_plan_spreads_pairs_evenly(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_decoder
+
+    shape = step_decoder.V41_FLASH
+    for tokens in (1, 64, 100):
+        plan = step_decoder.routing_plan(shape, tokens, "cpu")
+        assert plan.pairs == 6 * tokens and len(plan.counts) == 48
+        assert max(plan.counts) - min(plan.counts) <= 1
+        assert plan.offs.dtype == torch.int32 and plan.offs.tolist() == torch.tensor(plan.counts).cumsum(0).tolist()
+        assert plan.route.tolist() == [pair // 6 for pair in range(6 * tokens)]
+    assert step_decoder.routing_plan(shape, 1, "cpu").counts[:7] == [1] * 6 + [0]
+
+
+def test_gemm_forms_fall_back_to_loops_where_grouped_gemms_do_not_run(monkeypatch, seed):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_decoder
+
+    if not step_decoder.fp8_gemm_available("cpu"):
+        pytest.skip("this torch has no CPU torch._scaled_mm")
+    generator = torch.Generator().manual_seed(seed)
+    decoder = step_decoder.Decoder(step_decoder.SMOKE, step_decoder.Gemms(fp8=True), generator, "cpu")
+    notes = step_decoder.choose_forms(decoder, generator)
+    # Each form was checked against fp32 before it was kept.
+    assert notes["expert_form"] == "loop" and notes["o_form"] == "loop", notes
+    assert notes["linear_rel_error"] < 2e-2 and notes["expert_rel_error"] < 2e-2 and notes["o_rel_error"] < 0.1
+    assert any(error.startswith("experts grouped") for error in notes["errors"])
+    plan = step_decoder.routing_plan(decoder.shape, 5, "cpu")
+    hidden = torch.randn(5, decoder.shape.hc, decoder.shape.hidden, generator=generator).to(torch.bfloat16)
+    out = decoder.layer(hidden, plan)
+    assert out.shape == hidden.shape and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("expert_form, o_form", [("grouped", "grouped"), ("grouped", "grouped_copy"),
+                                                 ("loop", "loop")])
+def test_stand_in_layer_arguments_at_v41_shapes(monkeypatch, expert_form, o_form):
+    """torch's meta kernels check _scaled_mm / _scaled_grouped_mm arguments (dtypes, layouts, scale shapes)
+    as the CUDA ones do: the full-size layer, without a GPU."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_decoder
+
+    shape = step_decoder.DecoderShape(**{**step_decoder.V41_FLASH.__dict__, "local_experts": 4})
+    gemms = step_decoder.Gemms(fp8=True)
+    gemms.expert_form, gemms.o_form = expert_form, o_form
+    decoder = step_decoder.Decoder(shape, gemms, None, "meta")
+    assert decoder.q_b.w.dtype == torch.float8_e4m3fn and decoder.experts_up.scale.shape == (4, 2 * 2304)
+    for tokens in (1, 64, 8192):
+        plan = step_decoder.routing_plan(shape, tokens, "meta")
+        out = decoder.layer(torch.empty(tokens, 4, 5120, dtype=torch.bfloat16, device="meta"), plan)
+        assert out.shape == (tokens, 4, 5120) and out.dtype == torch.bfloat16
+
+
+def test_ceiling_output_is_parsed(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_probes
+
+    text = ("sequential read of 8 GiB, 16 threads: 76.9 GB/s\n\n threads  distance        ms    min ms      GB/s\n"
+            "      14         0     2.505     2.348      21.3\n      16        16     2.710     2.086      19.7\n")
+    rows = step_probes.parse_ceiling_output(text)
+    assert [(r["threads"], r["distance"], r["median_ms"], r["min_ms"], r["printed_GBps"]) for r in rows] == [
+        (14, 0, 2.505, 2.348, 21.3), (16, 16, 2.71, 2.086, 19.7)]
+    for row in rows:  # the rate from the median ms agrees with the printed one
+        assert row["GBps"] == pytest.approx(196_608 * 272 / (row["median_ms"] * 1e-3) / 1e9)
+        assert abs(row["GBps"] - row["printed_GBps"]) < 0.06
+
+
+@pytest.mark.slow
+def test_ceiling_program_builds_and_runs(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_probes
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    found = step_probes.host_gather_ceiling(1, "1,2", "0")
+    assert "skipped" not in found, found
+    assert [(row["threads"], row["distance"]) for row in found["rows"]] == [(1, 0), (2, 0)]
+    assert found["best_GBps"] == max(row["GBps"] for row in found["rows"]) > 0
+    best = found["best"]
+    assert abs(best["GBps"] - best["printed_GBps"]) < 0.06 + 0.01 * best["GBps"]
+
+
+def test_prefetched_step_equals_the_inline_step(bench, seed):
+    """The step with ``memory.prefetch`` (its handle passed to forward_layer where this version returns
+    one) computes what the inline step computes, on the CPU placement."""
+    import step_decoder
+    import step_engram
+
+    generator = torch.Generator().manual_seed(seed)
+    spec = step_engram.make_spec(None, smoke=True)
+    layout = step_engram.EngramLayout(spec)
+    tables, _, _ = step_engram.build_tables(spec, layout, ["cpu"], "cpu", distinct_rows=0, generator=generator)
+    memory = step_engram.build_memories(spec, layout, step_engram.synthetic_vocab(spec), tables,
+                                        step_engram.layer_weights(spec, generator, "cpu"), "cpu")["cpu"]
+    api = step_engram.prefetch_api(memory)
+    decoder = step_decoder.Decoder(step_decoder.SMOKE, step_decoder.Gemms(fp8=False), generator, "cpu")
+    inputs = step_engram.StepInputs(spec, 24, decode=False, device="cpu", generator=generator, chunk=10)
+    plan = step_decoder.routing_plan(decoder.shape, 24, "cpu")
+    inline, ids = bench.engram_step(decoder, plan, inputs, memory, "inline", api["forward_layer_takes_prefetch"])
+    prefetched, ids_again = bench.engram_step(decoder, plan, inputs, memory, "prefetch",
+                                              api["forward_layer_takes_prefetch"])
+    assert torch.equal(ids, ids_again) and torch.equal(inline, prefetched)
+    none, no_ids = bench.engram_step(decoder, plan, inputs, None, None, False)
+    assert no_ids is None and not torch.equal(none, inline)  # Engram's layers changed the stream
+    assert list(inputs.query_start_loc) == [0, 10, 20, 24]
+    before = inputs.input_ids.clone()
+    inputs.refresh()
+    assert not torch.equal(before, inputs.input_ids)
+
+
+def test_stand_in_keeps_fp8_operands_in_range_through_40_layers(monkeypatch, seed):
+    """Every activation the stand-in casts to E4M3 stays below its largest value (448; on the GPU anything
+    beyond becomes NaN) through a V4.1-deep stack, also after an Engram-sized kick to the residual."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_decoder
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = step_decoder.DecoderShape(**{**step_decoder.SMOKE.__dict__, "layers": 40})
+    decoder = step_decoder.Decoder(shape, step_decoder.Gemms(fp8=step_decoder.fp8_gemm_available("cpu")),
+                                   generator, "cpu")
+    step_decoder.choose_forms(decoder, generator)
+    largest = []
+    cast = decoder.gemms.cast
+    monkeypatch.setattr(decoder.gemms, "cast", lambda x: (largest.append(float(x.float().abs().max())), cast(x))[1])
+    plan = step_decoder.routing_plan(shape, 4, "cpu")
+    h = (torch.randn(4, shape.hc, shape.hidden, generator=generator) * 30).to(torch.bfloat16)
+    for _ in range(shape.layers):
+        h = decoder.layer(h, plan)
+    assert len(largest) == 40 * 7 and max(largest) < 448, max(largest)
+    assert bool(torch.isfinite(h).all())
+
+
+def test_watchdog_writes_the_report_and_ends_a_stalled_run(tmp_path):
+    """A step stuck inside CUDA never returns to Python: the watchdog thread writes what finished and exits."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "stalled.json"
+    code = (f"import sys, time; sys.path.insert(0, {str(BENCHMARKS)!r}); import bench_step\n"
+            f"report = bench_step.Report(__import__('pathlib').Path({str(path)!r}), device='cpu', torch='-', "
+            "triton='-', commit='-', date='-', phases=[])\n"
+            "dog = bench_step.Watchdog(report, limit_s=1.0, deadline=time.perf_counter() + 60)\n"
+            "dog.arm('a stuck step'); time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "PYTHONPATH": str(BENCHMARKS.parent / "src")})
+    assert done.returncode == 3, done.stdout + done.stderr
+    report = json.loads(path.read_text())
+    assert report["stalled"]["what"] == "a stuck step" and report["stalled"]["seconds"] >= 1.0
+    assert "STALLED: a stuck step" in done.stdout
+
+
+def test_bad_token_counts_are_one_clear_error(bench, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--smoke", "--decode-tokens", "1,x"])
+    assert stopped.value.code == 2
+    assert "--decode-tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--prefill-tokens", "0"])
