@@ -1,0 +1,64 @@
+"""ServingOptions: one frozen object for every knob, checked when made, environment only as defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engram.options import ServingOptions
+
+
+def test_defaults_and_placement_options():
+    options = ServingOptions()
+    assert options.placement_options("device") == {}
+    assert options.placement_options("host") == {"direct_max_rows": 4096 * 24, "gather_threads": None}
+    cached = ServingOptions(cache_fraction=0.05, cache_policy="static", cache_ways=4, direct_max_rows=0,
+                            extra_placement_options={"aging_interval": 32}).placement_options("cached")
+    assert cached == {"direct_max_rows": 0, "gather_threads": None, "cache_fraction": 0.05, "policy": "static",
+                      "ways": 4, "aging_interval": 32}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.backend = "torch"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("backend", "cuda", "backend: expected one of 'auto', 'triton', 'torch', found 'cuda'"),
+    ("wkv_backend", "fp4", "wkv_backend: expected one of"),
+    ("validate", "yes", "validate: expected True, False or None, found 'yes'"),
+    ("direct_max_rows", -1, "direct_max_rows: expected an integer >= 0, found -1"),
+    ("gather_threads", 0, "gather_threads: expected an integer >= 1 or None, found 0"),
+    ("cache_fraction", 1.5, r"cache_fraction: expected a number in \(0, 1\], found 1.5"),
+    ("cache_policy", "lfu", "cache_policy: expected one of"),
+    ("cache_ways", 6, "cache_ways: expected a power of two up to 64, found 6"),
+    ("share_host_tables", 1, "share_host_tables: expected True or False, found 1"),
+    ("chunk_bytes", 0, "chunk_bytes: expected an integer >= 1, found 0"),
+])
+def test_bad_values_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ServingOptions(**{field: value})
+
+
+def test_environment_gives_defaults_only(monkeypatch):
+    monkeypatch.setenv("ENGRAM_WKV_BACKEND", "bf16")
+    monkeypatch.setenv("ENGRAM_WKV_SMALL_M", "1")
+    assert ServingOptions.from_environment().wkv_backend == "bf16"
+    assert ServingOptions.from_environment().wkv_small_m is True
+    assert ServingOptions.from_environment(wkv_backend="fused").wkv_backend == "fused"  # an argument wins
+    assert ServingOptions().wkv_backend is None  # the plain constructor reads nothing
+    monkeypatch.setenv("ENGRAM_WKV_BACKEND", "nope")
+    with pytest.raises(ValueError, match="ENGRAM_WKV_BACKEND: expected one of"):
+        ServingOptions.from_environment()
+    monkeypatch.setenv("ENGRAM_WKV_BACKEND", "")
+    monkeypatch.setenv("ENGRAM_WKV_SMALL_M", "maybe")
+    with pytest.raises(ValueError, match="ENGRAM_WKV_SMALL_M: expected '0' or '1', found 'maybe'"):
+        ServingOptions.from_environment()
+
+
+def test_replace_checks_again_and_ignores_none():
+    options = ServingOptions(backend="torch")
+    assert options.replace(backend=None, validate=None) is options
+    assert options.replace(validate=True).validate is True
+    with pytest.raises(ValueError, match="options: ServingOptions has no field 'placement'"):
+        options.replace(placement="host")
+    with pytest.raises(ValueError, match="direct_max_rows: expected an integer >= 0"):
+        options.replace(direct_max_rows=-5)
