@@ -62,3 +62,32 @@ def test_replace_checks_again_and_ignores_none():
         options.replace(placement="host")
     with pytest.raises(ValueError, match="direct_max_rows: expected an integer >= 0"):
         options.replace(direct_max_rows=-5)
+
+
+def test_from_pretrained_takes_the_options_and_keyword_arguments_win(synthetic_model_dir):
+    import engram
+
+    options = ServingOptions(backend="torch", validate=False, progress=False)
+    memory = engram.EngramMemory.from_pretrained(synthetic_model_dir, placement="cpu", options=options)
+    assert memory.options == options
+    assert all(not memory.table(i).validate and memory.table(i).backend == "torch" for i in memory.layer_ids)
+    checked = engram.EngramMemory.from_pretrained(synthetic_model_dir, placement="cpu", options=options, validate=True)
+    assert checked.options.validate is True and all(checked.table(i).validate for i in checked.layer_ids)
+    with pytest.raises(ValueError, match="options: expected a ServingOptions or None, found dict"):
+        engram.EngramMemory.from_pretrained(synthetic_model_dir, placement="cpu", options={"backend": "torch"})
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        engram.EngramMemory.from_pretrained(synthetic_model_dir, placement="cpu", backend="gpu")
+
+
+def test_table_takes_the_options():
+    import torch
+
+    import engram
+
+    values = torch.zeros(4, 32, dtype=torch.uint8)
+    scales = torch.full((4, 1), 127, dtype=torch.uint8)
+    table = engram.EngramTable(values, scales, options=ServingOptions(backend="torch", validate=False))
+    assert table.backend == "torch" and table.validate is False
+    with pytest.raises(ValueError, match="direct_max_rows: expected an integer >= 0"):
+        engram.EngramTable(values, scales, placement="host", options=ServingOptions(),
+                           placement_options={"direct_max_rows": -1})

@@ -7,10 +7,11 @@ from .hashing import NgramHasher, hash_ngrams
 from .table import EngramTable
 from .layer import Engram
 from .memory import EngramMemory
+from .options import ServingOptions
 from . import integrations
 
 __all__ = [
     "EngramSpec", "EngramLayout", "ColumnShard", "TokenCompressor", "NgramHasher", "hash_ngrams",
-    "EngramTable", "Engram", "EngramMemory", "integrations",
+    "EngramTable", "Engram", "EngramMemory", "ServingOptions", "integrations",
 ]
 __version__ = "0.1.0"

@@ -17,13 +17,13 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (DEFAULT_CHUNK_BYTES, SafetensorsCheckpoint, expected_layer_tensors,
+from .checkpoint import (SafetensorsCheckpoint, expected_layer_tensors,
                          load_engram_layer_weights, load_engram_table, table_progress)
-from .backends import BACKENDS
 from .common import as_device, resolve_cuda_device
 from .hashing import NgramHasher
 from .layer import Engram
 from .layout import ColumnShard, EngramLayout
+from .options import ServingOptions
 from .spec import EngramSpec
 from .table import EngramTable, available_placements
 from .table.prefetch import IdsIdentity, TablePrefetch
@@ -173,6 +173,7 @@ class EngramMemory:
         self.tables = dict(tables)
         self.placement, self.device, self.shard = placement, device, shard
         self.model_dir = model_dir
+        self.options: ServingOptions | None = None  # what from_pretrained served these layers with
 
     # ---- loading -------------------------------------------------------------
     @classmethod
@@ -183,15 +184,16 @@ class EngramMemory:
         device: torch.device | str | int | None = None,
         tp_group: Any = None,
         validate: bool | None = None,
-        progress: bool = True,
+        progress: bool | None = None,
         *,
         sequence_parallel: bool = False,
         sp_group: Any = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        check_values: bool = True,
-        backend: str = "auto",
-        share_host_tables: bool = False,
+        chunk_bytes: int | None = None,
+        check_values: bool | None = None,
+        backend: str | None = None,
+        share_host_tables: bool | None = None,
         placement_options: dict | None = None,
+        options: ServingOptions | None = None,
     ) -> "EngramMemory":
         """Load every Engram layer of the checkpoint in ``model_dir``.
 
@@ -221,13 +223,23 @@ class EngramMemory:
                 process per GPU); see :func:`engram.checkpoint.load_engram_table`. Also for ``"cached"``.
             placement_options: keyword arguments of the placement, the same for every layer, e.g.
                 ``{"cache_fraction": 0.02}`` for ``"cached"`` (:class:`engram.table.cached.CachedPlacement`;
-                per-layer hot sets: ``memory.table(layer_id).load_hot_rows(ids)``).
+                per-layer hot sets: ``memory.table(layer_id).load_hot_rows(ids)``); they win over
+                ``options``' placement fields.
+            options: a :class:`~engram.options.ServingOptions` holding every knob (default:
+                ``ServingOptions.from_environment()``); the keyword arguments above, where given
+                (not None), win over its fields. Kept as :attr:`options`.
 
         Every tensor's dtype and shape is checked against the config before any
         table row is read. Errors are ``ValueError`` naming the tensor or field and the file.
         """
-        if backend not in BACKENDS:  # before any byte is read
-            raise ValueError(f"backend: expected one of {', '.join(repr(b) for b in BACKENDS)}, found {backend!r}")
+        if options is not None and not isinstance(options, ServingOptions):
+            raise ValueError(f"options: expected a ServingOptions or None, found {type(options).__name__}")
+        # Every knob checked before any byte is read.
+        options = (options or ServingOptions.from_environment()).replace(
+            validate=validate, progress=progress, chunk_bytes=chunk_bytes, check_values=check_values, backend=backend,
+            share_host_tables=share_host_tables)
+        validate, progress, chunk_bytes = options.validate, options.progress, options.chunk_bytes
+        check_values, backend, share_host_tables = options.check_values, options.backend, options.share_host_tables
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ValueError(f"model_dir {str(model_dir)!r} is not a directory")
@@ -240,6 +252,9 @@ class EngramMemory:
             shard = layout.shard(rank, world_size)
         rows = [layout.num_embeddings[i] if shard is None else shard.num_rows(i) for i in range(spec.num_layers)]
         placement, compute_device = resolve_placement(placement, device, table_bytes=sum(rows) * spec.row_bytes)
+        if placement_options is not None and not isinstance(placement_options, dict):
+            raise ValueError(f"placement_options: expected a dict of keyword arguments, found {placement_options!r}")
+        placement_options = {**options.placement_options(placement), **(placement_options or {})}
 
         checkpoint = SafetensorsCheckpoint(model_dir)
         # Check every tensor header first: a bad tensor fails before gigabytes are read.
@@ -269,10 +284,13 @@ class EngramMemory:
             layers[layer_id] = Engram.from_weights(
                 spec, table, wkv_weight=weight.wkv_weight.to(compute_device), wkv_scale=scale,
                 q_weight=weight.q_weight.to(compute_device), k_weight=weight.k_weight.to(compute_device),
-                tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group, gate_backend=backend)
+                tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group, gate_backend=backend,
+                wkv_backend=options.wkv_backend, wkv_small_m=options.wkv_small_m)
         hasher = NgramHasher(layout, vocab, device=compute_device, validate=validate, backend=backend)
-        return cls(spec, layout, vocab, hasher, layers, tables, placement=placement, device=compute_device,
-                   shard=shard, model_dir=model_dir)
+        memory = cls(spec, layout, vocab, hasher, layers, tables, placement=placement, device=compute_device,
+                     shard=shard, model_dir=model_dir)
+        memory.options = options
+        return memory
 
     # ---- access --------------------------------------------------------------
     @property

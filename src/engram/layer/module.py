@@ -232,10 +232,12 @@ class Engram(torch.nn.Module):
         sp_group: Any = None,
         gate_backend: str = "auto",
         wkv_backend: str | None = None,
+        wkv_small_m: bool | None = None,
     ) -> "Engram":
         """Build from an :class:`EngramSpec` and one layer's checkpoint tensors
         (``engram.wkv.weight`` [+ ``.scale``], ``engram.q_weight``, ``engram.k_weight``), on the
-        device of ``wkv_weight``; ``wkv_backend`` as :class:`WkvProjection`'s ``backend``."""
+        device of ``wkv_weight``; ``wkv_backend`` and ``wkv_small_m`` as :class:`WkvProjection`'s
+        ``backend`` and ``small_m``."""
         expected = [spec.kv_dim, spec.num_columns * spec.head_dim]
         if not isinstance(wkv_weight, torch.Tensor) or list(wkv_weight.shape) != expected:
             found = list(wkv_weight.shape) if isinstance(wkv_weight, torch.Tensor) else type(wkv_weight).__name__
@@ -245,7 +247,7 @@ class Engram(torch.nn.Module):
                 found = list(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise ValueError(f"{name}: expected shape [{spec.hc_mult}, {spec.hidden_size}] (hc_mult, hidden_size), found {found}")
         wkv = WkvProjection(wkv_weight, wkv_scale, spec.weight_block_size if wkv_scale is not None else None,
-                            backend=wkv_backend)
+                            backend=wkv_backend, small_m=wkv_small_m)
         return cls(table, wkv, q_weight, k_weight, eps=spec.rms_norm_eps, num_columns=spec.num_columns,
                    tp_group=tp_group, sequence_parallel=sequence_parallel, sp_group=sp_group,
                    gate_backend=gate_backend)

@@ -25,17 +25,16 @@ import weakref
 import torch
 
 from ..common import resolve_cuda_device
+from ..options import DEFAULT_DIRECT_MAX_ROWS
 from .host_gather import GatherTicket, HostGather, check_gather_threads, gather_packed_rows_host
 from .host_rows import PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, register_with_cuda
 from .table import TablePlacement, register_placement
 
 __all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
 
-# Lookups of at most this many rows read host memory directly (path a); larger ones
-# take the host gather (path b). H200, 34 GiB table on 2 MiB pages (bench_host.py, NOTES
-# "Host tables v2"): direct reads 19 us at T = 64, 0.87 ms at T = 1024, ~7.5 GB/s beyond;
-# the host gather 0.6-0.9 ms at small T, 1.16 ms at T = 1024, 3.5 ms at T = 8192 (direct 6.9).
-DIRECT_MAX_ROWS = 4096 * 24
+# Lookups of at most this many rows read host memory directly (path a), larger ones take the host
+# gather (path b): ServingOptions.direct_max_rows's default, where its measurement is quoted.
+DIRECT_MAX_ROWS = DEFAULT_DIRECT_MAX_ROWS
 
 # Launch shape of direct reads of decode-sized lookups (at most DECODE_MAX_ROWS rows): one row
 # per one-warp program keeps more PCIe reads in flight. H200, T = 64 (bench_host.py

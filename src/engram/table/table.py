@@ -220,6 +220,8 @@ class EngramTable:
             for ``"auto"`` on CUDA; the others always run torch and refuse ``"triton"``.
         placement_options: keyword arguments of the placement, e.g. ``{"cache_fraction": 0.02,
             "policy": "set-lru"}`` for ``"cached"`` (:class:`engram.table.cached.CachedPlacement`).
+        options: a :class:`~engram.options.ServingOptions`: its backend, validation and placement fields
+            for the arguments left at their defaults (``placement_options`` entries win).
     """
 
     def __init__(
@@ -237,7 +239,18 @@ class EngramTable:
         validate: bool | None = None,
         backend: str = "auto",
         placement_options: dict | None = None,
+        options=None,
     ):
+        if options is not None:  # a ServingOptions: defaults for the arguments left at theirs
+            from ..options import ServingOptions
+
+            if not isinstance(options, ServingOptions):
+                raise ValueError(f"options: expected a ServingOptions or None, found {type(options).__name__}")
+            backend = options.backend if backend == "auto" else backend
+            validate = options.validate if validate is None else validate
+            if placement_options is not None and not isinstance(placement_options, dict):
+                raise ValueError(f"placement_options: expected a dict of keyword arguments, found {placement_options!r}")
+            placement_options = {**options.placement_options(placement), **(placement_options or {})}
         value_bytes = as_value_bytes(values, "values")
         scale_bytes = as_scale_bytes(scales, "scales")
         if value_bytes.dim() != 2:
