@@ -7,9 +7,8 @@ rows), by both read paths side by side:
 
 * direct: the gather kernel reading host memory over PCIe (median of events;
   graph replays up to T = 1024);
-* host gather: ids to the host, the prefetching C gather (``native_gather``; torch's
-  ``index_select`` without a C compiler) into pinned staging, chunked copy-engine
-  transfers, dequantize on the device: wall time from the start of the
+* host gather: ids to the host, torch's ``index_select`` (``row_copy``) into pinned
+  staging, chunked copy-engine transfers, dequantize on the device: wall time from the start of the
   lookup to its rows on the device (synchronized), median.
 
 Reported against the copy-engine ceiling measured in the same run (one 256 MiB
@@ -42,7 +41,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import engram  # noqa: E402
-import engram.table.native_gather  # noqa: E402
 from wall_clock import median_wall_us  # noqa: E402
 from host_table_fixture import COLUMNS, ROW_BYTES_ON_DISK, fold_ids, gpu_us, host_table  # noqa: E402
 
@@ -116,12 +114,11 @@ def direct_configs(table, rng, rows) -> list[dict]:
 
 def gather_stages(table, ids_all) -> dict:
     """Parts of the host gather at T = 8192, each alone: the dedup on the device (GPU time),
-    the host gather of the distinct rows on the gather worker (torch index_select, and the C
-    gather on GATHER_THREADS pool threads), the copy of them. Back to back over the same rows:
-    part of them may stay in the host's last-level cache (NOTES "Host tables v2")."""
+    the host gather of the distinct rows on the gather worker (torch index_select), the copy
+    of them. Back to back over the same rows: part of them may stay in the host's last-level
+    cache (NOTES "Host tables v2")."""
     from engram.table.host_dedup import distinct_rows
-    from engram.table.host_gather import GATHER_THREADS, _shared_worker
-    from engram.table.native_gather import gather_rows_prefetch
+    from engram.table.host_gather import _shared_worker
 
     storage = table.storage
     ids = torch.from_numpy(ids_all[:8192]).cuda()
@@ -135,12 +132,10 @@ def gather_stages(table, ids_all) -> dict:
     worker = _shared_worker()
     gather_us = median_wall_us(lambda: worker.submit(torch.index_select, storage.rows.packed, 0, rows,
                                                      out=staging).result(), repeats=20)
-    c_gather_us = median_wall_us(lambda: worker.submit(gather_rows_prefetch, storage.rows.packed, rows, staging,
-                                                       GATHER_THREADS).result(), repeats=20)
     target = torch.empty_like(staging, device="cuda")
     copy_us = median_wall_us(lambda: target.copy_(staging, non_blocking=True), repeats=20)
     stages = {"distinct_rows": count, "dedup_gpu_us": dedup_us, "host_index_select_us": gather_us,
-              "host_c_gather_us": c_gather_us, "copy_us": copy_us}
+              "copy_us": copy_us}
     print(f"host gather stages at T=8192: {stages}", flush=True)
     return stages
 
@@ -250,8 +245,7 @@ def main() -> None:
               "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "copy_engine_GBps": ceiling, "rows": ROWS, "threads": torch.get_num_threads(),
-              "direct_max_rows_default": engram.table.host.DIRECT_MAX_ROWS,
-              "host_gather_c": engram.table.native_gather.native_gather_status()}
+              "direct_max_rows_default": engram.table.host.DIRECT_MAX_ROWS}
     try:
         report["load"] = load_rate()
         print(f"load into host: {report['load']}", flush=True)

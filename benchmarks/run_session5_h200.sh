@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Session 5's device calls (carry .bench-data). Usage: ENGRAM_COMMIT=<sha> bash benchmarks/run_session5_h200.sh MODE
 #  measure: GPU tests of this session's new code (eager step, direct launches, cached misses through the
-#           host gather, the C row gather), the C gather probe, bench_host, bench_cache, bench_kernels
-#  omp:     the C gather probe with OpenMP's idle threads passive, then active (the lead on its slowdown)
+#           host gather, the host row copy), bench_host, bench_cache, bench_kernels
 #  suite:   the GPU suite RUNS (5) times in a row, each run as two pytest processes sharing the GPU
 #           (test_hash_kernel.py, the slowest file, beside all the others), then memcheck, then
 #           bench_host if the call has time left
@@ -11,18 +10,10 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-if [[ $1 == omp ]]; then
-  for policy in PASSIVE ACTIVE; do
-    echo "== OMP_WAIT_POLICY=$policy"
-    ENGRAM_HOST_GATHER=native OMP_WAIT_POLICY=$policy timeout 90 python benchmarks/probe_row_gather.py --threads 14,16 --distances 0,16 \
-      --repeats 5 --json "$OUT/row-gather-omp-$policy.json" 2>&1 | tail -8
-  done
-elif [[ $1 == measure ]]; then
-  timeout 200 python -m pytest tests/test_eager_step.py tests/test_triton_launch.py tests/test_native_gather.py \
+if [[ $1 == measure ]]; then
+  timeout 200 python -m pytest tests/test_eager_step.py tests/test_triton_launch.py tests/test_row_copy.py \
     tests/test_cached_large_lookups.py tests/test_cached_placement.py tests/test_host_placement.py \
     -m "gpu or not interpreter" -q -p no:cacheprovider -ra -x 2>&1 | tee "$OUT/gpu-tests-new.log" | tail -8
-  timeout 75 python benchmarks/probe_row_gather.py --threads 8,14,16 --distances 0,16,32 --repeats 5 --json "$OUT/row-gather-h200.json" 2>&1 \
-    | tail -14
   timeout 170 python benchmarks/bench_host.py 2>&1 | grep -v Warning | tee "$OUT/bench-host-h200.log" \
     | grep -v "^direct T=64" | tail -40
   timeout 150 python benchmarks/bench_cache.py 2>&1 | tee "$OUT/bench-cache-h200.log" | tail -30

@@ -36,7 +36,7 @@ import torch
 from ..common import next_power_of_2
 from ..environment import local_world_size
 from .host_dedup import distinct_rows
-from .native_gather import gather_rows_prefetch, start_gather_rows
+from .row_copy import gather_rows, start_gather_rows
 
 __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads"]
 
@@ -77,7 +77,7 @@ def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_
     local = global_ids.reshape(-1).to(torch.int64) - row_start
     local = torch.where((local >= 0) & (local < zero_row), local, torch.full_like(local, zero_row))
     if packed.is_contiguous() and out.is_contiguous():
-        gather_rows_prefetch(packed, local, out, default_gather_threads() if threads is None else threads)
+        gather_rows(packed, local, out, default_gather_threads() if threads is None else threads)
     else:
         torch.index_select(packed, 0, local, out=out)
 
