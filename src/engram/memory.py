@@ -23,6 +23,8 @@ from .common import as_device, resolve_cuda_device
 from .hashing import NgramHasher
 from .layer import Engram
 from .layout import ColumnShard, EngramLayout
+from . import ops
+from .ops import compiling
 from .options import ServingOptions
 from .spec import EngramSpec
 from .table import EngramTable, available_placements
@@ -174,6 +176,7 @@ class EngramMemory:
         self.placement, self.device, self.shard = placement, device, shard
         self.model_dir = model_dir
         self.options: ServingOptions | None = None  # what from_pretrained served these layers with
+        self._op_key = ops.register(self)  # names this memory in engram::prefetch and engram::layer
 
     # ---- loading -------------------------------------------------------------
     @classmethod
@@ -325,7 +328,7 @@ class EngramMemory:
             raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
                              f"hash columns), found {found}")
 
-    def prefetch(self, hash_ids: torch.Tensor, *, sp_token_counts: Sequence[int] | None = None) -> "StepPrefetch":
+    def prefetch(self, hash_ids: torch.Tensor, *, sp_token_counts: Sequence[int] | None = None):
         """Start reading every layer's rows of ``hash_ids [T, L, C]`` now, in layer order, and return
         the step's handle for ``forward_layer(..., prefetch=handle)``. Call it right after hashing, on
         the stream that runs the layers. With placement ``"host"`` large batches are gathered on the
@@ -339,11 +342,24 @@ class EngramMemory:
         very ``hash_ids`` tensor, unrefilled, before the hasher runs again and before the next prefetch;
         otherwise the layer reads its rows itself (correct, without the head start). Returns at once
         (no host sync); nothing is started where the rows already live on the device, for
-        decode-sized batches (read directly, graph-capturable) and while a CUDA graph is being captured."""
+        decode-sized batches (read directly, graph-capturable) and while a CUDA graph is being captured.
+
+        Under ``torch.compile`` this is the custom op ``engram::prefetch`` (:mod:`engram.ops`) and the
+        handle is an int64 ticket tensor, passed to ``forward_layer`` the same way."""
+        if compiling():
+            if sp_token_counts is not None:
+                raise ValueError("sp_token_counts: not supported under torch.compile; prefetch eagerly")
+            return ops.prefetch(self, hash_ids)
+        return self._prefetch_eagerly(hash_ids, sp_token_counts)
+
+    def _prefetch_eagerly(self, hash_ids: torch.Tensor,
+                          sp_token_counts: Sequence[int] | None = None) -> "StepPrefetch":
         self._check_step_ids(hash_ids)
         tables = {layer_id: self._layers[layer_id].prefetch(hash_ids[:, index, :], sp_token_counts=sp_token_counts)
                   for index, layer_id in enumerate(self.spec.layer_ids)}
-        return StepPrefetch(self, self.hasher.calls, IdsIdentity.of(hash_ids), tables)
+        handle = StepPrefetch(self, self.hasher.calls, IdsIdentity.of(hash_ids), tables)
+        self._op_ticket = handle  # the custom op names it by a ticket tensor: kept until the next prefetch
+        return handle
 
     def update_cache(self, hash_ids: torch.Tensor) -> None:
         """Between engine steps, with the step's ``hash_ids [T, L, C]``: placement ``"cached"`` admits
@@ -368,6 +384,12 @@ class EngramMemory:
             prefetch: the handle :meth:`prefetch` returned for this step's ``hash_ids``, or None;
                 only its own layer's rows are used, and only while the handle is valid.
         """
+        if compiling():
+            return ops.layer(self, layer_id, hidden_states, hash_ids, token_mask, prefetch)
+        return self._layer_eagerly(layer_id, hidden_states, hash_ids, token_mask, prefetch, sp_token_counts)
+
+    def _layer_eagerly(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
+                       token_mask: torch.Tensor | None, prefetch, sp_token_counts=None) -> torch.Tensor:
         index = self._index(layer_id)
         self._check_step_ids(hash_ids)
         if self.tables[layer_id].validate:

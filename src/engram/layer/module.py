@@ -59,7 +59,9 @@ import torch.distributed as dist
 
 from ..backends import resolve_backend
 from ..call_cache import CallCache, structure
+from .. import ops
 from ..common import HASH_ID_DTYPES, ceil_div
+from ..ops import compiling
 from .eager_step import prepare_eager_step
 from .gate import engram_gate_kv
 from .wkv import WkvProjection
@@ -216,6 +218,7 @@ class Engram(torch.nn.Module):
         self.table = table
         self._check_table(table)
         self._checked_calls = CallCache(64)  # argument structures forward has checked (single mode)
+        self._op_key = ops.register(self)  # names this layer in engram::layer
 
     @classmethod
     def from_weights(
@@ -432,8 +435,19 @@ class Engram(torch.nn.Module):
             prefetch: the handle :meth:`prefetch` returned for this ``hash_ids`` (or None); served only
                 while valid (:mod:`engram.table.prefetch`).
 
-        Every rank of a group must call forward with the same ``hash_ids`` (and counts).
+        Every rank of a group must call forward with the same ``hash_ids`` (and counts). Under
+        ``torch.compile`` the call is the custom op ``engram::layer`` (:mod:`engram.ops`).
         """
+        if compiling():
+            if sp_token_counts is not None:
+                raise ValueError("sp_token_counts: not supported under torch.compile")
+            return ops.layer(self, -1, hidden_states, hash_ids, token_mask, None)
+        return self._forward_eagerly(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch)
+
+    def _layer_eagerly(self, layer_id, hidden_states, hash_ids, token_mask, prefetch) -> torch.Tensor:
+        return self._forward_eagerly(hidden_states, hash_ids, token_mask, None, prefetch)
+
+    def _forward_eagerly(self, hidden_states, hash_ids, token_mask, sp_token_counts, prefetch) -> torch.Tensor:
         if sp_token_counts is None and self.mode == "single":
             key = (structure(hidden_states), structure(hash_ids), structure(token_mask), self.q_weight.device)
             planned = self._checked_calls.get(key)

@@ -1,0 +1,100 @@
+"""A model step (hash, prefetch, every Engram layer) compiles with torch.compile(fullgraph=True)
+and equals the eager step bit for bit: the engine-facing calls are custom ops (engram.ops) with
+fake implementations, and their checks run when the graph runs, outside the trace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import engram
+
+
+def _memory(model_dir, validate: bool):
+    return engram.EngramMemory.from_pretrained(model_dir, placement="cpu", progress=False, validate=validate)
+
+
+def _batch(memory, rng: np.random.Generator, lengths):
+    total = sum(lengths)
+    input_ids = torch.from_numpy(rng.integers(0, memory.vocab.vocab_size, total)).to(torch.int64)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    query_start_loc = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int64)
+    spec = memory.spec
+    hidden = torch.from_numpy(rng.standard_normal((total, spec.hc_mult, spec.hidden_size))).to(torch.bfloat16)
+    return input_ids, positions, query_start_loc, hidden
+
+
+def _step(memory):
+    def step(input_ids, positions, query_start_loc, hidden):
+        hash_ids = memory.hasher(input_ids, positions, query_start_loc)
+        ticket = memory.prefetch(hash_ids)
+        for layer_id in memory.layer_ids:
+            hidden = memory.forward_layer(layer_id, hidden, hash_ids, prefetch=ticket)
+        return hash_ids, hidden
+    return step
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_compiled_step_equals_eager_bit_for_bit(synthetic_model_dir, rng, validate):
+    torch._dynamo.reset()
+    memory = _memory(synthetic_model_dir, validate)
+    step = _step(memory)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for lengths in ([5, 3], [1], [7, 2, 4]):
+        batch = _batch(memory, rng, lengths)
+        eager_ids, eager_out = step(*batch)
+        compiled_ids, compiled_out = compiled(*batch)
+        assert torch.equal(compiled_ids, eager_ids)
+        assert torch.equal(compiled_out.view(torch.int16), eager_out.view(torch.int16))
+
+
+def test_compiled_step_with_inductor(synthetic_model_dir, rng):
+    """The default backend (inductor, C++ on the CPU) around the ops: same results."""
+    torch._dynamo.reset()
+    memory = _memory(synthetic_model_dir, False)
+    step = _step(memory)
+    compiled = torch.compile(step, fullgraph=True)
+    batch = _batch(memory, rng, [6, 2])
+    eager_ids, eager_out = step(*batch)
+    compiled_ids, compiled_out = compiled(*batch)
+    assert torch.equal(compiled_ids, eager_ids)
+    assert torch.equal(compiled_out.view(torch.int16), eager_out.view(torch.int16))
+
+
+def test_checks_run_when_the_compiled_graph_runs(synthetic_model_dir, rng):
+    """Validation lives in the op's real implementation: bad metadata still gets its clear error."""
+    torch._dynamo.reset()
+    memory = _memory(synthetic_model_dir, True)
+    compiled = torch.compile(_step(memory), fullgraph=True, backend="aot_eager")
+    input_ids, positions, query_start_loc, hidden = _batch(memory, rng, [4, 4])
+    compiled(input_ids, positions, query_start_loc, hidden)
+    bad = input_ids.clone()
+    bad[3] = memory.vocab.vocab_size + 5
+    with pytest.raises(ValueError, match=r"input_ids\[3\]"):
+        compiled(bad, positions, query_start_loc, hidden)
+
+
+def test_ops_declare_the_history_stores_they_mutate(synthetic_model_dir, rng):
+    """With a per-request history bound, the compiled step writes it exactly as the eager one."""
+    torch._dynamo.reset()
+    eager_memory, compiled_memory = _memory(synthetic_model_dir, False), _memory(synthetic_model_dir, False)
+    for memory in (eager_memory, compiled_memory):
+        memory.hasher.bind_request_history(4)
+
+    def hashed(memory):
+        def step(input_ids, positions, query_start_loc, rows):
+            return memory.hasher(input_ids, positions, query_start_loc, request_rows=rows)
+        return step
+
+    compiled = torch.compile(hashed(compiled_memory), fullgraph=True, backend="aot_eager")
+    eager = hashed(eager_memory)
+    rows = torch.tensor([0, 1])
+    start = [0, 0]
+    for lengths in ([3, 2], [1, 1], [2, 4]):
+        input_ids, _, query_start_loc, _ = _batch(eager_memory, rng, lengths)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(start, lengths)])
+        start = [s + n for s, n in zip(start, lengths)]
+        assert torch.equal(compiled(input_ids, positions, query_start_loc, rows),
+                           eager(input_ids, positions, query_start_loc, rows))
+    assert torch.equal(compiled_memory.hasher.request_history.values, eager_memory.hasher.request_history.values)
