@@ -110,13 +110,21 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
         results.add_row(source, str(engine.steps), str(engine.tokens_hashed), f"{engine.hash_seconds:.2f}",
                         f"{engine.tokens_hashed / max(engine.hash_seconds, 1e-9):,.0f}",
                         f"{engine.tokens_checked} x {spec.num_layers * spec.num_columns}",
-                        "[green]match[/]" if ok else f"[red]{engine.mismatches} differ[/]")
+                        "[green]match[/]" if ok else f"[red]{_hash_verdict(engine.mismatches, engine.tokens_checked, total)}[/]")
     console.print(results)
     if layers:
         all_match &= run_layer_demo(texts, checkpoint=checkpoint, tokenizer=tokenizer, device=device, seed=seed,
                                     placement=placement,
                                     console=console)
     return all_match
+
+
+def _hash_verdict(mismatches: int, checked: int, total: int) -> str:
+    """What went wrong in a streamed run: tokens whose ids differ, or tokens never checked."""
+    parts = [f"{mismatches} differ"] if mismatches else []
+    if checked != total:
+        parts.append(f"{checked} of {total} tokens checked")
+    return ", ".join(parts)
 
 
 def _streaming_engine(hasher: Any, source: str, requests, seed: int) -> StreamingEngine:
