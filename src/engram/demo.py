@@ -256,7 +256,8 @@ def _check_layers(memory, runner: _LayerRunner, directory: Path) -> list[dict[st
             error_squared += float(difference.square().sum())
             reference_squared += float(size.square().sum())
             if len(size):
-                worst = max(worst, float((difference / size.clamp(min=1e-30)).max()))
+                # torch's max keeps a NaN (Python's max would drop it against the running 0.0)
+                worst = float(torch.tensor([worst, float((difference / size.clamp(min=1e-30)).max())]).max())
         relative_error = (error_squared / max(reference_squared, 1e-300)) ** 0.5
         masked_untouched = torch.equal(out[~mask].view(torch.int16), hidden[~mask].view(torch.int16))
         results.append({"layer": layer_id, "tokens": len(hidden), "masked": int((~mask).sum()),
