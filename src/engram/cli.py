@@ -53,6 +53,10 @@ def _tokenizer_path(tokenizer: str | None, config: str | None) -> Path:
 def command_info(args: argparse.Namespace, console: Console) -> int:
     if args.checkpoint is not None and args.config is not None:
         raise ValueError("info: expected --config or --checkpoint, found both (a checkpoint brings its config.json)")
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
+        found = "a file" if Path(args.checkpoint).exists() else "nothing"
+        raise ValueError(f"--checkpoint: expected a checkpoint directory (config.json, tokenizer.json, *.safetensors), "
+                         f"found {found} at {args.checkpoint!r}")
     spec, layout = _spec_and_layout(args.config if args.checkpoint is None else args.checkpoint)
     console.print(f"Engram layers {list(spec.layer_ids)}: n-gram orders 2..{spec.max_ngram_size}, "
                   f"{spec.n_heads} heads per order -> {spec.num_columns} hash columns of {spec.head_dim} values; "
@@ -82,107 +86,17 @@ def command_info(args: argparse.Namespace, console: Console) -> int:
     console.print(parallel)
     if args.checkpoint is None:
         return 0
-    problems = _checkpoint_info(args.checkpoint, spec, layout, console)
+    from .checkpoint_report import checkpoint_report
+
+    problems = checkpoint_report(args.checkpoint, spec, layout, console, scan_tables=not args.no_value_scan)
     if not problems:
-        console.print("[green]checkpoint ok[/]: every Engram tensor matches the config")
+        console.print("[green]checkpoint ok[/]: every Engram tensor matches the config and passes the loader's checks"
+                      + (" (table bytes not scanned)" if args.no_value_scan else ""))
         return 0
     console.print(f"[red]{len(problems)} problem(s)[/] in checkpoint {args.checkpoint}:", highlight=False)
     for number, problem in enumerate(problems, 1):
         console.print(f"  {number}. {problem}", markup=False, highlight=False, soft_wrap=True)
     return 1
-
-
-def _format_bytes(count: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:,.1f} {unit}"
-    return f"{count} B"
-
-
-def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, console: Console) -> list[str]:
-    """Where each Engram tensor is (file, dtype, shape, checked against the config), which file
-    holds what, and the table bytes each placement keeps per tensor-parallel rank.
-    Returns every problem found, each a whole message (the table only points to it)."""
-    from .checkpoint import SafetensorsCheckpoint, expected_layer_tensors
-    from .table import available_placements
-
-    checkpoint = SafetensorsCheckpoint(directory)
-    source = (f"index {checkpoint.index_file.name}" if checkpoint.index_file is not None
-              else "no index: every *.safetensors header read")
-    tensors = Table(title=f"Engram tensors of {directory} ({len(checkpoint.files)} files, {source})")
-    for column in ("tensor", "file", "dtype", "shape", "bytes", "check"):
-        tensors.add_column(column, justify="right" if column == "bytes" else "left")
-    per_file: dict[str, list[int]] = {}
-    problems: list[str] = []
-
-    def problem(message: str) -> str:
-        problems.append(message)
-        return f"[red]problem {len(problems)}[/]"
-
-    for index, layer_id in enumerate(spec.layer_ids):
-        for kind, (dtypes, shape, why) in expected_layer_tensors(spec, layout, index).items():
-            name = checkpoint.name(layer_id, kind)
-            if kind == "wkv.scale" and name not in checkpoint:
-                continue  # only FP8 wkv weights carry block scales
-            try:
-                info = checkpoint.info(name)
-            except ValueError as error:
-                tensors.add_row(name, "", "", "", "", problem(str(error)))
-                continue
-            try:
-                checkpoint.check(name, dtypes, shape, why)
-                verdict = "[green]ok[/]"
-            except ValueError as error:
-                verdict = problem(str(error))
-            tensors.add_row(name, info.file.name, info.dtype, str(list(info.shape)), f"{info.nbytes:,}", verdict)
-            counts = per_file.setdefault(info.file.name, [0, 0])
-            counts[0] += 1
-            counts[1] += info.nbytes
-    console.print(tensors)
-    for path, error in checkpoint.unreadable_files.items():
-        problem(f"file {str(path)!r} is not a readable safetensors file, it may be truncated or corrupt ({error})")
-    files = Table(title="files")
-    for column in ("file", "Engram tensors", "Engram bytes", "other tensors"):
-        files.add_column(column, justify="left" if column == "file" else "right")
-    for path in checkpoint.files:
-        others = sum(1 for name, file in checkpoint.weight_map.items() if file == path and ".engram." not in name)
-        count, size = per_file.get(path.name, [0, 0])
-        files.add_row(path.name, str(count), _format_bytes(size), str(others))
-    console.print(files)
-
-    world_sizes = (1, 2, 4, 8)
-    placements = Table(title="table bytes per placement and tensor-parallel size (the largest rank)")
-    placements.add_column("placement", justify="left")
-    placements.add_column("where the table bytes live", justify="left")
-    for world_size in world_sizes:
-        placements.add_column(f"tp={world_size}", justify="right")
-    per_rank: list[str] = []
-    per_node: list[str] = []
-    for world_size in world_sizes:
-        try:
-            shards = [layout.shard(rank, world_size) for rank in range(world_size)]
-        except ValueError:
-            per_rank.append("no split")
-            per_node.append("no split")
-            continue
-        largest = max(sum(s.num_rows(l) for l in range(spec.num_layers)) for s in shards) * spec.row_bytes
-        per_rank.append(_format_bytes(largest))
-        per_node.append(_format_bytes(sum(layout.table_bytes)))
-    available = available_placements()
-    placements.add_row("cpu", "page cache (memory-mapped files), per node", *per_rank)
-    placements.add_row("device", "HBM, per GPU", *per_rank)
-    if "host" in available:
-        placements.add_row("host", "pinned host memory, all ranks' shards (one copy per node with "
-                           "share_host_tables; rows packed to 272 B there, +3%)", *per_node)
-    else:
-        placements.add_row("host", "[dim]not available in this version[/]", *[""] * len(world_sizes))
-    wkv_bytes = spec.num_layers * (spec.kv_dim * spec.num_columns * spec.head_dim + 2 * spec.hc_mult * spec.hidden_size) * 2
-    placements.add_row("(any)", "wkv, q/k weights in bf16 (an FP8 wkv stays FP8 on a GPU: half), "
-                       "on every rank's compute device",
-                       *[_format_bytes(wkv_bytes)] * len(world_sizes))
-    console.print(placements)
-    console.print("[dim]'no split': ceil(C/tp) columns per rank leave a rank without a column[/]")
-    return problems
 
 
 def command_hash(args: argparse.Namespace, console: Console) -> int:
@@ -366,7 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="layers, primes, rows and bytes of a config, per tensor-parallel rank")
     info.add_argument("--config", help="config.json or model directory (default: the packaged DeepSeek-V4.1-Flash config)")
     info.add_argument("--checkpoint", metavar="DIR",
-                      help="a checkpoint directory: also list its Engram tensors, files, and bytes per placement and rank")
+                      help="a checkpoint directory: also list its Engram tensors, files, and bytes per placement and rank, "
+                           "and run every check of the loader (exit 1 on a problem)")
+    info.add_argument("--no-value-scan", action="store_true",
+                      help="with --checkpoint: skip the scan of every table byte for NaN (the slow part; the small "
+                           "tensors' values are still checked)")
     info.set_defaults(run=command_info)
     hash_parser = commands.add_parser("hash", help="hash ids of a text, token by token")
     hash_parser.add_argument("--config", help="config.json or model directory (default: the packaged DeepSeek-V4.1-Flash config)")
