@@ -1,7 +1,8 @@
 """The ``engram`` command: ``info``, ``hash``, ``demo`` and ``profile build|eval|plot``.
 
 Exit codes: 0 success; 1 the work ran and found a problem (``info --checkpoint`` on a
-broken checkpoint, a ``demo`` mismatch); 2 bad arguments or input (the message names them).
+broken checkpoint, a ``demo`` mismatch); 2 bad arguments or input (the message names them);
+141 (128 + SIGPIPE), silently, when the reader of stdout closed it (``engram info | head -1``).
 When stdout is not a terminal (a pipe, a file) tables are printed at their full width
 (``COLUMNS`` still wins when set), so no cell is cut.
 """
@@ -25,6 +26,7 @@ from .spec import EngramSpec
 __all__ = ["main"]
 
 GIB = 2**30
+DEMO_MAX_CHARS = 20_000
 UNWRAPPED_WIDTH = 10_000
 """Console width when stdout is not a terminal: tables keep their natural width."""
 
@@ -136,6 +138,13 @@ def command_hash(args: argparse.Namespace, console: Console) -> int:
 
 def command_demo(args: argparse.Namespace, console: Console) -> int:
     if args.transformers:
+        ignored = [flag for flag, given in (("--checkpoint", args.checkpoint is not None),
+                                            ("--skip-layers", args.skip_layers), ("--config", args.config is not None),
+                                            ("--max-chars", args.max_chars is not None),
+                                            ("--placement", args.placement is not None)) if given]
+        if ignored:
+            raise ValueError(f"--transformers: writes its own tiny model and prompts, so it takes none of "
+                             f"{', '.join(ignored)}; expected only --tokenizer, --device, --texts and --seed with it")
         from .demo_transformers import run_transformers_demo
 
         ok = run_transformers_demo(tokenizer=args.tokenizer, device=args.device, num_texts=args.texts, seed=args.seed,
@@ -144,8 +153,9 @@ def command_demo(args: argparse.Namespace, console: Console) -> int:
     from .demo import run_demo
 
     ok = run_demo(config=args.config, tokenizer=args.tokenizer, device=args.device, num_texts=args.texts,
-                  max_chars=args.max_chars, seed=args.seed, console=console, checkpoint=args.checkpoint,
-                  layers=not args.skip_layers, placement=args.placement)
+                  max_chars=DEMO_MAX_CHARS if args.max_chars is None else args.max_chars, seed=args.seed,
+                  console=console, checkpoint=args.checkpoint, layers=not args.skip_layers,
+                  placement=args.placement or "auto")
     return 0 if ok else 1
 
 
@@ -158,6 +168,35 @@ def _fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], found {text!r}")
     return value
+
+
+def _output_file(flag: str, given: str) -> Path:
+    """``--out``'s path, written as given: refused (one error naming the flag) when it is a
+    directory or its directory does not exist, before any slow work."""
+    path = Path(given)
+    if path.is_dir():
+        raise ValueError(f"{flag}: {given!r} is a directory; expected the path of a file to write")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag}: the directory {str(parent)!r} of {given!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag}: the directory {str(parent)!r} of {given!r} is not writable")
+    return path
+
+
+def _figure_format(flag: str, path: Path) -> str:
+    """The image format of ``path`` for matplotlib: its suffix (one matplotlib writes), or PNG for a
+    name without one (written under that very name, never with ``.png`` added)."""
+    from matplotlib.figure import Figure
+
+    supported = Figure().canvas.get_supported_filetypes()
+    suffix = path.suffix.lower().lstrip(".")
+    if not suffix:
+        return "png"
+    if suffix not in supported:
+        raise ValueError(f"{flag}: {str(path)!r} ends in '.{suffix}', which is no image format matplotlib writes; "
+                         f"expected one of {', '.join('.' + s for s in sorted(supported))} (or no suffix: PNG)")
+    return suffix
 
 
 def _profile_inputs(args: argparse.Namespace):
@@ -174,10 +213,11 @@ def _profile_inputs(args: argparse.Namespace):
 def command_profile_build(args: argparse.Namespace, console: Console) -> int:
     from .profile import build_hot_set, read_trace
 
+    out = _output_file("--out", args.out)
     layout, vocab, tokenizer = _profile_inputs(args)
     trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens)
     hot = build_hot_set(trace, layout, args.fraction, args.step_tokens)
-    hot.save(args.out)
+    hot.save(out)
     console.print(f"{trace.tokens:,} tokens from {trace.files} files ({trace.skipped} not plain UTF-8, skipped) "
                   f"in {trace.seconds:.1f} s; hot set of {args.fraction:g} of rows: "
                   + ", ".join(f"layer {layer_id} {len(rows):,} rows" for layer_id, rows in zip(hot.layer_ids, hot.rows))
@@ -215,17 +255,22 @@ def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
 def command_profile_plot(args: argparse.Namespace, console: Console) -> int:
     from .profile import HotSet, evaluate, read_trace
     from .profile_plot import plot_hit_rates, require_matplotlib
+    from .table.cache_policy import POLICIES
 
     require_matplotlib()
+    out = _output_file("--out", args.out)
+    image_format = _figure_format("--out", out)
+    if args.policies is not None and "static" in args.policies and args.hot is None:
+        raise ValueError("--policies static: needs --hot HOT.npz (the static set is built by engram profile build)")
     layout, vocab, tokenizer = _profile_inputs(args)
     hot = None if args.hot is None else HotSet.load(args.hot, layout)
-    policies = [p for p in args.policies if p != "static" or hot is not None]
+    policies = [p for p in (args.policies or POLICIES) if p != "static" or hot is not None]
     curves = {}
     for path in args.corpus:
         trace = read_trace([path], layout, vocab, tokenizer, max_tokens=args.max_tokens)
         curves[Path(path).name or path] = evaluate(trace, layout, args.fractions, policies, hot=hot,
                                                    step_tokens=args.step_tokens)
-    plot_hit_rates(curves, args.out, title=f"row reads served from HBM (steps of {args.step_tokens} tokens"
+    plot_hit_rates(curves, out, image_format=image_format, title=f"row reads served from HBM (steps of {args.step_tokens} tokens"
                                              + (f", starting from {Path(args.hot).name})" if hot else ", cold start)"))
     console.print(f"{len(curves)} corpora x {len(policies)} policies x {len(args.fractions)} fractions -> {args.out}",
                   highlight=False)
@@ -253,7 +298,8 @@ def _add_profile_parser(commands) -> None:
     build = actions.add_parser("build", help="count row reads of a corpus and write the hot set")
     common(build)
     build.add_argument("--fraction", type=_fraction, required=True, help="rows kept per layer, a fraction in (0, 1]")
-    build.add_argument("--out", required=True, metavar="HOT.npz")
+    build.add_argument("--out", required=True, metavar="HOT.npz", help="the file to write (a NumPy .npz archive, "
+                                                                      "under exactly this name)")
     build.set_defaults(run=command_profile_build)
     evaluate = actions.add_parser("eval", help="replay a corpus through the cache and report its hit rate")
     common(evaluate)
@@ -266,11 +312,12 @@ def _add_profile_parser(commands) -> None:
     plot = actions.add_parser("plot", help="hit rate against cached fraction, one curve per corpus and policy "
                                            "(needs matplotlib: pip install 'engram[profile]')")
     common(plot)
-    plot.add_argument("--out", required=True, metavar="FIG.png")
+    plot.add_argument("--out", required=True, metavar="FIG.png",
+                      help="the image to write; its suffix picks the format (.png, .svg, .pdf, ...; none: PNG)")
     plot.add_argument("--hot", metavar="HOT.npz", help="starting content, and the static policy's set")
     plot.add_argument("--fractions", nargs="+", type=_fraction, default=list(DEFAULT_FRACTIONS))
-    plot.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
-                      help="static is drawn only with --hot")
+    plot.add_argument("--policies", nargs="+", choices=POLICIES,
+                      help=f"default: {' '.join(POLICIES)} (static only with --hot)")
     plot.set_defaults(run=command_profile_plot)
 
 
@@ -299,13 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tokenizer")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--texts", type=int, default=6, help="how many texts (requests)")
-    demo.add_argument("--max-chars", type=int, default=20_000, help="characters per text")
+    demo.add_argument("--max-chars", type=int, help=f"characters per text (default {DEMO_MAX_CHARS:,})")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--checkpoint", metavar="DIR",
                       help="run the layers of this checkpoint; a synthetic one is written there when it holds no "
                            "config.json (default: a temporary directory)")
     demo.add_argument("--skip-layers", action="store_true", help="only the hashing part")
-    demo.add_argument("--placement", default="auto", choices=("auto", "device", "host", "cached"),
+    demo.add_argument("--placement", choices=("auto", "device", "host", "cached"),
                       help="where a CUDA run keeps the tables: HBM, pinned host memory read by the GPU, or host "
                            "memory with an HBM cache of hot rows (default: device for the demo's small tables)")
     demo.add_argument("--transformers", action="store_true",
@@ -316,12 +363,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CLOSED_STDOUT_EXIT = 128 + 13
+"""Exit status when the reader of stdout went away (``engram info | head -1``): what a shell
+reports for a program ended by SIGPIPE, the way ``cat`` or ``grep`` end there."""
+
+
+class _Console(Console):
+    """rich's Console, leaving a closed stdout to :func:`main` (rich alone exits with status 1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush at exit finds no closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a descriptor (captured)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     wide = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
-    console = Console(width=UNWRAPPED_WIDTH if wide else None)
+    console = _Console(width=UNWRAPPED_WIDTH if wide else None)
     try:
-        return args.run(args, console)
+        code = args.run(args, console)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return CLOSED_STDOUT_EXIT
     except ValueError as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 2

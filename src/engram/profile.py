@@ -11,6 +11,7 @@ layer, the most-read rows of a trace, hottest first, with their read counts. Rep
 from __future__ import annotations
 
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,8 +132,13 @@ class HotSet:
         return max(1, -(-self.tokens // self.step_tokens))
 
     def save(self, path: str | Path) -> None:
+        """Write a NumPy ``.npz`` archive to exactly ``path`` (no ``.npz`` is added to the name)."""
         arrays = {f"rows_{l}": r for l, r in enumerate(self.rows)} | {f"counts_{l}": c for l, c in enumerate(self.counts)}
-        np.savez_compressed(path, layer_ids=np.array(self.layer_ids), num_rows=np.array(self.num_rows),
+        with open(path, "wb") as handle:
+            self._write(handle, arrays)
+
+    def _write(self, handle, arrays) -> None:
+        np.savez_compressed(handle, layer_ids=np.array(self.layer_ids), num_rows=np.array(self.num_rows),
                             fraction=np.array(self.fraction), tokens=np.array(self.tokens),
                             step_tokens=np.array(self.step_tokens), **arrays)
 
@@ -141,6 +147,8 @@ class HotSet:
         """Read ``path`` and check it was built for ``layout`` (errors name ``--hot`` and both values)."""
         if not Path(path).is_file():
             raise ValueError(f"--hot: {str(path)!r} is not a file")
+        if Path(path).stat().st_size == 0:
+            raise ValueError(f"--hot: {str(path)!r} is empty; expected a hot set written by engram profile build")
         try:
             data = np.load(path)
             layer_ids = [int(x) for x in data["layer_ids"]]
@@ -148,8 +156,9 @@ class HotSet:
             hot = cls(layer_ids, num_rows, [data[f"rows_{l}"].astype(np.int64) for l in range(len(layer_ids))],
                       [data[f"counts_{l}"].astype(np.int64) for l in range(len(layer_ids))],
                       float(data["fraction"]), int(data["tokens"]), int(data["step_tokens"]))
-        except (OSError, KeyError, ValueError) as error:
-            raise ValueError(f"--hot: {str(path)!r} is not a hot set written by engram profile build ({error})") from None
+        except (OSError, KeyError, IndexError, ValueError, EOFError, zipfile.BadZipFile, TypeError) as error:
+            raise ValueError(f"--hot: {str(path)!r} is not a hot set written by engram profile build "
+                             f"({error or type(error).__name__})") from None
         expected = (list(layout.spec.layer_ids), [int(n) for n in layout.num_embeddings])
         if (hot.layer_ids, hot.num_rows) != expected:
             raise ValueError(f"--hot: {str(path)!r} was built for layers {hot.layer_ids} with rows {hot.num_rows}, "

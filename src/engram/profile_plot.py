@@ -24,9 +24,10 @@ def require_matplotlib():
     return plt
 
 
-def plot_hit_rates(curves: dict[str, list[dict]], out: str | Path, title: str = "") -> None:
+def plot_hit_rates(curves: dict[str, list[dict]], out: str | Path, title: str = "", image_format: str = "png") -> None:
     """``curves``: corpus name -> :func:`engram.profile.evaluate` results (dicts with ``policy``,
-    ``fraction``, ``hit_rate``, ``ceiling``, ``best_static_hit_rate``). Writes a PNG to ``out``."""
+    ``fraction``, ``hit_rate``, ``ceiling``, ``best_static_hit_rate``). Writes the figure to exactly
+    ``out``, in ``image_format`` (a matplotlib format name: ``"png"``, ``"svg"``, ...)."""
     plt = require_matplotlib()
     figure, axes = plt.subplots(figsize=(11, 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -48,5 +49,5 @@ def plot_hit_rates(curves: dict[str, list[dict]], out: str | Path, title: str = 
     axes.set_title(title, fontsize=10)
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
-    figure.savefig(out, dpi=120)
+    figure.savefig(out, dpi=120, format=image_format)
     plt.close(figure)

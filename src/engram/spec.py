@@ -229,8 +229,11 @@ def _load_config(source: str | os.PathLike | Mapping[str, Any]) -> Mapping[str, 
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"config path {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"config path {str(path)!r} is not a regular file; expected a config.json or a model "
+                         f"directory holding one")
     try:
         with open(path, encoding="utf-8") as handle:
             config = json.load(handle)
