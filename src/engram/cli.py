@@ -199,15 +199,23 @@ def _figure_format(flag: str, path: Path) -> str:
     return suffix
 
 
-def _profile_inputs(args: argparse.Namespace):
+def _profile_inputs(args: argparse.Namespace, layout: EngramLayout | None = None):
     from tokenizers import Tokenizer
 
     from .vocab import TokenCompressor
 
-    spec, layout = _spec_and_layout(args.config)
+    if layout is None:
+        _, layout = _spec_and_layout(args.config)
     tokenizer_path = _tokenizer_path(args.tokenizer, args.config)
-    vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=spec)
+    vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=layout.spec)
     return layout, vocab, Tokenizer.from_file(str(tokenizer_path))
+
+
+def _hot_set(args: argparse.Namespace, layout: EngramLayout):
+    """``--hot``, read and checked against the config before the tokenizer loads (or None)."""
+    from .profile import HotSet
+
+    return None if args.hot is None else HotSet.load(args.hot, layout)
 
 
 def command_profile_build(args: argparse.Namespace, console: Console) -> int:
@@ -226,12 +234,13 @@ def command_profile_build(args: argparse.Namespace, console: Console) -> int:
 
 
 def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
-    from .profile import HotSet, evaluate, read_trace
+    from .profile import evaluate, read_trace
 
     if args.policy == "static" and args.hot is None:
         raise ValueError("--policy static: needs --hot HOT.npz (the static set is built by engram profile build)")
-    layout, vocab, tokenizer = _profile_inputs(args)
-    hot = None if args.hot is None else HotSet.load(args.hot, layout)
+    _, layout = _spec_and_layout(args.config)
+    hot = _hot_set(args, layout)
+    layout, vocab, tokenizer = _profile_inputs(args, layout)
     trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens)
     (result,) = evaluate(trace, layout, [args.fraction], [args.policy], hot=hot, step_tokens=args.step_tokens)
     result = {**result, "tokens": trace.tokens, "files": trace.files, "hot": args.hot}
@@ -253,7 +262,7 @@ def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
 
 
 def command_profile_plot(args: argparse.Namespace, console: Console) -> int:
-    from .profile import HotSet, evaluate, read_trace
+    from .profile import evaluate, read_trace
     from .profile_plot import plot_hit_rates, require_matplotlib
     from .table.cache_policy import POLICIES
 
@@ -262,8 +271,9 @@ def command_profile_plot(args: argparse.Namespace, console: Console) -> int:
     image_format = _figure_format("--out", out)
     if args.policies is not None and "static" in args.policies and args.hot is None:
         raise ValueError("--policies static: needs --hot HOT.npz (the static set is built by engram profile build)")
-    layout, vocab, tokenizer = _profile_inputs(args)
-    hot = None if args.hot is None else HotSet.load(args.hot, layout)
+    _, layout = _spec_and_layout(args.config)
+    hot = _hot_set(args, layout)
+    layout, vocab, tokenizer = _profile_inputs(args, layout)
     policies = [p for p in (args.policies or POLICIES) if p != "static" or hot is not None]
     curves = {}
     for path in args.corpus:

@@ -163,7 +163,33 @@ class HotSet:
         if (hot.layer_ids, hot.num_rows) != expected:
             raise ValueError(f"--hot: {str(path)!r} was built for layers {hot.layer_ids} with rows {hot.num_rows}, "
                              f"the config has layers {expected[0]} with rows {expected[1]}")
+        for l in range(len(layer_ids)):
+            _check_hot_rows(str(path), l, data[f"rows_{l}"], data[f"counts_{l}"], hot.num_rows[l])
         return hot
+
+
+def _check_hot_rows(path: str, layer: int, rows: np.ndarray, counts: np.ndarray, num_rows: int) -> None:
+    """A hot set's layer: distinct integer rows in ``[0, num_rows)``, one integer count >= 0 each."""
+    where = f"--hot: {path!r}"
+    for name, values in ((f"rows_{layer}", rows), (f"counts_{layer}", counts)):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise ValueError(f"{where}: {name} must be a 1-D array of integers, found dtype {values.dtype} and shape "
+                             f"{list(values.shape)}")
+    if len(counts) != len(rows):
+        raise ValueError(f"{where}: rows_{layer} has {len(rows)} rows but counts_{layer} {len(counts)} counts")
+    bad = np.flatnonzero((rows < 0) | (rows >= num_rows))
+    if bad.size:
+        raise ValueError(f"{where}: rows_{layer}[{bad[0]}] = {rows[bad[0]]} is outside the layer's table rows "
+                         f"[0, {num_rows})")
+    negative = np.flatnonzero(counts < 0)
+    if negative.size:
+        raise ValueError(f"{where}: counts_{layer}[{negative[0]}] = {counts[negative[0]]} is negative")
+    unique, first = np.unique(rows, return_index=True)
+    if unique.size != rows.size:
+        seen = np.zeros(rows.size, dtype=bool)
+        seen[first] = True
+        again = int(np.flatnonzero(~seen)[0])
+        raise ValueError(f"{where}: rows_{layer}[{again}] = {rows[again]} appears twice; expected distinct rows")
 
 
 def build_hot_set(trace: Trace, layout: EngramLayout, fraction: float, step_tokens: int = DEFAULT_STEP_TOKENS) -> HotSet:
