@@ -834,9 +834,13 @@ def write_engram_checkpoint(
     weight_map: dict[str, str] = {}
     for file_name, group in zip(file_names, groups):
         temporary = directory / (file_name + ".tmp")
-        save_file(group, str(temporary), metadata={"format": "pt"})
-        os.chmod(temporary, mode)  # safetensors creates its files 0600
-        os.replace(temporary, directory / file_name)
+        try:
+            save_file(group, str(temporary), metadata={"format": "pt"})
+            os.chmod(temporary, mode)  # safetensors creates its files 0600
+            os.replace(temporary, directory / file_name)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
         weight_map.update({name: file_name for name in group})
     if with_index:
         total = sum(t.numel() * t.element_size() for t in named.values())
