@@ -600,12 +600,15 @@ def load_engram_table(
     num_rows, head_dim = row_end - row_start, spec.head_dim
 
     if placement == "cpu" and "cpu" not in _STORAGE_ALLOCATORS:
+        source_files = mapped.MappedFiles([values_info.file, scales_info.file])  # as they are when mapped
         value_bytes, scale_bytes = _map_cpu_table(values_info, scales_info, row_start, row_end, chunk_bytes,
                                                   progress, check_values, f"layer {layer_id} table",
                                                   num_rows * spec.row_bytes)
-        return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
-                                       device=None, validate=validate, backend=backend,
-                                       placement_options=placement_options)
+        table = EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
+                                        device=None, validate=validate, backend=backend,
+                                        placement_options=placement_options)
+        table.storage.source_files = source_files
+        return table
     storage_device = (torch.device("cpu") if placement == "cpu"
                       else resolve_cuda_device(device, f"placement {placement!r}"))
     if placement in ("host", "cached") and placement not in _STORAGE_ALLOCATORS:
