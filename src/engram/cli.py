@@ -257,6 +257,10 @@ def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
         table.add_row(name, f"{figures['reads']:,}", f"{figures['hit_rate']:.1%}", f"{figures['ceiling']:.1%}",
                       f"{figures['best_static_hit_rate']:.1%}", f"{figures['host_fetch_ratio']:.1%}")
     console.print(table)
+    console.print("[dim]ceiling (cold): 1 - distinct rows / reads, the most a cache starting empty can serve; "
+                  "best static: this text's own most-read rows, loaded before it (hindsight; it starts warm, so "
+                  "it may pass the cold ceiling); host fetches kept: rows fetched from host with the cache / "
+                  "without it[/]")
     console.print(f"replay: {result['replay_seconds']:.2f} s for {result['reads']:,} reads", highlight=False)
     return 0
 
