@@ -148,3 +148,16 @@ def test_bad_max_tokens_and_step_tokens(corpus, deepseek_tokenizer_path, capsys)
     assert main(["profile", "eval", "--corpus", str(corpus / "b.txt"), "--fraction", "0.01", "--step-tokens", "0",
                  *_tok(deepseek_tokenizer_path)]) == 2
     assert "--step-tokens" in capsys.readouterr().out
+
+
+def test_eval_and_plot_show_progress(corpus, tmp_path, deepseek_tokenizer_path, capsys):
+    """Long profile runs are not silent: bars for the hashing and the replay, on stderr."""
+    assert main(["profile", "eval", "--corpus", str(corpus / "a"), "--fraction", "1.0", "--step-tokens", "8",
+                 *_tok(deepseek_tokenizer_path)]) == 0
+    err = capsys.readouterr().err
+    assert "hashing text" in err and "replaying steps" in err
+    pytest.importorskip("matplotlib")
+    assert main(["profile", "plot", "--corpus", str(corpus / "b.txt"), "--out", str(tmp_path / "f.png"),
+                 "--fractions", "0.01", "--step-tokens", "8", *_tok(deepseek_tokenizer_path)]) == 0
+    err = capsys.readouterr().err
+    assert "hashing text" in err and "replaying steps" in err

@@ -223,7 +223,7 @@ def command_profile_build(args: argparse.Namespace, console: Console) -> int:
 
     out = _output_file("--out", args.out)
     layout, vocab, tokenizer = _profile_inputs(args)
-    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens)
+    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
     hot = build_hot_set(trace, layout, args.fraction, args.step_tokens)
     hot.save(out)
     console.print(f"{trace.tokens:,} tokens from {trace.files} files ({trace.skipped} not plain UTF-8, skipped) "
@@ -241,8 +241,9 @@ def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
     _, layout = _spec_and_layout(args.config)
     hot = _hot_set(args, layout)
     layout, vocab, tokenizer = _profile_inputs(args, layout)
-    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens)
-    (result,) = evaluate(trace, layout, [args.fraction], [args.policy], hot=hot, step_tokens=args.step_tokens)
+    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
+    (result,) = evaluate(trace, layout, [args.fraction], [args.policy], hot=hot, step_tokens=args.step_tokens,
+                         progress=True)
     result = {**result, "tokens": trace.tokens, "files": trace.files, "hot": args.hot}
     if args.json:
         print(json.dumps(result))
@@ -281,9 +282,9 @@ def command_profile_plot(args: argparse.Namespace, console: Console) -> int:
     policies = [p for p in (args.policies or POLICIES) if p != "static" or hot is not None]
     curves = {}
     for path in args.corpus:
-        trace = read_trace([path], layout, vocab, tokenizer, max_tokens=args.max_tokens)
+        trace = read_trace([path], layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
         curves[Path(path).name or path] = evaluate(trace, layout, args.fractions, policies, hot=hot,
-                                                   step_tokens=args.step_tokens)
+                                                   step_tokens=args.step_tokens, progress=True)
     plot_hit_rates(curves, out, image_format=image_format, title=f"row reads served from HBM (steps of {args.step_tokens} tokens"
                                              + (f", starting from {Path(args.hot).name})" if hot else ", cold start)"))
     console.print(f"{len(curves)} corpora x {len(policies)} policies x {len(args.fractions)} fractions -> {args.out}",

@@ -79,9 +79,19 @@ class Trace:
     seconds: float
 
 
-def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_tokens: int | None = None) -> Trace:
+def _bar(total: int, description: str, unit: str, enabled: bool):
+    """A tqdm bar on stderr, as loading has (plain lines when stderr is not a terminal)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=description, unit=unit, unit_scale=True, disable=not enabled,
+                dynamic_ncols=True, mininterval=0.5, leave=False)
+
+
+def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_tokens: int | None = None,
+               progress: bool = False) -> Trace:
     """Tokenize and hash the text files under ``paths`` (one stream per file) up to ``max_tokens``
-    tokens; files that are not plain UTF-8 are skipped (counted). ``tokenizer``: a ``tokenizers.Tokenizer``."""
+    tokens; files that are not plain UTF-8 are skipped (counted). ``tokenizer``: a ``tokenizers.Tokenizer``.
+    ``progress``: a bar of the files' bytes on stderr."""
     from .hashing.reference import hash_ngrams
 
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
@@ -90,9 +100,11 @@ def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_
     files = corpus_files(paths)
     per_layer: list[list[np.ndarray]] = [[] for _ in range(layout.spec.num_layers)]
     tokens = used = skipped = 0
+    bar = _bar(sum(p.stat().st_size for p in files), "hashing text", "B", progress)
     for path in files:
         if max_tokens is not None and tokens >= max_tokens:
             break
+        bar.update(path.stat().st_size)
         text = _text(path)
         if text is None:
             skipped += 1
@@ -107,6 +119,7 @@ def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_
             per_layer[l].append(hashed[:, l, :].reshape(-1))
         tokens += len(ids)
         used += 1
+    bar.close()
     if used == 0:
         raise ValueError(f"--corpus: no text files found in {list(paths)!r} ({len(files)} files, {skipped} not "
                          "plain UTF-8)")
@@ -206,12 +219,14 @@ def build_hot_set(trace: Trace, layout: EngramLayout, fraction: float, step_toke
 
 
 def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: HotSet | None = None,
-             step_tokens: int = DEFAULT_STEP_TOKENS, params: DynamicParams = DynamicParams()) -> list[dict]:
+             step_tokens: int = DEFAULT_STEP_TOKENS, params: DynamicParams = DynamicParams(),
+             progress: bool = False) -> list[dict]:
     """Replay ``trace`` under each policy at each fraction (the hot set, when given, as the starting
     content). One dict per (policy, fraction): ``hit_rate`` (reads served from HBM / all reads, all
     layers), ``ceiling`` (1 - first touches / reads), ``best_static_hit_rate`` (the fraction's
     most-read rows of this very trace), ``host_fetch_ratio`` (host rows fetched with the cache /
-    without, deduplicated per step), ``replay_seconds``, and ``layers`` (the same per layer id)."""
+    without, deduplicated per step), ``replay_seconds``, and ``layers`` (the same per layer id).
+    ``progress``: a bar of the replayed steps on stderr."""
     if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
         raise ValueError(f"--step-tokens: expected an integer >= 1, found {step_tokens!r}")
     for fraction in fractions:
@@ -225,6 +240,8 @@ def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: Ho
         extra = None if hot is None else hot.rows[l][:most]
         streams.append(CompactStream(reads, step_tokens * columns, extra_rows=extra))
     results = []
+    bar = _bar(len(policies) * len(fractions) * sum(stream.num_steps for stream in streams), "replaying steps",
+               "step", progress)
     for policy in policies:
         for fraction in fractions:
             layers, totals = {}, np.zeros(6, dtype=np.int64)
@@ -233,7 +250,7 @@ def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: Ho
                 capacity = capacity_for(fraction, int(layout.num_embeddings[l]))
                 kwargs = {} if hot is None else dict(initial=True, initial_counts=hot.counts[l],
                                                      profile_steps=hot.steps)
-                result = replay(stream, capacity, policy, params=params, **kwargs)
+                result = replay(stream, capacity, policy, params=params, progress=bar, **kwargs)
                 best = best_static_hits(stream, capacity)
                 counts = np.array([result.reads, result.hits, stream.first_touches, best, result.fetches,
                                    result.fetch_hits])
@@ -242,6 +259,7 @@ def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: Ho
             seconds = time.perf_counter() - started
             results.append({"policy": policy, "fraction": fraction, **_figures(totals, None),
                             "replay_seconds": round(seconds, 3), "layers": layers})
+    bar.close()
     return results
 
 
