@@ -199,6 +199,12 @@ def _figure_format(flag: str, path: Path) -> str:
     return suffix
 
 
+def _warn(messages: list[str]) -> None:
+    """Warnings go to stderr, so that stdout stays the result (``--json``)."""
+    for message in messages:
+        print(f"warning: {message}", file=sys.stderr)
+
+
 def _profile_inputs(args: argparse.Namespace, layout: EngramLayout | None = None):
     from tokenizers import Tokenizer
 
@@ -219,11 +225,12 @@ def _hot_set(args: argparse.Namespace, layout: EngramLayout):
 
 
 def command_profile_build(args: argparse.Namespace, console: Console) -> int:
-    from .profile import build_hot_set, read_trace
+    from .profile import build_hot_set, read_trace, replaced_warnings
 
     out = _output_file("--out", args.out)
     layout, vocab, tokenizer = _profile_inputs(args)
     trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
+    _warn(replaced_warnings(trace))
     hot = build_hot_set(trace, layout, args.fraction, args.step_tokens)
     hot.save(out)
     console.print(f"{trace.tokens:,} tokens from {trace.files} files ({trace.skipped} not plain UTF-8, skipped) "
@@ -234,7 +241,7 @@ def command_profile_build(args: argparse.Namespace, console: Console) -> int:
 
 
 def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
-    from .profile import evaluate, read_trace
+    from .profile import corpus_warnings, evaluate, read_trace
 
     if args.policy == "static" and args.hot is None:
         raise ValueError("--policy static: needs --hot HOT.npz (the static set is built by engram profile build)")
@@ -244,6 +251,7 @@ def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
     trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
     (result,) = evaluate(trace, layout, [args.fraction], [args.policy], hot=hot, step_tokens=args.step_tokens,
                          progress=True)
+    _warn(corpus_warnings(trace, [result], args.step_tokens))
     result = {**result, "tokens": trace.tokens, "files": trace.files, "hot": args.hot}
     if args.json:
         print(json.dumps(result))
@@ -267,7 +275,7 @@ def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
 
 
 def command_profile_plot(args: argparse.Namespace, console: Console) -> int:
-    from .profile import evaluate, read_trace
+    from .profile import corpus_warnings, evaluate, read_trace
     from .profile_plot import plot_hit_rates, require_matplotlib
     from .table.cache_policy import POLICIES
 
@@ -283,8 +291,10 @@ def command_profile_plot(args: argparse.Namespace, console: Console) -> int:
     curves = {}
     for path in args.corpus:
         trace = read_trace([path], layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
-        curves[Path(path).name or path] = evaluate(trace, layout, args.fractions, policies, hot=hot,
-                                                   step_tokens=args.step_tokens, progress=True)
+        name = Path(path).name or path
+        curves[name] = evaluate(trace, layout, args.fractions, policies, hot=hot, step_tokens=args.step_tokens,
+                                progress=True)
+        _warn(corpus_warnings(trace, curves[name], args.step_tokens, name=f"corpus {path!r}"))
     plot_hit_rates(curves, out, image_format=image_format, title=f"row reads served from HBM (steps of {args.step_tokens} tokens"
                                              + (f", starting from {Path(args.hot).name})" if hot else ", cold start)"))
     console.print(f"{len(curves)} corpora x {len(policies)} policies x {len(args.fractions)} fractions -> {args.out}",

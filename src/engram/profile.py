@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ from .table.cache_policy import (
 )
 
 __all__ = ["DEFAULT_STEP_TOKENS", "DEFAULT_FRACTIONS", "Trace", "HotSet", "corpus_files", "read_trace",
-           "build_hot_set", "evaluate"]
+           "build_hot_set", "evaluate", "corpus_warnings", "replaced_warnings"]
 
 DEFAULT_STEP_TOKENS = 4096
 DEFAULT_FRACTIONS = (0.001, 0.005, 0.01, 0.02, 0.05)
@@ -57,26 +57,40 @@ def corpus_files(paths: list[str]) -> list[Path]:
     return unique
 
 
-def _text(path: Path) -> str | None:
-    """The file's text when it is plain UTF-8 (no NUL byte), else None."""
+MAX_BAD_BYTES = 0.01
+"""Share of a file's bytes that may be invalid UTF-8 (each read as U+FFFD); more: not a UTF-8 text."""
+MIN_STEPS = 10
+"""Fewer engine steps than this and most reads come before any policy has acted (:func:`corpus_warnings`)."""
+
+
+def _text(path: Path) -> tuple[str, int] | None:
+    """``(text, invalid bytes)`` of a UTF-8 text file, invalid bytes read as U+FFFD (a stray
+    cp1252 apostrophe in a long text); None for a file with a NUL byte or more than
+    :data:`MAX_BAD_BYTES` of its bytes invalid (binary, or another encoding)."""
     data = path.read_bytes()
     if b"\0" in data:
         return None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8"), 0
     except UnicodeDecodeError:
+        pass
+    bad = len(data) - len(data.decode("utf-8", errors="ignore").encode("utf-8"))
+    if bad > MAX_BAD_BYTES * len(data):
         return None
+    return data.decode("utf-8", errors="replace"), bad
 
 
 @dataclass
 class Trace:
-    """Row reads of a corpus: ``reads[l]`` int64 ``[tokens * C]`` for layer index ``l``."""
+    """Row reads of a corpus: ``reads[l]`` int64 ``[tokens * C]`` for layer index ``l``;
+    ``replaced``: (file, invalid bytes) of the files read with U+FFFD for invalid UTF-8."""
 
     reads: list[np.ndarray]
     tokens: int
     files: int
     skipped: int
     seconds: float
+    replaced: list[tuple[Path, int]] = field(default_factory=list)
 
 
 def _bar(total: int, description: str, unit: str, enabled: bool):
@@ -90,7 +104,8 @@ def _bar(total: int, description: str, unit: str, enabled: bool):
 def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_tokens: int | None = None,
                progress: bool = False) -> Trace:
     """Tokenize and hash the text files under ``paths`` (one stream per file) up to ``max_tokens``
-    tokens; files that are not plain UTF-8 are skipped (counted). ``tokenizer``: a ``tokenizers.Tokenizer``.
+    tokens; files that are not UTF-8 text are skipped (counted), a few invalid bytes in a text are
+    read as U+FFFD (``Trace.replaced``). ``tokenizer``: a ``tokenizers.Tokenizer``.
     ``progress``: a bar of the files' bytes on stderr."""
     from .hashing.reference import hash_ngrams
 
@@ -100,15 +115,19 @@ def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_
     files = corpus_files(paths)
     per_layer: list[list[np.ndarray]] = [[] for _ in range(layout.spec.num_layers)]
     tokens = used = skipped = 0
+    replaced: list[tuple[Path, int]] = []
     bar = _bar(sum(p.stat().st_size for p in files), "hashing text", "B", progress)
     for path in files:
         if max_tokens is not None and tokens >= max_tokens:
             break
         bar.update(path.stat().st_size)
-        text = _text(path)
-        if text is None:
+        read = _text(path)
+        if read is None:
             skipped += 1
             continue
+        text, bad = read
+        if bad:
+            replaced.append((path, bad))
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         if max_tokens is not None:
             ids = ids[:max_tokens - tokens]
@@ -124,7 +143,7 @@ def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_
         raise ValueError(f"--corpus: no text files found in {list(paths)!r} ({len(files)} files, {skipped} not "
                          "plain UTF-8)")
     reads = [np.concatenate(chunks) for chunks in per_layer]
-    return Trace(reads, tokens, used, skipped, time.perf_counter() - started)
+    return Trace(reads, tokens, used, skipped, time.perf_counter() - started, replaced)
 
 
 @dataclass
@@ -266,7 +285,39 @@ def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: Ho
 def _figures(counts: np.ndarray, capacity: int | None) -> dict:
     reads, hits, first, best, fetches, fetch_hits = (int(x) for x in counts)
     figures = {"hit_rate": hits / reads, "ceiling": 1 - first / reads, "best_static_hit_rate": best / reads,
-               "host_fetch_ratio": (fetches - fetch_hits) / fetches, "reads": reads, "hits": hits}
+               "host_fetch_ratio": (fetches - fetch_hits) / fetches, "reads": reads, "hits": hits,
+               "distinct_rows": first}
     if capacity is not None:
         figures["capacity_rows"] = capacity
     return figures
+
+
+def corpus_warnings(trace: Trace, results: list[dict], step_tokens: int, name: str = "the corpus") -> list[str]:
+    """What makes a replay of ``trace`` say little (each a whole sentence; none when it is fine): files
+    read with U+FFFD for invalid bytes, fewer than :data:`MIN_STEPS` steps, a cache that holds every
+    distinct row the text reads (any policy that keeps what it reads then reaches the ceiling)."""
+    warnings = replaced_warnings(trace, name)
+    steps = -(-trace.tokens // step_tokens)
+    if steps < MIN_STEPS:
+        warnings.append(f"{name}: {trace.tokens:,} tokens make {steps} step(s) of {step_tokens} tokens, fewer than "
+                        f"{MIN_STEPS}: the cache changes only between steps, so most reads come before any policy "
+                        f"acts; use more text or a smaller --step-tokens")
+    full = sorted({r["fraction"] for r in results
+                   if r["layers"] and all(layer["capacity_rows"] >= layer["distinct_rows"]
+                                          for layer in r["layers"].values())})
+    if full:
+        distinct = max(layer["distinct_rows"] for r in results for layer in r["layers"].values())
+        warnings.append(f"{name}: a cache of {full[0]:g} of the rows already holds every distinct row the text reads "
+                        f"(up to {distinct:,} per layer): from there every policy that keeps what it reads meets "
+                        f"the ceiling; the text is too small to compare them")
+    return warnings
+
+
+def replaced_warnings(trace: Trace, name: str = "the corpus") -> list[str]:
+    """One sentence naming the files read with U+FFFD for invalid UTF-8 bytes (none: no sentence)."""
+    if not trace.replaced:
+        return []
+    listed = ", ".join(f"{str(path)!r} ({bad} byte{'s' if bad > 1 else ''})" for path, bad in trace.replaced[:5])
+    more = f" and {len(trace.replaced) - 5} more" if len(trace.replaced) > 5 else ""
+    return [f"{name}: {len(trace.replaced)} file(s) not valid UTF-8, read with U+FFFD in place of their invalid "
+            f"bytes: {listed}{more}"]
