@@ -20,6 +20,15 @@ SRC = Path(engram.__file__).parent.parent
 TEXT = "The quick brown fox jumps over the lazy dog. A lazy dog sleeps while the quick fox runs.\n" * 4
 
 
+def _require_matplotlib():
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        from conftest import missing_dependency
+
+        missing_dependency("matplotlib is not installed (pip install -e '.[profile]')")
+
+
 @pytest.fixture
 def corpus(tmp_path):
     path = tmp_path / "text.txt"
@@ -65,7 +74,7 @@ def test_build_writes_exactly_the_path_given(corpus, tmp_path, deepseek_tokenize
 
 
 def test_plot_writes_exactly_the_path_given(corpus, tmp_path, deepseek_tokenizer_path, capsys):
-    pytest.importorskip("matplotlib")
+    _require_matplotlib()
     for name, magic in (("figure", b"\x89PNG"), ("figure.svg", b"<?xml")):
         out = tmp_path / name
         assert main(["profile", "plot", "--corpus", str(corpus), "--out", str(out), "--fractions", "0.001",

@@ -17,6 +17,15 @@ TEXT_A = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps
 TEXT_B = "A lazy dog and a quick fox.\nThe lazy dog sleeps while the fox jumps.\n"
 
 
+def _require_matplotlib():
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        from conftest import missing_dependency
+
+        missing_dependency("matplotlib is not installed (pip install -e '.[profile]')")
+
+
 @pytest.fixture
 def corpus(tmp_path):
     (tmp_path / "a").mkdir()
@@ -156,7 +165,7 @@ def test_eval_and_plot_show_progress(corpus, tmp_path, deepseek_tokenizer_path, 
                  *_tok(deepseek_tokenizer_path)]) == 0
     err = capsys.readouterr().err
     assert "hashing text" in err and "replaying steps" in err
-    pytest.importorskip("matplotlib")
+    _require_matplotlib()
     assert main(["profile", "plot", "--corpus", str(corpus / "b.txt"), "--out", str(tmp_path / "f.png"),
                  "--fractions", "0.01", "--step-tokens", "8", *_tok(deepseek_tokenizer_path)]) == 0
     err = capsys.readouterr().err

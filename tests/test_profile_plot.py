@@ -14,6 +14,15 @@ FRACTIONS = list(DEFAULT_FRACTIONS)
 POLICIES = ["static", "dynamic", "lru", "set-lru"]
 
 
+def _require_matplotlib():
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        from conftest import missing_dependency
+
+        missing_dependency("matplotlib is not installed (pip install -e '.[profile]')")
+
+
 def _results(hit_rate=1.0, ceiling=0.4, best=0.5, capacity=10, distinct=1000):
     layer = {"capacity_rows": capacity, "distinct_rows": distinct}
     return [{"policy": p, "fraction": f, "hit_rate": hit_rate, "ceiling": ceiling, "best_static_hit_rate": best,
@@ -22,7 +31,7 @@ def _results(hit_rate=1.0, ceiling=0.4, best=0.5, capacity=10, distinct=1000):
 
 @pytest.fixture
 def figure():
-    pytest.importorskip("matplotlib")
+    _require_matplotlib()
     from engram.profile_plot import hit_rate_figure, require_matplotlib
 
     figure = hit_rate_figure({"a.txt": _results(), "b.txt": _results(hit_rate=0.3)}, "title")
@@ -91,7 +100,7 @@ def test_a_stray_invalid_byte_is_read_with_one_warning(tmp_path, deepseek_tokeni
 
 
 def test_plot_of_a_tiny_corpus_warns(tmp_path, deepseek_tokenizer_path, capsys):
-    pytest.importorskip("matplotlib")
+    _require_matplotlib()
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("The quick brown fox jumps over the lazy dog.\n")
     assert main(["profile", "plot", "--corpus", str(corpus), "--out", str(tmp_path / "f.png"),

@@ -3,9 +3,6 @@ a directory, a failed rename, a failed write) and the checkpoint writer."""
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import pytest
 
 import engram
