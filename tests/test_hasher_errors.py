@@ -70,7 +70,7 @@ def test_slot_errors_leave_the_cache_untouched(hasher):
     before = cache.values.clone()
     with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 16 is beyond the bound cache of 16 slots"):
         hasher(**batch(count=2, first=8), slot_mapping=torch.tensor([4, 16]), block_table=table)
-    with pytest.raises(ValueError, match=r"slot_mapping: a slot appears twice"):
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 4 is also slot_mapping\[0\]: a slot appears twice"):
         hasher(**batch(count=2, first=8), slot_mapping=torch.tensor([4, 4]), block_table=table)
     with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 9 \(the block of position 5, history of request 0\): "
                                          r"expected a block id in \[0, 4\) of the bound cache"):
@@ -161,3 +161,32 @@ def test_a_store_too_large_to_allocate_is_named(hasher, monkeypatch):
                                          r"the store, which could not be allocated \(.*\)"):
         hasher.bind_slot_cache(10**12, 16)
 
+
+
+def test_a_repeated_slot_is_named_with_both_tokens(hasher):
+    hasher.bind_slot_cache(32, 4)
+    table = torch.tensor([[3, 1, 2, 0, 4, 5]], dtype=torch.int32)
+    slots = torch.tensor([12, 13, 14, 15, 4, 5, 6, 14])
+    with pytest.raises(ValueError, match=r"slot_mapping\[7\] = 14 is also slot_mapping\[2\]: a slot appears twice "
+                                         r"in one batch"):
+        hasher(**batch(count=8), slot_mapping=slots, block_table=table)
+
+
+@pytest.mark.parametrize("kind", ["list", "numpy"])
+@pytest.mark.parametrize("argument", ["input_ids", "positions", "query_start_loc", "slot_mapping"])
+def test_arguments_that_are_not_tensors(hasher, kind, argument):
+    hasher.bind_slot_cache(32, 4)
+    arguments = batch() | dict(slot_mapping=torch.arange(6), block_table=torch.tensor([[0, 1]], dtype=torch.int32))
+    value = arguments[argument].numpy()
+    arguments[argument] = value.tolist() if kind == "list" else value
+    found = "builtins.list" if kind == "list" else "numpy.ndarray"
+    with pytest.raises(ValueError, match=rf"^{argument}: expected a torch.Tensor, found {found}"):
+        hasher(**arguments)
+
+
+@pytest.mark.parametrize("validate", ["yes", 1, 0, "False"])
+def test_validate_must_be_a_bool_or_none(rng, validate):
+    spec = engram.EngramSpec.from_hf_config(small_config())
+    vocab = random_vocab(spec.compressed_vocab_size, 300, rng)
+    with pytest.raises(ValueError, match=rf"validate: expected True, False or None .*found {validate!r}"):
+        engram.NgramHasher(engram.EngramLayout(spec), vocab, validate=validate)

@@ -17,6 +17,15 @@ TEXT_A = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps
 TEXT_B = "A lazy dog and a quick fox.\nThe lazy dog sleeps while the fox jumps.\n"
 
 
+def _require_matplotlib():
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        from conftest import missing_dependency
+
+        missing_dependency("matplotlib is not installed (pip install -e '.[profile]')")
+
+
 @pytest.fixture
 def corpus(tmp_path):
     (tmp_path / "a").mkdir()
@@ -148,3 +157,16 @@ def test_bad_max_tokens_and_step_tokens(corpus, deepseek_tokenizer_path, capsys)
     assert main(["profile", "eval", "--corpus", str(corpus / "b.txt"), "--fraction", "0.01", "--step-tokens", "0",
                  *_tok(deepseek_tokenizer_path)]) == 2
     assert "--step-tokens" in capsys.readouterr().out
+
+
+def test_eval_and_plot_show_progress(corpus, tmp_path, deepseek_tokenizer_path, capsys):
+    """Long profile runs are not silent: bars for the hashing and the replay, on stderr."""
+    assert main(["profile", "eval", "--corpus", str(corpus / "a"), "--fraction", "1.0", "--step-tokens", "8",
+                 *_tok(deepseek_tokenizer_path)]) == 0
+    err = capsys.readouterr().err
+    assert "hashing text" in err and "replaying steps" in err
+    _require_matplotlib()
+    assert main(["profile", "plot", "--corpus", str(corpus / "b.txt"), "--out", str(tmp_path / "f.png"),
+                 "--fractions", "0.01", "--step-tokens", "8", *_tok(deepseek_tokenizer_path)]) == 0
+    err = capsys.readouterr().err
+    assert "hashing text" in err and "replaying steps" in err

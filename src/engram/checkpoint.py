@@ -68,6 +68,8 @@ __all__ = [
     "EngramLayerTensors",
     "expected_layer_tensors",
     "load_engram_layer_weights",
+    "layer_weight_problems",
+    "check_weight_values",
     "load_engram_table",
     "allocate_table_storage",
     "register_storage_allocator",
@@ -387,28 +389,112 @@ class EngramLayerWeights:
     k_weight: torch.Tensor
 
 
-def load_engram_layer_weights(checkpoint: SafetensorsCheckpoint, spec: EngramSpec, layout: EngramLayout,
-                              layer_index: int) -> EngramLayerWeights:
-    """Read and check ``wkv.weight`` (+ ``wkv.scale``), ``q_weight`` and ``k_weight`` of one layer."""
+_CHECK_CHUNK_ELEMENTS = 1 << 22   # values per step of the weights' scan (a few MB of temporaries)
+
+
+def check_weight_values(tensor: torch.Tensor, info: TensorInfo) -> None:
+    """Refuse a non-finite value in one of a layer's small tensors, as read (CPU): E4M3 bytes
+    0x7F/0xFF (NaN), UE8M0 byte 255 (NaN), a NaN or infinity in bf16/fp32. The error names the
+    tensor, its file and the element's index ``[row, column]``."""
+    if (E8M0_DTYPE is not None and tensor.dtype == E8M0_DTYPE) or info.dtype in ("F8_E8M0", "U8"):
+        kinds = "ue8m0"
+    elif tensor.dtype == torch.float8_e4m3fn:
+        kinds = "e4m3"
+    else:
+        kinds = None
+    width = tensor.shape[-1] if tensor.dim() else 1
+    flat = tensor.reshape(-1)
+    for first in range(0, flat.numel(), _CHECK_CHUNK_ELEMENTS):
+        chunk = flat[first:first + _CHECK_CHUNK_ELEMENTS]
+        if kinds is not None:
+            bad = first_nan_byte(chunk.view(torch.uint8).contiguous(), kinds)
+        else:
+            found = torch.nonzero(~torch.isfinite(chunk))
+            bad = int(found[0]) if len(found) else None
+        if bad is None:
+            continue
+        row, column = divmod(first + bad, width)
+        if kinds == "ue8m0":
+            what = "scale byte 255 (UE8M0 NaN)"
+        elif kinds == "e4m3":
+            what = f"value byte {int(chunk.view(torch.uint8)[bad]):#04x} (E4M3 NaN)"
+        else:
+            what = f"{float(chunk[bad])} ({info.dtype})"
+        raise ValueError(f"{info.where()}: element [{row}, {column}] is {what}; expected finite values, the file "
+                         f"is corrupt (check_values=False skips this check on trusted checkpoints)")
+
+
+def _read_weight(checkpoint: SafetensorsCheckpoint, info: TensorInfo, check_values: bool) -> torch.Tensor:
+    tensor = checkpoint.read_tensor(info)
+    if check_values:
+        check_weight_values(tensor, info)
+    return tensor
+
+
+def _wkv_scale_info(checkpoint: SafetensorsCheckpoint, spec: EngramSpec, layout: EngramLayout, layer_index: int,
+                    wkv_info: TensorInfo) -> TensorInfo | None:
+    """The checked header of ``wkv.scale`` when ``wkv.weight`` (``wkv_info``) is FP8, None for a bf16
+    weight; an error for an FP8 weight without scales, or scales beside a bf16 weight."""
     layer_id = spec.layer_ids[layer_index]
     expected = expected_layer_tensors(spec, layout, layer_index)
-
-    def read(kind: str) -> torch.Tensor:
-        dtypes, shape, why = expected[kind]
-        return checkpoint.read_tensor(checkpoint.check(checkpoint.name(layer_id, kind), dtypes, shape, why))
-
-    wkv_info = checkpoint.check(checkpoint.name(layer_id, "wkv.weight"), *expected["wkv.weight"])
     scale_name = checkpoint.name(layer_id, "wkv.scale")
-    wkv_scale = None
     if wkv_info.dtype == "F8_E4M3":
         if "wkv.scale" not in expected:
             raise ValueError(f"{wkv_info.where()} is F8_E4M3, but the config has no "
                              f"quantization_config.weight_block_size for its block scales")
-        wkv_scale = read("wkv.scale")
-    elif scale_name in checkpoint:
+        if scale_name not in checkpoint:
+            raise ValueError(f"tensor {scale_name!r} is missing: {wkv_info.where()} is F8_E4M3 and needs its "
+                             f"block scales")
+        return checkpoint.check(scale_name, *expected["wkv.scale"])
+    if scale_name in checkpoint:
         raise ValueError(f"tensor {scale_name!r} in file {str(checkpoint.file_of(scale_name))!r}: found block scales, "
                          f"but {wkv_info.where()} is {wkv_info.dtype}; expected scales only with an F8_E4M3 weight")
-    return EngramLayerWeights(checkpoint.read_tensor(wkv_info), wkv_scale, read("q_weight"), read("k_weight"))
+    return None
+
+
+def load_engram_layer_weights(checkpoint: SafetensorsCheckpoint, spec: EngramSpec, layout: EngramLayout,
+                              layer_index: int, *, check_values: bool = True) -> EngramLayerWeights:
+    """Read and check ``wkv.weight`` (+ ``wkv.scale``), ``q_weight`` and ``k_weight`` of one layer:
+    dtype and shape against the config, then (``check_values``) every value finite
+    (:func:`check_weight_values`). An FP8 ``wkv`` comes as read: E4M3 weight and UE8M0 scales."""
+    layer_id = spec.layer_ids[layer_index]
+    expected = expected_layer_tensors(spec, layout, layer_index)
+
+    def read(kind: str) -> torch.Tensor:
+        info = checkpoint.check(checkpoint.name(layer_id, kind), *expected[kind])
+        return _read_weight(checkpoint, info, check_values)
+
+    wkv_info = checkpoint.check(checkpoint.name(layer_id, "wkv.weight"), *expected["wkv.weight"])
+    scale_info = _wkv_scale_info(checkpoint, spec, layout, layer_index, wkv_info)
+    wkv_scale = None if scale_info is None else _read_weight(checkpoint, scale_info, check_values)
+    return EngramLayerWeights(_read_weight(checkpoint, wkv_info, check_values), wkv_scale, read("q_weight"),
+                              read("k_weight"))
+
+
+def layer_weight_problems(checkpoint: SafetensorsCheckpoint, spec: EngramSpec, layout: EngramLayout,
+                          layer_index: int, *, check_values: bool = True) -> list[str]:
+    """Every problem :func:`load_engram_layer_weights` would stop at, each tensor checked on its own."""
+    layer_id = spec.layer_ids[layer_index]
+    expected = expected_layer_tensors(spec, layout, layer_index)
+    problems = []
+
+    def attempt(check) -> Any:
+        try:
+            return check()
+        except ValueError as error:
+            problems.append(str(error))
+            return None
+
+    for kind in ("wkv.weight", "q_weight", "k_weight"):
+        info = attempt(lambda: checkpoint.check(checkpoint.name(layer_id, kind), *expected[kind]))
+        if info is None:
+            continue
+        attempt(lambda: _read_weight(checkpoint, info, check_values))
+        if kind == "wkv.weight":
+            scale_info = attempt(lambda: _wkv_scale_info(checkpoint, spec, layout, layer_index, info))
+            if scale_info is not None:
+                attempt(lambda: _read_weight(checkpoint, scale_info, check_values))
+    return problems
 
 
 # ---------------------------------------------------------------------------
@@ -515,12 +601,15 @@ def load_engram_table(
     num_rows, head_dim = row_end - row_start, spec.head_dim
 
     if placement == "cpu" and "cpu" not in _STORAGE_ALLOCATORS:
+        source_files = mapped.MappedFiles([values_info.file, scales_info.file])  # as they are when mapped
         value_bytes, scale_bytes = _map_cpu_table(values_info, scales_info, row_start, row_end, chunk_bytes,
                                                   progress, check_values, f"layer {layer_id} table",
                                                   num_rows * spec.row_bytes)
-        return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
-                                       device=None, validate=validate, backend=backend,
-                                       placement_options=placement_options)
+        table = EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
+                                        device=None, validate=validate, backend=backend,
+                                        placement_options=placement_options)
+        table.storage.source_files = source_files
+        return table
     storage_device = (torch.device("cpu") if placement == "cpu"
                       else resolve_cuda_device(device, f"placement {placement!r}"))
     if placement in ("host", "cached") and placement not in _STORAGE_ALLOCATORS:
@@ -750,9 +839,13 @@ def write_engram_checkpoint(
     weight_map: dict[str, str] = {}
     for file_name, group in zip(file_names, groups):
         temporary = directory / (file_name + ".tmp")
-        save_file(group, str(temporary), metadata={"format": "pt"})
-        os.chmod(temporary, mode)  # safetensors creates its files 0600
-        os.replace(temporary, directory / file_name)
+        try:
+            save_file(group, str(temporary), metadata={"format": "pt"})
+            os.chmod(temporary, mode)  # safetensors creates its files 0600
+            os.replace(temporary, directory / file_name)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
         weight_map.update({name: file_name for name in group})
     if with_index:
         total = sum(t.numel() * t.element_size() for t in named.values())

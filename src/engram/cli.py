@@ -1,7 +1,8 @@
 """The ``engram`` command: ``info``, ``hash``, ``demo`` and ``profile build|eval|plot``.
 
 Exit codes: 0 success; 1 the work ran and found a problem (``info --checkpoint`` on a
-broken checkpoint, a ``demo`` mismatch); 2 bad arguments or input (the message names them).
+broken checkpoint, a ``demo`` mismatch); 2 bad arguments or input (the message names them);
+141 (128 + SIGPIPE), silently, when the reader of stdout closed it (``engram info | head -1``).
 When stdout is not a terminal (a pipe, a file) tables are printed at their full width
 (``COLUMNS`` still wins when set), so no cell is cut.
 """
@@ -25,6 +26,7 @@ from .spec import EngramSpec
 __all__ = ["main"]
 
 GIB = 2**30
+DEMO_MAX_CHARS = 20_000
 UNWRAPPED_WIDTH = 10_000
 """Console width when stdout is not a terminal: tables keep their natural width."""
 
@@ -53,6 +55,10 @@ def _tokenizer_path(tokenizer: str | None, config: str | None) -> Path:
 def command_info(args: argparse.Namespace, console: Console) -> int:
     if args.checkpoint is not None and args.config is not None:
         raise ValueError("info: expected --config or --checkpoint, found both (a checkpoint brings its config.json)")
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
+        found = "a file" if Path(args.checkpoint).exists() else "nothing"
+        raise ValueError(f"--checkpoint: expected a checkpoint directory (config.json, tokenizer.json, *.safetensors), "
+                         f"found {found} at {args.checkpoint!r}")
     spec, layout = _spec_and_layout(args.config if args.checkpoint is None else args.checkpoint)
     console.print(f"Engram layers {list(spec.layer_ids)}: n-gram orders 2..{spec.max_ngram_size}, "
                   f"{spec.n_heads} heads per order -> {spec.num_columns} hash columns of {spec.head_dim} values; "
@@ -82,107 +88,17 @@ def command_info(args: argparse.Namespace, console: Console) -> int:
     console.print(parallel)
     if args.checkpoint is None:
         return 0
-    problems = _checkpoint_info(args.checkpoint, spec, layout, console)
+    from .checkpoint_report import checkpoint_report
+
+    problems = checkpoint_report(args.checkpoint, spec, layout, console, scan_tables=not args.no_value_scan)
     if not problems:
-        console.print("[green]checkpoint ok[/]: every Engram tensor matches the config")
+        console.print("[green]checkpoint ok[/]: every Engram tensor matches the config and passes the loader's checks"
+                      + (" (table bytes not scanned)" if args.no_value_scan else ""))
         return 0
     console.print(f"[red]{len(problems)} problem(s)[/] in checkpoint {args.checkpoint}:", highlight=False)
     for number, problem in enumerate(problems, 1):
         console.print(f"  {number}. {problem}", markup=False, highlight=False, soft_wrap=True)
     return 1
-
-
-def _format_bytes(count: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:,.1f} {unit}"
-    return f"{count} B"
-
-
-def _checkpoint_info(directory: str, spec: EngramSpec, layout: EngramLayout, console: Console) -> list[str]:
-    """Where each Engram tensor is (file, dtype, shape, checked against the config), which file
-    holds what, and the table bytes each placement keeps per tensor-parallel rank.
-    Returns every problem found, each a whole message (the table only points to it)."""
-    from .checkpoint import SafetensorsCheckpoint, expected_layer_tensors
-    from .table import available_placements
-
-    checkpoint = SafetensorsCheckpoint(directory)
-    source = (f"index {checkpoint.index_file.name}" if checkpoint.index_file is not None
-              else "no index: every *.safetensors header read")
-    tensors = Table(title=f"Engram tensors of {directory} ({len(checkpoint.files)} files, {source})")
-    for column in ("tensor", "file", "dtype", "shape", "bytes", "check"):
-        tensors.add_column(column, justify="right" if column == "bytes" else "left")
-    per_file: dict[str, list[int]] = {}
-    problems: list[str] = []
-
-    def problem(message: str) -> str:
-        problems.append(message)
-        return f"[red]problem {len(problems)}[/]"
-
-    for index, layer_id in enumerate(spec.layer_ids):
-        for kind, (dtypes, shape, why) in expected_layer_tensors(spec, layout, index).items():
-            name = checkpoint.name(layer_id, kind)
-            if kind == "wkv.scale" and name not in checkpoint:
-                continue  # only FP8 wkv weights carry block scales
-            try:
-                info = checkpoint.info(name)
-            except ValueError as error:
-                tensors.add_row(name, "", "", "", "", problem(str(error)))
-                continue
-            try:
-                checkpoint.check(name, dtypes, shape, why)
-                verdict = "[green]ok[/]"
-            except ValueError as error:
-                verdict = problem(str(error))
-            tensors.add_row(name, info.file.name, info.dtype, str(list(info.shape)), f"{info.nbytes:,}", verdict)
-            counts = per_file.setdefault(info.file.name, [0, 0])
-            counts[0] += 1
-            counts[1] += info.nbytes
-    console.print(tensors)
-    for path, error in checkpoint.unreadable_files.items():
-        problem(f"file {str(path)!r} is not a readable safetensors file, it may be truncated or corrupt ({error})")
-    files = Table(title="files")
-    for column in ("file", "Engram tensors", "Engram bytes", "other tensors"):
-        files.add_column(column, justify="left" if column == "file" else "right")
-    for path in checkpoint.files:
-        others = sum(1 for name, file in checkpoint.weight_map.items() if file == path and ".engram." not in name)
-        count, size = per_file.get(path.name, [0, 0])
-        files.add_row(path.name, str(count), _format_bytes(size), str(others))
-    console.print(files)
-
-    world_sizes = (1, 2, 4, 8)
-    placements = Table(title="table bytes per placement and tensor-parallel size (the largest rank)")
-    placements.add_column("placement", justify="left")
-    placements.add_column("where the table bytes live", justify="left")
-    for world_size in world_sizes:
-        placements.add_column(f"tp={world_size}", justify="right")
-    per_rank: list[str] = []
-    per_node: list[str] = []
-    for world_size in world_sizes:
-        try:
-            shards = [layout.shard(rank, world_size) for rank in range(world_size)]
-        except ValueError:
-            per_rank.append("no split")
-            per_node.append("no split")
-            continue
-        largest = max(sum(s.num_rows(l) for l in range(spec.num_layers)) for s in shards) * spec.row_bytes
-        per_rank.append(_format_bytes(largest))
-        per_node.append(_format_bytes(sum(layout.table_bytes)))
-    available = available_placements()
-    placements.add_row("cpu", "page cache (memory-mapped files), per node", *per_rank)
-    placements.add_row("device", "HBM, per GPU", *per_rank)
-    if "host" in available:
-        placements.add_row("host", "pinned host memory, all ranks' shards (one copy per node with "
-                           "share_host_tables; rows packed to 272 B there, +3%)", *per_node)
-    else:
-        placements.add_row("host", "[dim]not available in this version[/]", *[""] * len(world_sizes))
-    wkv_bytes = spec.num_layers * (spec.kv_dim * spec.num_columns * spec.head_dim + 2 * spec.hc_mult * spec.hidden_size) * 2
-    placements.add_row("(any)", "wkv, q/k weights in bf16 (an FP8 wkv stays FP8 on a GPU: half), "
-                       "on every rank's compute device",
-                       *[_format_bytes(wkv_bytes)] * len(world_sizes))
-    console.print(placements)
-    console.print("[dim]'no split': ceil(C/tp) columns per rank leave a rank without a column[/]")
-    return problems
 
 
 def command_hash(args: argparse.Namespace, console: Console) -> int:
@@ -222,6 +138,13 @@ def command_hash(args: argparse.Namespace, console: Console) -> int:
 
 def command_demo(args: argparse.Namespace, console: Console) -> int:
     if args.transformers:
+        ignored = [flag for flag, given in (("--checkpoint", args.checkpoint is not None),
+                                            ("--skip-layers", args.skip_layers), ("--config", args.config is not None),
+                                            ("--max-chars", args.max_chars is not None),
+                                            ("--placement", args.placement is not None)) if given]
+        if ignored:
+            raise ValueError(f"--transformers: writes its own tiny model and prompts, so it takes none of "
+                             f"{', '.join(ignored)}; expected only --tokenizer, --device, --texts and --seed with it")
         from .demo_transformers import run_transformers_demo
 
         ok = run_transformers_demo(tokenizer=args.tokenizer, device=args.device, num_texts=args.texts, seed=args.seed,
@@ -230,8 +153,9 @@ def command_demo(args: argparse.Namespace, console: Console) -> int:
     from .demo import run_demo
 
     ok = run_demo(config=args.config, tokenizer=args.tokenizer, device=args.device, num_texts=args.texts,
-                  max_chars=args.max_chars, seed=args.seed, console=console, checkpoint=args.checkpoint,
-                  layers=not args.skip_layers, placement=args.placement)
+                  max_chars=DEMO_MAX_CHARS if args.max_chars is None else args.max_chars, seed=args.seed,
+                  console=console, checkpoint=args.checkpoint, layers=not args.skip_layers,
+                  placement=args.placement or "auto")
     return 0 if ok else 1
 
 
@@ -246,24 +170,69 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _profile_inputs(args: argparse.Namespace):
+def _output_file(flag: str, given: str) -> Path:
+    """``--out``'s path, written as given: refused (one error naming the flag) when it is a
+    directory or its directory does not exist, before any slow work."""
+    path = Path(given)
+    if path.is_dir():
+        raise ValueError(f"{flag}: {given!r} is a directory; expected the path of a file to write")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag}: the directory {str(parent)!r} of {given!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag}: the directory {str(parent)!r} of {given!r} is not writable")
+    return path
+
+
+def _figure_format(flag: str, path: Path) -> str:
+    """The image format of ``path`` for matplotlib: its suffix (one matplotlib writes), or PNG for a
+    name without one (written under that very name, never with ``.png`` added)."""
+    from matplotlib.figure import Figure
+
+    supported = Figure().canvas.get_supported_filetypes()
+    suffix = path.suffix.lower().lstrip(".")
+    if not suffix:
+        return "png"
+    if suffix not in supported:
+        raise ValueError(f"{flag}: {str(path)!r} ends in '.{suffix}', which is no image format matplotlib writes; "
+                         f"expected one of {', '.join('.' + s for s in sorted(supported))} (or no suffix: PNG)")
+    return suffix
+
+
+def _warn(messages: list[str]) -> None:
+    """Warnings go to stderr, so that stdout stays the result (``--json``)."""
+    for message in messages:
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def _profile_inputs(args: argparse.Namespace, layout: EngramLayout | None = None):
     from tokenizers import Tokenizer
 
     from .vocab import TokenCompressor
 
-    spec, layout = _spec_and_layout(args.config)
+    if layout is None:
+        _, layout = _spec_and_layout(args.config)
     tokenizer_path = _tokenizer_path(args.tokenizer, args.config)
-    vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=spec)
+    vocab = TokenCompressor.from_tokenizer(tokenizer_path, spec=layout.spec)
     return layout, vocab, Tokenizer.from_file(str(tokenizer_path))
 
 
-def command_profile_build(args: argparse.Namespace, console: Console) -> int:
-    from .profile import build_hot_set, read_trace
+def _hot_set(args: argparse.Namespace, layout: EngramLayout):
+    """``--hot``, read and checked against the config before the tokenizer loads (or None)."""
+    from .profile import HotSet
 
+    return None if args.hot is None else HotSet.load(args.hot, layout)
+
+
+def command_profile_build(args: argparse.Namespace, console: Console) -> int:
+    from .profile import build_hot_set, read_trace, replaced_warnings
+
+    out = _output_file("--out", args.out)
     layout, vocab, tokenizer = _profile_inputs(args)
-    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens)
+    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
+    _warn(replaced_warnings(trace))
     hot = build_hot_set(trace, layout, args.fraction, args.step_tokens)
-    hot.save(args.out)
+    hot.save(out)
     console.print(f"{trace.tokens:,} tokens from {trace.files} files ({trace.skipped} not plain UTF-8, skipped) "
                   f"in {trace.seconds:.1f} s; hot set of {args.fraction:g} of rows: "
                   + ", ".join(f"layer {layer_id} {len(rows):,} rows" for layer_id, rows in zip(hot.layer_ids, hot.rows))
@@ -272,14 +241,17 @@ def command_profile_build(args: argparse.Namespace, console: Console) -> int:
 
 
 def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
-    from .profile import HotSet, evaluate, read_trace
+    from .profile import corpus_warnings, evaluate, read_trace
 
     if args.policy == "static" and args.hot is None:
         raise ValueError("--policy static: needs --hot HOT.npz (the static set is built by engram profile build)")
-    layout, vocab, tokenizer = _profile_inputs(args)
-    hot = None if args.hot is None else HotSet.load(args.hot, layout)
-    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens)
-    (result,) = evaluate(trace, layout, [args.fraction], [args.policy], hot=hot, step_tokens=args.step_tokens)
+    _, layout = _spec_and_layout(args.config)
+    hot = _hot_set(args, layout)
+    layout, vocab, tokenizer = _profile_inputs(args, layout)
+    trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
+    (result,) = evaluate(trace, layout, [args.fraction], [args.policy], hot=hot, step_tokens=args.step_tokens,
+                         progress=True)
+    _warn(corpus_warnings(trace, [result], args.step_tokens))
     result = {**result, "tokens": trace.tokens, "files": trace.files, "hot": args.hot}
     if args.json:
         print(json.dumps(result))
@@ -294,24 +266,36 @@ def command_profile_eval(args: argparse.Namespace, console: Console) -> int:
         table.add_row(name, f"{figures['reads']:,}", f"{figures['hit_rate']:.1%}", f"{figures['ceiling']:.1%}",
                       f"{figures['best_static_hit_rate']:.1%}", f"{figures['host_fetch_ratio']:.1%}")
     console.print(table)
+    console.print("[dim]ceiling (cold): 1 - distinct rows / reads, the most a cache starting empty can serve; "
+                  "best static: this text's own most-read rows, loaded before it (hindsight; it starts warm, so "
+                  "it may pass the cold ceiling); host fetches kept: rows fetched from host with the cache / "
+                  "without it[/]")
     console.print(f"replay: {result['replay_seconds']:.2f} s for {result['reads']:,} reads", highlight=False)
     return 0
 
 
 def command_profile_plot(args: argparse.Namespace, console: Console) -> int:
-    from .profile import HotSet, evaluate, read_trace
+    from .profile import corpus_warnings, evaluate, read_trace
     from .profile_plot import plot_hit_rates, require_matplotlib
+    from .table.cache_policy import POLICIES
 
     require_matplotlib()
-    layout, vocab, tokenizer = _profile_inputs(args)
-    hot = None if args.hot is None else HotSet.load(args.hot, layout)
-    policies = [p for p in args.policies if p != "static" or hot is not None]
+    out = _output_file("--out", args.out)
+    image_format = _figure_format("--out", out)
+    if args.policies is not None and "static" in args.policies and args.hot is None:
+        raise ValueError("--policies static: needs --hot HOT.npz (the static set is built by engram profile build)")
+    _, layout = _spec_and_layout(args.config)
+    hot = _hot_set(args, layout)
+    layout, vocab, tokenizer = _profile_inputs(args, layout)
+    policies = [p for p in (args.policies or POLICIES) if p != "static" or hot is not None]
     curves = {}
     for path in args.corpus:
-        trace = read_trace([path], layout, vocab, tokenizer, max_tokens=args.max_tokens)
-        curves[Path(path).name or path] = evaluate(trace, layout, args.fractions, policies, hot=hot,
-                                                   step_tokens=args.step_tokens)
-    plot_hit_rates(curves, args.out, title=f"row reads served from HBM (steps of {args.step_tokens} tokens"
+        trace = read_trace([path], layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
+        name = Path(path).name or path
+        curves[name] = evaluate(trace, layout, args.fractions, policies, hot=hot, step_tokens=args.step_tokens,
+                                progress=True)
+        _warn(corpus_warnings(trace, curves[name], args.step_tokens, name=f"corpus {path!r}"))
+    plot_hit_rates(curves, out, image_format=image_format, title=f"row reads served from HBM (steps of {args.step_tokens} tokens"
                                              + (f", starting from {Path(args.hot).name})" if hot else ", cold start)"))
     console.print(f"{len(curves)} corpora x {len(policies)} policies x {len(args.fractions)} fractions -> {args.out}",
                   highlight=False)
@@ -339,7 +323,8 @@ def _add_profile_parser(commands) -> None:
     build = actions.add_parser("build", help="count row reads of a corpus and write the hot set")
     common(build)
     build.add_argument("--fraction", type=_fraction, required=True, help="rows kept per layer, a fraction in (0, 1]")
-    build.add_argument("--out", required=True, metavar="HOT.npz")
+    build.add_argument("--out", required=True, metavar="HOT.npz", help="the file to write (a NumPy .npz archive, "
+                                                                      "under exactly this name)")
     build.set_defaults(run=command_profile_build)
     evaluate = actions.add_parser("eval", help="replay a corpus through the cache and report its hit rate")
     common(evaluate)
@@ -352,11 +337,12 @@ def _add_profile_parser(commands) -> None:
     plot = actions.add_parser("plot", help="hit rate against cached fraction, one curve per corpus and policy "
                                            "(needs matplotlib: pip install 'engram[profile]')")
     common(plot)
-    plot.add_argument("--out", required=True, metavar="FIG.png")
+    plot.add_argument("--out", required=True, metavar="FIG.png",
+                      help="the image to write; its suffix picks the format (.png, .svg, .pdf, ...; none: PNG)")
     plot.add_argument("--hot", metavar="HOT.npz", help="starting content, and the static policy's set")
     plot.add_argument("--fractions", nargs="+", type=_fraction, default=list(DEFAULT_FRACTIONS))
-    plot.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
-                      help="static is drawn only with --hot")
+    plot.add_argument("--policies", nargs="+", choices=POLICIES,
+                      help=f"default: {' '.join(POLICIES)} (static only with --hot)")
     plot.set_defaults(run=command_profile_plot)
 
 
@@ -366,7 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="layers, primes, rows and bytes of a config, per tensor-parallel rank")
     info.add_argument("--config", help="config.json or model directory (default: the packaged DeepSeek-V4.1-Flash config)")
     info.add_argument("--checkpoint", metavar="DIR",
-                      help="a checkpoint directory: also list its Engram tensors, files, and bytes per placement and rank")
+                      help="a checkpoint directory: also list its Engram tensors, files, and bytes per placement and rank, "
+                           "and run every check of the loader (exit 1 on a problem)")
+    info.add_argument("--no-value-scan", action="store_true",
+                      help="with --checkpoint: skip the scan of every table byte for NaN (the slow part; the small "
+                           "tensors' values are still checked)")
     info.set_defaults(run=command_info)
     hash_parser = commands.add_parser("hash", help="hash ids of a text, token by token")
     hash_parser.add_argument("--config", help="config.json or model directory (default: the packaged DeepSeek-V4.1-Flash config)")
@@ -381,13 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tokenizer")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--texts", type=int, default=6, help="how many texts (requests)")
-    demo.add_argument("--max-chars", type=int, default=20_000, help="characters per text")
+    demo.add_argument("--max-chars", type=int, help=f"characters per text (default {DEMO_MAX_CHARS:,})")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--checkpoint", metavar="DIR",
                       help="run the layers of this checkpoint; a synthetic one is written there when it holds no "
                            "config.json (default: a temporary directory)")
     demo.add_argument("--skip-layers", action="store_true", help="only the hashing part")
-    demo.add_argument("--placement", default="auto", choices=("auto", "device", "host", "cached"),
+    demo.add_argument("--placement", choices=("auto", "device", "host", "cached"),
                       help="where a CUDA run keeps the tables: HBM, pinned host memory read by the GPU, or host "
                            "memory with an HBM cache of hot rows (default: device for the demo's small tables)")
     demo.add_argument("--transformers", action="store_true",
@@ -400,12 +390,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CLOSED_STDOUT_EXIT = 128 + 13
+"""Exit status when the reader of stdout went away (``engram info | head -1``): what a shell
+reports for a program ended by SIGPIPE, the way ``cat`` or ``grep`` end there."""
+
+
+class _Console(Console):
+    """rich's Console, leaving a closed stdout to :func:`main` (rich alone exits with status 1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush at exit finds no closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a descriptor (captured)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     wide = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
-    console = Console(width=UNWRAPPED_WIDTH if wide else None)
+    console = _Console(width=UNWRAPPED_WIDTH if wide else None)
     try:
-        return args.run(args, console)
+        code = args.run(args, console)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return CLOSED_STDOUT_EXIT
     except ValueError as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
         return 2

@@ -21,20 +21,44 @@ _PATTERNS = {"fortunes": ["*"], "python-docs": ["library/*.rst.txt", "tutorial/*
              "python-stdlib": ["*.py"]}
 
 
-def _candidates(source: str) -> list[Path]:
-    files: list[Path] = []
-    for root in TEXT_SOURCES[source]:
-        if root.is_dir():
-            for pattern in _PATTERNS[source]:
-                files += [p for p in sorted(root.glob(pattern))
-                          if p.is_file() and p.suffix not in (".dat", ".u8") and p.stat().st_size > 2000]
+def _candidates(source: str) -> list[tuple[Path, str]]:
+    """(file, name) of each text file of ``source``: the name is the file's path under its root
+    (``library/os.rst.txt``), led by the root's package directory when the source has several
+    roots (``python3.11-doc/library/os.rst.txt``). A file reached twice (``python3-doc``'s html is
+    a link to ``python3.11-doc``'s) is listed once."""
+    roots = TEXT_SOURCES[source]
+    files: list[tuple[Path, str]] = []
+    seen: set[Path] = set()
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for pattern in _PATTERNS[source]:
+            for path in sorted(root.glob(pattern)):
+                if not path.is_file() or path.suffix in (".dat", ".u8") or path.stat().st_size <= 2000:
+                    continue
+                real = path.resolve()
+                if real in seen:
+                    continue
+                seen.add(real)
+                name = path.relative_to(root).as_posix()
+                if len(roots) > 1:
+                    name = f"{_root_label(root.resolve())}/{name}"
+                files.append((path, name))
     return files
+
+
+def _root_label(root: Path) -> str:
+    """A short name telling roots of one source apart: the package directory of
+    ``/usr/share/doc/<package>/html/_sources``, else the root's own name."""
+    parts = root.parts
+    return parts[parts.index("doc") + 1] if "doc" in parts[:-1] else root.name
 
 
 def english_texts(max_texts: int = 6, max_chars: int = 20_000, seed: int = 0) -> list[tuple[str, str]]:
     """Up to ``max_texts`` (name, text) pairs, at most ``max_chars`` characters each,
     taken round-robin from every source present; deterministic for a ``seed``. Texts that
-    are empty or only white space are skipped."""
+    are empty or only white space are skipped. Names are distinct (``source:path``), so each
+    can name a request."""
     import random
 
     for name, value in (("max_texts", max_texts), ("max_chars", max_chars)):
@@ -45,15 +69,23 @@ def english_texts(max_texts: int = 6, max_chars: int = 20_000, seed: int = 0) ->
     pools = {source: _candidates(source) for source in TEXT_SOURCES}
     pools = {source: files for source, files in pools.items() if files}
     texts: list[tuple[str, str]] = []
+    names: set[str] = set()
     while len(texts) < max_texts and any(pools.values()):
         for source, files in pools.items():
             if not files or len(texts) >= max_texts:
                 continue
-            path = files.pop(chooser.randrange(len(files)))
+            path, name = files.pop(chooser.randrange(len(files)))
             text = path.read_text(encoding="utf-8", errors="replace")
             if len(text) > max_chars:
                 start = chooser.randrange(len(text) - max_chars)
                 text = text[start:start + max_chars]
             if text.strip():
-                texts.append((f"{source}:{path.name}", text))
+                name = f"{source}:{name}"
+                # Sources are distinct and paths under one root are too; the counter only guards
+                # roots that share a label.
+                unique, copy = name, 2
+                while unique in names:
+                    unique, copy = f"{name} ({copy})", copy + 1
+                names.add(unique)
+                texts.append((unique, text))
     return texts

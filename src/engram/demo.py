@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .common import resolve_device
+from .common import as_device, resolve_device
 from .corpus import english_texts
 from .defaults import default_tokenizer_path, packaged_config
 from .layer.gate import engram_gate
@@ -74,10 +74,14 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
     ``config.json`` a synthetic checkpoint is written there (default: a temporary directory).
     """
     console = console or Console()
+    # Every argument is checked before the tokenizer loads (one clear error, no slow work first).
     for flag, value in (("--texts", num_texts), ("--max-chars", max_chars)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag}: expected an integer >= 1, found {value!r}")
-    resolve_device(device, "engram demo --device")  # one clear error before any work
+    check_seed(seed)
+    resolve_device(device, "engram demo --device")
+    if layers:
+        check_layer_arguments(checkpoint, device, placement)
     spec = EngramSpec.from_hf_config(config or packaged_config())
     layout = EngramLayout(spec)
     started = time.perf_counter()
@@ -110,13 +114,40 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
         results.add_row(source, str(engine.steps), str(engine.tokens_hashed), f"{engine.hash_seconds:.2f}",
                         f"{engine.tokens_hashed / max(engine.hash_seconds, 1e-9):,.0f}",
                         f"{engine.tokens_checked} x {spec.num_layers * spec.num_columns}",
-                        "[green]match[/]" if ok else f"[red]{engine.mismatches} differ[/]")
+                        "[green]match[/]" if ok else f"[red]{_hash_verdict(engine.mismatches, engine.tokens_checked, total)}[/]")
     console.print(results)
     if layers:
         all_match &= run_layer_demo(texts, checkpoint=checkpoint, tokenizer=tokenizer, device=device, seed=seed,
                                     placement=placement,
                                     console=console)
     return all_match
+
+
+def check_seed(seed) -> None:
+    """``--seed``: an integer in [0, 2**63) (what numpy's and torch's generators take)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"--seed: expected an integer in [0, 2**63), found {seed!r}")
+
+
+def check_layer_arguments(checkpoint: str | None, device: str, placement: str) -> None:
+    """``--checkpoint`` (a directory, or a path to create one at) and ``--placement`` against the device."""
+    if checkpoint is not None and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
+        raise ValueError(f"--checkpoint: expected a checkpoint directory (or a path where a synthetic one is "
+                         f"written), found a file at {checkpoint!r}")
+    placements = ("auto", "device", "host", "cached")
+    if placement not in placements:
+        raise ValueError(f"--placement: expected one of {', '.join(placements)}, found {placement!r}")
+    if as_device(device).type == "cpu" and placement in ("host", "cached"):
+        raise ValueError(f"--placement {placement}: tables in host memory are read by a CUDA device; "
+                         "use --device cuda, or the CPU's own placement (the default)")
+
+
+def _hash_verdict(mismatches: int, checked: int, total: int) -> str:
+    """What went wrong in a streamed run: tokens whose ids differ, or tokens never checked."""
+    parts = [f"{mismatches} differ"] if mismatches else []
+    if checked != total:
+        parts.append(f"{checked} of {total} tokens checked")
+    return ", ".join(parts)
 
 
 def _streaming_engine(hasher: Any, source: str, requests, seed: int) -> StreamingEngine:
@@ -248,7 +279,8 @@ def _check_layers(memory, runner: _LayerRunner, directory: Path) -> list[dict[st
             error_squared += float(difference.square().sum())
             reference_squared += float(size.square().sum())
             if len(size):
-                worst = max(worst, float((difference / size.clamp(min=1e-30)).max()))
+                # torch's max keeps a NaN (Python's max would drop it against the running 0.0)
+                worst = float(torch.tensor([worst, float((difference / size.clamp(min=1e-30)).max())]).max())
         relative_error = (error_squared / max(reference_squared, 1e-300)) ** 0.5
         masked_untouched = torch.equal(out[~mask].view(torch.int16), hidden[~mask].view(torch.int16))
         results.append({"layer": layer_id, "tokens": len(hidden), "masked": int((~mask).sum()),
@@ -267,12 +299,11 @@ def run_layer_demo(texts: list[tuple[str, str]], *, checkpoint: str | None = Non
     from .memory import EngramMemory
 
     console = console or Console()
+    check_seed(seed)
+    check_layer_arguments(checkpoint, device, placement)
     with tempfile.TemporaryDirectory(prefix="engram-demo-") as workspace:
         directory = _prepare_checkpoint(checkpoint, tokenizer, seed, Path(workspace), console)
         started = time.perf_counter()
-        if device == "cpu" and placement in ("host", "cached"):
-            raise ValueError(f"--placement {placement}: tables in host memory are read by a CUDA device; "
-                             "use --device cuda, or the CPU's own placement (the default)")
         chosen = "cpu" if device == "cpu" else ("device" if placement == "auto" else placement)
         memory = EngramMemory.from_pretrained(directory, placement=chosen,
                                               device=None if device == "cpu" else device, progress=False)

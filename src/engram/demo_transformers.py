@@ -96,8 +96,19 @@ def run_transformers_demo(*, tokenizer: str | None = None, device: str = "cpu", 
     from .integrations.transformers import load_model
     from .testing import write_transformers_checkpoint
 
+    from .common import resolve_device
+    from .demo import check_seed
+
     console = console or Console()
+    # The arguments first: no model is written for a run that cannot go ahead.
+    for flag, value in (("--texts", num_texts), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag}: expected an integer >= 1, found {value!r}")
+    check_seed(seed)
+    resolve_device(device, "engram demo --transformers --device")
     tokenizer_file = _tokenizer_file(tokenizer)
+    if not tokenizer_file.is_file():
+        raise ValueError(f"--tokenizer: expected a tokenizer.json or a directory holding one, found {str(tokenizer_file)!r}")
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory(prefix="engram-transformers-") as workspace:
         started = time.perf_counter()

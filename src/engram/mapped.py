@@ -8,6 +8,13 @@ end of the header), then the data. :func:`map_tensor_rows` maps the bytes of row
 copy-on-write: the file is never written, and the mapped pages are the page cache's
 own, shared with every process that maps the file); :func:`check_table_rows` makes one
 read-only pass over such rows in chunks for the NaN bytes a table never holds.
+
+A map shows the file as it is now: a file rewritten in place under a running process changes
+the rows it serves (a page not yet read comes from the new bytes), and one truncated below a
+mapped row ends the process with SIGBUS when that row is read. Replacing the file by a rename
+(as every writer of this package does) is safe: the map keeps the old file. :class:`MappedFiles`
+keeps each mapped file open and compares its size and mtime with those it had when mapped, so
+that a step can refuse with an error before reading a file that changed.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import torch
 
 from .table.fp8 import first_nan_byte, nan_byte_error
 
-__all__ = ["CHECK_CHUNK_BYTES", "TensorLocation", "tensor_location", "map_tensor_rows", "check_table_rows"]
+__all__ = ["CHECK_CHUNK_BYTES", "TensorLocation", "tensor_location", "map_tensor_rows", "check_table_rows",
+           "MappedFileChanged", "MappedFiles"]
 
 _MAX_HEADER_BYTES = 100 * 2**20   # safetensors' own limit on the JSON header
 CHECK_CHUNK_BYTES = 4 * 2**20
@@ -118,3 +126,43 @@ def check_table_rows(rows: torch.Tensor, where: str, row_start: int, *, chunk_by
                 raise nan_byte_error(where, row_start + first + flat // width, flat % width, int(chunk[flat]), what)
         if progress is not None:
             progress.update(size)
+
+
+class MappedFileChanged(RuntimeError):
+    """A memory-mapped checkpoint file changed (size or mtime) after its rows were mapped."""
+
+
+class MappedFiles:
+    """The files some memory-mapped tensors come from, as they were when mapped: each kept open
+    (so a rename or unlink of the path changes nothing), its size and mtime compared by
+    :meth:`check` (two ``fstat`` calls per file, about a microsecond each)."""
+
+    def __init__(self, paths):
+        self._files = []
+        for path in dict.fromkeys(Path(p) for p in paths):
+            descriptor = os.open(path, os.O_RDONLY)
+            stat = os.fstat(descriptor)
+            self._files.append((path, descriptor, stat.st_size, stat.st_mtime_ns))
+
+    def check(self) -> None:
+        """Raise :class:`MappedFileChanged` naming the file and what changed, if any did."""
+        for path, descriptor, size, mtime_ns in self._files:
+            stat = os.fstat(descriptor)
+            if stat.st_size != size or stat.st_mtime_ns != mtime_ns:
+                change = (f"size {size:,} -> {stat.st_size:,} bytes" if stat.st_size != size
+                          else f"modified in place (mtime {mtime_ns} -> {stat.st_mtime_ns} ns)")
+                raise MappedFileChanged(
+                    f"file {str(path)!r} changed while its table rows were memory-mapped ({change}): its rows "
+                    f"may be other bytes now, or (shorter) unreadable; load the checkpoint again (replace "
+                    f"checkpoint files by a rename, never in place, under a running process)")
+
+    def close(self) -> None:
+        for _, descriptor, _, _ in self._files:
+            try:
+                os.close(descriptor)
+            except OSError:
+                pass
+        self._files = []
+
+    def __del__(self):
+        self.close()

@@ -217,8 +217,9 @@ class EngramMemory:
                 (on tensor-parallel rank 0 only).
             sequence_parallel, sp_group: passed to every :class:`Engram` module.
             chunk_bytes: bytes read per memory-mapped slice.
-            check_values: refuse table rows holding E4M3 NaN bytes while they stream in
-                (False skips the check on trusted checkpoints).
+            check_values: refuse table rows holding E4M3 NaN bytes while they stream in, and any
+                non-finite value of the ``wkv``, ``q_weight`` and ``k_weight`` tensors (False skips
+                both on trusted checkpoints).
             backend: ``"auto"`` (default), ``"triton"`` or ``"torch"`` for the table
                 lookups and the gate of every layer (:mod:`engram.backends`).
             share_host_tables: with placement ``"host"``, one copy of each table per node in
@@ -265,7 +266,8 @@ class EngramMemory:
             expected = expected_layer_tensors(spec, layout, index)
             for kind in ("embed.weight", "embed.scale"):
                 checkpoint.check(checkpoint.name(layer_id, kind), *expected[kind])
-        weights = [load_engram_layer_weights(checkpoint, spec, layout, index) for index in range(spec.num_layers)]
+        weights = [load_engram_layer_weights(checkpoint, spec, layout, index, check_values=check_values)
+                   for index in range(spec.num_layers)]
 
         what = "engram tables" if shard is None else f"engram tables (rank {shard.rank} of {shard.world_size})"
         # One bar per group: tensor-parallel ranks other than 0 stream silently.

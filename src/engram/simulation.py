@@ -77,6 +77,8 @@ class StreamingEngine:
     def add(self, name: str, token_ids, dead=None, *, share_prefix_with: str | None = None) -> Request:
         """Add a request; with ``share_prefix_with`` (slot cache only) it reuses the other
         request's full blocks of a common, already computed prefix (a prefix-cache hit)."""
+        if name in self.requests:
+            raise ValueError(f"name: a request named {name!r} is already running; expected a new name")
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if token_ids.size == 0:
             raise ValueError(f"token_ids: request {name!r} has no tokens; expected at least one")

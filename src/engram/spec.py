@@ -42,18 +42,40 @@ def _require(config: Mapping[str, Any], key: str) -> Any:
     return value
 
 
-def _as_int(key: str, value: Any, minimum: int) -> int:
+# Bounds of every field, checked before any work that grows with them (the prime search, the
+# tables, the kernels' tile sizes). Each comfortably holds DeepSeek-V4.1's value (in brackets)
+# and refuses what no model needs and would only make `engram info` or the hasher run for minutes.
+_MAX_LAYERS = 64                   # Engram layers [2]; also a decoder layer index below 4096
+_MAX_LAYER_ID = 4095               # [1, 14]; below num_hidden_layers when the config gives it
+_MAX_NGRAM_SIZE = 8                # [4]: the hasher keeps N - 1 tokens of history per request
+_MAX_HEADS = 64                    # [8] heads per n-gram order
+_MAX_TOTAL_COLUMNS = 1024          # layers x (N - 1) x heads [48]: one prime each, found one by one
+_MAX_HEAD_DIM = 4096               # [256], a multiple of 32
+_MAX_VOCAB_SIZE = 2**31 - 1        # engram_vocab_size [16,000,000]: where the primes start
+_MAX_COMPRESSED_VOCAB = 2**24      # [99,092]: compressed ids of a tokenizer
+_MAX_ROWS = 2**40                  # rows of one table [384,016,682]; 2**40 rows is ~280 TB
+_MAX_HIDDEN_SIZE = 65536           # [5120]
+_MAX_HC_MULT = 64                  # [4] hyper-connection copies
+_MAX_BLOCK = 4096                  # quantization_config.weight_block_size entries [128, 128]
+_MAX_DECODER_LAYERS = 4096         # num_hidden_layers [43]
+
+
+def _as_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    expected = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"config field {key!r}: expected an integer >= {minimum}, found {value!r}")
-    if value < minimum:
-        raise ValueError(f"config field {key!r}: expected an integer >= {minimum}, found {value}")
+        raise ValueError(f"config field {key!r}: expected {expected}, found {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"config field {key!r}: expected {expected}, found {value}")
     return value
 
 
-def _as_int_list(key: str, value: Any, minimum: int) -> tuple[int, ...]:
+def _as_int_list(key: str, value: Any, minimum: int, maximum: int | None = None, max_entries: int | None = None
+                 ) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"config field {key!r}: expected a non-empty list of integers, found {value!r}")
-    return tuple(_as_int(f"{key}[{i}]", v, minimum) for i, v in enumerate(value))
+    if max_entries is not None and len(value) > max_entries:
+        raise ValueError(f"config field {key!r}: expected at most {max_entries} entries, found {len(value)}")
+    return tuple(_as_int(f"{key}[{i}]", v, minimum, maximum) for i, v in enumerate(value))
 
 
 @dataclass(frozen=True)
@@ -119,27 +141,42 @@ class EngramSpec:
         prime rule of DESIGN §2.
         """
         config = _load_config(source)
-        layer_ids = _as_int_list("engram_layer_ids", _require(config, "engram_layer_ids"), 0)
+        layer_ids = _as_int_list("engram_layer_ids", _require(config, "engram_layer_ids"), 0, _MAX_LAYER_ID,
+                                 _MAX_LAYERS)
         if len(set(layer_ids)) != len(layer_ids):
             raise ValueError(f"config field 'engram_layer_ids': expected distinct layer ids, found {list(layer_ids)}")
+        found, decoder_layers = _lookup(config, "num_hidden_layers")
+        if found:
+            decoder_layers = _as_int("num_hidden_layers", decoder_layers, 1, _MAX_DECODER_LAYERS)
+            beyond = [layer_id for layer_id in layer_ids if layer_id >= decoder_layers]
+            if beyond:
+                raise ValueError(f"config field 'engram_layer_ids': layer ids {beyond} are beyond the model's "
+                                 f"decoder layers 0..{decoder_layers - 1} (num_hidden_layers = {decoder_layers})")
 
         raw_rows = _require(config, "engram_num_embeddings")
         if isinstance(raw_rows, int) and not isinstance(raw_rows, bool):
             raw_rows = [raw_rows]
-        num_embeddings = _as_int_list("engram_num_embeddings", raw_rows, 1)
+        num_embeddings = _as_int_list("engram_num_embeddings", raw_rows, 1, _MAX_ROWS, _MAX_LAYERS)
         if len(num_embeddings) != len(layer_ids):
             raise ValueError(
                 f"config field 'engram_num_embeddings': expected {len(layer_ids)} entries "
                 f"(one per engram_layer_ids), found {len(num_embeddings)}"
             )
 
-        max_ngram_size = _as_int("engram_max_ngram_size", _require(config, "engram_max_ngram_size"), 2)
-        n_heads = _as_int("engram_n_heads", _require(config, "engram_n_heads"), 1)
-        head_dim = _as_int("engram_head_dim", _require(config, "engram_head_dim"), 32)
+        max_ngram_size = _as_int("engram_max_ngram_size", _require(config, "engram_max_ngram_size"), 2,
+                                 _MAX_NGRAM_SIZE)
+        n_heads = _as_int("engram_n_heads", _require(config, "engram_n_heads"), 1, _MAX_HEADS)
+        total_columns = len(layer_ids) * (max_ngram_size - 1) * n_heads
+        if total_columns > _MAX_TOTAL_COLUMNS:
+            raise ValueError(f"config fields 'engram_layer_ids', 'engram_max_ngram_size', 'engram_n_heads': "
+                             f"{len(layer_ids)} layers x {max_ngram_size - 1} orders x {n_heads} heads = "
+                             f"{total_columns} hash columns, expected at most {_MAX_TOTAL_COLUMNS}")
+        head_dim = _as_int("engram_head_dim", _require(config, "engram_head_dim"), 32, _MAX_HEAD_DIM)
         if head_dim % 32:
             raise ValueError(f"config field 'engram_head_dim': expected a multiple of 32 (one UE8M0 scale per 32), found {head_dim}")
-        vocab_size = _as_int("engram_vocab_size", _require(config, "engram_vocab_size"), 2)
-        compressed = _as_int("engram_compressed_vocab_size", _require(config, "engram_compressed_vocab_size"), 1)
+        vocab_size = _as_int("engram_vocab_size", _require(config, "engram_vocab_size"), 2, _MAX_VOCAB_SIZE)
+        compressed = _as_int("engram_compressed_vocab_size", _require(config, "engram_compressed_vocab_size"), 1,
+                             _MAX_COMPRESSED_VOCAB)
 
         pad_found = [(k, v) for k in _PAD_KEYS for found, v in [_lookup(config, k)] if found]
         if not pad_found:
@@ -148,13 +185,13 @@ class EngramSpec:
             raise ValueError(
                 f"config fields {_PAD_KEYS[0]!r} = {pad_found[0][1]!r} and {_PAD_KEYS[1]!r} = {pad_found[1][1]!r} disagree"
             )
-        pad_token_id = _as_int(pad_found[0][0], pad_found[0][1], 0)
+        pad_token_id = _as_int(pad_found[0][0], pad_found[0][1], 0, _MAX_VOCAB_SIZE)
 
-        hidden_size = _as_int("hidden_size", _require(config, "hidden_size"), 1)
-        hc_mult = _as_int("hc_mult", _require(config, "hc_mult"), 1)
+        hidden_size = _as_int("hidden_size", _require(config, "hidden_size"), 1, _MAX_HIDDEN_SIZE)
+        hc_mult = _as_int("hc_mult", _require(config, "hc_mult"), 1, _MAX_HC_MULT)
         eps = _require(config, "rms_norm_eps")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"config field 'rms_norm_eps': expected a positive number, found {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ValueError(f"config field 'rms_norm_eps': expected a number in (0, 1), found {eps!r}")
 
         spec = cls(
             layer_ids=layer_ids,
@@ -214,12 +251,19 @@ def _weight_block_size(config: Mapping[str, Any]) -> tuple[int, int] | None:
     if not isinstance(quant, Mapping):
         raise ValueError(f"config field 'quantization_config': expected an object such as "
                          f"{{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128]}}, found {quant!r}")
+    # What this package reads: FP8 E4M3 weights with UE8M0 (or float) block scales.
+    for key, accepted in (("quant_method", ("fp8",)), ("fmt", ("e4m3",)), ("scale_fmt", ("ue8m0",))):
+        if key in quant and quant[key] not in accepted:
+            raise ValueError(f"config field 'quantization_config.{key}': expected "
+                             f"{' or '.join(repr(a) for a in accepted)} (FP8 E4M3 weights with UE8M0 block scales), "
+                             f"found {quant[key]!r}")
     block = quant.get("weight_block_size")
     if block is None:
         return None
     if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise ValueError(f"config field 'quantization_config.weight_block_size': expected two positive integers, found {block!r}")
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= _MAX_BLOCK for b in block)):
+        raise ValueError(f"config field 'quantization_config.weight_block_size': expected two integers in "
+                         f"[1, {_MAX_BLOCK}], found {block!r}")
     return (int(block[0]), int(block[1]))
 
 
@@ -229,8 +273,11 @@ def _load_config(source: str | os.PathLike | Mapping[str, Any]) -> Mapping[str, 
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"config path {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ValueError(f"config path {str(path)!r} is not a regular file; expected a config.json or a model "
+                         f"directory holding one")
     try:
         with open(path, encoding="utf-8") as handle:
             config = json.load(handle)

@@ -9,6 +9,7 @@ tensors", at a scaled-down DeepSeek-V4.1 geometry, deterministic from a seed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -274,6 +275,7 @@ def write_transformers_checkpoint(
     layer_ids: tuple[int, ...] = (1, 3),
     num_shards: int = 2,
     model_config: dict[str, Any] | None = None,
+    fp8: bool = False,
     **geometry: Any,
 ) -> SyntheticCheckpoint:
     """Write a whole V4.1-style model directory that
@@ -288,15 +290,22 @@ def write_transformers_checkpoint(
         layer_ids: the Engram layers (decoder layers of the model).
         num_shards: safetensors files (with ``model.safetensors.index.json``).
         model_config: overrides of :data:`TINY_DEEPSEEK_V4`.
+        fp8: stored as DeepSeek's checkpoints are: ``quantization_config`` (FP8 E4M3, UE8M0 scales,
+            128 x 128 blocks) in ``config.json``, the model's linear weights in E4M3 with an fp32
+            ``weight_scale_inv`` per block (not ``lm_head`` nor the model's ``_keep_in_fp32_modules``),
+            and the Engram ``wkv`` in E4M3 with its ``wkv.scale``.
         geometry: Engram fields of the ``"tiny"`` scale to override (``n_heads``, ``head_dim``, ``hidden_size``, ...).
     """
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
+    if not isinstance(fp8, bool):
+        raise ValueError(f"fp8: expected True or False, found {fp8!r}")
+    wkv_dtype = "fp8" if fp8 else "bf16"
     fields = {**TINY_DEEPSEEK_V4, **(model_config or {})}
     if fields["num_hidden_layers"] <= max(layer_ids):
         raise ValueError(f"layer_ids: expected decoder layers below num_hidden_layers = {fields['num_hidden_layers']}, "
                          f"found {list(layer_ids)}")
-    engram = write_synthetic_checkpoint(directory, seed=seed, scale="tiny", wkv_dtype="bf16", num_shards=1,
+    engram = write_synthetic_checkpoint(directory, seed=seed, scale="tiny", wkv_dtype=wkv_dtype, num_shards=1,
                                         tokenizer=tokenizer, prefix="model.", extra_tensors=False,
                                         layer_ids=tuple(layer_ids), **geometry)
     spec, directory = engram.spec, engram.directory
@@ -317,21 +326,55 @@ def write_transformers_checkpoint(
             picks = torch.rand(vocab_size, config.n_routed_experts, generator=generator).argsort(dim=1)
             layer.mlp.gate.tid2eid.copy_(picks[:, : config.num_experts_per_tok])
     model_tensors = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    if fp8:
+        model_tensors = _fp8_linear_weights(model, model_tensors)
 
     layout = EngramLayout(spec)
-    layers = {layer_id: synthetic_layer_tensors(spec, layout, index, seed=seed, wkv_dtype="bf16")
+    layers = {layer_id: synthetic_layer_tensors(spec, layout, index, seed=seed, wkv_dtype=wkv_dtype)
               for index, layer_id in enumerate(spec.layer_ids)}
     for stale in [*directory.glob("model*.safetensors"), directory / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
     weight_map = write_engram_checkpoint(directory, layers, num_shards=num_shards, with_index=True, prefix="model.",
                                          extra_tensors=model_tensors)
     full_config = {**config.to_dict(), **engram_keys}
+    if fp8:
+        full_config["quantization_config"] = {**spec.to_hf_config()["quantization_config"],
+                                              "activation_scheme": "dynamic"}
     full_config["architectures"] = ["DeepseekV4ForCausalLM"]
     # transformers' dtype="auto" would otherwise sniff the first shard, and it knows no F8_E8M0 tensor.
     full_config["dtype"] = "float32"
     (directory / "config.json").write_text(json.dumps(full_config, indent=2) + "\n", encoding="utf-8")
     return SyntheticCheckpoint(directory, EngramSpec.from_hf_config(full_config), full_config, weight_map,
                                engram.tokenizer)
+
+
+_FP8_BLOCK = 128
+
+
+def _fp8_linear_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each linear weight a DeepSeek checkpoint stores in FP8 replaced by E4M3
+    values and ``weight_scale_inv`` fp32 ``[ceil(out / 128), ceil(in / 128)]`` (a power of two per
+    block: the block's largest magnitude maps to at most 448)."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    result = dict(tensors)
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module_name == "lm_head" or module_name.endswith(keep):
+            continue
+        name = f"{module_name}.weight"
+        weight = tensors[name].to(torch.float32)
+        out_features, in_features = weight.shape
+        rows, cols = -(-out_features // _FP8_BLOCK), -(-in_features // _FP8_BLOCK)
+        scale = torch.empty(rows, cols, dtype=torch.float32)
+        values = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn)
+        for i in range(rows):
+            for j in range(cols):
+                block = (slice(i * _FP8_BLOCK, (i + 1) * _FP8_BLOCK), slice(j * _FP8_BLOCK, (j + 1) * _FP8_BLOCK))
+                largest = float(weight[block].abs().max())
+                scale[i, j] = 2.0 ** math.ceil(math.log2(largest / 448.0)) if largest > 0 else 1.0
+                values[block] = (weight[block] / scale[i, j]).to(torch.float8_e4m3fn)
+        result[name] = values
+        result[f"{module_name}.weight_scale_inv"] = scale
+    return result
 
 
 def cpu_device_style_table(values: torch.Tensor, scales: torch.Tensor, num_columns_total: int | None = None):

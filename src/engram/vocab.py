@@ -199,10 +199,19 @@ def _load_cached(path: Path, fingerprint: str) -> np.ndarray | None:
 
 def _store_cached(path: Path, token_map: np.ndarray, fingerprint: str) -> None:
     """Write the map and its digest atomically (temp file + rename); a read-only cache dir is not an error."""
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".npz.tmp", delete=False) as handle:
+            temporary = handle.name
             np.savez(handle, token_map=token_map, digest=np.array(_cache_digest(token_map, fingerprint)))
-        os.replace(handle.name, path)
+        os.replace(temporary, path)
+        temporary = None
     except OSError:
         pass
+    finally:
+        if temporary is not None:  # any failure after the temp file was made: it goes too
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass

@@ -113,6 +113,8 @@ class NgramHasher:
 
     @validate.setter
     def validate(self, validate: bool | None) -> None:
+        if validate is not None and not isinstance(validate, bool):
+            raise ValueError(f"validate: expected True, False or None (checks on for CPU tensors), found {validate!r}")
         self._validate_setting = validate
         self._validating = validate if validate is not None else self.device.type == "cpu"
 

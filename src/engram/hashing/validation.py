@@ -70,6 +70,11 @@ def check_shapes(batch: BatchMetadata, history_length: int, device_index: int = 
     """Dtypes, shapes and devices (no sync), on every call: what the kernels index by
     must have the shape they assume, so that no value can take a read out of bounds.
     ``device_index``: the hasher's CUDA device index, -1 for the CPU."""
+    for name in _TENSOR_FIELDS:
+        value = getattr(batch, name)
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, found {type(value).__module__}.{type(value).__qualname__}"
+                             f" (convert it with torch.as_tensor)")
     input_ids = batch.input_ids
     if input_ids.dim() != 1:
         raise ValueError(f"input_ids: expected a 1-D tensor [T], found shape {list(input_ids.shape)}")
@@ -211,9 +216,15 @@ def validate_batch(
         if bad.any():
             i = _first(bad)
             raise ValueError(f"slot_mapping[{i}] = {int(slots[i])} is beyond the bound cache of {num_slots} slots (-1 = no slot)")
-        written = slots[slots >= 0]
-        if written.unique().numel() != written.numel():
-            raise ValueError("slot_mapping: a slot appears twice in one batch")
+        tokens = (slots >= 0).nonzero().flatten()
+        ordered, order = slots[tokens].sort(stable=True)
+        repeats = (ordered[1:] == ordered[:-1]).nonzero().flatten()
+        if repeats.numel():
+            j = int(repeats[0])
+            first, second = int(tokens[order[j]]), int(tokens[order[j + 1]])
+            first, second = min(first, second), max(first, second)
+            raise ValueError(f"slot_mapping[{second}] = {int(slots[second])} is also slot_mapping[{first}]: a slot "
+                             f"appears twice in one batch (each token writes its own KV slot)")
 
     if batch.block_table is not None:
         if num_slots is None or block_size is None:

@@ -384,6 +384,34 @@ def _model_class():
     return DeepseekV41ForCausalLM
 
 
+def _check_model_dir(model_dir) -> None:
+    """A local checkpoint directory with a config.json, and what transformers needs to load it:
+    one ValueError before transformers reads anything (it would take a missing path for a hub id)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    if not isinstance(model_dir, (str, os.PathLike)):
+        raise ValueError(f"model_dir: expected a checkpoint directory path, found {type(model_dir).__name__}")
+    path = Path(model_dir)
+    if not path.exists():
+        raise ValueError(f"model_dir {str(path)!r} does not exist; expected a checkpoint directory "
+                         f"(config.json, tokenizer.json, *.safetensors)")
+    if not path.is_dir():
+        raise ValueError(f"model_dir {str(path)!r} is not a directory; expected a checkpoint directory")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"model_dir {str(path)!r}: config file {str(config_path)!r} does not exist")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"config file {str(config_path)!r} is not valid JSON: {error}") from None
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    if quantization and importlib.util.find_spec("accelerate") is None:
+        raise ValueError(f"config file {str(config_path)!r} has a quantization_config (FP8 weights), and transformers "
+                         f"loads those only with accelerate, which is not installed: pip install 'engram[transformers]'")
+
+
 def load_model(model_dir: str | os.PathLike, *, placement: str = "auto", engram_device: Any = None,
                validate: bool | None = None, progress: bool = True, **from_pretrained_kwargs: Any):
     """A V4.1 checkpoint directory -> a ``DeepseekV4ForCausalLM`` with its Engram layers attached.
@@ -394,6 +422,7 @@ def load_model(model_dir: str | os.PathLike, *, placement: str = "auto", engram_
     each tensor of each file is read once. ``engram_device``: where the Engram layers run
     (default: the device of the model's first parameter). The handle is ``model.engram_handle``.
     """
+    _check_model_dir(model_dir)
     model = _model_class().from_pretrained(model_dir, **from_pretrained_kwargs)
     device = engram_device
     if device is None:

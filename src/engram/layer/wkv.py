@@ -101,22 +101,9 @@ def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     )
 
 
-def dequantize_wkv_weight(
-    weight: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    block_size: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """bf16 ``[out, in]`` copy of a ``wkv`` weight: ``W[i, j] = weight[i, j] * scale[i // br, j // bc]``.
-
-    Args:
-        weight: ``[out, in]``; ``float8_e4m3fn`` (needs ``scale`` and ``block_size``)
-            or bf16/fp16/fp32 (no scale; rounded once to bf16).
-        scale: ``[ceil(out / br), ceil(in / bc)]``, UE8M0 (``float8_e8m0fnu`` or
-            ``uint8`` bytes) or float32/bf16/fp16 multipliers.
-        block_size: ``(br, bc)``, rows and columns of the weight per scale.
-
-    The product is computed in fp32 and rounded once to bf16.
-    """
+def _check_wkv_arguments(weight, scale, block_size) -> tuple[int, int] | None:
+    """Check a ``wkv`` weight and its scales as :func:`dequantize_wkv_weight` takes them (without
+    touching their values); returns the block size of an FP8 weight, None for a plain one."""
     if not isinstance(weight, torch.Tensor):
         raise ValueError(f"weight: expected a torch.Tensor, found {type(weight).__name__}")
     if weight.dim() != 2:
@@ -125,7 +112,7 @@ def dequantize_wkv_weight(
         if scale is not None:
             raise ValueError(f"scale: expected None for a {weight.dtype} weight (scales go with FP8 weights), "
                              f"found a tensor of shape {list(scale.shape)}")
-        return weight.to(torch.bfloat16).contiguous()
+        return None
     if weight.dtype not in _FP8_WEIGHT_DTYPES:
         raise ValueError(f"weight: expected dtype float8_e4m3fn, bfloat16, float16 or float32, found {weight.dtype}")
     if scale is None:
@@ -145,6 +132,31 @@ def dequantize_wkv_weight(
         )
     if scale.device != weight.device:
         raise ValueError(f"scale: expected device {weight.device} (the weight's), found {scale.device}")
+    return block_rows, block_cols
+
+
+def dequantize_wkv_weight(
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    block_size: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """bf16 ``[out, in]`` copy of a ``wkv`` weight: ``W[i, j] = weight[i, j] * scale[i // br, j // bc]``.
+
+    Args:
+        weight: ``[out, in]``; ``float8_e4m3fn`` (needs ``scale`` and ``block_size``)
+            or bf16/fp16/fp32 (no scale; rounded once to bf16).
+        scale: ``[ceil(out / br), ceil(in / bc)]``, UE8M0 (``float8_e8m0fnu`` or
+            ``uint8`` bytes) or float32/bf16/fp16 multipliers.
+        block_size: ``(br, bc)``, rows and columns of the weight per scale.
+
+    The product is computed in fp32 and rounded once to bf16.
+    """
+    blocks = _check_wkv_arguments(weight, scale, block_size)
+    if blocks is None:
+        return weight.to(torch.bfloat16).contiguous()
+    block_rows, block_cols = blocks
+    out_features, in_features = weight.shape
+    expected = [ceil_div(out_features, block_rows), ceil_div(in_features, block_cols)]
     multipliers = _scale_values(scale)
     result = torch.empty(out_features, in_features, dtype=torch.bfloat16, device=weight.device)
     # One block row at a time keeps the fp32 temporaries at block_rows x in_features.
@@ -228,7 +240,7 @@ class WkvProjection(torch.nn.Module):
         small_m = _resolve_small_m(small_m)
         self.source_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
         self.block_size = None if block_size is None else _check_block_size(block_size)
-        dequantized = dequantize_wkv_weight(weight, scale, block_size)  # also checks every argument
+        _check_wkv_arguments(weight, scale, block_size)
         self.backend = _resolve_backend(backend, weight)
         self.backend_note = ""
         self._scaled_mm_layout = None
@@ -237,10 +249,10 @@ class WkvProjection(torch.nn.Module):
         self._scaled_mm_operands = None  # (weight.t(), block scales.t()) for torch._scaled_mm
         self.small_m_max_tokens = 0
         if self.backend == "bf16":
-            self.register_buffer("weight", dequantized)
+            self.register_buffer("weight", dequantize_wkv_weight(weight, scale, block_size))
             self.weight_scale = None
             return
-        del dequantized
+        # An FP8 path keeps the weight as it is: no bf16 copy is made, even for a moment.
         self._setup_fp8(weight, scale)
         if small_m and self.backend in _SMALL_M_BACKENDS:
             from .wkv_gemm import SMALL_M_MAX_TOKENS

@@ -52,7 +52,10 @@ against a plain loop):
 
 The replay works in a compact id space (the stream's distinct rows plus the initial rows), so its
 state arrays have one entry per distinct row, not per table row, and loops only over steps (and,
-for ``dynamic``, over the few candidates that share a set within one step).
+for ``dynamic``, over the few candidates that share a set within one step). ``dynamic`` keeps the
+ways of the sets those rows fall in only (a set no row of the stream maps to stays empty whatever
+happens), so its memory follows the stream, never the capacity: a cache of all 384M rows of a V4.1
+table replays a short text in megabytes.
 """
 
 from __future__ import annotations
@@ -173,12 +176,13 @@ def best_static_hits(stream: CompactStream, capacity: int) -> int:
 
 def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *, initial: bool = False,
            initial_counts: np.ndarray | None = None, profile_steps: int = 1,
-           params: DynamicParams = DynamicParams()) -> ReplayResult:
+           params: DynamicParams = DynamicParams(), progress=None) -> ReplayResult:
     """Serve ``stream`` through a cache of ``capacity`` rows under ``policy`` (module docstring).
 
     ``initial``: start from the stream's ``extra_rows`` as the hot list (hottest first; its first
     ``capacity`` rows are used); ``initial_counts`` ``[H]``: their profile reads, and
-    ``profile_steps`` the profile's steps (``dynamic``'s initial scores).
+    ``profile_steps`` the profile's steps (``dynamic``'s initial scores). ``progress``: an object
+    with ``update(steps)`` (a tqdm bar), told of the steps as they are replayed.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, found {policy!r}")
@@ -186,10 +190,13 @@ def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *
         raise ValueError(f"capacity: expected an integer >= 1, found {capacity!r}")
     capacity = int(capacity)
     hot = stream.extra_ids[:capacity] if initial else np.zeros(0, dtype=np.int64)
+    progress = progress if progress is not None else _NoProgress()
     if policy == "static":
-        return _replay_static(stream, hot)
+        result = _replay_static(stream, hot)
+        progress.update(stream.num_steps)
+        return result
     if policy == "lru":
-        return _replay_lru(stream, capacity, hot)
+        return _replay_lru(stream, capacity, hot, progress)
     if policy == "set-lru":
         params = dataclasses.replace(params, recency=True)
     counts = np.ones(len(hot), dtype=np.int64) if initial_counts is None else \
@@ -199,7 +206,12 @@ def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *
     scores = np.maximum(1, -(-counts // max(1, int(profile_steps))))
     if params.recency:
         scores = np.zeros(len(hot), dtype=np.int64)  # read "before step 0"
-    return _replay_dynamic(stream, capacity, hot, scores, params)
+    return _replay_dynamic(stream, capacity, hot, scores, params, progress)
+
+
+class _NoProgress:
+    def update(self, steps: int) -> None:
+        pass
 
 
 def _replay_static(stream: CompactStream, hot: np.ndarray) -> ReplayResult:
@@ -209,7 +221,7 @@ def _replay_static(stream: CompactStream, hot: np.ndarray) -> ReplayResult:
     return ReplayResult(stream.num_reads, int(stream.step_counts[hit].sum()), len(stream.step_ids), int(hit.sum()))
 
 
-def _replay_lru(stream: CompactStream, capacity: int, hot: np.ndarray) -> ReplayResult:
+def _replay_lru(stream: CompactStream, capacity: int, hot: np.ndarray, progress) -> ReplayResult:
     size = len(stream.rows)
     cached = np.zeros(size, dtype=bool)
     last = np.full(size, np.iinfo(np.int64).min, dtype=np.int64)
@@ -246,14 +258,18 @@ def _replay_lru(stream: CompactStream, capacity: int, hot: np.ndarray) -> Replay
             need -= len(evict)
             count -= len(evict)
             head = chunk.start + (int(evict[-1]) + 1 if need == 0 else len(chunk_ids))
+        progress.update(1)
     return ReplayResult(stream.num_reads, hits, len(stream.step_ids), fetch_hits)
 
 
 def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_scores: np.ndarray,
-                    params: DynamicParams) -> ReplayResult:
+                    params: DynamicParams, progress) -> ReplayResult:
     ways = min(params.ways, capacity)
     num_sets = max(1, capacity // ways)
-    set_of = stream.rows % num_sets  # [U] set of each compact id
+    # Set of each compact id, numbered among the sets the stream's rows fall in (ascending, so the
+    # order of sets, which breaks no tie but groups candidates, is the table's own).
+    set_of = np.unique(stream.rows % num_sets, return_inverse=True)[1].reshape(-1)   # [U]
+    num_sets = int(set_of.max()) + 1 if len(set_of) else 1
     slot_row = np.full(num_sets * ways, -1, dtype=np.int64)
     slot_score = np.full(num_sets * ways, -1, dtype=np.int64)  # -1: empty way (below any score)
     slot_epoch = np.zeros(num_sets * ways, dtype=np.int64)
@@ -316,4 +332,5 @@ def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_s
             slot_epoch[target] = epoch
             slot_inserted[target] = k
             slot_of[c[win]] = target
+        progress.update(1)
     return ReplayResult(stream.num_reads, hits, len(stream.step_ids), fetch_hits)

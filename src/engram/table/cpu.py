@@ -19,7 +19,13 @@ class CpuPlacement(TablePlacement):
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
         super().__init__(value_bytes.cpu(), scale_bytes.cpu(), torch.device("cpu"))
+        # The files the bytes are memory-mapped from (engram.mapped.MappedFiles), set by the loader:
+        # every gather first checks that none changed, so a rewritten or truncated file is an error
+        # at the next step rather than other rows or a SIGBUS.
+        self.source_files = None
 
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.source_files is not None:
+            self.source_files.check()
         return (self._value_bytes.index_select(0, local_row_ids),
                 self._scale_bytes.index_select(0, local_row_ids))

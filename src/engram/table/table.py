@@ -567,6 +567,16 @@ class EngramTable:
         if not isinstance(global_row_ids, torch.Tensor) or global_row_ids.dtype not in HASH_ID_DTYPES:
             raise ValueError(f"global_row_ids: expected an int32/int64 tensor, found "
                              f"{getattr(global_row_ids, 'dtype', type(global_row_ids).__name__)}")
+        if global_row_ids.dim() != 1:
+            raise ValueError(f"global_row_ids: expected a 1-D tensor [K], found shape {list(global_row_ids.shape)}")
+        # Rows of other ranks are ignored; a row of no rank (negative, past the layer's rows) is an error.
+        bound = self._num_rows_total
+        bad = (global_row_ids < 0) if bound is None else (global_row_ids < 0) | (global_row_ids >= bound)
+        if bool(bad.any()):
+            index = int(torch.nonzero(bad)[0, 0])
+            rows = f"[0, {bound})" if bound is not None else "[0, ...)"
+            raise ValueError(f"global_row_ids[{index}] = {int(global_row_ids[index])} is outside the layer's table "
+                             f"rows {rows}")
         return load_hot(global_row_ids.to(torch.int64) - self._row_start)
 
     def lookup(self, hash_ids: torch.Tensor, prefetch: TablePrefetch | None = None) -> torch.Tensor:
