@@ -10,7 +10,7 @@ import torch
 
 import engram
 
-# The reproducer of the hang the spinning kernel had (issue 9): query_start_loc
+# The reproducer of the hang an earlier, spinning kernel had: query_start_loc
 # [3, 100, 0] at T = 100, validation off.
 HANG_REPRODUCER = dict(num_tokens=100, query_start_loc=[3, 100, 0])
 

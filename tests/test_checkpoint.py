@@ -196,7 +196,7 @@ def test_synthetic_checkpoint_is_deterministic(tmp_path):
 def test_synthetic_checkpoint_with_the_deepseek_tokenizer(tmp_path, deepseek_tokenizer_path):
     synthetic = write_synthetic_checkpoint(tmp_path, seed=1, tokenizer="deepseek")
     assert synthetic.tokenizer == "deepseek"
-    assert synthetic.spec.compressed_vocab_size == 99_092  # DESIGN §2, the known result
+    assert synthetic.spec.compressed_vocab_size == 99_092  # docs/design.md §2, the known result
     assert (tmp_path / "tokenizer.json").read_bytes() == deepseek_tokenizer_path.read_bytes()
 
 

@@ -50,7 +50,7 @@ def test_no_cuda_is_one_clear_error(device):
 @NO_CUDA
 def test_auto_placement_with_a_cuda_device_names_what_was_asked(tmp_path):
     """placement='auto', device='cuda' on a machine without CUDA: the error names 'auto' and the
-    device, never a 'cpu' placement the caller did not ask for (issue 10, item 6)."""
+    device, never a 'cpu' placement the caller did not ask for."""
     with pytest.raises(ValueError, match=r"device: placement 'auto' needs a CUDA device \('cuda'\), and this machine "
                                          r"has none") as raised:
         resolve_placement("auto", "cuda")
@@ -72,7 +72,7 @@ def test_demo_on_cuda_without_cuda_exits_2_with_one_line(capsys):
 @NO_CUDA
 def test_hasher_and_memory_name_the_missing_cuda_in_one_line(small_layout, small_vocab):
     """The README's NgramHasher(..., device="cuda") and the hasher's backend="triton" on a
-    machine without CUDA: one ValueError each, not torch's assertion (issue 10 item 6)."""
+    machine without CUDA: one ValueError each, not torch's assertion."""
     import engram
 
     with pytest.raises(ValueError, match=r"device: NgramHasher needs a CUDA device \('cuda'\), and this machine has none"):

@@ -1,4 +1,4 @@
-"""FP8 table-row codec (DESIGN §2 "FP8 table rows") against independent numpy/float64 models."""
+"""FP8 table-row codec (docs/design.md §2 "FP8 table rows") against independent numpy/float64 models."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The torch gate against the float64 reference (DESIGN §2 "Gate")."""
+"""The torch gate against the float64 reference (docs/design.md §2 "Gate")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The fused Triton gate kernel (engram.layer.gate_kernels) against the float64
-reference and the torch path (DESIGN §2 "Gate").
+reference and the torch path (docs/design.md §2 "Gate").
 
 * ``interpreter`` tests: small shapes, run in their own process with
   ``TRITON_INTERPRET=1`` (``bash scripts/dev.sh test`` does it); on a CUDA machine

@@ -1,4 +1,4 @@
-"""hash_ngrams against a scalar transcription of DESIGN §2, one position at a time."""
+"""hash_ngrams against a scalar transcription of docs/design.md §2, one position at a time."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def test_slot_errors_leave_the_cache_untouched(hasher):
 
 def test_slot_mapping_must_follow_block_table(hasher):
     """Request B writes slots 0-3 while its block-table row is [1]: that would overwrite request
-    A's block 0 (issue 10, item 4). Refused, naming the token, and nothing is written."""
+    A's block 0. Refused, naming the token, and nothing is written."""
     cache = hasher.bind_slot_cache(16, 4)
     a_then_b = dict(input_ids=torch.arange(8) % 300, positions=torch.cat([torch.arange(4), torch.arange(4)]),
                     query_start_loc=torch.tensor([0, 4, 8]))

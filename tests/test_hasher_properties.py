@@ -1,4 +1,4 @@
-"""The invariant of DESIGN §2: every way of serving a sequence gives the ids of
+"""The invariant of docs/design.md §2: every way of serving a sequence gives the ids of
 hashing the whole sequence at once, bit for bit."""
 
 from __future__ import annotations

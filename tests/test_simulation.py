@@ -1,5 +1,5 @@
 """The streaming engine and the demo end on every input: empty texts are refused or skipped,
-and every loop over steps advances (issue 10, item 1: a 0-token request spun forever)."""
+and every loop over steps advances (a 0-token request once spun forever)."""
 
 from __future__ import annotations
 

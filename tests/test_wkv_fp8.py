@@ -1,4 +1,4 @@
-"""FP8 wkv paths (issue 13) against their plain-PyTorch / float64 references.
+"""FP8 wkv paths against their plain-PyTorch / float64 references.
 
 * ``interpreter`` tests (``TRITON_INTERPRET=1``, small shapes; on a GPU without the interpreter
   they run there): the gather-quantize kernel bit for bit against ``reference_quantize_activations``;

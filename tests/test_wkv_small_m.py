@@ -1,4 +1,4 @@
-"""The split-K small-T GEMM of path (a) (``wkv_gemm.small_m_gemm``, issue 13) against the
+"""The split-K small-T GEMM of path (a) (``wkv_gemm.small_m_gemm``) against the
 float64 reference and ``torch._scaled_mm``, and its wiring into ``WkvProjection``.
 
 * ``interpreter``: tiny shapes (T in {1, 3, 17}, K and N a few 128s / 32s), every output mode

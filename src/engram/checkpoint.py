@@ -1,4 +1,4 @@
-"""Read and write Engram tensors in the checkpoint's safetensors layout (DESIGN §2
+"""Read and write Engram tensors in the checkpoint's safetensors layout (docs/design.md §2
 "Checkpoint tensors").
 
 Per Engram layer ``i`` (names may carry a common prefix such as ``model.``)::

@@ -1,5 +1,5 @@
 """Table layout of every Engram layer: primes, column offsets, hash multipliers,
-row counts and tensor-parallel shards (DESIGN §2 and §3).
+row counts and tensor-parallel shards (docs/design.md §2 and §3).
 
 Column ``col = (order - 2) * n_heads + head`` of a layer owns the row range
 ``[offsets[col], offsets[col] + prime[col])`` of that layer's table.

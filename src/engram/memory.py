@@ -3,7 +3,7 @@
 ``EngramMemory.from_pretrained(model_dir)`` reads ``config.json`` (:class:`EngramSpec`),
 the tokenizer (:class:`TokenCompressor`, checked against the config), and from the
 safetensors shards only this tensor-parallel rank's table rows, streamed into
-the placement (DESIGN §3). It builds per layer an :class:`EngramTable` and an
+the placement (docs/design.md §3). It builds per layer an :class:`EngramTable` and an
 :class:`Engram` module, and one :class:`NgramHasher` on the compute device for
 all layers (hash once per step, then run each layer with its slice of the ids).
 """

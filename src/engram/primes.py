@@ -1,4 +1,4 @@
-"""The prime bucket sizes of Engram tables (DESIGN §2 "Primes and offsets"), from plain
+"""The prime bucket sizes of Engram tables (docs/design.md §2 "Primes and offsets"), from plain
 integers: :mod:`engram.spec` checks row counts with them and :mod:`engram.layout` builds
 offsets from them, so neither imports the other's module to get them.
 """

@@ -1,6 +1,6 @@
 """EngramSpec: the Engram keys of a model's ``config.json``, parsed and validated.
 
-Keys may sit at the top level or under ``text_config`` (DESIGN §2). Every error
+Keys may sit at the top level or under ``text_config`` (docs/design.md §2). Every error
 names the field, what was expected and what was found.
 """
 
@@ -138,7 +138,7 @@ class EngramSpec:
         """Parse a ``config.json`` path, a model directory holding one, or a dict.
 
         With ``check_rows`` (the default) the row counts are checked against the
-        prime rule of DESIGN §2.
+        prime rule of docs/design.md §2.
         """
         config = _load_config(source)
         layer_ids = _as_int_list("engram_layer_ids", _require(config, "engram_layer_ids"), 0, _MAX_LAYER_ID,
@@ -213,7 +213,7 @@ class EngramSpec:
         return spec
 
     def check_row_counts(self) -> None:
-        """Raise unless ``num_embeddings`` equals the sums of primes of DESIGN §2."""
+        """Raise unless ``num_embeddings`` equals the sums of primes of docs/design.md §2."""
         primes_per_layer = bucket_primes(len(self.layer_ids), self.max_ngram_size, self.n_heads, self.vocab_size)
         for index, (layer_id, primes) in enumerate(zip(self.layer_ids, primes_per_layer)):
             expected = sum(sum(order) for order in primes)

@@ -2,7 +2,7 @@
 
 :func:`write_synthetic_checkpoint` writes a model directory an engine would get:
 ``config.json`` (the Engram keys and ``quantization_config``), ``tokenizer.json``
-and safetensors shards with every Engram tensor of DESIGN §2 "Checkpoint
+and safetensors shards with every Engram tensor of docs/design.md §2 "Checkpoint
 tensors", at a scaled-down DeepSeek-V4.1 geometry, deterministic from a seed.
 """
 

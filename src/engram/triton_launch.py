@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args)`` binds and specializes every argument on each call before
 it reaches the C launcher: with the ~45 arguments of the hash kernel that is
-most of an eager call's host time (DESIGN §4: 36-37 us for a bare launch of a
+most of an eager call's host time (docs/design.md §4: 36-37 us for a bare launch of a
 comparable kernel on the H200 host). :class:`CompiledLaunch` does that work
 once per compiled variant, keyed by the kernel's own specialization rules
 (:mod:`engram.triton_variants`), and then calls the compiled kernel's C launcher

@@ -1,4 +1,4 @@
-"""Token compression (DESIGN §2): tokens that normalize alike share one compressed id.
+"""Token compression (docs/design.md §2): tokens that normalize alike share one compressed id.
 
 ``TokenCompressor.from_tokenizer(x)`` decodes every token id alone, normalizes the
 text with a HF ``tokenizers`` normalizer chain and numbers the distinct keys in

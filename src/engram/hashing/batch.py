@@ -1,4 +1,4 @@
-"""NgramHasher: hash ids of an engine's batch, exact under any batching (DESIGN §2).
+"""NgramHasher: hash ids of an engine's batch, exact under any batching (docs/design.md §2).
 
 Previous tokens of each request come, in priority order, from (1) the same
 request earlier in the batch, (2) the caller's lookback window, (3) a history

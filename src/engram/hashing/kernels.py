@@ -1,4 +1,4 @@
-"""Triton kernels of the batch hash (DESIGN §2). Launched by
+"""Triton kernels of the batch hash (docs/design.md §2). Launched by
 :mod:`engram.hashing.launch`; their torch twin is the torch path of
 :class:`engram.hashing.batch.NgramHasher`.
 

@@ -1,4 +1,4 @@
-"""Whole-sequence reference of the n-gram hash (DESIGN §2), written for clarity.
+"""Whole-sequence reference of the n-gram hash (docs/design.md §2), written for clarity.
 
 Every other way of computing hash ids (batched, chunked, streamed from
 history stores, Triton kernels) is tested against :func:`hash_ngrams`.

@@ -1,4 +1,4 @@
-"""History stores the hasher keeps on the device (DESIGN §2, source 3).
+"""History stores the hasher keeps on the device (docs/design.md §2, source 3).
 
 Both hold compressed ids with two negative codes: ``DEAD`` (the token takes no
 part in n-grams) and ``UNWRITTEN`` (nothing was ever stored there).

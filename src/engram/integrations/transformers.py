@@ -8,7 +8,7 @@ transformers, the Engram tensors through :meth:`EngramMemory.from_pretrained`.
 Where the update goes. transformers' decoder layer takes the hyper-connection
 stream ``hidden_states [B, S, hc_mult, D]`` and mixes it first thing
 (``attn_hc``); V4.1 updates the whole stream just before that:
-``h <- h + g * value`` (DESIGN §1), so a forward pre-hook on
+``h <- h + g * value`` (docs/design.md §1), so a forward pre-hook on
 ``model.model.layers[i]`` replaces the layer's input stream.
 
 Hash ids. A pre-hook on ``model.model`` hashes the forward's ``input_ids`` once for

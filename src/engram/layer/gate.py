@@ -1,4 +1,4 @@
-"""The Engram gate (DESIGN §2 "Gate"): the fused Triton kernel on CUDA, plain torch
+"""The Engram gate (docs/design.md §2 "Gate"): the fused Triton kernel on CUDA, plain torch
 on the CPU and as the fallback.
 
 Per token ``t`` and copy ``c``, in fp32, one rounding at the end::

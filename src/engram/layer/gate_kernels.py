@@ -1,4 +1,4 @@
-"""Triton kernel of the fused Engram gate (DESIGN §2 "Gate"): gate, token mask
+"""Triton kernel of the fused Engram gate (docs/design.md §2 "Gate"): gate, token mask
 and residual add in one pass, reading the stream and ``kv`` once and writing the
 output once. Launched by :func:`engram.layer.gate.engram_gate_kv` /
 :func:`engram.layer.gate.engram_gate`; its torch twin is

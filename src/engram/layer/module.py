@@ -1,5 +1,5 @@
 """``Engram``: one Engram layer as a ``torch.nn.Module`` — rows -> wkv -> gate,
-on one process or over tensor / sequence parallel groups (DESIGN §1 steps 3-5, §3).
+on one process or over tensor / sequence parallel groups (docs/design.md §1 steps 3-5, §3).
 
 Data movement (``T`` tokens, ``C`` hash columns, ``hd = head_dim``, ``tp`` / ``sp``
 group sizes, ``P = ceil(C / tp)`` columns per rank, bf16 rows of ``2 * hd`` bytes):
@@ -28,7 +28,7 @@ group sizes, ``P = ceil(C / tp)`` columns per rank, bf16 rows of ``2 * hd`` byte
   tensor-parallel peers hold the same token shard): look up own columns for own
   tokens, ``all_gather`` them over ``tp_group``, wkv and gate on own tokens.
 
-FP8 wkv (``wkv.fp8``, issue 13): the same movement with FP8 rows (``uint8 [.., hd + hd / 32]``:
+FP8 wkv (``wkv.fp8``): the same movement with FP8 rows (``uint8 [.., hd + hd / 32]``:
 E4M3 bytes and UE8M0 scale bytes, 264 B per V4.1 row instead of 512 B of bf16), which the wkv
 kernels read as packed rows; without tensor parallelism they read a device table in place, by
 hash id. Tensor parallelism stays **gather-first** rather than partial kv sums (each rank
@@ -422,7 +422,7 @@ class Engram(torch.nn.Module):
         sp_token_counts: Sequence[int] | None = None,
         prefetch=None,
     ) -> torch.Tensor:
-        """``out [n, hc, D] = h + g * value`` (DESIGN §2 "Gate"), dtype of ``hidden_states``.
+        """``out [n, hc, D] = h + g * value`` (docs/design.md §2 "Gate"), dtype of ``hidden_states``.
 
         Args:
             hidden_states: bf16 ``[n, hc, D]``; ``n = T``, or with sequence parallelism

@@ -1,4 +1,4 @@
-"""Float64 references of the Engram layer math (DESIGN §2 "Gate"), written for
+"""Float64 references of the Engram layer math (docs/design.md §2 "Gate"), written for
 clarity rather than speed. Tests compare every fast path against these.
 
 Per token ``t`` and hyper-connection copy ``c`` (``D = hidden``)::
@@ -33,7 +33,7 @@ def reference_gate(
     eps: float,
     token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float64 ``[T, hc, D]``: ``out = h + g * value`` of DESIGN §2, every input taken to float64.
+    """float64 ``[T, hc, D]``: ``out = h + g * value`` of docs/design.md §2, every input taken to float64.
 
     Args:
         hidden_states: ``[T, hc, D]`` the residual stream copies ``h``.

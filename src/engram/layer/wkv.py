@@ -1,5 +1,5 @@
 """The ``wkv`` projection of an Engram layer: gathered rows -> one key per
-hyper-connection copy and one shared value (DESIGN §1 step 4, §2 "Checkpoint tensors").
+hyper-connection copy and one shared value (docs/design.md §1 step 4, §2 "Checkpoint tensors").
 
 ``kv = rows.flatten(-2) @ weight.T`` with ``weight [(hc_mult + 1) * hidden, C * head_dim]``.
 

@@ -152,7 +152,7 @@ def small_m_block_m(tokens: int) -> int:
     return min(128, max(16, triton.next_power_of_2(max(tokens, 1))))
 
 
-# Not yet measured on a GPU (issue 13 was built without one); benchmarks/bench_layer.py sweeps
+# Not yet measured on a GPU; benchmarks/bench_layer.py sweeps
 # the fused kernel's shapes at T = 64 and 8192 and records them for this table.
 _GPU_CONFIGS = (  # (largest T, config)
     (16, WkvGemmConfig(block_m=16, block_n=64, group_m=1, num_warps=4, num_stages=4)),

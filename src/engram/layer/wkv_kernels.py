@@ -1,4 +1,4 @@
-"""Triton kernels of the FP8 ``wkv`` projection (issue 13). Only ``@triton.jit`` functions live
+"""Triton kernels of the FP8 ``wkv`` projection. Only ``@triton.jit`` functions live
 here; :mod:`engram.layer.wkv_gemm` launches them, :class:`engram.layer.wkv.WkvProjection` picks
 the path, :mod:`engram.layer.reference` holds their plain-PyTorch twins.
 

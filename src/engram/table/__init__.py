@@ -1,4 +1,4 @@
-"""Engram tables: the FP8 row codec, placements and lookups (DESIGN §2 "FP8 table rows", §3)."""
+"""Engram tables: the FP8 row codec, placements and lookups (docs/design.md §2 "FP8 table rows", §3)."""
 
 from .fp8 import (
     BLOCK_SIZE,

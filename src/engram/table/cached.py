@@ -68,7 +68,7 @@ from .table import TablePlacement, register_placement
 
 __all__ = ["CachedPlacement", "DEFAULT_CACHE_FRACTION", "POLICIES"]
 
-DEFAULT_CACHE_FRACTION = 0.02  # issue 12: 2% of rows
+DEFAULT_CACHE_FRACTION = 0.02  # 2% of rows: the size evaluated on held-out text (benchmarks/NOTES.md)
 POLICIES = ("set-lru", "dynamic", "static")
 UPDATED_POLICIES = ("set-lru", "dynamic")  # the policies that update_cache changes
 

@@ -1,4 +1,4 @@
-"""FP8 codec of Engram table rows (DESIGN §2 "FP8 table rows").
+"""FP8 codec of Engram table rows (docs/design.md §2 "FP8 table rows").
 
 Storage format, used everywhere in the project:
 

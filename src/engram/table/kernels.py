@@ -1,4 +1,4 @@
-"""Triton kernels of table lookups: gather FP8 rows named by hash ids (DESIGN §2 "FP8 table rows").
+"""Triton kernels of table lookups: gather FP8 rows named by hash ids (docs/design.md §2 "FP8 table rows").
 
 Only ``@triton.jit`` functions live here; :mod:`engram.table.gather` launches them.
 

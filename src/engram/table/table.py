@@ -1,11 +1,11 @@
 """EngramTable: one Engram layer's FP8 table, or one tensor-parallel rank's shard of it.
 
 A table holds the rows ``[row_start, row_start + num_rows)`` of a layer's table
-(DESIGN §2) and serves the hash columns ``[column_start, column_end)``; under
+(docs/design.md §2) and serves the hash columns ``[column_start, column_end)``; under
 tensor parallelism those are the whole columns a rank owns and the contiguous
 row range they span (:meth:`EngramLayout.shard`).
 
-Where the bytes live is a *placement* (DESIGN §3): a :class:`TablePlacement` owns
+Where the bytes live is a *placement* (docs/design.md §3): a :class:`TablePlacement` owns
 the storage and gathers rows by local row id onto the device lookups run on.
 Each placement lives in its own module beside this one and registers itself:
 ``"cpu"`` (:mod:`engram.table.cpu`), ``"device"`` (:mod:`engram.table.device`),
