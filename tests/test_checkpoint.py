@@ -247,11 +247,11 @@ def test_tensor_parallel_shard_reads_only_its_rows(written, monkeypatch):
     spec, layout = synthetic.spec, EngramLayout(synthetic.spec)
     raw = read_raw_tensors(synthetic.directory)
     log: list = []
-    monkeypatch.setattr(engram.checkpoint, "safe_open",
+    monkeypatch.setattr(engram.checkpoint.reading, "safe_open",
                         lambda path, framework: RecordingHandle(safe_open(path, framework=framework), log))
     # The streaming copy into a placement's own storage (cpu maps the file instead unless an
     # allocator is registered for it: tests/test_cpu_mapped.py).
-    monkeypatch.setitem(engram.checkpoint._STORAGE_ALLOCATORS, "cpu",
+    monkeypatch.setitem(engram.checkpoint.loading._STORAGE_ALLOCATORS, "cpu",
                         lambda rows, width, device: torch.empty(rows, width, dtype=torch.uint8))
     checkpoint = SafetensorsCheckpoint(synthetic.directory)
     shard = layout.shard(1, 2)
@@ -294,10 +294,10 @@ def test_torch_without_e8m0_reads_scale_bytes(written, monkeypatch):
     checkpoint = SafetensorsCheckpoint(synthetic.directory)
     expected = load_engram_table(checkpoint, layout, 1)
     expected_weights = load_engram_layer_weights(checkpoint, synthetic.spec, layout, 1)
-    monkeypatch.setattr(engram.checkpoint, "E8M0_DTYPE", None)
+    monkeypatch.setattr(engram.checkpoint.reading, "E8M0_DTYPE", None)
     table = load_engram_table(checkpoint, layout, 1, layout.shard(0, 2), chunk_bytes=640)   # mapped (cpu)
     assert torch.equal(table.storage.scale_bytes, expected.storage.scale_bytes[: table.num_rows])
-    monkeypatch.setitem(engram.checkpoint._STORAGE_ALLOCATORS, "cpu",   # streamed into storage of its own
+    monkeypatch.setitem(engram.checkpoint.loading._STORAGE_ALLOCATORS, "cpu",   # streamed into storage of its own
                         lambda rows, width, device: torch.empty(rows, width, dtype=torch.uint8))
     table = load_engram_table(checkpoint, layout, 1, layout.shard(0, 2), chunk_bytes=640)
     assert torch.equal(table.storage.scale_bytes, expected.storage.scale_bytes[: table.num_rows])

@@ -60,7 +60,7 @@ def test_mapped_lookups_equal_copied(small_checkpoint, world_size, rng, monkeypa
 
             table = load_engram_table(checkpoint, layout, index, shard, chunk_bytes=4096, progress=Counter())
             with monkeypatch.context() as patch:
-                patch.setitem(engram.checkpoint._STORAGE_ALLOCATORS, "cpu", copying_allocator)
+                patch.setitem(engram.checkpoint.loading._STORAGE_ALLOCATORS, "cpu", copying_allocator)
                 copied = load_engram_table(checkpoint, layout, index, shard)
             assert sum(counted) == table.num_rows * small_checkpoint.spec.row_bytes and len(counted) > 2
             assert torch.equal(table.storage.value_bytes, copied.storage.value_bytes)
@@ -124,7 +124,7 @@ def test_cpu_placement_adds_no_table_sized_anonymous_memory(tmp_path, monkeypatc
           f"({anon_growth / mib:+.1f}), RssFile {before['rss_file'] / mib:.0f} -> {after['rss_file'] / mib:.0f} MiB")
     assert anon_growth < 0.1 * table_bytes
 
-    monkeypatch.setitem(engram.checkpoint._STORAGE_ALLOCATORS, "cpu", copying_allocator)
+    monkeypatch.setitem(engram.checkpoint.loading._STORAGE_ALLOCATORS, "cpu", copying_allocator)
     release_free_heap()
     before_copy = memory_report()
     copies = [load_engram_table(checkpoint, layout, index) for index in range(layout.num_layers)]

@@ -828,13 +828,12 @@ def test_checkpoint_shared_host_table(tmp_path, seed, monkeypatch):
 
     from engram import checkpoint as loader
     from engram.layout import EngramLayout
+    from engram.table.host import HostPlacement
     from engram.table.host_rows import PackedRows, mapped_read_only, packed_row_bytes
     from engram.testing import write_synthetic_checkpoint
 
     synthetic = write_synthetic_checkpoint(tmp_path / "model", seed=seed % 2**31)
     layout = EngramLayout(synthetic.spec)
-    monkeypatch.setattr(loader.EngramTable, "from_layout",
-                        staticmethod(lambda *args, **kwargs: types.SimpleNamespace(storage=types.SimpleNamespace())))
     if not (SHM.is_dir() and os.access(SHM, os.W_OK)):
         pytest.skip("/dev/shm is not a writable directory on this machine")
 
@@ -842,9 +841,10 @@ def test_checkpoint_shared_host_table(tmp_path, seed, monkeypatch):
         checkpoint = loader.SafetensorsCheckpoint(synthetic.directory)
         infos = [checkpoint.info(checkpoint.name(synthetic.spec.layer_ids[0], kind))
                  for kind in ("embed.weight", "embed.scale")]
-        table = loader._load_host_table(checkpoint, layout, 0, None, *infos, None, None, None, 2**20, True, "auto",
-                                        True)
-        return table.storage, infos
+        source = loader.TableSource(checkpoint, *infos, 0, layout.num_embeddings[0], synthetic.spec.head_dim,
+                                    "layer table", 2**20, None, True, True)
+        _values, _scales, keep = HostPlacement.load_storage(source, None)  # the placement itself needs CUDA
+        return types.SimpleNamespace(**keep), infos
 
     loads = []
     try:

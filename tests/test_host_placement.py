@@ -276,7 +276,7 @@ def test_host_fill_copies_rows_into_packed_rows_and_names_a_nan(tmp_path, chunk_
     map into packed rows, chunks in parallel, bit for bit; a NaN byte named with its file row."""
     from safetensors.torch import load_file, save_file
 
-    from engram.checkpoint import SafetensorsCheckpoint, _copy_checked_rows
+    from engram.checkpoint import SafetensorsCheckpoint, copy_checked_rows
     from engram.testing import write_synthetic_checkpoint
 
     synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word")
@@ -288,8 +288,8 @@ def test_host_fill_copies_rows_into_packed_rows_and_names_a_nan(tmp_path, chunk_
     row_start, row_end = 3, values.shape[0] - 2
     rows = PackedRows.view_of(torch.full(((row_end - row_start + 1) * packed_row_bytes(values.shape[1]),), 0xEE,
                                          dtype=torch.uint8), row_end - row_start, values.shape[1])
-    _copy_checked_rows(infos[0], rows.values, row_start, row_end, chunk_bytes, None, "e4m3")
-    _copy_checked_rows(infos[1], rows.scales, row_start, row_end, chunk_bytes, None, "ue8m0")
+    copy_checked_rows(infos[0], rows.values, row_start, row_end, chunk_bytes, None, "e4m3")
+    copy_checked_rows(infos[1], rows.scales, row_start, row_end, chunk_bytes, None, "ue8m0")
     assert torch.equal(rows.values, values[row_start:row_end]) and torch.equal(rows.scales, scales[row_start:row_end])
     assert int(rows.packed[-1].sum()) == 0
 
@@ -301,7 +301,7 @@ def test_host_fill_copies_rows_into_packed_rows_and_names_a_nan(tmp_path, chunk_
     tensors[infos[0].name] = bad.view(torch.float8_e4m3fn)
     save_file(tensors, values_file)
     with pytest.raises(ValueError, match=rf"row {row} holds value byte 0xff \(E4M3 NaN\) at column {column}"):
-        _copy_checked_rows(checkpoint.info(infos[0].name), rows.values, row_start, row_end, chunk_bytes, None, "e4m3")
+        copy_checked_rows(checkpoint.info(infos[0].name), rows.values, row_start, row_end, chunk_bytes, None, "e4m3")
 
 
 @pytest.mark.gpu

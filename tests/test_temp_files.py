@@ -65,7 +65,7 @@ def test_a_failed_rename_or_write_leaves_no_temp_file(cache, monkeypatch):
 
 
 def test_a_failed_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch):
-    import engram.checkpoint as checkpoint_module
+    import engram.checkpoint.writing as checkpoint_module
 
     def no_rename(*args):
         raise PermissionError("rename refused")

@@ -76,7 +76,7 @@ def test_a_non_finite_weight_is_refused_with_its_tensor_and_index(tmp_path, case
 def test_the_demo_reports_a_nan_update_as_nan(tmp_path, monkeypatch, capsys):
     """A NaN in q_weight (loaded with the value check switched off): the worst-token column says nan,
     never 0.00e+00 beside a NaN error."""
-    import engram.checkpoint as checkpoint_module
+    import engram.checkpoint.reading as checkpoint_module
     from engram.demo import run_layer_demo
     from rich.console import Console
 

@@ -73,7 +73,7 @@ def checkpoint_report(directory: str, spec: EngramSpec, layout: EngramLayout, co
                       scan_tables: bool = True, progress: bool = True) -> list[str]:
     """Print the tables described in the module docstring and return every problem found, each a
     whole message (the tables only point to it)."""
-    from .checkpoint import (DEFAULT_CHUNK_BYTES, SafetensorsCheckpoint, _map_cpu_table, _wkv_scale_info,
+    from .checkpoint import (DEFAULT_CHUNK_BYTES, SafetensorsCheckpoint, map_table_rows, _wkv_scale_info,
                              expected_layer_tensors, layer_weight_problems, table_progress)
     from .memory import _read_vocab
     from .table import available_placements
@@ -148,7 +148,7 @@ def checkpoint_report(directory: str, spec: EngramSpec, layout: EngramLayout, co
                 values = checkpoint.check(checkpoint.name(layer_id, "embed.weight"), *expected["embed.weight"])
                 scales = checkpoint.check(checkpoint.name(layer_id, "embed.scale"), *expected["embed.scale"])
                 try:
-                    _map_cpu_table(values, scales, 0, layout.num_embeddings[index], DEFAULT_CHUNK_BYTES, bar, True,
+                    map_table_rows(values, scales, 0, layout.num_embeddings[index], DEFAULT_CHUNK_BYTES, bar, True,
                                    f"layer {layer_id} table", layout.num_embeddings[index] * spec.row_bytes)
                 except ValueError as error:
                     problems.add(str(error))

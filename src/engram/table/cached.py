@@ -140,6 +140,10 @@ class CachedPlacement(TablePlacement):
         """Lookups served by each path since construction (host-side counts, for tests and benchmarks)."""
         self._direct_stream = None
 
+    # Loaded as placement "host" is: packed host rows, private or node-shared.
+    allocate_storage = classmethod(HostPlacement.allocate_storage.__func__)
+    load_storage = classmethod(HostPlacement.load_storage.__func__)
+
     @property
     def backing(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(uint8 [rows, D], uint8 [rows, D // 32])`` on :attr:`device`: the host rows as the

@@ -24,6 +24,19 @@ class CpuPlacement(TablePlacement):
         # at the next step rather than other rows or a SIGBUS.
         self.source_files = None
 
+    @classmethod
+    def storage_device(cls, device) -> None:
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
+        return None
+
+    @classmethod
+    def load_storage(cls, source, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The rows as views of private memory maps of the checkpoint's files (no copy, the page cache
+        holds the bytes), checked in one pass; the files are kept to detect a change at each lookup."""
+        values, scales, files = source.map_read_only()
+        return values, scales, {"source_files": files}
+
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.source_files is not None:
             self.source_files.check()

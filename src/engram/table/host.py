@@ -27,7 +27,8 @@ import torch
 from ..common import resolve_cuda_device
 from ..options import DEFAULT_DIRECT_MAX_ROWS
 from .host_gather import GatherTicket, HostGather, check_gather_threads, gather_packed_rows_host
-from .host_rows import PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, register_with_cuda
+from .host_rows import (PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, packed_row_bytes,
+                        register_with_cuda)
 from .table import TablePlacement, register_placement
 
 __all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
@@ -104,6 +105,37 @@ class HostPlacement(TablePlacement):
         self._direct_values = alias[:-1, :head_dim]
         self._direct_scales = alias[:-1, head_dim: head_dim + head_dim // 32]
         self._host_gather = HostGather(rows.packed, target, gather_threads)
+
+    # ---- loading from a checkpoint ---------------------------------------------------
+    @classmethod
+    def allocate_storage(cls, num_rows: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed rows (:mod:`engram.table.host_rows`): values and scales are views of one CPU buffer,
+        which the placement pins in place (no second copy)."""
+        buffer = torch.empty((num_rows + 1) * packed_row_bytes(head_dim), dtype=torch.uint8)
+        rows = PackedRows.view_of(buffer, num_rows, head_dim)
+        return rows.values, rows.scales
+
+    @classmethod
+    def load_storage(cls, source, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Packed rows streamed from the memory-mapped checkpoint straight into host memory (2 MiB pages
+        where the OS gives them), private, or shared per node with ``source.share``
+        (:mod:`engram.table.host_memory`: filled by the node's first process, mapped read-only by the
+        others); kept: the mapping (``host_buffer``) and the share key."""
+        from .host_memory import allocate_host_buffer
+
+        num_rows, head_dim = source.num_rows, source.head_dim
+        row_bytes = packed_row_bytes(head_dim)
+        nbytes = (num_rows + 1) * row_bytes
+
+        def fill(buffer: torch.Tensor) -> None:
+            rows = PackedRows.view_of(buffer, num_rows, head_dim)
+            source.read_into(rows.values, rows.scales)
+
+        key = source.share_key() if source.share else None
+        host_buffer = allocate_host_buffer(nbytes, fill=fill, share_key=key, read_only=False, row_bytes=row_bytes,
+                                           sources=source.files if source.share else ())
+        rows = PackedRows(host_buffer.tensor[:nbytes].view(num_rows + 1, row_bytes), head_dim)
+        return rows.values, rows.scales, {"host_buffer": host_buffer, "share_key": key}
 
     @property
     def nbytes(self) -> int:

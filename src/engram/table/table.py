@@ -23,7 +23,7 @@ import torch
 
 from ..backends import resolve_backend
 from ..call_cache import CallCache, structure
-from ..common import HASH_ID_DTYPES
+from ..common import HASH_ID_DTYPES, resolve_cuda_device
 from ..layout import ColumnShard, EngramLayout
 from .fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, dequantize_rows
 from .prefetch import IdsIdentity, TablePrefetch, capturing
@@ -34,11 +34,9 @@ __all__ = [
     "register_placement",
     "available_placements",
     "make_placement",
+    "placement_class",
     "TablePrefetch",
 ]
-
-_PLANNED_PLACEMENTS: tuple[str, ...] = ()
-
 
 # ---------------------------------------------------------------------------
 # placements
@@ -106,6 +104,35 @@ class TablePlacement(abc.ABC):
         None (the default) means "no fused path": the table then uses :meth:`gather`."""
         return None
 
+    # ---- loading from a checkpoint (engram.checkpoint.loading) -------------------------
+    @classmethod
+    def storage_device(cls, device) -> torch.device | None:
+        """The device a table of this placement is built for, given the loader's ``device`` argument
+        (None: the CPU). Default: a CUDA device (``device`` or the current one)."""
+        return resolve_cuda_device(device, f"placement {cls.name!r}")
+
+    @classmethod
+    def allocate_storage(cls, num_rows: int, head_dim: int, device: torch.device | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty ``uint8 [num_rows, D]`` values and ``[num_rows, D // 32]`` scales where this placement
+        keeps its bytes. Default: on ``device`` (the CPU for None)."""
+        return (torch.empty(num_rows, head_dim, dtype=torch.uint8, device=device),
+                torch.empty(num_rows, head_dim // BLOCK_SIZE, dtype=torch.uint8, device=device))
+
+    @classmethod
+    def load_storage(cls, source, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Fill this placement's storage from ``source`` (:class:`engram.checkpoint.loading.TableSource`:
+        the rank's rows of one table and how to read them); returns ``(values, scales, keep)``, ``keep``
+        being attributes for :meth:`adopt`. Default: :meth:`allocate_storage`, then the rows streamed in."""
+        values, scales = cls.allocate_storage(source.num_rows, source.head_dim, device)
+        source.read_into(values, scales)
+        return values, scales, {}
+
+    def adopt(self, keep: dict) -> None:
+        """Keep what :meth:`load_storage` made beside the storage (a mapping, the source files)."""
+        for name, value in keep.items():
+            setattr(self, name, value)
+
     # ---- optional hooks (defaults: nothing to do) ------------------------------------
     def prefetch(self, global_ids: torch.Tensor, row_start: int) -> Any:
         """Start reading the rows of ``global_ids int [T, C_local]`` now; returns the pending state that
@@ -150,6 +177,15 @@ def register_placement(placement_class: type[TablePlacement]) -> type[TablePlace
     return placement_class
 
 
+def placement_class(name: str) -> type[TablePlacement]:
+    """The registered :class:`TablePlacement` subclass called ``name``; ValueError naming the choices."""
+    found = _PLACEMENTS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"placement: unknown placement {name!r}; available placements: "
+                         f"{', '.join(repr(n) for n in _PLACEMENTS)}")
+    return found
+
+
 def available_placements() -> tuple[str, ...]:
     """Names accepted by ``EngramTable(placement=...)``."""
     return tuple(_PLACEMENTS)
@@ -164,8 +200,6 @@ def make_placement(
     placement_class = _PLACEMENTS.get(name) if isinstance(name, str) else None
     if placement_class is None:
         available = ", ".join(repr(n) for n in _PLACEMENTS)
-        if name in _PLANNED_PLACEMENTS:
-            raise ValueError(f"placement {name!r} is planned but not implemented yet; available placements: {available}")
         raise ValueError(f"placement: unknown placement {name!r}; available placements: {available}")
     if not options:
         return placement_class(value_bytes, scale_bytes, device)

@@ -1,4 +1,4 @@
-"""Read and write Engram tensors in the checkpoint's safetensors layout (docs/design.md §2
+"""Read Engram tensors in the checkpoint's safetensors layout (docs/design.md §2
 "Checkpoint tensors").
 
 Per Engram layer ``i`` (names may carry a common prefix such as ``model.``)::
@@ -37,45 +37,28 @@ file's JSON header (:func:`_raw_tensor_bytes`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
-import concurrent.futures
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Iterable, Protocol
 
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from . import mapped
-from .common import ceil_div, resolve_cuda_device
-from .layout import ColumnShard, EngramLayout
-from .spec import EngramSpec
-from .table import BLOCK_SIZE, EngramTable, available_placements
-from .table.fp8 import E8M0_DTYPE, first_nan_byte, nan_byte_error
+from .. import mapped
+from ..common import ceil_div
+from ..layout import EngramLayout
+from ..spec import EngramSpec
+from ..table.fp8 import BLOCK_SIZE, E8M0_DTYPE, first_nan_byte, nan_byte_error
 
-__all__ = [
-    "INDEX_FILE",
-    "TENSOR_KINDS",
-    "DEFAULT_CHUNK_BYTES",
-    "engram_tensor_name",
-    "TensorInfo",
-    "SafetensorsCheckpoint",
-    "EngramLayerWeights",
-    "EngramLayerTensors",
-    "expected_layer_tensors",
-    "load_engram_layer_weights",
-    "layer_weight_problems",
-    "check_weight_values",
-    "load_engram_table",
-    "allocate_table_storage",
-    "register_storage_allocator",
-    "write_engram_checkpoint",
-    "table_progress",
-]
+__all__ = ["INDEX_FILE", "TENSOR_KINDS", "DEFAULT_CHUNK_BYTES", "engram_tensor_name", "TensorInfo",
+           "SafetensorsCheckpoint", "EngramLayerWeights", "expected_layer_tensors", "load_engram_layer_weights",
+           "layer_weight_problems", "check_weight_values", "table_progress", "ByteProgress", "copy_checked_rows",
+           "map_table_rows"]
 
 INDEX_FILE = "model.safetensors.index.json"
 TENSOR_KINDS = ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale", "q_weight", "k_weight")
@@ -497,199 +480,12 @@ def layer_weight_problems(checkpoint: SafetensorsCheckpoint, spec: EngramSpec, l
     return problems
 
 
-# ---------------------------------------------------------------------------
-# tables: allocate in the placement, stream the rank's rows in
-# ---------------------------------------------------------------------------
-StorageAllocator = Callable[[int, int, torch.device], torch.Tensor]
-_STORAGE_ALLOCATORS: dict[str, StorageAllocator] = {}
-
-
-def register_storage_allocator(placement: str, allocate: StorageAllocator) -> None:
-    """Tell the loader where placement ``placement`` keeps its bytes:
-    ``allocate(num_rows, width, device) -> uint8 [num_rows, width]`` (e.g. pinned or
-    huge-page host memory for a host placement). Loading then writes each byte once, there."""
-    if not isinstance(placement, str) or not placement or not callable(allocate):
-        raise ValueError(f"register_storage_allocator: expected a placement name and a callable, "
-                         f"found {placement!r}, {allocate!r}")
-    _STORAGE_ALLOCATORS[placement] = allocate
-
-
-def _default_allocator(placement: str) -> StorageAllocator:
-    if placement == "cpu":
-        return lambda rows, width, device: torch.empty(rows, width, dtype=torch.uint8)
-    if placement == "device":
-        return lambda rows, width, device: torch.empty(rows, width, dtype=torch.uint8, device=device)
-    # Host-memory placements ("host", "cached"): pinned host memory the GPU can read.
-    return lambda rows, width, device: torch.empty(rows, width, dtype=torch.uint8,
-                                                   pin_memory=torch.cuda.is_available())
-
-
-def allocate_table_storage(placement: str, num_rows: int, head_dim: int, device: torch.device
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``uint8 [num_rows, head_dim]`` (E4M3 values) and ``[num_rows, head_dim // 32]``
-    (UE8M0 scales) where the placement keeps its bytes, so loading writes them there once.
-
-    An allocator registered with :func:`register_storage_allocator` wins; otherwise
-    ``"cpu"`` allocates CPU memory, ``"device"`` memory on ``device`` (CUDA), and any
-    other placement (the host-memory ones) pinned host memory.
-    """
-    allocate = _STORAGE_ALLOCATORS.get(placement)
-    if allocate is None and placement == "host":
-        # Packed rows (engram.table.host_rows): values and scales are views of one buffer,
-        # which the host placement pins in place (no second copy).
-        from .table.host_rows import PackedRows, packed_row_bytes
-
-        buffer = torch.empty((num_rows + 1) * packed_row_bytes(head_dim), dtype=torch.uint8)
-        rows = PackedRows.view_of(buffer, num_rows, head_dim)
-        return rows.values, rows.scales
-    allocate = allocate or _default_allocator(placement)
-    return allocate(num_rows, head_dim, device), allocate(num_rows, head_dim // BLOCK_SIZE, device)
-
-
-def load_engram_table(
-    checkpoint: SafetensorsCheckpoint,
-    layout: EngramLayout,
-    layer_index: int,
-    shard: ColumnShard | None = None,
-    *,
-    placement: str = "cpu",
-    device: torch.device | str | int | None = None,
-    validate: bool | None = None,
-    progress: ByteProgress | bool | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    check_values: bool = True,
-    backend: str = "auto",
-    share_host_table: bool = False,
-    placement_options: dict | None = None,
-) -> EngramTable:
-    """The :class:`EngramTable` of layer ``layout.spec.layer_ids[layer_index]``: the whole
-    table (``shard`` None) or the rows ``shard.row_ranges[layer_index]`` of one
-    tensor-parallel rank, read memory-mapped in chunks of about ``chunk_bytes`` into
-    storage allocated by :func:`allocate_table_storage`.
-
-    ``progress``: True for a bar of its own, or an object with ``update(bytes)``
-    (one bar shared by several tables), or None/False.
-
-    ``check_values``: refuse E4M3 NaN value bytes (0x7F, 0xFF) while streaming, naming the
-    tensor, row and file (about one extra pass over each chunk while it is in cache); False
-    skips it for trusted checkpoints. Scale byte 255 (UE8M0 NaN) is always refused.
-
-    ``backend``: the table's lookup backend (:class:`EngramTable`).
-
-    ``share_host_table`` (placement ``"host"``): keep the rows in one shared-memory file per
-    node (``/dev/shm``), filled by the first process that loads them and mapped by every
-    other process of the node that loads the same rows of the same files (one copy per
-    node; :mod:`engram.table.host_memory`; mapped read-only, only files of this user). The
-    file outlives the processes: ``engram shm list|remove`` lists and removes them
-    (:func:`engram.table.host_memory.remove_shared_buffer` with :func:`host_share_key`).
-    Placement ``"cached"`` loads its host rows the same way.
-
-    ``placement_options``: keyword arguments of the placement (``EngramTable(placement_options=)``).
-    """
-    spec = layout.spec
-    if placement not in available_placements():
-        raise ValueError(f"placement: expected one of {list(available_placements())}, found {placement!r}")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes: expected a positive integer, found {chunk_bytes!r}")
-    if not isinstance(check_values, bool):
-        raise ValueError(f"check_values: expected True or False, found {check_values!r}")
-    layer_id = spec.layer_ids[layer_index]
-    expected = expected_layer_tensors(spec, layout, layer_index)
-    values_info = checkpoint.check(checkpoint.name(layer_id, "embed.weight"), *expected["embed.weight"])
-    scales_info = checkpoint.check(checkpoint.name(layer_id, "embed.scale"), *expected["embed.scale"])
-    row_start, row_end = (0, layout.num_embeddings[layer_index]) if shard is None else shard.row_ranges[layer_index]
-    num_rows, head_dim = row_end - row_start, spec.head_dim
-
-    if placement == "cpu" and "cpu" not in _STORAGE_ALLOCATORS:
-        source_files = mapped.MappedFiles([values_info.file, scales_info.file])  # as they are when mapped
-        value_bytes, scale_bytes = _map_cpu_table(values_info, scales_info, row_start, row_end, chunk_bytes,
-                                                  progress, check_values, f"layer {layer_id} table",
-                                                  num_rows * spec.row_bytes)
-        table = EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
-                                        device=None, validate=validate, backend=backend,
-                                        placement_options=placement_options)
-        table.storage.source_files = source_files
-        return table
-    storage_device = (torch.device("cpu") if placement == "cpu"
-                      else resolve_cuda_device(device, f"placement {placement!r}"))
-    if placement in ("host", "cached") and placement not in _STORAGE_ALLOCATORS:
-        return _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales_info, storage_device,
-                                validate, progress, chunk_bytes, check_values, backend, share_host_table,
-                                placement, placement_options)
-    value_bytes, scale_bytes = allocate_table_storage(placement, num_rows, head_dim, storage_device)
-    own_bar = progress is True
-    bar = table_progress(num_rows * spec.row_bytes, f"layer {layer_id} table") if own_bar else (progress or None)
-    try:
-        chunk_rows = max(1, chunk_bytes // head_dim)
-        checkpoint.read_rows_into(values_info, value_bytes, row_start, chunk_rows=chunk_rows, progress=bar,
-                                  check_e4m3=check_values)
-        checkpoint.read_rows_into(scales_info, scale_bytes, row_start, chunk_rows=chunk_rows, progress=bar,
-                                  check_ue8m0=True)
-    finally:
-        if own_bar:
-            bar.close()
-    return EngramTable.from_layout(layout, layer_index, shard, value_bytes, scale_bytes, placement=placement,
-                                   device=None if placement == "cpu" else storage_device, validate=validate,
-                                   backend=backend, placement_options=placement_options)
-
-
-def host_share_key(values_info: TensorInfo, scales_info: TensorInfo, row_start: int, row_end: int,
-                   head_dim: int) -> str:
-    """What names a host table's shared bytes: the files (path, size, mtime), tensors, row
-    range and packed row format."""
-    from .table.host_rows import packed_row_bytes
-
-    parts = []
-    for info in (values_info, scales_info):
-        stat = os.stat(info.file)
-        parts.append(f"{os.path.realpath(info.file)}:{stat.st_size}:{stat.st_mtime_ns}:{info.name}")
-    return f"{'|'.join(parts)}|rows {row_start}-{row_end}|packed {packed_row_bytes(head_dim)}"
-
-
-def _load_host_table(checkpoint, layout, layer_index, shard, values_info, scales_info, device, validate, progress,
-                     chunk_bytes, check_values, backend, share, placement="host",
-                     placement_options=None) -> EngramTable:
-    """Placements "host" and "cached": packed rows (engram.table.host_rows) streamed from the memory-mapped
-    checkpoint straight into host memory (2 MiB pages where the OS gives them), private or
-    shared per node; the placement pins them in place."""
-    from .table.host_memory import allocate_host_buffer
-    from .table.host_rows import PackedRows, packed_row_bytes
-
-    spec = layout.spec
-    row_start, row_end = (0, layout.num_embeddings[layer_index]) if shard is None else shard.row_ranges[layer_index]
-    num_rows, head_dim = row_end - row_start, spec.head_dim
-    row_bytes = packed_row_bytes(head_dim)
-    nbytes = (num_rows + 1) * row_bytes
-    own_bar = progress is True
-    layer_id = spec.layer_ids[layer_index]
-
-    def fill(buffer: torch.Tensor) -> None:
-        rows = PackedRows.view_of(buffer, num_rows, head_dim)
-        bar = table_progress(num_rows * spec.row_bytes, f"layer {layer_id} table") if own_bar else (progress or None)
-        try:
-            for info, target, kind in ((values_info, rows.values, "e4m3"), (scales_info, rows.scales, "ue8m0")):
-                _copy_checked_rows(info, target, row_start, row_end, chunk_bytes, bar,
-                                   kind if (kind == "ue8m0" or check_values) else None)
-        finally:
-            if own_bar:
-                bar.close()
-
-    key = host_share_key(values_info, scales_info, row_start, row_end, head_dim) if share else None
-    host_buffer = allocate_host_buffer(nbytes, fill=fill, share_key=key, read_only=False, row_bytes=row_bytes,
-                                       sources=(values_info.file, scales_info.file) if share else ())
-    rows = PackedRows(host_buffer.tensor[:nbytes].view(num_rows + 1, row_bytes), head_dim)
-    table = EngramTable.from_layout(layout, layer_index, shard, rows.values, rows.scales, placement=placement,
-                                    device=device, validate=validate, backend=backend,
-                                    placement_options=placement_options)
-    table.storage.host_buffer = host_buffer  # keeps the mapping alive with the table
-    table.storage.share_key = key
-    return table
 
 
 _LOAD_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
-def _copy_checked_rows(info: TensorInfo, target: torch.Tensor, row_start: int, row_end: int, chunk_bytes: int,
+def copy_checked_rows(info: TensorInfo, target: torch.Tensor, row_start: int, row_end: int, chunk_bytes: int,
                        progress, check: str | None) -> None:
     """``target[:] = file rows [row_start, row_end)`` of ``info`` (a one-byte 2-D tensor), read
     through a memory map (no intermediate copy), each chunk scanned for NaN bytes (``check``:
@@ -717,7 +513,7 @@ def _copy_checked_rows(info: TensorInfo, target: torch.Tensor, row_start: int, r
                 progress.update(done)
 
 
-def _map_cpu_table(values_info: TensorInfo, scales_info: TensorInfo, row_start: int, row_end: int,
+def map_table_rows(values_info: TensorInfo, scales_info: TensorInfo, row_start: int, row_end: int,
                    chunk_bytes: int, progress: "ByteProgress | bool | None", check_values: bool,
                    description: str, total_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``cpu`` placement's storage: rows ``[row_start, row_end)`` of the value and scale
@@ -741,114 +537,3 @@ def _map_cpu_table(values_info: TensorInfo, scales_info: TensorInfo, row_start: 
     return tables[0], tables[1]
 
 
-# ---------------------------------------------------------------------------
-# writing
-# ---------------------------------------------------------------------------
-@dataclass
-class EngramLayerTensors:
-    """All checkpoint tensors of one layer, to write.
-
-    ``embed_weight`` ``float8_e4m3fn [rows, head_dim]``; ``embed_scale`` UE8M0 ``uint8`` or
-    ``float8_e8m0fnu`` ``[rows, head_dim / 32]``; ``wkv_weight`` ``float8_e4m3fn`` (with
-    ``wkv_scale`` UE8M0 ``[ceil(out/br), ceil(in/bc)]``) or bf16 (``wkv_scale`` None);
-    ``q_weight``, ``k_weight`` bf16 ``[hc, hidden]``.
-    """
-
-    embed_weight: torch.Tensor
-    embed_scale: torch.Tensor
-    wkv_weight: torch.Tensor
-    wkv_scale: torch.Tensor | None
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-
-    def named(self, layer_id: int, prefix: str = "") -> dict[str, torch.Tensor]:
-        """Checkpoint name -> tensor as stored (UE8M0 bytes as ``float8_e8m0fnu`` where torch has it)."""
-        tensors = {"embed.weight": self.embed_weight, "embed.scale": _as_ue8m0(self.embed_scale),
-                   "wkv.weight": self.wkv_weight, "q_weight": self.q_weight, "k_weight": self.k_weight}
-        if self.wkv_scale is not None:
-            tensors["wkv.scale"] = _as_ue8m0(self.wkv_scale)
-        return {engram_tensor_name(layer_id, kind, prefix): tensor.contiguous().cpu() for kind, tensor in tensors.items()}
-
-
-def _as_ue8m0(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype == torch.uint8 and E8M0_DTYPE is not None:
-        return tensor.view(E8M0_DTYPE)
-    return tensor
-
-
-def _split_by_bytes(named: Mapping[str, torch.Tensor], num_shards: int) -> list[dict[str, torch.Tensor]]:
-    """``num_shards`` groups of about equal bytes: largest tensor first, each into the lightest
-    group so far (ties: the first group); every group gets a tensor when there are enough."""
-    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in named.items()}
-    totals = [0] * num_shards
-    owner: dict[str, int] = {}
-    for name in sorted(named, key=lambda n: -sizes[n]):
-        lightest = min(range(num_shards), key=lambda k: (totals[k], k))
-        owner[name] = lightest
-        totals[lightest] += sizes[name]
-    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(num_shards)]
-    for name, tensor in named.items():  # each file keeps the tensors in their given order
-        groups[owner[name]][name] = tensor
-    return groups
-
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_engram_checkpoint(
-    directory: str | os.PathLike,
-    layers: Mapping[int, EngramLayerTensors],
-    *,
-    num_shards: int = 1,
-    with_index: bool = True,
-    prefix: str = "",
-    extra_tensors: Mapping[str, torch.Tensor] | None = None,
-) -> dict[str, str]:
-    """Write the layers' tensors as safetensors shards; returns the weight map (name -> file name).
-
-    Tensors are split by bytes into ``num_shards`` files ``model-0000k-of-0000n.safetensors``
-    (``model.safetensors`` for one shard without index): largest first, each into the
-    file holding the fewest bytes so far (so the tables land in different files, and
-    one layer's tensors spread over several). With ``with_index`` also
-    ``model.safetensors.index.json``. Files get the permissions of the process umask,
-    as any file the process creates. Meant for tests, demos and converted tables of
-    moderate size (each file is built in memory).
-    """
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"num_shards: expected a positive integer, found {num_shards!r}")
-    named: dict[str, torch.Tensor] = {}
-    for layer_id, tensors in layers.items():
-        named.update(tensors.named(layer_id, prefix))
-    for name, tensor in (extra_tensors or {}).items():
-        if name in named:
-            raise ValueError(f"extra_tensors: {name!r} clashes with an Engram tensor name")
-        named[name] = tensor.contiguous().cpu()
-    if num_shards > len(named):
-        raise ValueError(f"num_shards: expected at most {len(named)} (one tensor per file at least), found {num_shards}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if num_shards == 1 and not with_index:
-        file_names = ["model.safetensors"]
-    else:
-        file_names = [f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
-    groups = _split_by_bytes(named, num_shards)
-    mode = 0o666 & ~_current_umask()
-    weight_map: dict[str, str] = {}
-    for file_name, group in zip(file_names, groups):
-        temporary = directory / (file_name + ".tmp")
-        try:
-            save_file(group, str(temporary), metadata={"format": "pt"})
-            os.chmod(temporary, mode)  # safetensors creates its files 0600
-            os.replace(temporary, directory / file_name)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
-        weight_map.update({name: file_name for name in group})
-    if with_index:
-        total = sum(t.numel() * t.element_size() for t in named.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    return weight_map
