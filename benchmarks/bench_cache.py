@@ -139,7 +139,7 @@ def direct_max_rows(tables, name: str) -> int:
     """The row count up to which placement ``name`` reads host memory directly (host's default when absent)."""
     if name in tables:
         return tables[name].storage.direct_max_rows
-    from engram.table.host import DIRECT_MAX_ROWS
+    from engram.table.placements.host import DIRECT_MAX_ROWS
 
     return tables["cached"].storage.direct_max_rows if "cached" in tables else DIRECT_MAX_ROWS
 
@@ -150,8 +150,8 @@ def moved_rows(tables, ids: torch.Tensor, rows: int) -> dict:
     (its dedup's count: ``host`` on the ids, ``cached`` on its miss ids, whose hits all read the zero row),
     else the direct reads of every row not held (``host``: every read). Runs the placement's own probe and
     dedup; one host sync."""
-    from engram.table.cache_gather import cached_probe
-    from engram.table.host_dedup import distinct_rows
+    from engram.table.kernels.cache_gather import cached_probe
+    from engram.table.kernels.dedup import distinct_rows
 
     cache = tables["cached"].storage.cache
     _, miss = cached_probe(cache, rows, ids, 0)
@@ -278,8 +278,8 @@ def direct_share_sweep(tables, ids: torch.Tensor, rows: int, on_gpu: bool) -> di
     """``cached``'s host-gather path with a share of its misses read directly (``CachedPlacement.direct_share``):
     per share, the lookup's latency (as timed above), whether it equals "device", the distinct rows the host
     gather moves and the reads the direct kernel makes."""
-    from engram.table.cache_gather import cached_probe
-    from engram.table.host_dedup import distinct_rows
+    from engram.table.kernels.cache_gather import cached_probe
+    from engram.table.kernels.dedup import distinct_rows
 
     storage = tables["cached"].storage
     default = storage.direct_share
@@ -310,8 +310,8 @@ def stage_breakdown(tables, ids: torch.Tensor, rows: int) -> dict:
     from host_table_fixture import gpu_us
     from wall_clock import median_wall_us
 
-    from engram.table.cache_gather import cached_merge_rows, cached_merge_rows_packed, cached_probe
-    from engram.table.host_dedup import distinct_rows
+    from engram.table.kernels.cache_gather import cached_merge_rows, cached_merge_rows_packed, cached_probe
+    from engram.table.kernels.dedup import distinct_rows
 
     storage = tables["cached"].storage
     cache, host_gather = storage.cache, storage.host.host_gather
@@ -396,7 +396,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU under TRITON_INTERPRET=1, or a GPU)")
     parser.add_argument("--simulate", action="store_true",
-                        help="also replay the stream through engram.table.cache_policy's lru, set-lru and dynamic (CPU)")
+                        help="also replay the stream through engram.tools.cache_policy's lru, set-lru and dynamic (CPU)")
     args = parser.parse_args()
     sizes = SMOKE if args.smoke else FULL
     on_gpu = torch.cuda.is_available()

@@ -89,14 +89,14 @@ def bench_paths(table, ids_sets, ceiling) -> list[dict]:
             print(f"{name:10s} T={tokens:6d}: direct {row['direct_us']:9.1f} us ({row['direct_unique_GBps']:5.1f} GB/s) "
                   f"| host gather {row['host_gather_us']:9.1f} us ({row['host_gather_unique_GBps']:5.1f} GB/s unique, "
                   f"{row['host_gather_moved_GBps']:5.1f} moved; ceiling {ceiling:.1f})", flush=True)
-    storage.direct_max_rows = engram.table.host.DIRECT_MAX_ROWS
+    storage.direct_max_rows = engram.table.placements.host.DIRECT_MAX_ROWS
     return results
 
 
 def direct_configs(table, rng, rows) -> list[dict]:
     """The direct path at T = 64 (graph replay) over a few launch shapes: host-memory reads are
     latency-bound, so more, smaller programs may keep more PCIe reads in flight."""
-    from engram.table.gather import GatherConfig
+    from engram.table.kernels.gather import GatherConfig
 
     storage = table.storage
     ids = torch.from_numpy(rng.integers(0, rows, (64, COLUMNS)).astype(np.int32)).cuda()
@@ -108,7 +108,7 @@ def direct_configs(table, rng, rows) -> list[dict]:
         results.append({"block_rows": block_rows, "num_warps": num_warps, "vector": vector, "T64_us": us})
         print(f"direct T=64 block_rows={block_rows} num_warps={num_warps} vector={vector}: {us:.1f} us", flush=True)
     storage.direct_config = None
-    storage.direct_max_rows = engram.table.host.DIRECT_MAX_ROWS
+    storage.direct_max_rows = engram.table.placements.host.DIRECT_MAX_ROWS
     return results
 
 
@@ -117,8 +117,8 @@ def gather_stages(table, ids_all) -> dict:
     the host gather of the distinct rows on the gather worker (torch index_select), the copy
     of them. Back to back over the same rows: part of them may stay in the host's last-level
     cache (NOTES "Host tables v2")."""
-    from engram.table.host_dedup import distinct_rows
-    from engram.table.host_gather import _shared_worker
+    from engram.table.kernels.dedup import distinct_rows
+    from engram.table.host_memory.gather import _shared_worker
 
     storage = table.storage
     ids = torch.from_numpy(ids_all[:8192]).cuda()
@@ -144,7 +144,7 @@ def trace_gather(table, ids_all) -> dict:
     """One host-gather lookup at T = 8192 with time stamps (median of 7, us from the call):
     the call returns, the worker starts, the ids are on the host, the copies are enqueued,
     the copies are done, the lookup is done; for 2, 4 and 8 waves."""
-    from engram.table import host_gather
+    from engram.table.host_memory import gather as host_gather
 
     storage = table.storage
     storage.direct_max_rows = 0
@@ -180,7 +180,7 @@ def trace_gather(table, ids_all) -> dict:
         traces[waves] = {name: float(np.median([s[name] for s in samples[1:]])) for name in samples[0]}
         print(f"trace T=8192, {waves} waves: " + ", ".join(f"{k} {v:.0f}" for k, v in traces[waves].items()), flush=True)
     host_gather._MAX_WAVES = 4
-    storage.direct_max_rows = engram.table.host.DIRECT_MAX_ROWS
+    storage.direct_max_rows = engram.table.placements.host.DIRECT_MAX_ROWS
     return traces
 
 
@@ -222,7 +222,7 @@ def load_rate(vocab_size: int = 120_000) -> dict:
     page cache, not the disk) into placement "host": table bytes per second of
     ``load_engram_table`` (checks included), without config, tokenizer or wkv."""
     from engram.checkpoint import SafetensorsCheckpoint, load_engram_table
-    from engram.testing import write_synthetic_checkpoint
+    from engram.tools.testing import write_synthetic_checkpoint
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as directory:
         written = write_synthetic_checkpoint(directory, scale="wide", vocab_size=vocab_size, tokenizer="word")
@@ -245,7 +245,7 @@ def main() -> None:
               "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "copy_engine_GBps": ceiling, "rows": ROWS, "threads": torch.get_num_threads(),
-              "direct_max_rows_default": engram.table.host.DIRECT_MAX_ROWS}
+              "direct_max_rows_default": engram.table.placements.host.DIRECT_MAX_ROWS}
     try:
         report["load"] = load_rate()
         print(f"load into host: {report['load']}", flush=True)

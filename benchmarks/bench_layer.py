@@ -263,7 +263,7 @@ def stage_calls(layers: dict, values, scales, inputs: dict, weight, weight_scale
     from engram.layer import engram_gate_kv
     from engram.layer.wkv_gemm import (SMALL_M_MAX_TOKENS, block_scaled_gemm, fused_gather_gemm,
                                        quantize_gathered_rows, scaled_mm_gemm, small_m_gemm)
-    from engram.table.gather import gather_rows
+    from engram.table.kernels.gather import gather_rows
 
     ids, tokens = inputs["ids"], inputs["ids"].shape[0]
     rows = gather_rows(values, scales, ids, out=torch.full((tokens, COLUMNS, HEAD_DIM), float("nan"),

@@ -558,7 +558,7 @@ def counter_changes(before: dict, after: dict) -> dict:
 # the run
 # ---------------------------------------------------------------------------
 def build(args, report: Report, watchdog: Watchdog | None) -> Setup:
-    from engram.table.host_rows import packed_row_bytes
+    from engram.table.host_memory.rows import packed_row_bytes
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

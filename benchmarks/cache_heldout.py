@@ -7,7 +7,7 @@ cache, the rest are measured. For the measured steps:
   included): no cache that learns only from the stream served so far can serve more;
 * :func:`best_static_share`: the share the ``capacity`` most-read rows of the measured steps
   themselves would serve (an oracle, chosen on the text it is scored on);
-* :func:`simulated_hit_rates`: ``engram.table.cache_policy`` replays (the fully associative ``lru``,
+* :func:`simulated_hit_rates`: ``engram.tools.cache_policy`` replays (the fully associative ``lru``,
   and ``set-lru`` and ``dynamic`` with the device cache's parameters: the rules the device index
   follows), warm-up excluded.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engram.table.cache_policy import CompactStream, DynamicParams, replay
+from engram.tools.cache_policy import CompactStream, DynamicParams, replay
 
 
 def heldout_ceiling(reads: np.ndarray, step_reads: int, warm_steps: int) -> float:
@@ -45,7 +45,7 @@ def best_static_share(reads: np.ndarray, step_reads: int, warm_steps: int, capac
 
 
 def device_cache_params(ways: int, aging_interval: int) -> DynamicParams:
-    """The replay parameters of :class:`engram.table.row_cache.RowCache` with these ``ways`` and
+    """The replay parameters of :class:`engram.table.placements.row_cache.RowCache` with these ``ways`` and
     ``aging_interval`` (it follows the replay's ``dynamic`` / ``set-lru`` rules exactly)."""
     return DynamicParams(ways=ways, age_steps=aging_interval)
 

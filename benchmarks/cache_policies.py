@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import engram
-from engram.defaults import deepseek_tokenizer_file, packaged_config
-from engram.profile import DEFAULT_FRACTIONS, build_hot_set, evaluate, read_trace
-from engram.table.cache_policy import POLICIES, DynamicParams
+from engram.tools.defaults import deepseek_tokenizer_file, packaged_config
+from engram.tools.profile import DEFAULT_FRACTIONS, build_hot_set, evaluate, read_trace
+from engram.tools.cache_policy import POLICIES, DynamicParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CORPORA = {
@@ -80,7 +80,7 @@ def run(pairs, max_tokens: int, params: DynamicParams) -> dict:
 
 
 def plot(combined: dict, out: Path) -> None:
-    from engram.profile_plot import plot_hit_rates
+    from engram.tools.profile_plot import plot_hit_rates
 
     curves: dict[str, list[dict]] = {}
     for row in combined["results"]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 import engram
-from engram.defaults import packaged_config
+from engram.tools.defaults import packaged_config
 from engram.hashing.reference import hash_ngrams
 
 STREAM_PATH = Path(__file__).resolve().parents[1] / ".bench-data" / "cache_stream_v41.npz"

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceiling import copy_ceiling_gbps  # noqa: E402
 
 from engram.table import lookup_reference  # noqa: E402
-from engram.table.gather import GatherConfig, default_config, gather_rows, gather_rows_packed  # noqa: E402
+from engram.table.kernels.gather import GatherConfig, default_config, gather_rows, gather_rows_packed  # noqa: E402
 
 V41_TABLE_ROWS = 384_006_168
 ID_SETS = 4

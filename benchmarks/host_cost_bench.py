@@ -125,7 +125,7 @@ def bare_launches_us(call, torch_ops=()) -> float:
 def bench_host_cost() -> dict:
     from engram import triton_launch
     from engram.layer.gate import engram_gate_kv
-    from engram.table.gather import gather_rows
+    from engram.table.kernels.gather import gather_rows
 
     spec = engram.EngramSpec.from_hf_config(CONFIG)
     layout, vocab = engram.EngramLayout(spec), _random_vocab(spec)

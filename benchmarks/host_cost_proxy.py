@@ -134,7 +134,7 @@ def hash_call(layout, vocab, num_tokens: int):
 def device_style_table(num_rows: int = 4096):
     """An EngramTable whose storage takes the ``"device"`` placement's Triton lookup, on CPU tensors."""
     from engram.table.fp8 import quantize_rows
-    from engram.testing import cpu_device_style_table
+    from engram.tools.testing import cpu_device_style_table
 
     values, scales = quantize_rows(torch.randn(num_rows, HEAD_DIM))
     return cpu_device_style_table(values, scales, COLUMNS)
@@ -160,7 +160,7 @@ def layer(fp8: bool):
 
 def paths() -> dict:
     from engram.layer.gate import engram_gate_kv
-    from engram.table.gather import gather_rows
+    from engram.table.kernels.gather import gather_rows
 
     spec = engram.EngramSpec.from_hf_config(CONFIG)
     layout, vocab = engram.EngramLayout(spec), _random_vocab(spec)

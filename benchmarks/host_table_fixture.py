@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import engram
-from engram.table.host_rows import PackedRows, packed_row_bytes
+from engram.table.host_memory.rows import PackedRows, packed_row_bytes
 
 HEAD_DIM, COLUMNS = 256, 24  # V4.1-Flash: 256 E4M3 values + 8 UE8M0 scales per row, 24 columns per token
 ROW_BYTES_ON_DISK = HEAD_DIM + HEAD_DIM // 32  # 264
@@ -45,7 +45,7 @@ def host_table(rows: int, head_dim: int = HEAD_DIM, seed: int = 0,
     ``cuda``; its rows stay alive with the table (``table.storage.host_buffer``). ``distinct_rows``:
     draw only that many random rows and repeat them through the table (the fill is then host-to-host
     copies, without a device-to-host copy per GiB; reads move the same bytes), else every row is drawn."""
-    from engram.table.host_memory import allocate_host_buffer
+    from engram.table.host_memory.buffers import allocate_host_buffer
 
     started = time.perf_counter()
     row_bytes = packed_row_bytes(head_dim)

@@ -23,14 +23,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import engram  # noqa: E402
-from engram.defaults import deepseek_tokenizer_file, packaged_config  # noqa: E402
+from engram.tools.defaults import deepseek_tokenizer_file, packaged_config  # noqa: E402
 
 STREAM_PATH = HERE.parent / ".bench-data" / "cache_stream_v41.npz"
 
 
 def main(corpus: str = "fortunes") -> None:
     from cache_policies import _files  # the corpora and their seeded file order
-    from engram.profile import _text
+    from engram.tools.profile import _text
     from tokenizers import Tokenizer
 
     started = time.perf_counter()

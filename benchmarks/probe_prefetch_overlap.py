@@ -45,7 +45,7 @@ def prefetch_host_us(table, ids, repeats: int = 15) -> float:
 
 
 def main() -> None:
-    from engram.table.host_dedup import distinct_rows
+    from engram.table.kernels.dedup import distinct_rows
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=17.0)

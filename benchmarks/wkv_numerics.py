@@ -56,8 +56,8 @@ def real_text_ids(tokens: int, layer_index: int = 0) -> torch.Tensor:
     from tokenizers import Tokenizer
 
     import engram
-    from engram.corpus import english_texts
-    from engram.demo import default_tokenizer_path, packaged_config
+    from engram.tools.corpus import english_texts
+    from engram.tools.demo import default_tokenizer_path, packaged_config
 
     spec = engram.EngramSpec.from_hf_config(packaged_config())
     layout = engram.EngramLayout(spec)

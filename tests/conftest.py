@@ -159,7 +159,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def synthetic_model_dir(tmp_path) -> Path:
     """A synthetic checkpoint (scale "tiny", the word-level tokenizer) written to this test's ``tmp_path``."""
-    from engram.testing import write_synthetic_checkpoint
+    from engram.tools.testing import write_synthetic_checkpoint
 
     return write_synthetic_checkpoint(tmp_path, tokenizer="word").directory
 

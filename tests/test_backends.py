@@ -67,7 +67,7 @@ def test_table_backend_is_decided_once(rng):
         EngramTable(values, scales, backend="fast")
 
 
-@pytest.mark.parametrize("path", ["table/gather.py", "table/table.py", "layer/gate.py"])
+@pytest.mark.parametrize("path", ["table/kernels/gather.py", "table/table.py", "layer/gate.py"])
 def test_no_catch_all_fallback(path):
     """A broken kernel module must fail loudly, not run the slow torch path."""
     tree = ast.parse((SOURCES / path).read_text(encoding="utf-8"))

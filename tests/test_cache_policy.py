@@ -1,4 +1,4 @@
-"""The vectorized cache replay (engram.table.cache_policy) against plain per-read loops that
+"""The vectorized cache replay (engram.tools.cache_policy) against plain per-read loops that
 follow the policies' written rules, on small seeded streams."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import collections
 import numpy as np
 import pytest
 
-from engram.table.cache_policy import CompactStream, DynamicParams, best_static_hits, capacity_for, replay
+from engram.tools.cache_policy import CompactStream, DynamicParams, best_static_hits, capacity_for, replay
 
 
 def _steps(reads, step_reads):

@@ -24,8 +24,8 @@ import torch
 
 import engram
 from conftest import POISON_BYTE, assert_layers_equal, assert_lookups_equal, capture_cuda_graph, replay_poisoned
-from engram.table.host_rows import pack_rows, packed_row_bytes
-from engram.table.row_cache import (RowCache, cached_direct_reference, cached_merge_reference, cached_probe_reference,
+from engram.table.host_memory.rows import pack_rows, packed_row_bytes
+from engram.table.placements.row_cache import (RowCache, cached_direct_reference, cached_merge_reference, cached_probe_reference,
                                     direct_class)
 from test_cached_placement import (CASES, _case_id, _check_invariants, _device_and_cached, _device_and_cached_memories,
                                    _expected_bf16, _ids, _kernel_device, _layer_inputs, _no_check, _on_cpu, _strided,
@@ -38,7 +38,7 @@ POISON_INT = 0x5A5A5A5A
 
 def _launchers():
     try:
-        from engram.table import cache_gather
+        from engram.table.kernels import cache_gather
     except ImportError:
         from conftest import missing_dependency
         missing_dependency("triton is not installed (pip install -e '.[triton]')")
@@ -147,7 +147,7 @@ def test_probe_kernel_equals_the_reference(case, id_dtype, seed):
     """Slots and miss ids of the kernel == the reference's, empty, hot-loaded and after updates, with ids
     outside the table and extreme ids, with direct shares 0, 0.5 and 1; the host gather's dedup reads hits
     (and direct misses) as its zero row (at most one distinct row more than the distinct misses)."""
-    from engram.table.host_dedup import distinct_rows
+    from engram.table.kernels.dedup import distinct_rows
     from interpreter_bounds import bounds_checked
 
     cache_gather = _launchers()
@@ -235,7 +235,7 @@ def test_merge_kernels_equal_the_reference(case, seed):
     """The direct reads and both merge kernels (without and with direct reads) == the references (bytes;
     bf16 through the plain gather kernel's decode of the reference's bytes), with malformed slots and
     inverse entries, outputs poisoned."""
-    from engram.table import gather
+    from engram.table.kernels import gather
     from interpreter_bounds import bounds_checked
 
     cache_gather = _launchers()
@@ -387,7 +387,7 @@ def test_kernels_compile_for_sm90():
     with the launchers' shapes, int32 and int64 ids, with and without direct reads: the interpreter
     checks what they compute, not that they build. The class hash's constant stays an int64 2654435761."""
     pytest.importorskip("triton")
-    from engram.table import cache_kernels as kernels
+    from engram.table.kernels import cache_kernels as kernels
     from test_wkv_compile import _compile
 
     launchers = _launchers()

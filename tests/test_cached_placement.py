@@ -24,8 +24,8 @@ import torch
 import engram
 from conftest import (POISON_BYTE, assert_layers_equal, assert_lookups_equal, capture_cuda_graph, memory_on_cuda,
                       replay_poisoned)
-from engram.table.host_rows import pack_rows
-from engram.table.row_cache import COUNTER_MAX, RowCache, cached_lookup_reference
+from engram.table.host_memory.rows import pack_rows
+from engram.table.placements.row_cache import COUNTER_MAX, RowCache, cached_lookup_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -137,12 +137,12 @@ def test_recency_keeps_the_rows_read_last():
 
 @pytest.mark.parametrize("policy", ["set-lru", "dynamic"])
 def test_row_cache_serves_the_hits_the_policy_replay_counts(policy, seed):
-    """The device index follows engram.table.cache_policy's rules exactly: over a drifting, skewed
+    """The device index follows engram.tools.cache_policy's rules exactly: over a drifting, skewed
     stream (steps of a prime size, a cache of 8 sets of 8 ways, aging every 4 steps), RowCache's
     update statistics equal the replay's reads, hits, per-step distinct rows and their hits."""
     import numpy as np
 
-    from engram.table.cache_policy import CompactStream, DynamicParams, replay
+    from engram.tools.cache_policy import CompactStream, DynamicParams, replay
 
     rng = np.random.default_rng(seed)
     num_rows, capacity, step_reads, steps = 700, 64, 97, 40
@@ -261,8 +261,8 @@ def _strided(ids: torch.Tensor, layout: int) -> torch.Tensor:
 
 def _assert_lookups_equal(cache, rows, hash_ids, row_start, device) -> None:
     """Cached kernels == the plain gather kernels on the whole table, bit for bit (outputs poisoned)."""
-    from engram.table import gather
-    from engram.table.cache_gather import cached_gather_rows, cached_gather_rows_packed
+    from engram.table.kernels import gather
+    from engram.table.kernels.cache_gather import cached_gather_rows, cached_gather_rows_packed
 
     back_values, back_scales = rows.values.to(device), rows.scales.to(device)
     tokens, columns = hash_ids.shape
@@ -278,7 +278,7 @@ def _assert_lookups_equal(cache, rows, hash_ids, row_start, device) -> None:
     assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales)
     reference_values, reference_scales = cached_lookup_reference(cache, back_values, back_scales, hash_ids, row_start)
     assert torch.equal(values, reference_values) and torch.equal(scales, reference_scales)
-    # The float reference (engram.table.reference): bit for bit on the GPU; under the interpreter, whose
+    # The float reference (engram.table.kernels.reference): bit for bit on the GPU; under the interpreter, whose
     # fp32 -> bf16 cast truncates, within one ulp of the same sign for normal values (tests/test_gather_kernel.py).
     reference = engram.table.lookup_reference(back_values, back_scales, hash_ids, row_start)
     assert torch.equal(torch.isnan(out), torch.isnan(reference))
@@ -443,7 +443,7 @@ def _expected_bf16(plain, rows, hash_ids, backend: str) -> torch.Tensor:
     the interpreter its bf16 cast truncates: it is compared with the same kernel's decode)."""
     if backend == "torch":
         return plain.lookup(hash_ids).view(torch.int16)
-    from engram.table.gather import gather_rows
+    from engram.table.kernels.gather import gather_rows
 
     return gather_rows(rows.values, rows.scales, hash_ids, plain.row_start, plain.column_start,
                        plain.column_end).view(torch.int16)
@@ -619,7 +619,7 @@ def test_gpu_memory_from_pretrained_cached_equals_device(synthetic_model_dir, se
 def test_launcher_argument_errors():
     """Checked before any kernel runs (CPU tensors, no interpreter needed)."""
     try:
-        from engram.table.cache_gather import cached_gather_rows, cached_gather_rows_packed
+        from engram.table.kernels.cache_gather import cached_gather_rows, cached_gather_rows_packed
     except ImportError:
         from conftest import missing_dependency
         missing_dependency("triton is not installed (pip install -e '.[triton]')")

@@ -19,12 +19,12 @@ from safetensors.torch import load_file, save_file
 import engram.checkpoint
 from engram.checkpoint import (INDEX_FILE, SafetensorsCheckpoint, load_engram_layer_weights, load_engram_table,
                                write_engram_checkpoint)
-from engram.cli import main
+from engram.tools.cli import main
 from engram.table import available_placements
 from engram.layout import EngramLayout
 from engram.memory import EngramMemory
 from engram.spec import EngramSpec
-from engram.testing import synthetic_layer_tensors, write_synthetic_checkpoint
+from engram.tools.testing import synthetic_layer_tensors, write_synthetic_checkpoint
 
 SEED = 7
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import engram
-from engram.cli import main
-from engram.testing import write_synthetic_checkpoint
+from engram.tools.cli import main
+from engram.tools.testing import write_synthetic_checkpoint
 
 from conftest import PACKAGED_CONFIG
 
@@ -83,6 +83,6 @@ def test_demo_placement_host_without_cuda_exits_2():
 
     if torch.cuda.is_available():
         pytest.skip("checks the message on a machine without CUDA")
-    from engram.cli import main
+    from engram.tools.cli import main
 
     assert main(["demo", "--placement", "host", "--texts", "1", "--max-chars", "300"]) == 2

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import engram
-from engram.cli import main
+from engram.tools.cli import main
 
 SRC = Path(engram.__file__).parent.parent
 
@@ -62,14 +62,14 @@ def test_out_that_is_a_directory_is_refused(action, corpus, tmp_path, capsys):
 
 
 def test_build_writes_exactly_the_path_given(corpus, tmp_path, deepseek_tokenizer_path, capsys):
-    from engram.profile import HotSet
+    from engram.tools.profile import HotSet
 
     out = tmp_path / "h.txt"
     assert main(["profile", "build", "--corpus", str(corpus), "--fraction", "0.001", "--out", str(out),
                  "--tokenizer", str(deepseek_tokenizer_path)]) == 0
     assert out.is_file() and not (tmp_path / "h.txt.npz").exists()
     assert capsys.readouterr().out.rstrip().endswith(f"-> {out}")
-    layout = engram.EngramLayout(engram.EngramSpec.from_hf_config(engram.defaults.packaged_config()))
+    layout = engram.EngramLayout(engram.EngramSpec.from_hf_config(engram.tools.defaults.packaged_config()))
     assert HotSet.load(out, layout).tokens > 0
 
 
@@ -117,7 +117,7 @@ def test_demo_checkpoint_that_is_a_file(tmp_path, capsys):
 def _run_with_closed_stdout(*args: str) -> subprocess.CompletedProcess:
     """Run the command line with its stdout a pipe whose reader is gone before it writes."""
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    process = subprocess.Popen([sys.executable, "-m", "engram.cli", *args], stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", "engram.tools.cli", *args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, env=env)
     process.stdout.close()
     _, err = process.communicate(timeout=120)
@@ -141,18 +141,18 @@ def _refuse_slow_work(monkeypatch, *targets):
 
 
 def test_demo_seed_is_checked_first(monkeypatch, capsys):
-    import engram.demo
+    import engram.tools.demo
 
-    _refuse_slow_work(monkeypatch, (engram.demo.TokenCompressor, "from_tokenizer"), (engram.demo, "english_texts"))
+    _refuse_slow_work(monkeypatch, (engram.tools.demo.TokenCompressor, "from_tokenizer"), (engram.tools.demo, "english_texts"))
     assert main(["demo", "--seed", "-1"]) == 2
     line = _error(capsys)
     assert "--seed" in line and "-1" in line
 
 
 def test_transformers_demo_arguments_are_checked_before_the_model_is_written(monkeypatch, capsys):
-    import engram.testing
+    import engram.tools.testing
 
-    _refuse_slow_work(monkeypatch, (engram.testing, "write_transformers_checkpoint"))
+    _refuse_slow_work(monkeypatch, (engram.tools.testing, "write_transformers_checkpoint"))
     assert main(["demo", "--transformers", "--texts", "0"]) == 2
     assert "--texts: expected an integer >= 1, found 0" in _error(capsys)
     assert main(["demo", "--transformers", "--seed", "-3"]) == 2
@@ -162,9 +162,9 @@ def test_transformers_demo_arguments_are_checked_before_the_model_is_written(mon
 @pytest.mark.parametrize("flags", [["--checkpoint", "x"], ["--skip-layers"], ["--placement", "device"],
                                    ["--max-chars", "100"], ["--config", "x"]])
 def test_transformers_demo_refuses_the_flags_it_would_ignore(flags, monkeypatch, capsys):
-    import engram.testing
+    import engram.tools.testing
 
-    _refuse_slow_work(monkeypatch, (engram.testing, "write_transformers_checkpoint"))
+    _refuse_slow_work(monkeypatch, (engram.tools.testing, "write_transformers_checkpoint"))
     assert main(["demo", "--transformers", *flags]) == 2
     line = _error(capsys)
     assert "--transformers" in line and flags[0] in line
@@ -172,20 +172,20 @@ def test_transformers_demo_refuses_the_flags_it_would_ignore(flags, monkeypatch,
 
 def test_transformers_demo_on_cuda_without_a_gpu(monkeypatch, capsys):
     import torch
-    import engram.testing
+    import engram.tools.testing
 
     if torch.cuda.is_available():
         pytest.skip("checks the message on a machine without CUDA")
-    _refuse_slow_work(monkeypatch, (engram.testing, "write_transformers_checkpoint"))
+    _refuse_slow_work(monkeypatch, (engram.tools.testing, "write_transformers_checkpoint"))
     assert main(["demo", "--transformers", "--device", "cuda"]) == 2
     line = _error(capsys)
     assert "needs a CUDA device" in line and "accelerate" not in line
 
 
 def test_demo_host_placement_on_the_cpu_is_refused_before_hashing(monkeypatch, capsys):
-    import engram.demo
+    import engram.tools.demo
 
-    _refuse_slow_work(monkeypatch, (engram.demo.TokenCompressor, "from_tokenizer"), (engram.demo, "english_texts"))
+    _refuse_slow_work(monkeypatch, (engram.tools.demo.TokenCompressor, "from_tokenizer"), (engram.tools.demo, "english_texts"))
     for placement in ("host", "cached"):
         assert main(["demo", "--placement", placement]) == 2
         assert f"--placement {placement}" in _error(capsys)

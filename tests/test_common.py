@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from engram.cli import main
+from engram.tools.cli import main
 from engram.common import ceil_div, next_power_of_2, resolve_cuda_device, resolve_device
 from engram.memory import EngramMemory, resolve_placement
-from engram.testing import write_synthetic_checkpoint
+from engram.tools.testing import write_synthetic_checkpoint
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="the errors of a machine without CUDA")
 

@@ -15,8 +15,8 @@ import engram.checkpoint
 from engram import mapped
 from engram.checkpoint import SafetensorsCheckpoint, load_engram_table
 from engram.layout import EngramLayout
-from engram.table.host_memory import memory_report
-from engram.testing import write_synthetic_checkpoint
+from engram.table.host_memory.buffers import memory_report
+from engram.tools.testing import write_synthetic_checkpoint
 
 
 def copying_allocator(rows, width, device):

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import engram.corpus as corpus
-from engram.cli import main
-from engram.simulation import StreamingEngine
+import engram.tools.corpus as corpus
+from engram.tools.cli import main
+from engram.tools.simulation import StreamingEngine
 
 _DOC_NAMES = ("index.rst.txt", "intro.rst.txt", "os.rst.txt")
 

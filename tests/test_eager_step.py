@@ -17,7 +17,7 @@ from engram.layer.eager_step import EagerStep
 from engram.layer.module import Engram
 from engram.layer.wkv import WkvProjection
 from engram.table.fp8 import quantize_rows
-from engram.testing import cpu_device_style_table
+from engram.tools.testing import cpu_device_style_table
 
 pytest.importorskip("triton")
 

@@ -1,4 +1,4 @@
-"""The Triton row-gather kernels (engram.table.gather / kernels) against lookup_reference.
+"""The Triton row-gather kernels (engram.table.kernels.gather / kernels) against lookup_reference.
 
 * ``interpreter`` tests: small shapes, run in their own process with
   ``TRITON_INTERPRET=1`` (``bash scripts/dev.sh test`` does it); on a CUDA machine
@@ -29,7 +29,7 @@ POISON_BYTE = 0xAA
 
 def _gather_module():
     try:
-        from engram.table import gather
+        from engram.table.kernels import gather
     except ImportError:
         from conftest import missing_dependency
         missing_dependency("triton is not installed (pip install -e '.[triton]')")

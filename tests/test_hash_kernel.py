@@ -16,7 +16,7 @@ import triton.language as tl
 
 import engram
 from engram.hashing.kernels import _remainder
-from engram.simulation import HISTORY_SOURCES, StreamingEngine
+from engram.tools.simulation import HISTORY_SOURCES, StreamingEngine
 
 from conftest import PACKAGED_CONFIG, fresh_seed, random_vocab, small_config
 

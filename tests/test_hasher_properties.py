@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import engram
-from engram.simulation import HISTORY_SOURCES, StreamingEngine
+from engram.tools.simulation import HISTORY_SOURCES, StreamingEngine
 
 from conftest import random_vocab, small_config
 

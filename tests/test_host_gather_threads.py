@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import engram
-from engram.table import host_gather
-from engram.table.host_gather import default_gather_threads
+from engram.table.host_memory import gather as host_gather
+from engram.table.host_memory.gather import default_gather_threads
 
 
 def test_worker_changes_no_thread_setting_of_the_process():

@@ -1,4 +1,4 @@
-"""Host buffers (engram.table.host_memory): private fill, one shared copy for several
+"""Host buffers (engram.table.host_memory.buffers): private fill, one shared copy for several
 processes, a filler killed mid-fill, size mismatches, the once-only huge-page warning.
 
 Shared files go to a fresh temporary directory under /dev/shm (a tmpfs, so the pages show
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engram.table import host_memory
-from engram.table.host_memory import (HUGE_PAGE_BYTES, allocate_host_buffer, memory_report, remove_shared_buffer,
+from engram.table.host_memory import buffers as host_memory
+from engram.table.host_memory.buffers import (HUGE_PAGE_BYTES, allocate_host_buffer, memory_report, remove_shared_buffer,
                                       shared_buffer_path)
 
 SHM = Path("/dev/shm")
@@ -349,7 +349,7 @@ def fill_table(key, directory, nbytes, seed, **options):
 
 
 def header_region() -> int:
-    from engram.table import shm_files
+    from engram.table.host_memory import shm_files
 
     return shm_files.HEADER_REGION_BYTES
 
@@ -364,7 +364,7 @@ def attach_and_write_worker(nbytes, key, directory, write, results):
     """Attaches a published table with every warning an error; writes to it when ``write``."""
     import resource
 
-    from engram.table.host_rows import mapped_read_only
+    from engram.table.host_memory.rows import mapped_read_only
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     try:
@@ -507,7 +507,7 @@ def test_wider_mode_is_refused(shm_dir, seed, target, mode, reason):
 
 def rewrite_header(path, **changes) -> None:
     """Re-encode the header of ``path`` with ``changes`` (a valid checksum)."""
-    from engram.table import shm_files
+    from engram.table.host_memory import shm_files
 
     fd = os.open(path, os.O_RDWR)
     try:
@@ -568,7 +568,7 @@ def test_attached_table_is_mapped_read_only(shm_dir, seed):
     key = f"read only {seed}"
     filler = allocate_host_buffer(nbytes, fill=functools.partial(fill_pattern, seed), share_key=key,
                                   directory=shm_dir, huge_pages=False, read_only=False)   # as the checkpoint asks
-    from engram.table.host_rows import mapped_read_only
+    from engram.table.host_memory.rows import mapped_read_only
 
     assert filler.filled_here and mapped_read_only(filler.tensor.data_ptr(), nbytes)   # mprotected after its fill
     context = multiprocessing.get_context("spawn")
@@ -600,7 +600,7 @@ class FakeCudart:
 
 
 def test_register_with_cuda_uses_the_read_only_flag(shm_dir, seed, monkeypatch):
-    from engram.table import host_rows
+    from engram.table.host_memory import rows as host_rows
 
     key = f"register {seed}"
     fill_table(key, shm_dir, 8192, seed)
@@ -689,7 +689,7 @@ def test_parallel_fills_cannot_overcommit(small_tmpfs, seed, monkeypatch):
 
 
 def test_killed_filler_leaves_nothing_valid(shm_dir, seed, capsys):
-    from engram.cli import main
+    from engram.tools.cli import main
 
     nbytes = 4 * 2**20 + 4096
     key = f"killed mid-fill {seed}"
@@ -729,7 +729,7 @@ def test_killed_filler_leaves_nothing_valid(shm_dir, seed, capsys):
 
 
 def test_list_and_remove(shm_dir, seed, tmp_path):
-    from engram.table.shm_files import content_fingerprint
+    from engram.table.host_memory.shm_files import content_fingerprint
 
     source = tmp_path / "checkpoint.bin"
     source.write_bytes(b"v1")
@@ -791,7 +791,7 @@ def test_filling_a_newer_table_removes_superseded_ones(shm_dir, seed, tmp_path):
 
 
 def test_shm_cli_exit_codes(shm_dir, seed, capsys):
-    from engram.cli import main
+    from engram.tools.cli import main
 
     assert main(["shm", "list", "--dir", shm_dir]) == 0
     assert "no shared table files" in capsys.readouterr().out
@@ -828,9 +828,9 @@ def test_checkpoint_shared_host_table(tmp_path, seed, monkeypatch):
 
     from engram import checkpoint as loader
     from engram.layout import EngramLayout
-    from engram.table.host import HostPlacement
-    from engram.table.host_rows import PackedRows, mapped_read_only, packed_row_bytes
-    from engram.testing import write_synthetic_checkpoint
+    from engram.table.placements.host import HostPlacement
+    from engram.table.host_memory.rows import PackedRows, mapped_read_only, packed_row_bytes
+    from engram.tools.testing import write_synthetic_checkpoint
 
     synthetic = write_synthetic_checkpoint(tmp_path / "model", seed=seed % 2**31)
     layout = EngramLayout(synthetic.spec)

@@ -14,9 +14,9 @@ import torch
 import engram
 from conftest import assert_layers_equal, assert_lookups_equal, capture_cuda_graph, memory_on_cuda, replay_poisoned
 from engram.table.fp8 import quantize_rows
-from engram.table.host_dedup import distinct_rows
-from engram.table.host_gather import gather_packed_rows_host
-from engram.table.host_rows import PackedRows, pack_rows, packed_row_bytes
+from engram.table.kernels.dedup import distinct_rows
+from engram.table.host_memory.gather import gather_packed_rows_host
+from engram.table.host_memory.rows import PackedRows, pack_rows, packed_row_bytes
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -47,7 +47,7 @@ def test_rows_packed_in_own_pages_share_no_page(seed):
     starts on a page of its own and no two of them share a page, small ones included."""
     import mmap
 
-    from engram.table.host_rows import owns_its_pages, pack_rows_in_own_pages
+    from engram.table.host_memory.rows import owns_its_pages, pack_rows_in_own_pages
 
     page = mmap.PAGESIZE
     spans = []
@@ -249,7 +249,7 @@ def test_gpu_memory_from_pretrained_host_equals_device(synthetic_model_dir, rng)
 def test_gpu_shared_host_tables_are_filled_once_and_equal(synthetic_model_dir, rng):
     """Two loads with share_host_tables=True: the second maps the first's shared file
     (filled_here False) and gives the same forward as the device placement."""
-    from engram.table.host_memory import remove_shared_buffer
+    from engram.table.host_memory.buffers import remove_shared_buffer
 
     first = memory_on_cuda(synthetic_model_dir, "host", share_host_tables=True)
     try:
@@ -277,7 +277,7 @@ def test_host_fill_copies_rows_into_packed_rows_and_names_a_nan(tmp_path, chunk_
     from safetensors.torch import load_file, save_file
 
     from engram.checkpoint import SafetensorsCheckpoint, copy_checked_rows
-    from engram.testing import write_synthetic_checkpoint
+    from engram.tools.testing import write_synthetic_checkpoint
 
     synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word")
     checkpoint = SafetensorsCheckpoint(synthetic.directory)

@@ -1,4 +1,4 @@
-"""engram.table.host_rows.register_with_cuda: host memory is unregistered only after every device
+"""engram.table.host_memory.rows.register_with_cuda: host memory is unregistered only after every device
 it was registered for is synchronized (CPU test: torch.cuda's functions record their calls)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from engram.table import host_rows
+from engram.table.host_memory import rows as host_rows
 
 REGISTER_FLAGS = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 

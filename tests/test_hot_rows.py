@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import engram
-from engram.cli import main
+from engram.tools.cli import main
 
 from conftest import PACKAGED_CONFIG
 
@@ -58,7 +58,7 @@ def test_a_bad_hot_file_is_refused_before_the_tokenizer(case, tmp_path, monkeypa
 
 
 def test_a_sound_hot_file_loads(tmp_path):
-    from engram.profile import HotSet
+    from engram.tools.profile import HotSet
 
     hot = HotSet.load(_hot_file(tmp_path / "hot.npz", np.array([9, 3, 384006167])), LAYOUT)
     assert hot.rows[0].tolist() == [9, 3, 384006167]

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from engram import EngramMemory
 from engram.checkpoint import INDEX_FILE, SafetensorsCheckpoint
-from engram.cli import main
-from engram.testing import write_synthetic_checkpoint
+from engram.tools.cli import main
+from engram.tools.testing import write_synthetic_checkpoint
 
 
 def _problems(out: str) -> list[str]:

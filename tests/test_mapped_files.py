@@ -16,7 +16,7 @@ import torch
 import engram
 from engram.checkpoint import SafetensorsCheckpoint
 from engram.mapped import MappedFileChanged
-from engram.testing import write_synthetic_checkpoint
+from engram.tools.testing import write_synthetic_checkpoint
 
 SRC = Path(engram.__file__).parent.parent
 

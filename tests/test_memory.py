@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from engram.hashing import hash_ngrams
 from engram.layer import Engram, reference_engram
 from engram.memory import EngramMemory, resolve_placement
-from engram.testing import write_synthetic_checkpoint
+from engram.tools.testing import write_synthetic_checkpoint
 
 from test_checkpoint import dequantize_raw, decode_bf16, raw_table, raw_wkv_weight, read_raw_tensors
 
@@ -161,7 +161,7 @@ def test_run_layer_demo_on_a_given_checkpoint(checkpoints):
     """The demo's layer part, on an existing checkpoint (used as found, not rewritten)."""
     from rich.console import Console
 
-    from engram.demo import run_layer_demo
+    from engram.tools.demo import run_layer_demo
 
     directory = checkpoints["fp8"].directory
     before = {p.name: p.stat().st_mtime_ns for p in directory.iterdir()}

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import engram
-from engram.cli import main
-from engram.profile import HotSet
+from engram.tools.cli import main
+from engram.tools.profile import HotSet
 
 from conftest import PACKAGED_CONFIG
 

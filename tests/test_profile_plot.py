@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engram.cli import main
-from engram.profile import DEFAULT_FRACTIONS, MIN_STEPS, Trace, corpus_warnings
+from engram.tools.cli import main
+from engram.tools.profile import DEFAULT_FRACTIONS, MIN_STEPS, Trace, corpus_warnings
 
 FRACTIONS = list(DEFAULT_FRACTIONS)
 POLICIES = ["static", "dynamic", "lru", "set-lru"]
@@ -32,7 +32,7 @@ def _results(hit_rate=1.0, ceiling=0.4, best=0.5, capacity=10, distinct=1000):
 @pytest.fixture
 def figure():
     _require_matplotlib()
-    from engram.profile_plot import hit_rate_figure, require_matplotlib
+    from engram.tools.profile_plot import hit_rate_figure, require_matplotlib
 
     figure = hit_rate_figure({"a.txt": _results(), "b.txt": _results(hit_rate=0.3)}, "title")
     yield figure

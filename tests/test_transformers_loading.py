@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - reported by the fixture below
     DeepseekV4ForCausalLM = None
 
 from engram.integrations.transformers import load_model
-from engram.testing import write_transformers_checkpoint
+from engram.tools.testing import write_transformers_checkpoint
 
 
 @pytest.fixture(scope="module")

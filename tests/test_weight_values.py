@@ -14,7 +14,7 @@ import engram.layer.wkv as wkv_module
 from engram import EngramMemory
 from engram.checkpoint import SafetensorsCheckpoint
 from engram.layer import WkvProjection, dequantize_wkv_weight
-from engram.testing import write_synthetic_checkpoint
+from engram.tools.testing import write_synthetic_checkpoint
 
 
 def _rewrite(directory, name: str, change) -> str:
@@ -77,7 +77,7 @@ def test_the_demo_reports_a_nan_update_as_nan(tmp_path, monkeypatch, capsys):
     """A NaN in q_weight (loaded with the value check switched off): the worst-token column says nan,
     never 0.00e+00 beside a NaN error."""
     import engram.checkpoint.reading as checkpoint_module
-    from engram.demo import run_layer_demo
+    from engram.tools.demo import run_layer_demo
     from rich.console import Console
 
     synthetic = write_synthetic_checkpoint(tmp_path / "model", tokenizer="word")

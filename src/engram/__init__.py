@@ -1,14 +1,14 @@
 """engram: serve Engram conditional-memory layers (DeepSeek-V4.1) exactly and fast."""
 
-from .spec import EngramSpec
-from .layout import ColumnShard, EngramLayout
-from .vocab import TokenCompressor
-from .hashing import NgramHasher, hash_ngrams
-from .table import EngramTable
-from .layer import Engram
-from .memory import EngramMemory
-from .options import ServingOptions
-from . import integrations
+from engram.spec import EngramSpec
+from engram.layout import ColumnShard, EngramLayout
+from engram.vocab import TokenCompressor
+from engram.hashing import NgramHasher, hash_ngrams
+from engram.table import EngramTable
+from engram.layer import Engram
+from engram.memory import EngramMemory
+from engram.options import ServingOptions
+from engram import integrations
 
 __all__ = [
     "EngramSpec", "EngramLayout", "ColumnShard", "TokenCompressor", "NgramHasher", "hash_ngrams",

@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from .triton_launch import interpreting, triton_available
+from engram.triton_launch import interpreting, triton_available
 
 __all__ = ["BACKENDS", "resolve_backend"]
 

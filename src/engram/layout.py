@@ -12,9 +12,9 @@ from functools import cached_property
 
 import numpy as np
 
-from .common import ceil_div
-from .primes import bucket_primes, is_prime
-from .spec import EngramSpec
+from engram.common import ceil_div
+from engram.primes import bucket_primes, is_prime
+from engram.spec import EngramSpec
 
 __all__ = ["EngramLayout", "ColumnShard", "is_prime", "table_primes", "layer_multipliers"]
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .table.fp8 import first_nan_byte, nan_byte_error
+from engram.table.fp8 import first_nan_byte, nan_byte_error
 
 __all__ = ["CHECK_CHUNK_BYTES", "TensorLocation", "tensor_location", "map_tensor_rows", "check_table_rows",
            "MappedFileChanged", "MappedFiles"]

@@ -17,19 +17,19 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (SafetensorsCheckpoint, expected_layer_tensors,
+from engram.checkpoint import (SafetensorsCheckpoint, expected_layer_tensors,
                          load_engram_layer_weights, load_engram_table, table_progress)
-from .common import as_device, resolve_cuda_device
-from .hashing import NgramHasher
-from .layer import Engram
-from .layout import ColumnShard, EngramLayout
-from . import ops
-from .ops import compiling
-from .options import ServingOptions
-from .spec import EngramSpec
-from .table import EngramTable, available_placements
-from .table.prefetch import IdsIdentity, TablePrefetch
-from .vocab import TokenCompressor
+from engram.common import as_device, resolve_cuda_device
+from engram.hashing import NgramHasher
+from engram.layer import Engram
+from engram.layout import ColumnShard, EngramLayout
+from engram import ops
+from engram.ops import compiling
+from engram.options import ServingOptions
+from engram.spec import EngramSpec
+from engram.table import EngramTable, available_placements
+from engram.table.prefetch import IdsIdentity, TablePrefetch
+from engram.vocab import TokenCompressor
 
 __all__ = ["EngramMemory", "StepPrefetch", "resolve_placement"]
 
@@ -226,7 +226,7 @@ class EngramMemory:
                 shared memory, filled by the first process and mapped by the others (one
                 process per GPU); see :func:`engram.checkpoint.load_engram_table`. Also for ``"cached"``.
             placement_options: keyword arguments of the placement, the same for every layer, e.g.
-                ``{"cache_fraction": 0.02}`` for ``"cached"`` (:class:`engram.table.cached.CachedPlacement`;
+                ``{"cache_fraction": 0.02}`` for ``"cached"`` (:class:`engram.table.placements.cached.CachedPlacement`;
                 per-layer hot sets: ``memory.table(layer_id).load_hot_rows(ids)``); they win over
                 ``options``' placement fields.
             options: a :class:`~engram.options.ServingOptions` holding every knob (default:

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import environment
+from engram import environment
 
 __all__ = ["ServingOptions", "BACKEND_CHOICES", "WKV_BACKEND_CHOICES", "CACHE_POLICIES"]
 

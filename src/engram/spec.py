@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .primes import bucket_primes
+from engram.primes import bucket_primes
 
 __all__ = ["EngramSpec"]
 

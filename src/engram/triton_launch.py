@@ -22,8 +22,8 @@ import inspect
 import warnings
 from typing import Any, Callable, Hashable
 
-from .triton_variants import PreparedVariant, VariantRule
-from .environment import triton_interpret
+from engram.triton_variants import PreparedVariant, VariantRule
+from engram.environment import triton_interpret
 
 __all__ = ["BoundLaunch", "CompiledLaunch", "triton_available", "interpreting", "jit_without_alignment",
            "launcher_signature_known", "VERIFY_VARIANTS"]

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
-from .spec import EngramSpec
-from .environment import cache_directory
+from engram.spec import EngramSpec
+from engram.environment import cache_directory
 
 __all__ = ["TokenCompressor", "compression_normalizer", "cache_dir"]
 

@@ -1,14 +1,14 @@
 """Engram tensors in the checkpoint's safetensors layout: :mod:`.reading` (files, tensor checks,
 weights), :mod:`.loading` (a table into its placement) and :mod:`.writing`."""
 
-from .loading import (LoadedStorage, TableSource, allocate_table_storage, host_share_key, load_engram_table,
+from engram.checkpoint.loading import (LoadedStorage, TableSource, allocate_table_storage, host_share_key, load_engram_table,
                       register_storage_allocator)
-from .reading import (DEFAULT_CHUNK_BYTES, INDEX_FILE, TENSOR_KINDS, ByteProgress, EngramLayerWeights,
+from engram.checkpoint.reading import (DEFAULT_CHUNK_BYTES, INDEX_FILE, TENSOR_KINDS, ByteProgress, EngramLayerWeights,
                       SafetensorsCheckpoint, TensorInfo, check_weight_values, copy_checked_rows, engram_tensor_name,
                       expected_layer_tensors, layer_weight_problems, load_engram_layer_weights, map_table_rows,
                       table_progress)
-from .reading import _open, _wkv_scale_info  # noqa: F401 (engram.checkpoint_report)
-from .writing import EngramLayerTensors, write_engram_checkpoint
+from engram.checkpoint.reading import _open, _wkv_scale_info  # noqa: F401 (engram.tools.checkpoint_report)
+from engram.checkpoint.writing import EngramLayerTensors, write_engram_checkpoint
 
 __all__ = [
     "INDEX_FILE", "TENSOR_KINDS", "DEFAULT_CHUNK_BYTES", "engram_tensor_name", "TensorInfo", "SafetensorsCheckpoint",

@@ -16,11 +16,11 @@ from typing import Any, Callable
 
 import torch
 
-from .. import mapped
-from ..layout import ColumnShard, EngramLayout
-from ..table import BLOCK_SIZE, EngramTable, available_placements
-from ..table.table import placement_class
-from .reading import (DEFAULT_CHUNK_BYTES, ByteProgress, SafetensorsCheckpoint, TensorInfo, copy_checked_rows,
+from engram import mapped
+from engram.layout import ColumnShard, EngramLayout
+from engram.table import BLOCK_SIZE, EngramTable, available_placements
+from engram.table.table import placement_class
+from engram.checkpoint.reading import (DEFAULT_CHUNK_BYTES, ByteProgress, SafetensorsCheckpoint, TensorInfo, copy_checked_rows,
                       expected_layer_tensors, map_table_rows, table_progress)
 
 __all__ = ["TableSource", "LoadedStorage", "load_engram_table", "allocate_table_storage",
@@ -55,7 +55,7 @@ def host_share_key(values_info: TensorInfo, scales_info: TensorInfo, row_start: 
                    head_dim: int) -> str:
     """What names a table's node-shared bytes: the files (path, size, mtime), tensors, row
     range and packed row format."""
-    from ..table.host_rows import packed_row_bytes
+    from engram.table.host_memory.rows import packed_row_bytes
 
     parts = []
     for info in (values_info, scales_info):
@@ -168,7 +168,7 @@ def load_engram_table(
     ``share_host_table`` (placements ``"host"`` and ``"cached"``): keep the rows in one shared-memory
     file per node (``/dev/shm``), filled by the first process that loads them and mapped by every
     other process of the node that loads the same rows of the same files (one copy per node;
-    :mod:`engram.table.host_memory`; mapped read-only, only files of this user). The file outlives
+    :mod:`engram.table.host_memory.buffers`; mapped read-only, only files of this user). The file outlives
     the processes: ``engram shm list|remove`` lists and removes them.
 
     ``placement_options``: keyword arguments of the placement (``EngramTable(placement_options=)``).

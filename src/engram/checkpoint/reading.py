@@ -49,11 +49,11 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .. import mapped
-from ..common import ceil_div
-from ..layout import EngramLayout
-from ..spec import EngramSpec
-from ..table.fp8 import BLOCK_SIZE, E8M0_DTYPE, first_nan_byte, nan_byte_error
+from engram import mapped
+from engram.common import ceil_div
+from engram.layout import EngramLayout
+from engram.spec import EngramSpec
+from engram.table.fp8 import BLOCK_SIZE, E8M0_DTYPE, first_nan_byte, nan_byte_error
 
 __all__ = ["INDEX_FILE", "TENSOR_KINDS", "DEFAULT_CHUNK_BYTES", "engram_tensor_name", "TensorInfo",
            "SafetensorsCheckpoint", "EngramLayerWeights", "expected_layer_tensors", "load_engram_layer_weights",

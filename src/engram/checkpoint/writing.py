@@ -12,8 +12,8 @@ from typing import Mapping
 import torch
 from safetensors.torch import save_file
 
-from ..table.fp8 import E8M0_DTYPE
-from .reading import INDEX_FILE, engram_tensor_name
+from engram.table.fp8 import E8M0_DTYPE
+from engram.checkpoint.reading import INDEX_FILE, engram_tensor_name
 
 __all__ = ["EngramLayerTensors", "write_engram_checkpoint"]
 

@@ -13,18 +13,18 @@ from typing import Hashable, Iterable, NamedTuple
 import numpy as np
 import torch
 
-from ..layout import EngramLayout
-from ..vocab import TokenCompressor
-from ..backends import resolve_backend
-from ..call_cache import CallCache, structure
-from ..common import resolve_device
-from .. import ops
-from ..ops import compiling
-from .launch import (LAUNCH_OVERRIDE, HashConstants, launch_hash_kernels, plan_hash_launch, prepare_hash_launch,
+from engram.layout import EngramLayout
+from engram.vocab import TokenCompressor
+from engram.backends import resolve_backend
+from engram.call_cache import CallCache, structure
+from engram.common import resolve_device
+from engram import ops
+from engram.ops import compiling
+from engram.hashing.launch import (LAUNCH_OVERRIDE, HashConstants, launch_hash_kernels, plan_hash_launch, prepare_hash_launch,
                      run_hash_launch)
-from .ops import block_windows, hash_windows
-from .stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
-from .validation import BatchMetadata, check_shapes, validate_batch
+from engram.hashing.ops import block_windows, hash_windows
+from engram.hashing.stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
+from engram.hashing.validation import BatchMetadata, check_shapes, validate_batch
 
 __all__ = ["NgramHasher"]
 

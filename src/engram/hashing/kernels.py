@@ -20,7 +20,7 @@ Every index computed from caller data is clamped or masked: malformed metadata
 import triton
 import triton.language as tl
 
-from ..triton_launch import jit_without_alignment
+from engram.triton_launch import jit_without_alignment
 
 DEAD_CODE = tl.constexpr(-1)       # engram.hashing.stores.DEAD
 UNWRITTEN_CODE = tl.constexpr(-2)  # engram.hashing.stores.UNWRITTEN

@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..common import ceil_div, next_power_of_2
-from ..triton_launch import BoundLaunch, CompiledLaunch
+from engram.common import ceil_div, next_power_of_2
+from engram.triton_launch import BoundLaunch, CompiledLaunch
 
 __all__ = ["HashConstants", "HashLaunchPlan", "PreparedHash", "launch_hash_kernels", "plan_hash_launch",
            "prepare_hash_launch", "run_hash_launch", "block_tokens_for"]
@@ -79,7 +79,7 @@ _history_launch: CompiledLaunch | None = None
 def _launchers() -> tuple[CompiledLaunch, CompiledLaunch, CompiledLaunch]:
     global _hash_launch, _slot_launch, _history_launch
     if _hash_launch is None:
-        from .kernels import history_write_kernel, ngram_hash_kernel, slot_write_kernel
+        from engram.hashing.kernels import history_write_kernel, ngram_hash_kernel, slot_write_kernel
 
         _hash_launch = CompiledLaunch(ngram_hash_kernel)
         _slot_launch = CompiledLaunch(slot_write_kernel)

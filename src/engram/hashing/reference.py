@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import EngramLayout
-from ..vocab import TokenCompressor
+from engram.layout import EngramLayout
+from engram.vocab import TokenCompressor
 
 __all__ = ["hash_ngrams", "ngram_windows"]
 

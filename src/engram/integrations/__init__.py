@@ -6,6 +6,6 @@
 framework only when used (importing them is cheap).
 """
 
-from . import transformers
+from engram.integrations import transformers
 
 __all__ = ["transformers"]

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from ..hashing import NgramHasher
-from ..memory import EngramMemory
+from engram.hashing import NgramHasher
+from engram.memory import EngramMemory
 
 __all__ = ["EngramHandle", "attach_engram", "load_model"]
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.modules import module as nn_module
 
-from .gate import prepare_gate_kv
+from engram.layer.gate import prepare_gate_kv
 
 __all__ = ["EagerStep", "prepare_eager_step"]
 

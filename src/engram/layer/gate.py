@@ -34,10 +34,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import resolve_backend
-from ..call_cache import CallCache, structure
-from ..common import next_power_of_2
-from ..triton_launch import BoundLaunch, CompiledLaunch
+from engram.backends import resolve_backend
+from engram.call_cache import CallCache, structure
+from engram.common import next_power_of_2
+from engram.triton_launch import BoundLaunch, CompiledLaunch
 
 __all__ = ["engram_gate", "engram_gate_kv", "engram_gate_torch", "gate_launch_config", "GateLaunchConfig"]
 
@@ -133,7 +133,7 @@ def _gate_launcher():
 @functools.lru_cache(maxsize=1)
 def _triton_kernel():
     """The jitted kernel (imported on first use; Triton is known to be importable then)."""
-    from .gate_kernels import engram_gate_kernel
+    from engram.layer.gate_kernels import engram_gate_kernel
 
     return engram_gate_kernel
 

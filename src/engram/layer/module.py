@@ -57,14 +57,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..backends import resolve_backend
-from ..call_cache import CallCache, structure
-from .. import ops
-from ..common import HASH_ID_DTYPES, ceil_div
-from ..ops import compiling
-from .eager_step import prepare_eager_step
-from .gate import engram_gate_kv
-from .wkv import WkvProjection
+from engram.backends import resolve_backend
+from engram.call_cache import CallCache, structure
+from engram import ops
+from engram.common import HASH_ID_DTYPES, ceil_div
+from engram.ops import compiling
+from engram.layer.eager_step import prepare_eager_step
+from engram.layer.gate import engram_gate_kv
+from engram.layer.wkv import WkvProjection
 
 __all__ = ["Engram", "tensor_parallel_columns", "sequence_parallel_sizes"]
 

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from ..table.fp8 import E8M0_DTYPE
+from engram.table.fp8 import E8M0_DTYPE
 
 __all__ = ["reference_gate", "reference_dequantize_wkv", "reference_wkv", "reference_engram",
            "reference_quantize_activations", "reference_dequantize_activations", "reference_exact_rows"]
@@ -161,7 +161,7 @@ def reference_dequantize_activations(values: torch.Tensor, scales: torch.Tensor)
 def reference_exact_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float64 ``[..., D]``: the exact table values ``e4m3 * 2 ** (b - 127)`` of FP8 rows
     (``values`` E4M3 or its bytes ``[..., D]``, ``scales`` UE8M0 bytes ``[..., D / 32]``)."""
-    from ..table.fp8 import as_scale_bytes, as_value_bytes
+    from engram.table.fp8 import as_scale_bytes, as_value_bytes
 
     value_bytes = as_value_bytes(values, "values")
     scale_bytes = as_scale_bytes(scales, "scales")

@@ -51,11 +51,11 @@ from typing import Sequence
 
 import torch
 
-from ..call_cache import CallCache, structure
-from ..common import ceil_div
-from ..environment import WKV_BACKEND_ENV, WKV_SMALL_M_ENV, wkv_backend_default, wkv_small_m_default
-from ..table.fp8 import E8M0_DTYPE, scale_bytes_to_float
-from ..triton_launch import interpreting
+from engram.call_cache import CallCache, structure
+from engram.common import ceil_div
+from engram.environment import WKV_BACKEND_ENV, WKV_SMALL_M_ENV, wkv_backend_default, wkv_small_m_default
+from engram.table.fp8 import E8M0_DTYPE, scale_bytes_to_float
+from engram.triton_launch import interpreting
 
 __all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv", "WKV_BACKEND_ENV", "WKV_BACKENDS",
            "WKV_SMALL_M_ENV", "SMALL_M_DEFAULT"]
@@ -255,11 +255,11 @@ class WkvProjection(torch.nn.Module):
         # An FP8 path keeps the weight as it is: no bf16 copy is made, even for a moment.
         self._setup_fp8(weight, scale)
         if small_m and self.backend in _SMALL_M_BACKENDS:
-            from .wkv_gemm import SMALL_M_MAX_TOKENS
+            from engram.layer.wkv_gemm import SMALL_M_MAX_TOKENS
             self.small_m_max_tokens = SMALL_M_MAX_TOKENS
 
     def _setup_fp8(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
-        from . import wkv_gemm
+        from engram.layer import wkv_gemm
 
         block_rows, block_cols = self.block_size
         in_features = weight.shape[1]
@@ -357,8 +357,8 @@ class WkvProjection(torch.nn.Module):
         flat = self._check_flat_rows(rows)
         if not self.fp8:
             return torch.nn.functional.linear(flat, self.weight)
-        from . import wkv_gemm
-        from .reference import reference_quantize_activations
+        from engram.layer import wkv_gemm
+        from engram.layer.reference import reference_quantize_activations
 
         tokens = flat.shape[0]
         padded = wkv_gemm.padded_tokens(tokens)
@@ -370,7 +370,7 @@ class WkvProjection(torch.nn.Module):
         return self._block_scaled_gemm(a, a_scale.t(), tokens)
 
     def _block_scaled_gemm(self, a: torch.Tensor, a_scale: torch.Tensor, tokens: int) -> torch.Tensor:
-        from . import wkv_gemm
+        from engram.layer import wkv_gemm
 
         if 0 < tokens <= self.small_m_max_tokens:
             return wkv_gemm.small_m_gemm(a, a_scale, tokens, self.weight, self.weight_scale, self.block_size)
@@ -394,15 +394,15 @@ class WkvProjection(torch.nn.Module):
         ``"bf16"`` dequantizes the rows (torch) and runs its bf16 GEMM; the FP8 paths run their
         Triton kernels (and ``torch._scaled_mm``) without a host sync.
         """
-        from . import wkv_gemm
+        from engram.layer import wkv_gemm
 
         key = (structure(values), structure(hash_ids), self.weight.device)
         if self._checked_fp8_rows.get(key) is None:
             self._check_fp8_rows(values, hash_ids)
             self._checked_fp8_rows.put(key, True)
         if not self.fp8:
-            from ..table.fp8 import dequantize_rows
-            from ..table.reference import lookup_reference
+            from engram.table.fp8 import dequantize_rows
+            from engram.table.kernels.reference import lookup_reference
 
             if hash_ids is None:
                 rows = dequantize_rows(values, scales, torch.bfloat16)
@@ -422,7 +422,7 @@ class WkvProjection(torch.nn.Module):
         row_start)`` for every ``hash_ids`` of this one's structure, with the checks and the
         quantize launch's plan made once (an eager step calls it per layer); None where this
         projection has no such call (not FP8, or the fused kernel)."""
-        from . import wkv_gemm
+        from engram.layer import wkv_gemm
 
         if not self.fp8 or self.backend == "fused" or hash_ids is None:
             return None

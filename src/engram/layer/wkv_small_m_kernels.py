@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .wkv_kernels import _weight_scale, _weight_values
+from engram.layer.wkv_kernels import _weight_scale, _weight_values
 
 _GROUP: tl.constexpr = tl.constexpr(128)  # values per activation scale (1 x 128 groups)
 

@@ -1,6 +1,6 @@
 """Engram tables: the FP8 row codec, placements and lookups (docs/design.md §2 "FP8 table rows", §3)."""
 
-from .fp8 import (
+from engram.table.fp8 import (
     BLOCK_SIZE,
     E4M3_MAX,
     E8M0_DTYPE,
@@ -12,18 +12,18 @@ from .fp8 import (
     quantize_rows,
     scale_bytes_to_float,
 )
-from .reference import lookup_reference
-from .table import (
+from engram.table.kernels.reference import lookup_reference
+from engram.table.table import (
     EngramTable,
     TablePlacement,
     available_placements,
     make_placement,
     register_placement,
 )
-from .cpu import CpuPlacement  # each placement registers itself on import
-from .device import DevicePlacement
-from .host import HostPlacement
-from .cached import CachedPlacement
+from engram.table.placements.cpu import CpuPlacement  # each placement registers itself on import
+from engram.table.placements.device import DevicePlacement
+from engram.table.placements.host import HostPlacement
+from engram.table.placements.cached import CachedPlacement
 
 __all__ = [
     "BLOCK_SIZE",

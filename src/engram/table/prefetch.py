@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..common import cuda_capturing
+from engram.common import cuda_capturing
 
 __all__ = ["TablePrefetch", "IdsIdentity", "capturing"]
 

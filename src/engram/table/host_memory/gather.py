@@ -1,0 +1,252 @@
+"""Read path (b) of host tables: rows gathered on the host, moved by the copy engine.
+
+The caller's stream finds the lookup's distinct rows (:mod:`engram.table.kernels.dedup`, no
+sync), copies them with their count to a pinned buffer and records an event; a worker
+thread waits for that event (the caller never does), gathers each distinct row once into
+pinned staging in waves on ``gather_threads`` pool threads, and after each wave enqueues its
+host-to-device copy on a copy stream, so the copy of one wave overlaps the gather of the next.
+The consumer waits until the worker has enqueued the copies (not until they ran), makes its
+stream wait on the last copy's event and reads the rows from the device staging through the
+lookup's ``inverse``.
+
+Why the consumer's thread still waits for the worker: a stream that waits on a value the
+worker writes (``cuStreamWaitValue32``) deadlocked on the H200 as soon as the consumer's thread
+loaded a kernel module (Triton's first launch of a variant) while the stream was stalled: the
+load waited for the device, the worker's next ``cudaMemcpyAsync`` waited for the load. A
+worker that makes no CUDA call at all (copies enqueued up front behind host-written flags)
+would avoid it; benchmarks/NOTES.md "Host gather: the consumer's wait" has the measurement.
+
+Every :meth:`HostGather.start` makes the tickets of earlier gathers stale (they share the
+staging): :meth:`HostGather.current` tells, and a stale ticket is never finished.
+
+Buffers are persistent (grown, never shrunk) and guarded by events: the host staging
+is rewritten only after the previous copies finished, the device staging only after
+the previous reader ran.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from engram.common import next_power_of_2
+from engram.environment import local_world_size
+from engram.table.kernels.dedup import distinct_rows
+from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
+
+__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads"]
+
+# The gather runs in waves (each wave's copy overlaps the next wave's gather) over the
+# distinct rows, ascending. H200 host (16 cores, KVM), 196,608 distinct rows of 272 B from
+# DRAM (NOTES "Host tables v2"): one index_select 2.4 ms (22 GB/s, DRAM-latency bound),
+# 4 waves 0.75-0.85 ms each; the copy of all rows 1.0 ms.
+_MIN_WAVE_ROWS = 16384
+_MAX_WAVES = 4
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_gather_threads(processes_per_node: int | None = None) -> int:
+    """Host-gather threads of one process: its usable cores divided by the processes sharing the
+    node (``processes_per_node``, else ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1), at least 1.
+    Eight ranks on one node then split its cores instead of each taking all of them."""
+    sharing = processes_per_node if processes_per_node is not None else (local_world_size() or 1)
+    return max(1, _usable_cores() // max(1, sharing))
+
+
+def check_gather_threads(value) -> int:
+    """``gather_threads`` as given by a caller: an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"gather_threads: expected an integer >= 1, found {value!r}")
+    return value
+
+
+def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_start: int,
+                            out: torch.Tensor, threads: int | None = None) -> None:
+    """``out[i] = packed[global_ids[i] - row_start]``, the zero row (``packed[-1]``) for ids
+    outside the table. ``packed uint8 [rows + 1, row_bytes]``, ``global_ids`` int ``[N]``,
+    ``out uint8 [N, row_bytes]``, all on the CPU. Copied on ``threads`` pool threads (default
+    :func:`default_gather_threads`) when ``packed`` and ``out`` are contiguous, else by ``index_select``."""
+    zero_row = packed.shape[0] - 1
+    local = global_ids.reshape(-1).to(torch.int64) - row_start
+    local = torch.where((local >= 0) & (local < zero_row), local, torch.full_like(local, zero_row))
+    if packed.is_contiguous() and out.is_contiguous():
+        gather_rows(packed, local, out, default_gather_threads() if threads is None else threads)
+    else:
+        torch.index_select(packed, 0, local, out=out)
+
+
+_WORKER: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # (worker, process id)
+_WORKER_LOCK = threading.Lock()
+
+
+def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
+    """One worker thread for every table of the process: gathers run one at a time, in the order
+    they were started (layer by layer), instead of several gathers fighting over the cores. The
+    worker only waits, starts the pool's copy threads and enqueues copies; it changes no thread
+    setting of the process (torch's intra-op thread count stays the engine's). A forked child gets
+    its own (the parent's thread does not exist there)."""
+    with _WORKER_LOCK:
+        if not _WORKER or _WORKER[0][1] != os.getpid():
+            _WORKER[:] = [(concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                 thread_name_prefix="engram-host-gather"),
+                           os.getpid())]
+        return _WORKER[0][0]
+
+
+@dataclass(eq=False)
+class GatherTicket:
+    """One started gather: ``number`` (its place among the table's gathers), ``future`` (the worker's
+    task; it returns the event of the last copy once every copy is enqueued) and ``inverse`` (int32 on the device, the lookup's shape) mapping each
+    lookup to its row in the device staging."""
+
+    number: int
+    future: concurrent.futures.Future
+    inverse: torch.Tensor
+    finished: bool = field(default=False)
+
+
+class HostGather:
+    """Path (b) for one table: ``start`` on the caller's stream, ``finish`` where the rows
+    are needed (see the module docstring).
+
+    ``packed``: pinned CPU ``uint8 [rows + 1, row_bytes]`` (last row zero); ``device``:
+    where the rows land; ``gather_threads``: pool threads copying rows on the host.
+    """
+
+    def __init__(self, packed: torch.Tensor, device: torch.device, gather_threads: int | None = None):
+        self.packed = packed
+        self.device = device
+        self.gather_threads = default_gather_threads() if gather_threads is None else check_gather_threads(
+            gather_threads)
+        self.row_bytes = packed.shape[1]
+        self.capacity = 0
+        self.copy_stream = torch.cuda.Stream(device)
+        self._worker = _shared_worker()
+        self._copies_done: torch.cuda.Event | None = None  # the last copies: host staging free after it
+        self._consumed: torch.cuda.Event | None = None     # the last reader: device staging free after it
+        self._last_future: concurrent.futures.Future | None = None
+        self._started = 0                                   # gathers started (the last ticket's number)
+        self._failure: BaseException | None = None          # a worker failure not yet reported
+        self._lock = threading.Lock()
+        self.gather_rows = start_gather_rows                # the host copy (tests wrap it)
+
+    def _ensure_capacity(self, num_rows: int) -> None:
+        if num_rows <= self.capacity:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"host gather of {num_rows} rows needs larger staging buffers, which cannot be "
+                               "allocated during CUDA-graph capture: run one eager step of this size first")
+        # Grown buffers replace ones a pending gather or reader may still use: let them finish
+        # (warm-up only: buffers grow to the largest batch and stay).
+        if self._last_future is not None:
+            concurrent.futures.wait([self._last_future])
+        for event in (self._copies_done, self._consumed):
+            if event is not None:
+                event.synchronize()
+        capacity = next_power_of_2(num_rows)
+        self.staging_host = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, pin_memory=True)
+        self.staging_device = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self.device)
+        self.capacity = capacity
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise RuntimeError(f"an earlier host gather of this table (a prefetch no lookup took) failed on its "
+                               f"worker thread: {failure!r}") from failure
+
+    def current(self, ticket: GatherTicket) -> bool:
+        """Whether ``ticket`` is the latest gather started here and not yet finished (its rows are the
+        ones the staging will hold)."""
+        return ticket.number == self._started and not ticket.finished
+
+    def start(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream) -> GatherTicket:
+        """Begin gathering the rows of ``global_ids`` (int32/int64, any shape, at least one id, on
+        the device; ``packed[0]`` is row ``row_start``): enqueues the dedup and the id copy on
+        ``stream`` and returns at once. Earlier tickets become stale."""
+        num_ids = global_ids.numel()
+        if num_ids == 0:
+            raise ValueError("global_ids: the host gather needs at least one id, found an empty tensor")
+        with self._lock:
+            self._raise_failure()
+            self._ensure_capacity(num_ids)
+            # A pinned id buffer per gather (torch's caching host allocator): the worker may
+            # still be reading the previous one.
+            ids_host = torch.empty(num_ids + 1, dtype=torch.int32, pin_memory=True)
+            ids_ready = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                distinct = distinct_rows(global_ids, row_start, self.packed.shape[0] - 1)
+                ids_host.copy_(distinct.rows_and_count, non_blocking=True)
+                ids_ready.record(stream)
+            if self._consumed is not None:  # the device staging's last reader runs first
+                self.copy_stream.wait_event(self._consumed)
+            self._started += 1
+            number = self._started
+            future = self._worker.submit(self._gather, ids_host, ids_ready, number)
+            self._last_future = future
+            return GatherTicket(number, future, distinct.inverse.view(global_ids.shape))
+
+    def _gather(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event, number: int) -> torch.cuda.Event:
+        """Worker thread (one; tasks run in order): wait for the ids and for the previous task's
+        copies (the host staging is then free), start the gather of every wave, enqueue each wave's
+        copy as soon as it is gathered. A failure is raised by the consumer's :meth:`finish`."""
+        gathered = None
+        try:
+            ids_ready.synchronize()
+            if self._copies_done is not None:
+                self._copies_done.synchronize()
+            num_ids = ids_host.numel() - 1
+            num_rows = min(max(int(ids_host[num_ids]), 1), num_ids)  # clamped: the count came from the device
+            rows = ids_host[:num_rows]
+            num_waves = max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
+            bounds = [num_rows * k // num_waves for k in range(num_waves + 1)]
+            gathered = self.gather_rows(self.packed, rows, self.staging_host[:num_rows], self.gather_threads,
+                                        wave_ends=bounds[1:])
+            with torch.cuda.device(self.device):
+                for wave, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+                    gathered.wait(wave)
+                    with torch.cuda.stream(self.copy_stream):
+                        self.staging_device[begin:end].copy_(self.staging_host[begin:end], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+            self._copies_done = done
+            return done
+        except BaseException as failure:
+            if gathered is not None:
+                gathered.join()  # no pool thread may still write the staging once this task ends
+            self._failure = failure
+            raise
+
+    def finish(self, ticket: GatherTicket, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, inverse)``: the gathered distinct rows ``uint8 [capacity, row_bytes]`` on the
+        device, ordered after the copies on ``stream``, and the lookup's ``inverse`` into them.
+        Blocks the calling thread until the worker has enqueued the copies (never until they run).
+        Call :meth:`consumed` once their reader is enqueued. ``ticket`` must be :meth:`current`."""
+        if not self.current(ticket):
+            raise ValueError(f"ticket: gather {ticket.number} is stale (gather {self._started} started since, or "
+                             "it was finished already): its rows are no longer in the staging")
+        ticket.finished = True
+        try:
+            done = ticket.future.result()
+        except BaseException as failure:
+            self._failure = None
+            raise RuntimeError(f"the host gather failed on its worker thread: {failure!r}") from failure
+        stream.wait_event(done)
+        return self.staging_device, ticket.inverse
+
+    def consumed(self, stream: torch.cuda.Stream) -> None:
+        """Mark the device staging free once ``stream``'s work so far has run."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._consumed = event
+
+    def wait_idle(self) -> None:
+        """Block until every started gather has enqueued its copies (tests, shutdown)."""
+        if self._last_future is not None:
+            concurrent.futures.wait([self._last_future])

@@ -1,0 +1,369 @@
+"""Launchers of the cached-lookup kernels (:mod:`engram.table.kernels.cache_kernels`).
+
+``cached_gather_rows`` (bf16) and ``cached_gather_rows_packed`` (raw FP8 bytes) read each
+row from the :class:`~engram.table.placements.row_cache.RowCache` on a hit and from the backing rows on
+a miss; the results equal :func:`engram.table.kernels.gather.gather_rows` /
+:func:`~engram.table.kernels.gather.gather_rows_packed` on the backing rows bit for bit, whatever
+the cache holds. They run wherever the tensors are (CUDA, or the CPU under
+``TRITON_INTERPRET=1``), never sync with the host, only read the index, allocate only
+their outputs, and can be captured in a CUDA graph (the index is updated in place).
+
+Large lookups of placement ``"cached"`` split that work around the host placement's host
+gather (:mod:`engram.table.placements.cached`): ``cached_probe`` writes each row's slot (-1 unless a hit)
+and the ids of its misses; ``cached_merge_rows`` (bf16) and ``cached_merge_rows_packed`` then
+read each hit from its slot and everything else from the gathered rows through the dedup's
+``inverse``. With a ``direct_share`` the probe leaves a hash class of the misses out of the miss
+ids (slot ``-2 - row``) and ``cached_direct_reads`` reads them from the backing rows (host memory)
+while the host gathers the others. Same bytes as the one-kernel lookup; same rules (no sync,
+outputs only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engram.common import HASH_ID_DTYPES
+from engram.triton_launch import CompiledLaunch, interpreting
+from engram.table.kernels.cache_kernels import (cached_direct_kernel, cached_gather_bf16_kernel, cached_gather_packed_kernel,
+                            cached_merge_bf16_kernel, cached_merge_packed_kernel, cached_probe_kernel)
+from engram.table.fp8 import BLOCK_SIZE
+from engram.table.placements.row_cache import RowCache
+
+__all__ = ["cached_gather_rows", "cached_gather_rows_packed", "block_rows", "cached_probe", "cached_direct_reads",
+           "cached_merge_rows", "cached_merge_rows_packed", "direct_threshold"]
+
+_LAUNCHERS = {kernel: CompiledLaunch(kernel) for kernel in (
+    cached_gather_bf16_kernel, cached_gather_packed_kernel, cached_probe_kernel, cached_direct_kernel,
+    cached_merge_bf16_kernel, cached_merge_packed_kernel)}
+_PROBE_BLOCK_ROWS = 128  # the probe reads 8 B of id and WAYS * 8 B of tags per row: a larger tile
+_DECODE_INTEGER = 0  # the gather kernels' integer E4M3 decode: exact on the GPU and the interpreter
+
+
+def block_rows() -> int:
+    """Rows per program: 16 on the GPU, 64 under the interpreter (about 1 ms per program)."""
+    return 64 if interpreting() else 16
+
+
+def _check(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor, hash_ids: torch.Tensor,
+           row_start: int) -> None:
+    if not isinstance(cache, RowCache):
+        raise ValueError(f"cache: expected a RowCache, found {type(cache).__name__}")
+    for name, tensor, width in (("back_values", back_values, cache.head_dim),
+                                ("back_scales", back_scales, cache.head_dim // BLOCK_SIZE)):
+        if (not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 2
+                or tensor.shape[1] != width or tensor.stride(1) != 1):
+            found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name}: expected uint8 [rows, {width}] with contiguous rows, found {found}")
+    if back_values.shape[0] != back_scales.shape[0]:
+        raise ValueError(f"back_scales: expected {back_values.shape[0]} rows (those of back_values), "
+                         f"found {back_scales.shape[0]}")
+    if back_values.shape[0] >= 2**31:
+        raise ValueError(f"back_values: expected fewer than 2**31 rows (the set index is int32), "
+                         f"found {back_values.shape[0]}")
+    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
+        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
+                 else type(hash_ids).__name__)
+        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
+    devices = {str(t.device) for t in (hash_ids, cache.tags, back_values, back_scales)}
+    if len(devices) != 1:
+        raise ValueError(f"hash_ids, cache, back_values, back_scales: expected one device, found {sorted(devices)}")
+    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
+        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
+
+
+def _launch(kernel, outputs, cache: RowCache, back_values, back_scales, hash_ids, row_start, extra: tuple):
+    tokens, local_columns = hash_ids.shape
+    total_rows = tokens * local_columns
+    if total_rows == 0:
+        return
+    rows_per_program = block_rows()
+    if total_rows >= 2**31 - rows_per_program:
+        raise ValueError(f"hash_ids: T * C = {total_rows} rows per launch; expected fewer than 2**31")
+    if hash_ids.is_cuda and hash_ids.device.index != torch.cuda.current_device():
+        with torch.cuda.device(hash_ids.device):  # Triton launches on the current device
+            return _launch(kernel, outputs, cache, back_values, back_scales, hash_ids, row_start, extra)
+    head_dim = cache.head_dim
+    groups = head_dim // BLOCK_SIZE
+    slot_values, slot_scales = cache.slot_values, cache.slot_scales
+    ints = (total_rows, local_columns, hash_ids.stride(0), hash_ids.stride(1), row_start, back_values.shape[0],
+            cache.num_sets, slot_values.stride(0), slot_scales.stride(0), back_values.stride(0),
+            back_scales.stride(0))
+    constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, cache.ways, *extra)
+    tensors = (hash_ids, cache.tags, slot_values, slot_scales, back_values, back_scales, *outputs)
+    grid = -(-total_rows // rows_per_program)
+    _LAUNCHERS[kernel](grid, (*tensors, *ints, *constexprs), num_warps=4, num_stages=1,
+                       device_index=hash_ids.device.index if hash_ids.is_cuda else 0)
+
+
+def cached_gather_rows(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor,
+                       hash_ids: torch.Tensor, row_start: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantized rows through the cache.
+
+    ``out[t, j] = bf16(e4m3(row[:D]) * 2**(row[D:] - 127))`` of local row ``r = hash_ids[t, j] - row_start``,
+    read from the cache slot holding ``r`` or else from ``back_values[r]`` / ``back_scales[r]``;
+    +0 when ``r`` is outside ``[0, rows)``.
+
+    Args:
+        cache: the index and slots (on the device of ``hash_ids``).
+        back_values, back_scales: ``uint8 [rows, D]`` / ``[rows, D // 32]`` (rows contiguous): every
+            row of the table; on the GPU the host placement's CUDA alias of pinned host memory.
+        hash_ids: int32/int64 ``[T, C]`` global ids, any strides.
+        row_start: global row id of ``back_values[0]``.
+        out: optional contiguous ``bfloat16 [T, C, D]`` to write.
+
+    Returns: ``bfloat16 [T, C, D]``.
+    """
+    _check(cache, back_values, back_scales, hash_ids, row_start)
+    shape = (hash_ids.shape[0], hash_ids.shape[1], cache.head_dim)
+    out = _check_out(out, shape, torch.bfloat16, hash_ids.device)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=hash_ids.device)
+    _launch(cached_gather_bf16_kernel, (out,), cache, back_values, back_scales, hash_ids, row_start,
+            (_DECODE_INTEGER,))
+    return out
+
+
+def cached_gather_rows_packed(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor,
+                              hash_ids: torch.Tensor, row_start: int = 0, *,
+                              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw FP8 rows through the cache (arguments as :func:`cached_gather_rows`; ``out``: optional contiguous
+    ``(uint8 [T, C, D], uint8 [T, C, D // 32])`` to write) -> ``(values uint8 [T, C, D], scales uint8
+    [T, C, D // 32])``, all-zero bytes outside the rows."""
+    _check(cache, back_values, back_scales, hash_ids, row_start)
+    tokens, columns = hash_ids.shape
+    head_dim = cache.head_dim
+    shapes = ((tokens, columns, head_dim), (tokens, columns, head_dim // BLOCK_SIZE))
+    out_values, out_scales = _out_pair(out, shapes, torch.uint8, hash_ids.device, "(values, scales)")
+    _launch(cached_gather_packed_kernel, (out_values, out_scales), cache, back_values, back_scales, hash_ids,
+            row_start, ())
+    return out_values, out_scales
+
+
+# ---- large lookups: probe, then merge hits with the host gather's rows ----------------------------
+def _check_out(out, shape, dtype, device, name="out", required: bool = False) -> torch.Tensor | None:
+    if out is None and not required:
+        return None
+    if (not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) or out.dtype != dtype
+            or not out.is_contiguous() or out.device != device):
+        raise ValueError(f"{name}: expected a contiguous {str(dtype).replace('torch.', '')} tensor {list(shape)} "
+                         f"on {device}")
+    return out
+
+
+def _out_pair(out, shapes, dtype, device, names: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` checked as a pair of contiguous ``dtype`` tensors of ``shapes`` on ``device``, or a new pair
+    when it is None (``names`` says what the pair holds, for the error)."""
+    if out is None:
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape in shapes)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"out: expected a pair {names} or None, found {type(out).__name__}")
+    return tuple(_check_out(given, shape, dtype, device, f"out[{index}]", True)
+                 for index, (given, shape) in enumerate(zip(out, shapes)))
+
+
+def direct_threshold(direct_share: float) -> int:
+    """The probe's class bound for ``direct_share`` in ``[0, 1]``: ``round(256 * direct_share)`` (0: none)."""
+    if isinstance(direct_share, bool) or not isinstance(direct_share, (int, float)) or not 0 <= direct_share <= 1:
+        raise ValueError(f"direct_share: expected a number in [0, 1], found {direct_share!r}")
+    return round(256 * direct_share)
+
+
+def cached_probe(cache: RowCache, num_rows: int, hash_ids: torch.Tensor, row_start: int = 0, *,
+                 direct_share: float = 0.0,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row of a lookup is. With ``r = hash_ids[t, j] - row_start``: ``slot[t, j] = s`` when cache
+    slot ``s`` holds ``r``; for a miss (``0 <= r < num_rows``, not held) of the direct class (about
+    ``direct_share`` of the rows, by a hash of ``r``) ``-2 - r``; else -1. ``miss[t, j] = r`` for the other
+    misses, else -1 (hits, direct misses, ids outside the table: the host gather reads -1 as its zero row).
+
+    Args:
+        cache: the index (on the device of ``hash_ids``).
+        num_rows: rows of the table (below 2**31).
+        hash_ids: int32/int64 ``[T, C]`` global ids, any strides.
+        row_start: global row id of local row 0.
+        direct_share: share of the missed rows to leave to :func:`cached_direct_reads` (0: none).
+        out: optional contiguous ``(int32 [T, C], int32 [T, C])`` to write.
+
+    Returns: ``(slot int32 [T, C], miss int32 [T, C])``. Reads only the ids and the tags; no sync.
+    """
+    if not isinstance(cache, RowCache):
+        raise ValueError(f"cache: expected a RowCache, found {type(cache).__name__}")
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or not 0 < num_rows < 2**31:
+        raise ValueError(f"num_rows: expected an integer in [1, 2**31), found {num_rows!r}")
+    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
+        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
+                 else type(hash_ids).__name__)
+        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
+    if hash_ids.device != cache.device:
+        raise ValueError(f"hash_ids, cache: expected one device, found {hash_ids.device} and {cache.device}")
+    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
+        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
+    threshold = direct_threshold(direct_share)
+    shape = tuple(hash_ids.shape)
+    slot, miss = _out_pair(out, (shape, shape), torch.int32, hash_ids.device, "(slot, miss)")
+    total_rows = hash_ids.numel()
+    if total_rows == 0:
+        return slot, miss
+    if total_rows >= 2**31 - _PROBE_BLOCK_ROWS:
+        raise ValueError(f"hash_ids: T * C = {total_rows} rows per launch; expected fewer than 2**31")
+    if hash_ids.is_cuda and hash_ids.device.index != torch.cuda.current_device():
+        with torch.cuda.device(hash_ids.device):
+            return cached_probe(cache, num_rows, hash_ids, row_start, direct_share=direct_share, out=(slot, miss))
+    ints = (total_rows, shape[1], hash_ids.stride(0), hash_ids.stride(1), row_start, num_rows, cache.num_sets,
+            threshold)
+    constexprs = (_PROBE_BLOCK_ROWS, cache.ways)
+    tensors = (hash_ids, cache.tags, slot, miss)
+    _LAUNCHERS[cached_probe_kernel](-(-total_rows // _PROBE_BLOCK_ROWS), (*tensors, *ints, *constexprs),
+                                    num_warps=4, num_stages=1,
+                                    device_index=hash_ids.device.index if hash_ids.is_cuda else 0)
+    return slot, miss
+
+
+def cached_direct_reads(slot: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor, *,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """The direct misses of a probe: ``out[t, j, :D] = back_values[r]``, ``out[t, j, D:D + D // 32] =
+    back_scales[r]`` where ``slot[t, j] = -2 - r <= -2`` (zeros when ``r`` is outside the rows); other rows of
+    ``out`` are not written.
+
+    Args:
+        slot: contiguous int32 ``[T, C]`` from :func:`cached_probe`.
+        back_values, back_scales: ``uint8 [rows, D]`` / ``[rows, D // 32]`` (rows contiguous): every row
+            of the table; on the GPU the host placement's CUDA alias of pinned host memory.
+        out: optional ``uint8 [T, C, W]``, ``W >= D + D // 32``, rows contiguous, to write.
+
+    Returns: ``out``, or a new ``uint8 [T, C, packed_row_bytes(D)]``. No sync.
+    """
+    from engram.table.host_memory.rows import packed_row_bytes
+
+    if (not isinstance(slot, torch.Tensor) or slot.dtype != torch.int32 or slot.dim() != 2
+            or not slot.is_contiguous()):
+        found = f"{slot.dtype} {list(slot.shape)}" if isinstance(slot, torch.Tensor) else type(slot).__name__
+        raise ValueError(f"slot: expected a contiguous int32 tensor [T, C], found {found}")
+    head_dim = back_values.shape[1] if isinstance(back_values, torch.Tensor) and back_values.dim() == 2 else 0
+    for name, tensor, width in (("back_values", back_values, head_dim), ("back_scales", back_scales,
+                                                                         head_dim // BLOCK_SIZE)):
+        if (not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 2
+                or width == 0 or head_dim % BLOCK_SIZE or tensor.shape[1] != width or tensor.stride(1) != 1
+                or tensor.shape[0] != back_values.shape[0]):
+            found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name}: expected uint8 [rows, D] / [rows, D // 32] (D a multiple of 32, rows "
+                             f"contiguous), found {found}")
+    groups = head_dim // BLOCK_SIZE
+    tokens, columns = slot.shape
+    if out is None:
+        out = torch.empty(tokens, columns, packed_row_bytes(head_dim), dtype=torch.uint8, device=slot.device)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 3
+          or tuple(out.shape[:2]) != (tokens, columns) or out.shape[2] < head_dim + groups
+          or out.stride(2) != 1 or out.stride(0) != out.shape[1] * out.stride(1)):
+        raise ValueError(f"out: expected uint8 [{tokens}, {columns}, >= {head_dim + groups}] with rows at one "
+                         f"stride, on {slot.device}")
+    devices = {str(t.device) for t in (slot, back_values, back_scales, out)}
+    if len(devices) != 1:
+        raise ValueError(f"slot, back_values, back_scales, out: expected one device, found {sorted(devices)}")
+    total_rows = slot.numel()
+    if total_rows == 0:
+        return out
+    if slot.is_cuda and slot.device.index != torch.cuda.current_device():
+        with torch.cuda.device(slot.device):
+            return cached_direct_reads(slot, back_values, back_scales, out=out)
+    rows_per_program = block_rows()
+    ints = (total_rows, back_values.shape[0], back_values.stride(0), back_scales.stride(0), out.stride(1))
+    constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program)
+    tensors = (slot, back_values, back_scales, out)
+    _LAUNCHERS[cached_direct_kernel](-(-total_rows // rows_per_program), (*tensors, *ints, *constexprs),
+                                     num_warps=4, num_stages=1, device_index=slot.device.index if slot.is_cuda else 0)
+    return out
+
+
+def _check_merge(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor,
+                 direct: torch.Tensor | None) -> None:
+    if not isinstance(cache, RowCache):
+        raise ValueError(f"cache: expected a RowCache, found {type(cache).__name__}")
+    for name, tensor in (("slot", slot), ("inverse", inverse)):
+        if (not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32 or tensor.dim() != 2
+                or not tensor.is_contiguous()):
+            found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name}: expected a contiguous int32 tensor [T, C], found {found}")
+    if inverse.shape != slot.shape:
+        raise ValueError(f"inverse: expected the shape of slot {list(slot.shape)}, found {list(inverse.shape)}")
+    width = cache.head_dim + cache.head_dim // BLOCK_SIZE
+    if (not isinstance(staged, torch.Tensor) or staged.dtype != torch.uint8 or staged.dim() != 2
+            or staged.shape[1] < width or staged.stride(1) != 1):
+        found = f"{staged.dtype} {list(staged.shape)}" if isinstance(staged, torch.Tensor) else type(staged).__name__
+        raise ValueError(f"staged: expected uint8 packed rows [rows, >= {width}] (values, then scales; rows "
+                         f"contiguous), found {found}")
+    if direct is not None and (
+            not isinstance(direct, torch.Tensor) or direct.dtype != torch.uint8 or direct.dim() != 3
+            or tuple(direct.shape[:2]) != tuple(slot.shape) or direct.shape[2] < width or direct.stride(2) != 1
+            or direct.stride(0) != direct.shape[1] * direct.stride(1)):
+        found = f"{direct.dtype} {list(direct.shape)}" if isinstance(direct, torch.Tensor) else type(direct).__name__
+        raise ValueError(f"direct: expected uint8 [{slot.shape[0]}, {slot.shape[1]}, >= {width}] with rows at one "
+                         f"stride (cached_direct_reads' output), found {found}")
+    devices = {str(t.device) for t in (slot, inverse, staged, cache.tags, *(() if direct is None else (direct,)))}
+    if len(devices) != 1:
+        raise ValueError(f"slot, inverse, staged, cache, direct: expected one device, found {sorted(devices)}")
+
+
+def _launch_merge(kernel, outputs, cache: RowCache, slot, staged, inverse, direct, extra: tuple) -> None:
+    total_rows = slot.numel()
+    if total_rows == 0:
+        return
+    if slot.is_cuda and slot.device.index != torch.cuda.current_device():
+        with torch.cuda.device(slot.device):
+            return _launch_merge(kernel, outputs, cache, slot, staged, inverse, direct, extra)
+    head_dim = cache.head_dim
+    groups = head_dim // BLOCK_SIZE
+    rows_per_program = block_rows()
+    slot_values, slot_scales = cache.slot_values, cache.slot_scales
+    staged_values, staged_scales = staged[:, :head_dim], staged[:, head_dim: head_dim + groups]
+    has_direct = direct is not None
+    direct_rows = direct if has_direct else staged  # not read without HAS_DIRECT
+    ints = (total_rows, cache.num_slots, staged.shape[0], slot_values.stride(0), slot_scales.stride(0),
+            staged_values.stride(0), staged_scales.stride(0), direct.stride(1) if has_direct else 0)
+    constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, has_direct, *extra)
+    tensors = (slot, inverse, slot_values, slot_scales, staged_values, staged_scales, direct_rows, *outputs)
+    _LAUNCHERS[kernel](-(-total_rows // rows_per_program), (*tensors, *ints, *constexprs), num_warps=4,
+                       num_stages=1, device_index=slot.device.index if slot.is_cuda else 0)
+
+
+def cached_merge_rows(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor, *,
+                      direct: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantized rows from the cache, the host gather's rows and the direct reads.
+
+    ``out[t, j] = bf16(e4m3(row[:D]) * 2**(row[D:D + D // 32] - 127))`` with ``row`` cache slot
+    ``slot[t, j]`` when ``0 <= slot[t, j] < slots``, else (with ``direct``) ``direct[t, j]`` when
+    ``slot[t, j] <= -2``, else ``staged[inverse[t, j]]`` when that row exists, else +0.
+
+    Args:
+        cache: the slots (``slot`` as :func:`cached_probe` wrote it against the same content).
+        slot: contiguous int32 ``[T, C]``.
+        staged: ``uint8 [S, >= D + D // 32]`` packed rows (values, then scales), e.g. the host gather's
+            device staging.
+        inverse: contiguous int32 ``[T, C]``: the host gather's ``inverse`` of the miss ids.
+        direct: optional ``uint8 [T, C, >= D + D // 32]``: :func:`cached_direct_reads` of ``slot``.
+        out: optional contiguous ``bfloat16 [T, C, D]`` to write.
+
+    Returns: ``bfloat16 [T, C, D]``.
+    """
+    _check_merge(cache, slot, staged, inverse, direct)
+    shape = (slot.shape[0], slot.shape[1], cache.head_dim)
+    out = _check_out(out, shape, torch.bfloat16, slot.device)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16, device=slot.device)
+    _launch_merge(cached_merge_bf16_kernel, (out,), cache, slot, staged, inverse, direct, (_DECODE_INTEGER,))
+    return out
+
+
+def cached_merge_rows_packed(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor, *,
+                             direct: torch.Tensor | None = None,
+                             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw FP8 bytes of :func:`cached_merge_rows`'s rows (same arguments; ``out``: optional contiguous
+    ``(uint8 [T, C, D], uint8 [T, C, D // 32])``) -> ``(values uint8 [T, C, D], scales uint8 [T, C, D // 32])``,
+    all-zero bytes where no source applies."""
+    _check_merge(cache, slot, staged, inverse, direct)
+    tokens, columns = slot.shape
+    head_dim = cache.head_dim
+    shapes = ((tokens, columns, head_dim), (tokens, columns, head_dim // BLOCK_SIZE))
+    out_values, out_scales = _out_pair(out, shapes, torch.uint8, slot.device, "(values, scales)")
+    _launch_merge(cached_merge_packed_kernel, (out_values, out_scales), cache, slot, staged, inverse, direct, ())
+    return out_values, out_scales

@@ -1,0 +1,303 @@
+"""Triton kernels of lookups through an HBM row cache (placement ``"cached"``).
+
+Only ``@triton.jit`` functions live here; :mod:`engram.table.kernels.cache_gather` launches them
+and :mod:`engram.table.placements.row_cache` holds the index they read and its plain-torch reference.
+
+The cache is set-associative: local row ``r`` may sit only in set ``r % num_sets``, in
+one of its ``WAYS`` slots; ``tags int64 [num_sets, WAYS]`` holds the row id of each slot
+(-1: empty). Per row a program reads the set's tags (``WAYS * 8`` contiguous bytes, the
+one dependent read a hit adds), then the row: from the slot on a hit, from the backing
+rows (host memory through its CUDA alias, on the GPU) on a miss. Both loads are masked
+so a lane touches exactly one of them. Dequantization reuses the helpers of
+:mod:`engram.table.kernels.gather_kernels`, so results equal :func:`engram.table.kernels.gather.gather_rows`
+bit for bit.
+
+Large lookups split the same work in two launches around the host placement's host gather
+(path (b), :mod:`engram.table.placements.cached`): :func:`cached_probe_kernel` writes each row's slot
+(-1 on a miss) and the miss ids the host gather deduplicates and fetches;
+:func:`cached_merge_bf16_kernel` / :func:`cached_merge_packed_kernel` then read a hit from its
+slot and anything else from the gathered rows through the dedup's ``inverse``. Optionally a
+share of the misses (a hash class of row ids) is read directly from host memory instead, by
+:func:`cached_direct_kernel` while the host gathers the rest (probe slot ``-2 - row``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from engram.table.kernels.gather_kernels import _decode_e4m3, _scale_factors, _tile_row_ids
+
+_SCALE_GROUP: tl.constexpr = tl.constexpr(32)
+
+
+@triton.jit
+def _probe(tags_ptr, local_id, inside, num_sets, WAYS: tl.constexpr):
+    """Look ``local_id int64 [BLOCK_ROWS]`` up in its set -> ``(hit, slot int64)``.
+
+    ``set = local_id % num_sets`` (int32 arithmetic: the launcher checks rows < 2**31);
+    ``hit`` where ``tags[set, w] == local_id`` for some way ``w`` (the index keeps a row in
+    at most one way), ``slot = set * WAYS + w`` (0 on a miss, never loaded)."""
+    way = tl.arange(0, WAYS)
+    row_set = (local_id.to(tl.int32) % num_sets).to(tl.int64)
+    tags = tl.load(tags_ptr + row_set[:, None] * WAYS + way[None, :], mask=inside[:, None], other=-1)
+    match = (tags == local_id[:, None]) & inside[:, None]
+    hit_way = tl.max(tl.where(match, way[None, :], -1), axis=1)
+    hit = hit_way >= 0
+    slot = tl.where(hit, row_set * WAYS + hit_way.to(tl.int64), 0)
+    return hit, slot
+
+
+@triton.jit
+def _row_layout(HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr):
+    """A row's byte layout: ``group int32 [GROUPS_PADDED]``, ``group_valid = group < HEAD_DIM // 32``, ``column
+    = group * 32 + lane int32 [GROUPS_PADDED, 32]`` and ``column_mask = group_valid [1, GROUPS_PADDED, 1]``."""
+    group = tl.arange(0, GROUPS_PADDED)
+    lane = tl.arange(0, _SCALE_GROUP)
+    group_valid = group < HEAD_DIM // _SCALE_GROUP
+    column = group[:, None] * _SCALE_GROUP + lane[None, :]
+    column_mask = group_valid[None, :, None]
+    return group, group_valid, column, column_mask
+
+
+@triton.jit
+def _load_row_bytes(value_ptr, scale_ptr, row, value_stride, scale_stride, take, group, group_valid, column):
+    """Rows ``row int64 [BLOCK_ROWS]`` of one source -> ``value_bytes uint8 [BLOCK_ROWS, GROUPS_PADDED, 32]``,
+    ``scale_bytes uint8 [BLOCK_ROWS, GROUPS_PADDED]``: ``value[row * value_stride + column]``, ``scale[row *
+    scale_stride + group]`` where ``take`` and ``group_valid``, else 0 (those lanes load nothing)."""
+    value_bytes = tl.load(value_ptr + row[:, None, None] * value_stride + column[None, :, :],
+                          mask=take[:, None, None] & group_valid[None, :, None], other=0)
+    scale_bytes = tl.load(scale_ptr + row[:, None] * scale_stride + group[None, :],
+                          mask=take[:, None] & group_valid[None, :], other=0)
+    return value_bytes, scale_bytes
+
+
+@triton.jit
+def _cached_row_bytes(hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
+                      total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
+                      slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
+                      HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                      WAYS: tl.constexpr):
+    """This program's rows through the cache: ``(row_index, in_bounds, column, column_mask,
+    group, group_valid, value_bytes [BLOCK_ROWS, GROUPS_PADDED, 32], scale_bytes [BLOCK_ROWS,
+    GROUPS_PADDED])``: each row's bytes from its HBM slot on a hit, else from the backing
+    rows, all-zero outside the table (each lane makes exactly one of the two loads)."""
+    program = tl.program_id(0)
+    row_index, in_bounds, inside, local_id = _tile_row_ids(
+        hash_ids_ptr, program, total_rows, local_columns, stride_token, stride_column,
+        row_start, num_rows, BLOCK_ROWS)
+    hit, slot = _probe(tags_ptr, local_id, inside, num_sets, WAYS)
+    miss = inside & ~hit
+    hit = inside & hit
+
+    group, group_valid, column, column_mask = _row_layout(HEAD_DIM, GROUPS_PADDED)
+    hit_values, hit_scales = _load_row_bytes(slot_value_ptr, slot_scale_ptr, slot, slot_value_stride,
+                                             slot_scale_stride, hit, group, group_valid, column)
+    miss_values, miss_scales = _load_row_bytes(back_value_ptr, back_scale_ptr, local_id, back_value_stride,
+                                               back_scale_stride, miss, group, group_valid, column)
+    value_bytes = tl.where(hit[:, None, None], hit_values, miss_values)
+    scale_bytes = tl.where(hit[:, None], hit_scales, miss_scales)
+    return row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes
+
+
+@triton.jit
+def cached_gather_bf16_kernel(
+    hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr, out_ptr,
+    total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
+    slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, WAYS: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """``out bf16 [T, C_local, D]`` (contiguous) from ``hash_ids [T, C_local]`` through the cache:
+
+    ``out[t, j, d] = bf16(e4m3(v[d]) * 2**(s[d // 32] - 127))`` with ``(v, s)`` the bytes of local
+    row ``r = hash_ids[t, j] - row_start``: slot ``(r % num_sets) * WAYS + w`` of
+    ``slot_value [slots, D]`` / ``slot_scale [slots, D // 32]`` when ``tags[r % num_sets, w] == r``,
+    else row ``r`` of ``back_value [rows, D]`` / ``back_scale [rows, D // 32]``; +0 when ``r`` is
+    outside ``[0, num_rows)``. One program per ``BLOCK_ROWS`` rows of the flattened ``[T * C_local]``.
+    """
+    row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _cached_row_bytes(
+        hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
+        total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
+        slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
+        HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, WAYS)
+    scale = _scale_factors(scale_bytes)[:, :, None]  # [BLOCK_ROWS, GROUPS_PADDED, 1]
+    # fp32 product is exact (4 significant bits times a power of two); one rounding to bf16.
+    product = _decode_e4m3(value_bytes, DECODE) * scale
+    tl.store(out_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], product.to(tl.bfloat16),
+             mask=in_bounds[:, None, None] & column_mask)
+
+
+@triton.jit
+def cached_gather_packed_kernel(
+    hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
+    out_value_ptr, out_scale_ptr,
+    total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
+    slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, WAYS: tl.constexpr,
+):
+    """Raw FP8 rows through the cache: ``out_value uint8 [T, C_local, D]``, ``out_scale uint8
+    [T, C_local, D // 32]`` (contiguous), the bytes :func:`cached_gather_bf16_kernel` decodes;
+    all-zero bytes for ids outside the table's rows."""
+    row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _cached_row_bytes(
+        hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
+        total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
+        slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
+        HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, WAYS)
+    tl.store(out_value_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], value_bytes,
+             mask=in_bounds[:, None, None] & column_mask)
+    tl.store(out_scale_ptr + row_index[:, None] * (HEAD_DIM // _SCALE_GROUP) + group[None, :], scale_bytes,
+             mask=in_bounds[:, None] & group_valid[None, :])
+
+
+@triton.jit
+def _direct_class(local_id, direct_threshold):
+    """Whether local row ``local_id int64 [...]`` (``< 2**31``) is read directly when missed: a byte of
+    ``local_id * 0x9E3779B1`` (a multiplicative hash, so classes do not follow sets or id ranges) below
+    ``direct_threshold`` (0..256: none..all)."""
+    return ((local_id * 0x9E3779B1) >> 16) % 256 < direct_threshold
+
+
+@triton.jit
+def cached_probe_kernel(
+    hash_ids_ptr, tags_ptr, slot_ptr, miss_ptr,
+    total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets, direct_threshold,
+    BLOCK_ROWS: tl.constexpr, WAYS: tl.constexpr,
+):
+    """Probe only: ``slot int32 [T * C_local]`` and ``miss int32 [T * C_local]`` (contiguous) from
+    ``hash_ids [T, C_local]`` (strides ``stride_token``, ``stride_column``):
+
+    with ``r = hash_ids[t, j] - row_start``: ``slot = (r % num_sets) * WAYS + w`` when
+    ``tags[r % num_sets, w] == r``; for a miss (``0 <= r < num_rows``, not held) of the direct class
+    (:func:`_direct_class` below ``direct_threshold``) ``slot = -2 - r``; else -1. ``miss = r`` for the
+    other misses, else -1 (hits, direct misses and ids outside the table: the host gather reads -1 as its
+    zero row). One program per ``BLOCK_ROWS`` rows of the flattened ``[T * C_local]``; reads only the ids
+    and the set's tags.
+    """
+    program = tl.program_id(0)
+    row_index, in_bounds, inside, local_id = _tile_row_ids(
+        hash_ids_ptr, program, total_rows, local_columns, stride_token, stride_column,
+        row_start, num_rows, BLOCK_ROWS)
+    hit, slot = _probe(tags_ptr, local_id, inside, num_sets, WAYS)
+    hit = inside & hit
+    missed = inside & ~hit
+    direct = missed & _direct_class(local_id, direct_threshold)
+    slot = tl.where(hit, slot, tl.where(direct, -2 - local_id, -1))
+    tl.store(slot_ptr + row_index, slot.to(tl.int32), mask=in_bounds)
+    tl.store(miss_ptr + row_index, tl.where(missed & ~direct, local_id, -1).to(tl.int32), mask=in_bounds)
+
+
+@triton.jit
+def cached_direct_kernel(
+    slot_ptr, back_value_ptr, back_scale_ptr, direct_ptr,
+    total_rows, num_rows, back_value_stride, back_scale_stride, direct_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    """The direct misses of a probe, read from the backing rows (host memory, on the GPU): for each ``i``
+    with ``slot[i] <= -2`` (``slot int32 [N]``), ``direct[i, :D] = back_value[r]`` and ``direct[i, D:D + D // 32]
+    = back_scale[r]``, ``r = -2 - slot[i]`` (zeros when ``r`` is outside ``[0, num_rows)``); ``direct uint8
+    [N, >= D + D // 32]`` rows of the other ``i`` are not written. One program per ``BLOCK_ROWS`` rows."""
+    program = tl.program_id(0).to(tl.int64)
+    row_index = program * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_bounds = row_index < total_rows
+    slot = tl.load(slot_ptr + row_index, mask=in_bounds, other=-1).to(tl.int64)
+    wanted = in_bounds & (slot <= -2)
+    local_id = -2 - slot
+    read = wanted & (local_id >= 0) & (local_id < num_rows)
+    local_id = tl.where(read, local_id, 0)
+
+    group, group_valid, column, column_mask = _row_layout(HEAD_DIM, GROUPS_PADDED)
+    values, scales = _load_row_bytes(back_value_ptr, back_scale_ptr, local_id, back_value_stride, back_scale_stride,
+                                     read, group, group_valid, column)
+    tl.store(direct_ptr + row_index[:, None, None] * direct_stride + column[None, :, :], values,
+             mask=wanted[:, None, None] & column_mask)
+    tl.store(direct_ptr + row_index[:, None] * direct_stride + HEAD_DIM + group[None, :], scales,
+             mask=wanted[:, None] & group_valid[None, :])
+
+
+@triton.jit
+def _merged_row_bytes(slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr,
+                      direct_ptr, total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride,
+                      staged_value_stride, staged_scale_stride, direct_stride,
+                      HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                      HAS_DIRECT: tl.constexpr):
+    """This program's rows from up to three sources: ``(row_index, in_bounds, column, column_mask, group,
+    group_valid, value_bytes [BLOCK_ROWS, GROUPS_PADDED, 32], scale_bytes [BLOCK_ROWS, GROUPS_PADDED])``:
+    cache slot ``s = slot[i]`` when ``0 <= s < num_slots``; with ``HAS_DIRECT``, row ``i`` of the direct
+    reads when ``s <= -2``; else row ``inverse[i]`` of the staged rows when ``0 <= inverse[i] < staged_rows``;
+    else zeros (each lane makes at most one of the loads)."""
+    program = tl.program_id(0).to(tl.int64)
+    row_index = program * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_bounds = row_index < total_rows
+    slot = tl.load(slot_ptr + row_index, mask=in_bounds, other=-1).to(tl.int64)
+    staged = tl.load(inverse_ptr + row_index, mask=in_bounds, other=-1).to(tl.int64)
+    hit = in_bounds & (slot >= 0) & (slot < num_slots)
+    if HAS_DIRECT:
+        from_direct = in_bounds & (slot <= -2)
+    else:
+        from_direct = row_index < 0  # never
+    from_staging = in_bounds & ~hit & ~from_direct & (staged >= 0) & (staged < staged_rows)
+    slot = tl.where(hit, slot, 0)
+    staged = tl.where(from_staging, staged, 0)
+
+    group, group_valid, column, column_mask = _row_layout(HEAD_DIM, GROUPS_PADDED)
+    hit_values, hit_scales = _load_row_bytes(slot_value_ptr, slot_scale_ptr, slot, slot_value_stride,
+                                             slot_scale_stride, hit, group, group_valid, column)
+    staged_values, staged_scales = _load_row_bytes(staged_value_ptr, staged_scale_ptr, staged, staged_value_stride,
+                                                   staged_scale_stride, from_staging, group, group_valid, column)
+    value_bytes = tl.where(hit[:, None, None], hit_values, staged_values)
+    scale_bytes = tl.where(hit[:, None], hit_scales, staged_scales)
+    if HAS_DIRECT:
+        # A direct row holds its values, then its scales: row i at direct + i * direct_stride.
+        direct_values, direct_scales = _load_row_bytes(direct_ptr, direct_ptr + HEAD_DIM, row_index, direct_stride,
+                                                       direct_stride, from_direct, group, group_valid, column)
+        value_bytes = tl.where(from_direct[:, None, None], direct_values, value_bytes)
+        scale_bytes = tl.where(from_direct[:, None], direct_scales, scale_bytes)
+    return row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes
+
+
+@triton.jit
+def cached_merge_bf16_kernel(
+    slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr, out_ptr,
+    total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
+    staged_scale_stride, direct_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DIRECT: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """``out bf16 [N, D]`` (contiguous; ``N = T * C_local``) from ``slot int32 [N]`` and ``inverse int32 [N]``:
+
+    ``out[i, d] = bf16(e4m3(v[d]) * 2**(s[d // 32] - 127))`` with ``(v, s)`` the bytes of cache slot
+    ``slot[i]`` (``slot_value [slots, D]``, ``slot_scale [slots, D // 32]``) when ``0 <= slot[i] < num_slots``;
+    with ``HAS_DIRECT`` of row ``i`` of ``direct uint8 [N, >= D + D // 32]`` (values, then scales) when
+    ``slot[i] <= -2``; else of row ``inverse[i]`` of the staged rows (``staged_value [staged_rows, D]``,
+    ``staged_scale [staged_rows, D // 32]``); +0 when that row does not exist. One program per
+    ``BLOCK_ROWS`` rows.
+    """
+    row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _merged_row_bytes(
+        slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr,
+        total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
+        staged_scale_stride, direct_stride, HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, HAS_DIRECT)
+    scale = _scale_factors(scale_bytes)[:, :, None]  # [BLOCK_ROWS, GROUPS_PADDED, 1]
+    product = _decode_e4m3(value_bytes, DECODE) * scale  # exact in fp32; one rounding to bf16
+    tl.store(out_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], product.to(tl.bfloat16),
+             mask=in_bounds[:, None, None] & column_mask)
+
+
+@triton.jit
+def cached_merge_packed_kernel(
+    slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr,
+    out_value_ptr, out_scale_ptr,
+    total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
+    staged_scale_stride, direct_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DIRECT: tl.constexpr,
+):
+    """Raw FP8 bytes of :func:`cached_merge_bf16_kernel`'s rows: ``out_value uint8 [N, D]``,
+    ``out_scale uint8 [N, D // 32]`` (contiguous); all-zero bytes where no source applies."""
+    row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _merged_row_bytes(
+        slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr,
+        total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
+        staged_scale_stride, direct_stride, HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, HAS_DIRECT)
+    tl.store(out_value_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], value_bytes,
+             mask=in_bounds[:, None, None] & column_mask)
+    tl.store(out_scale_ptr + row_index[:, None] * (HEAD_DIM // _SCALE_GROUP) + group[None, :], scale_bytes,
+             mask=in_bounds[:, None] & group_valid[None, :])

@@ -1,0 +1,363 @@
+"""The HBM row cache of placement ``"cached"``: a fixed-size set-associative index, its
+between-steps update (set-associative LRU, or frequency-based replacement with aging; static
+hot sets), and a plain-torch reference of the lookup.
+
+State (all fixed-size, updated in place, so a lookup captured in a CUDA graph sees every
+update; each tensor has one extra *trash* entry at the end that masked-off writes go to
+and lookups never read):
+
+* ``slot_rows uint8 [slots + 1, row_bytes]``: cached rows packed as in
+  :mod:`engram.table.host_memory.rows` (``[D E4M3 | D / 32 UE8M0 | pad]``);
+* ``tags int64 [num_sets, ways]`` (a view of ``slots + 1`` entries): local row id held by
+  slot ``set * ways + way``, -1 when empty; local row ``r`` may live only in set
+  ``r % num_sets``, in at most one way;
+* ``counters int32 [num_sets, ways]``: the held rows' scores (0 when empty).
+
+Update rule (:meth:`RowCache.update`, one call per engine step ``k = 0, 1, ...`` with the
+step's ids), exactly the ``dynamic`` policy of :mod:`engram.tools.cache_policy` (which
+replays it on recorded text; ``tests/test_cached_placement.py`` checks that both serve the
+same hits), in one of two scores:
+
+* frequency (``recency=False``; placement policy ``"dynamic"``): when ``k > 0`` is a multiple
+  of ``aging_interval`` all scores are halved (``c >>= 1``) first; each read of a held row
+  adds 1 (saturating at ``2**30``); a missed row's score is ``n``, its reads in the step;
+* recency (``recency=True``; placement policy ``"set-lru"``): a held row read in the step
+  scores ``k + 1``, and so does a missed row: set-associative LRU, no aging.
+
+Then the missed rows, deduplicated, are ranked per set by score (descending, ties by row
+id); the set's ways by score (ascending, empty ways first as -1, ties by way); the ``k``-th
+candidate replaces the ``k``-th way when its score is at least that way's (empty ways:
+always), and the new row keeps its score.
+
+No step writes a slot twice, so the result does not depend on the order of the writes.
+An update is one sort of the step's ids plus fixed-size gathers and scatters, with no host
+sync; it reads only the admitted rows from the backing rows (through the gather kernel,
+whose masked loads skip the others: on the GPU those rows are in host memory).
+
+:attr:`RowCache.version` counts the calls that may change the content (``update``,
+``load_hot``, ``clear``): a lookup split in two launches (probe, then merge; see
+:mod:`engram.table.placements.cached`) checks it to know its probe still describes the slots.
+
+References of the split lookup: :func:`cached_probe_reference` (slot per row, -1 unless a
+hit or ``-2 - row`` for a miss of the direct class, and the miss ids),
+:func:`cached_direct_reference` (the direct class's rows) and :func:`cached_merge_reference` (a
+hit from its slot, a direct miss from the direct reads, anything else from the host gather's
+rows through ``inverse``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engram.table.fp8 import BLOCK_SIZE
+from engram.table.host_memory.rows import packed_row_bytes
+
+__all__ = ["RowCache", "cached_lookup_reference", "cached_probe_reference", "cached_direct_reference",
+           "cached_merge_reference", "direct_class"]
+
+COUNTER_MAX = 2**30
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, found {value!r}")
+    return value
+
+
+class RowCache:
+    """A set-associative cache of table rows on ``device``.
+
+    Args:
+        num_slots: rows the cache can hold; rounded down to a multiple of ``ways`` (at least ``ways``).
+        head_dim: ``D`` of the table (a multiple of 32).
+        device: where the slots and the index live (the lookup's device).
+        ways: slots per set (a power of two; 8: one 64-byte read of tags per lookup row).
+        aging_interval: frequency scores are halved every this many :meth:`update` calls.
+        recency: score rows by the last step that read them (set-associative LRU) instead of
+            by aged read counts.
+    """
+
+    def __init__(self, num_slots: int, head_dim: int, device: torch.device | str, *, ways: int = 8,
+                 aging_interval: int = 16, recency: bool = False):
+        if not isinstance(recency, bool):
+            raise ValueError(f"recency: expected True or False, found {recency!r}")
+        self.recency = recency
+        ways = _check_positive_int("ways", ways)
+        if ways & (ways - 1) or ways > 64:
+            raise ValueError(f"ways: expected a power of two at most 64, found {ways}")
+        num_slots = _check_positive_int("num_slots", num_slots)
+        head_dim = _check_positive_int("head_dim", head_dim)
+        if head_dim % BLOCK_SIZE:
+            raise ValueError(f"head_dim: expected a multiple of {BLOCK_SIZE}, found {head_dim}")
+        self.aging_interval = _check_positive_int("aging_interval", aging_interval)
+        self.ways = ways
+        self.num_sets = max(1, num_slots // ways)
+        self.head_dim = head_dim
+        slots = self.num_sets * ways
+        device = torch.device(device)
+        self.slot_rows = torch.zeros(slots + 1, packed_row_bytes(head_dim), dtype=torch.uint8, device=device)
+        self._tags = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
+        self._counters = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+        self.updates = 0
+        self.version = 0
+        """Bumped (on the host) by every call that may change the content: ``update``, ``load_hot``, ``clear``."""
+        self.stats = torch.zeros(4, dtype=torch.int64, device=device)
+        """``int64 [4]`` summed over :meth:`update` calls: reads (ids inside the table), reads that hit,
+        distinct rows per step, distinct missed rows per step (the host rows a step moves after
+        deduplication). Zero it in place to restart."""
+
+    # ---- views ---------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._tags.device
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_sets * self.ways
+
+    @property
+    def tags(self) -> torch.Tensor:
+        """``int64 [num_sets, ways]``: local row id per slot, -1 when empty."""
+        return self._tags[:-1].view(self.num_sets, self.ways)
+
+    @property
+    def counters(self) -> torch.Tensor:
+        """``int32 [num_sets, ways]``: aged read counts per slot."""
+        return self._counters[:-1].view(self.num_sets, self.ways)
+
+    @property
+    def slot_values(self) -> torch.Tensor:
+        """``uint8 [slots, D]``: E4M3 bytes of the cached rows (strided view)."""
+        return self.slot_rows[:-1, : self.head_dim]
+
+    @property
+    def slot_scales(self) -> torch.Tensor:
+        """``uint8 [slots, D // 32]``: UE8M0 bytes of the cached rows (strided view)."""
+        return self.slot_rows[:-1, self.head_dim: self.head_dim + self.head_dim // BLOCK_SIZE]
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the slots and the index."""
+        return self.slot_rows.numel() + self._tags.numel() * 8 + self._counters.numel() * 4
+
+    def held_rows(self) -> torch.Tensor:
+        """``int64 [K]``: the local row ids held, ascending (a host sync; for tests and reports)."""
+        tags = self.tags.reshape(-1)
+        return tags[tags >= 0].sort().values
+
+    def clear(self) -> None:
+        """Empty every slot (in place)."""
+        self.version += 1
+        self._tags.fill_(-1)
+        self._counters.zero_()
+
+    # ---- probing -------------------------------------------------------------
+    def probe(self, local_ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``local_ids int [N]`` -> ``(hit bool [N], slot int64 [N])``: whether row ``local_ids[i]`` (in
+        ``[0, num_rows)``) is held, and its slot (the trash slot ``num_slots`` when not)."""
+        ids = local_ids.reshape(-1).to(torch.int64)
+        valid = (ids >= 0) & (ids < num_rows)
+        row_set = torch.where(valid, ids, 0) % self.num_sets
+        match = (self.tags[row_set] == ids[:, None]) & valid[:, None]  # [N, ways]
+        hit = match.any(dim=1)
+        way = match.to(torch.int8).argmax(dim=1)
+        slot = torch.where(hit, row_set * self.ways + way, self.num_slots)
+        return hit, slot
+
+    # ---- updates (between steps, never inside a lookup) ------------------------
+    def update(self, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor) -> None:
+        """One step of the dynamic policy (module docstring) for the reads ``local_ids int [...]``
+        (local row ids; those outside ``[0, rows)`` are ignored), copying admitted rows from
+        ``back_values uint8 [rows, D]`` / ``back_scales uint8 [rows, D // 32]``. Fixed-size torch
+        ops on the cache's device, no host sync. Adds the step's reads to :attr:`stats` (as the
+        step's lookups saw the cache, when called after them with the same ids)."""
+        num_rows = back_values.shape[0]
+        ids = local_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        sentinel = num_rows  # sorts after every real row
+        ids = torch.where((ids >= 0) & (ids < num_rows), ids, sentinel).sort().values
+        valid = ids < sentinel
+        counts = (torch.searchsorted(ids, ids, right=True) - torch.searchsorted(ids, ids)).to(torch.int64)
+        first = torch.ones_like(valid)
+        first[1:] = ids[1:] != ids[:-1]
+        first &= valid
+        hit, slot = self.probe(ids, num_rows)
+        candidate = first & ~hit
+        self.stats += torch.stack([valid.sum(), hit.sum(), first.sum(), candidate.sum()])
+        step = self.updates
+        self.updates += 1
+        self.version += 1
+        if self.recency:  # held rows read now, and the candidates, score step + 1
+            score = min(step + 1, COUNTER_MAX)
+            self._counters.index_fill_(0, slot, score)
+            counts = torch.full_like(counts, score)
+        else:
+            if step > 0 and step % self.aging_interval == 0:
+                self._counters.bitwise_right_shift_(1)
+            self._counters.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
+            self._counters.clamp_(max=COUNTER_MAX)
+        self._counters[-1:].zero_()  # a kernel: assigning a Python 0 would copy it from the host (a sync)
+        self._admit(ids, counts, candidate, back_values, back_scales)
+
+    def load_hot(self, local_row_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
+                 *, counter: int = 1) -> int:
+        """Static hot set: empty the cache, then hold the rows ``local_row_ids int [K]`` (hottest first;
+        ids outside ``[0, rows)`` ignored, duplicates refused). A set offered more than ``ways`` rows keeps
+        its first ``ways``. Held rows start with counter ``counter`` (1..2**30). Returns the rows held
+        (a host sync: this runs once, at setup)."""
+        counter = _check_positive_int("counter", counter)
+        if counter > COUNTER_MAX:
+            raise ValueError(f"counter: expected at most {COUNTER_MAX}, found {counter}")
+        ids = local_row_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        valid = (ids >= 0) & (ids < back_values.shape[0])
+        kept = ids[valid]
+        if kept.numel() != kept.unique().numel():
+            raise ValueError("local_row_ids: expected distinct row ids, found duplicates")
+        self.clear()
+        # Priority: earlier rows rank first within their set (larger pseudo count).
+        priority = torch.arange(ids.numel(), 0, -1, device=self.device, dtype=torch.int64)
+        self._admit(ids, priority, valid, back_values, back_scales)
+        held = self.tags >= 0
+        self._counters[:-1].view(self.num_sets, self.ways).masked_fill_(held, counter)
+        return int(held.sum())
+
+    def _admit(self, ids: torch.Tensor, counts: torch.Tensor, candidate: torch.Tensor,
+               back_values: torch.Tensor, back_scales: torch.Tensor) -> None:
+        """Place the distinct rows ``ids[candidate]`` (none held now) by the replacement rule:
+        the ``k``-th candidate of a set by ``counts`` (descending) takes the ``k``-th way by counter
+        (ascending, empty first) when its count is at least that counter."""
+        count_total = ids.numel()
+        if count_total == 0:
+            return
+        num_sets, ways = self.num_sets, self.ways
+        candidate_set = torch.where(candidate, ids % num_sets, num_sets)  # non-candidates: set num_sets (last)
+        # Sort by (set, count descending, id): one int64 key over two stable sorts.
+        order = torch.argsort(ids, stable=True)
+        order = order[torch.argsort(-counts[order], stable=True)]
+        order = order[torch.argsort(candidate_set[order], stable=True)]
+        sorted_set, sorted_id, sorted_count = candidate_set[order], ids[order], counts[order]
+        rank = torch.arange(count_total, device=self.device) - torch.searchsorted(sorted_set, sorted_set)
+        victim_key = torch.where(self.tags >= 0, self.counters.to(torch.int64), -1)  # [sets, ways]
+        victim_key, victim_way = torch.sort(victim_key, dim=1, stable=True)
+        usable = (sorted_set < num_sets) & (rank < ways)
+        safe_set = torch.where(usable, sorted_set, 0)
+        safe_rank = torch.where(usable, rank, 0)
+        admit = usable & (sorted_count >= victim_key[safe_set, safe_rank])
+        slot = torch.where(admit, safe_set * ways + victim_way[safe_set, safe_rank], self.num_slots)
+        row = torch.where(admit, sorted_id, -1)
+        values, scales = _read_rows(back_values, back_scales, row)
+        head_dim = self.head_dim
+        self.slot_rows[:, :head_dim].index_copy_(0, slot, values)
+        self.slot_rows[:, head_dim: head_dim + head_dim // BLOCK_SIZE].index_copy_(0, slot, scales)
+        self._tags.index_copy_(0, slot, row)
+        self._counters.index_copy_(0, slot, sorted_count.clamp(max=COUNTER_MAX).to(torch.int32))
+        self._tags[-1:].fill_(-1)  # kernels, not host-to-device copies of Python scalars (syncs)
+        self._counters[-1:].zero_()
+
+
+def _read_rows(back_values: torch.Tensor, back_scales: torch.Tensor, rows: torch.Tensor):
+    """``rows int64 [N]`` (-1: none) -> ``(uint8 [N, D], uint8 [N, D // 32])``, zeros for -1. On CUDA (or
+    the interpreter) through the gather kernel, which reads only the named rows (no traffic for -1: the
+    backing rows may be host memory); on the CPU by indexing."""
+    if rows.is_cuda or (rows.device.type == "cpu" and _interpreting()):
+        from engram.table.kernels.gather import gather_rows_packed
+
+        values, scales = gather_rows_packed(back_values, back_scales, rows[None, :])
+        return values[0], scales[0]
+    safe = rows.clamp(min=0)
+    keep = (rows >= 0)[:, None]
+    return back_values[safe] * keep, back_scales[safe] * keep
+
+
+def _interpreting() -> bool:
+    from engram.triton_launch import interpreting, triton_available
+
+    return triton_available() and interpreting()
+
+
+def cached_lookup_reference(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor,
+                            hash_ids: torch.Tensor, row_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of the cached lookup: ``hash_ids int [T, C]`` -> ``(values uint8 [T, C, D],
+    scales uint8 [T, C, D // 32])``: the slot's bytes on a hit, ``back_*[r]`` on a miss, zeros outside
+    ``[0, rows)`` (``r = hash_ids - row_start``). Dequantize with :func:`engram.table.fp8.dequantize_rows`."""
+    tokens, columns = hash_ids.shape
+    local = hash_ids.reshape(-1).to(torch.int64) - row_start
+    num_rows = back_values.shape[0]
+    inside = (local >= 0) & (local < num_rows)
+    hit, slot = cache.probe(local, num_rows)
+    safe = torch.where(inside, local, 0)
+    safe_slot = torch.where(hit, slot, 0)
+    values = torch.where(hit[:, None], cache.slot_values[safe_slot], back_values[safe])
+    scales = torch.where(hit[:, None], cache.slot_scales[safe_slot], back_scales[safe])
+    values = values * inside[:, None]
+    scales = scales * inside[:, None]
+    head_dim = cache.head_dim
+    return values.view(tokens, columns, head_dim), scales.view(tokens, columns, head_dim // BLOCK_SIZE)
+
+
+def direct_class(local_ids: torch.Tensor, threshold: int) -> torch.Tensor:
+    """``bool [...]``: rows read directly when missed (:func:`engram.table.kernels.cache_gather.cached_probe`'s
+    ``direct_share``, ``threshold = round(256 * direct_share)``): ``((r * 0x9E3779B1) >> 16) % 256 < threshold``
+    for local ids ``0 <= r < 2**31`` (int64)."""
+    return ((local_ids.to(torch.int64) * 0x9E3779B1) >> 16) % 256 < threshold
+
+
+def cached_probe_reference(cache: RowCache, num_rows: int, hash_ids: torch.Tensor, row_start: int = 0,
+                           direct_threshold: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of :func:`engram.table.kernels.cache_gather.cached_probe`: ``hash_ids int [T, C]`` ->
+    ``(slot int32 [T, C], miss int32 [T, C])``: with ``r = hash_ids - row_start``, ``slot`` = the cache slot
+    holding ``r``, else ``-2 - r`` for a miss of :func:`direct_class` ``(r, direct_threshold)``, else -1;
+    ``miss = r`` for the other misses (``0 <= r < num_rows``, not held), else -1."""
+    local = hash_ids.reshape(-1).to(torch.int64) - row_start
+    inside = (local >= 0) & (local < num_rows)
+    hit, slot = cache.probe(local, num_rows)
+    missed = inside & ~hit
+    direct = missed & direct_class(torch.where(inside, local, 0), direct_threshold)
+    slot = torch.where(hit, slot, torch.where(direct, -2 - local, -1))
+    miss = torch.where(missed & ~direct, local, -1)
+    return slot.to(torch.int32).view(hash_ids.shape), miss.to(torch.int32).view(hash_ids.shape)
+
+
+def cached_direct_reference(slot: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
+                            out: torch.Tensor) -> torch.Tensor:
+    """Plain-torch reference of :func:`engram.table.kernels.cache_gather.cached_direct_reads`: a copy of ``out uint8
+    [T, C, W]`` whose rows with ``slot <= -2`` hold ``back_values[r]`` then ``back_scales[r]`` (``r = -2 - slot``;
+    zeros when ``r`` is outside the rows), the rest of them unchanged."""
+    head_dim, groups = back_values.shape[1], back_scales.shape[1]
+    result = out.clone()
+    flat = result.view(-1, out.shape[2])
+    slot = slot.reshape(-1).to(torch.int64)
+    wanted = slot <= -2
+    local = -2 - slot
+    read = wanted & (local >= 0) & (local < back_values.shape[0])
+    safe = torch.where(read, local, 0)
+    flat[wanted, :head_dim] = (back_values[safe] * read[:, None])[wanted]
+    flat[wanted, head_dim: head_dim + groups] = (back_scales[safe] * read[:, None])[wanted]
+    return result
+
+
+def cached_merge_reference(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor,
+                           direct: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of :func:`engram.table.kernels.cache_gather.cached_merge_rows_packed`: ``slot int [T, C]``,
+    ``staged uint8 [S, >= D + D // 32]`` (packed rows), ``inverse int [T, C]``, optional ``direct uint8
+    [T, C, >= D + D // 32]`` -> ``(values uint8 [T, C, D], scales uint8 [T, C, D // 32])``: cache slot ``slot``
+    when ``0 <= slot < slots``, else (with ``direct``) ``direct[t, j]`` when ``slot <= -2``, else
+    ``staged[inverse]`` when ``0 <= inverse < S``, else zeros."""
+    tokens, columns = slot.shape
+    head_dim, groups = cache.head_dim, cache.head_dim // BLOCK_SIZE
+    slot = slot.reshape(-1).to(torch.int64)
+    inverse = inverse.reshape(-1).to(torch.int64)
+    hit = (slot >= 0) & (slot < cache.num_slots)
+    from_direct = (slot <= -2) if direct is not None else torch.zeros_like(hit)
+    from_staging = ~hit & ~from_direct & (inverse >= 0) & (inverse < staged.shape[0])
+    safe_slot = torch.where(hit, slot, 0)
+    safe_inverse = torch.where(from_staging, inverse, 0)
+    staged_rows = staged[safe_inverse] if staged.shape[0] else torch.zeros(slot.numel(), staged.shape[1],
+                                                                          dtype=torch.uint8, device=slot.device)
+    values = torch.where(hit[:, None], cache.slot_values[safe_slot], staged_rows[:, :head_dim])
+    scales = torch.where(hit[:, None], cache.slot_scales[safe_slot], staged_rows[:, head_dim: head_dim + groups])
+    if direct is not None:
+        direct_rows = direct.reshape(-1, direct.shape[2])
+        values = torch.where(from_direct[:, None], direct_rows[:, :head_dim], values)
+        scales = torch.where(from_direct[:, None], direct_rows[:, head_dim: head_dim + groups], scales)
+    keep = (hit | from_direct | from_staging)[:, None]
+    return (values * keep).view(tokens, columns, head_dim), (scales * keep).view(tokens, columns, groups)
