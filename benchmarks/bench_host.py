@@ -2,7 +2,7 @@
 
 A host table of ``ROWS`` packed rows (272 B each, >= 32 GiB, pinned), read at T in
 {1, 64, 1024, 8192, 32768} tokens x 24 columns, uniform ids and ids hashed from real
-text (.bench-data/real_ids_v41.npy from make_real_ids.py, folded into the table's
+text (.bench-data/real_ids_v41.npy from ``real_text.py ids``, folded into the table's
 rows), by both read paths side by side:
 
 * direct: the gather kernel reading host memory over PCIe (median of events;
@@ -41,8 +41,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import engram  # noqa: E402
-from wall_clock import median_wall_us  # noqa: E402
-from host_table_fixture import COLUMNS, ROW_BYTES_ON_DISK, fold_ids, gpu_us, host_table  # noqa: E402
+from common import COLUMNS, ROW_BYTES_ON_DISK, fold_ids, gpu_us, host_table, median_wall_us  # noqa: E402
 
 ROWS = 128 * 2**20  # 128 Mi rows x 272 B = 34.2 GiB
 TOKENS = (1, 64, 1024, 8192, 32768)

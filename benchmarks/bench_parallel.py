@@ -26,7 +26,7 @@ Stages timed on every rank (median, 10th and 90th percentile of ``--iterations``
 * ``forward``: the whole ``Engram`` forward in tensor-parallel mode (lookup, pad,
   all-gather, unshard, wkv, gate); ``forward_sp``: ``Engram`` in sequence+tensor mode over
   the same group (each rank its ``ceil(T / tp)`` tokens; all-to-all of rows).
-* the two tensor-parallel designs for the wkv (issue 13): gather-first, the library's
+* the two tensor-parallel designs for the wkv: gather-first, the library's
   (``all_gather`` + the whole ``wkv``; with an FP8 wkv the rows travel as FP8 bytes,
   ``all_gather_fp8``: ``[T, ceil(24 / tp), 256 + 8]`` uint8), against partial kv sums
   (``partial_wkv``: the rank's columns times its K-slice of ``wkv``, then ``all_reduce_kv``:

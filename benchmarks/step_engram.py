@@ -112,7 +112,7 @@ def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], devic
             tables["cpu"][layer_id] = EngramTable.from_layout(layout, index, None, values, scales, placement="cpu",
                                                               validate=False)
             continue
-        from host_table_fixture import host_table
+        from common import host_table
 
         base = host_table(rows, head_dim, seed=index, distinct_rows=distinct_rows)
         keep.append(base)

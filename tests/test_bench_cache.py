@@ -20,9 +20,9 @@ BENCHMARKS = ROOT / "benchmarks"
 @pytest.fixture
 def heldout(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import cache_heldout
+    import bench_cache
 
-    return cache_heldout
+    return bench_cache
 
 
 def test_heldout_ceiling_counts_rows_read_in_earlier_steps(heldout):
@@ -59,7 +59,7 @@ def test_simulated_hit_rates_exclude_the_warm_up(heldout):
 
 def test_fold_ids(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from host_table_fixture import fold_ids
+    from common import fold_ids
 
     folded = fold_ids(np.array([[0, 10, 384_006_167]]), 10)
     assert folded.dtype == np.int32 and folded.tolist() == [[0, 0, 7]]
