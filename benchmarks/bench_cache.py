@@ -92,7 +92,7 @@ SMOKE = Sizes(rows=20_000, tokens=(1, 16, 64), step_tokens=64, cache_rows=400, m
 def stream_steps(sizes: Sizes) -> tuple[np.ndarray, dict]:
     """``(ids int32 [steps, step_tokens, 24] in [0, rows), facts)``; a partial last step is dropped."""
     if STREAM_PATH.is_file():
-        ids, corpus = load_stream(max_tokens=sizes.max_stream_tokens)
+        ids, corpus = load_stream(STREAM_PATH, max_tokens=sizes.max_stream_tokens)
     else:
         if sizes is FULL:
             raise SystemExit(f"no {STREAM_PATH}: run `PYTHONPATH=src python benchmarks/real_text.py stream` on a "
@@ -451,18 +451,18 @@ def _cache_size(report: dict) -> str:
     return f"{cache['fraction_of_v41_layer1_table']:.0%} of a V4.1 table's rows ({cache['slots']:,} slots)"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU under TRITON_INTERPRET=1, or a GPU)")
     parser.add_argument("--simulate", action="store_true",
                         help="also replay the stream through engram.table.cache_policy's lru, set-lru and dynamic (CPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.smoke:
-        raise SystemExit("bench_cache.py needs a CUDA device; on the CPU run it with --smoke and TRITON_INTERPRET=1")
+        parser.error("needs a CUDA device; on the CPU run it with --smoke and TRITON_INTERPRET=1")
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("without CUDA, placement 'cached' runs only under TRITON_INTERPRET=1")
+        parser.error("--smoke without CUDA: placement 'cached' runs only under TRITON_INTERPRET=1")
     device = "cuda" if on_gpu else "cpu"
     started = time.perf_counter()
     steps, stream_facts = stream_steps(sizes)

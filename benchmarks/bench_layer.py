@@ -322,12 +322,25 @@ def sweep_fused(values, scales, inputs, weight, weight_scale, recorder) -> list[
     return rows
 
 
-def main() -> None:
+def token_counts(text: str) -> list[int]:
+    """``--tokens``: comma-separated positive token counts."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default=",".join(str(t) for t in TOKEN_COUNTS))
+    parser.add_argument("--tokens", type=token_counts, default=list(TOKEN_COUNTS),
+                        help="token counts, comma-separated (default %(default)s)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fused kernel's tile sweep")
-    args = parser.parse_args()
-    token_counts = [int(t) for t in args.tokens.split(",")]
+    args = parser.parse_args(argv)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        parser.error("needs a CUDA device (tests/test_bench_layer.py runs it on the CPU under the interpreter)")
     from engram.layer.reference import reference_dequantize_wkv
     from engram.table import EngramTable
 
@@ -364,7 +377,7 @@ def main() -> None:
     numerics_t64 = recorder.attempt("numerics T=64", run_numerics, small_layers, values, scales, table_rows, weight,
                                     weight_scale, q_weight, k_weight, generator, tokens=64) or {}
     print(f"update relative error vs float64 at T = 64: {numerics_t64}", flush=True)
-    for tokens in token_counts:
+    for tokens in args.tokens:
         sets = recorder.attempt(f"inputs T={tokens}", input_sets, tokens, table_rows, values, scales, generator)
         if sets is None:
             continue

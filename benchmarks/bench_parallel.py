@@ -494,6 +494,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="directory of the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"--world-size: expected a positive number of ranks, got {args.world_size}")
+    if args.iterations < 1 or args.warmup < 0:
+        parser.error(f"--iterations must be positive and --warmup non-negative, got {args.iterations} and "
+                     f"{args.warmup}")
+    if args.tokens is not None and min(args.tokens) < 1:
+        parser.error(f"--tokens: expected positive token counts, got {args.tokens}")
 
     if args.backend == "nccl":
         if not torch.cuda.is_available() or not dist.is_nccl_available():
@@ -505,8 +512,6 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(NCCL_ENVIRONMENT)  # before the ranks start: they inherit it
     else:
         world_size = args.world_size or 2
-    if world_size < 1 or args.iterations < 1 or args.warmup < 0:
-        parser.error("--world-size and --iterations must be positive, --warmup non-negative")
     options = {"world_size": world_size, "backend": args.backend, "small": args.small,
                "tokens": tuple(args.tokens or (SMALL_TOKEN_COUNTS if args.small else TOKEN_COUNTS)),
                "iterations": args.iterations, "warmup": args.warmup, "seed": args.seed, "output": args.output}

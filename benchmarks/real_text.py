@@ -128,10 +128,12 @@ def load_stream(path: Path = STREAM_PATH, layer_index: int = 0, max_tokens: int 
 
 
 def synthetic_stream(tokens: int, rows: int, columns: int, seed: int = 0) -> np.ndarray:
-    """``int64 [tokens, columns]`` Zipf-skewed ids in ``[0, rows)`` (a stand-in when no stored stream exists)."""
+    """``int64 [tokens, columns]`` Zipf-skewed ids in ``[0, rows)`` (a stand-in when no stored stream exists):
+    each popularity rank drawn is sent to its own random row (only the ranks drawn, not all ``rows``)."""
     rng = np.random.default_rng(seed)
     ranks = np.minimum(rng.zipf(1.2, size=(tokens, columns)), rows) - 1
-    return rng.permutation(rows)[ranks].astype(np.int64)
+    distinct, inverse = np.unique(ranks, return_inverse=True)
+    return rng.choice(rows, size=distinct.size, replace=False)[inverse.reshape(ranks.shape)].astype(np.int64)
 
 
 def _positive(text: str) -> int:
