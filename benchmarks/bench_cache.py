@@ -5,7 +5,7 @@ Table: 128 Mi random rows (256 E4M3 values + 8 UE8M0 scales, packed 272 B; 34 Gi
 bench_host.py builds it), read 24 columns per token. ``cached`` and ``device`` serve the same
 rows (``cached`` over the host table's pinned rows, ``device`` a copy in HBM).
 
-Ids: held-out English prose, ``fortunes`` (make_cache_stream.py's token ids, hashed here at
+Ids: held-out English prose, ``fortunes`` (``real_text.py stream``'s token ids, hashed here at
 V4.1's layer 1 and folded into the table's rows, ``id % rows``, as bench_host.py folds them).
 The stream is cut into steps of 8192 tokens, served in order, the cache updated between steps
 (``update_cache``, the placement's ``policy``: ``Sizes.policy``, its default ``set-lru``) and starting **empty**: no hot
@@ -60,10 +60,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import engram  # noqa: E402
-from cache_heldout import (best_static_share, device_cache_params, heldout_ceiling, measured_distinct_rows,  # noqa: E402
-                           simulated_hit_rates)
-from cache_stream import STREAM_PATH, load_stream, synthetic_stream  # noqa: E402
-from host_table_fixture import COLUMNS, HEAD_DIM, ROW_BYTES_ON_DISK, fold_ids  # noqa: E402
+from common import COLUMNS, HEAD_DIM, ROW_BYTES_ON_DISK, fold_ids  # noqa: E402
+from engram.tools.cache_policy import CompactStream, DynamicParams, replay  # noqa: E402
+from real_text import STREAM_PATH, load_stream, synthetic_stream  # noqa: E402
 
 V41_LAYER1_ROWS = 384_006_168
 PLACEMENTS = ("host", "cached", "device")
@@ -78,7 +77,7 @@ class Sizes:
     max_stream_tokens: int | None  # tokens of the stream used (None: all)
     ways: int = 8
     aging_interval: int = 16
-    policy: str = "set-lru"  # the placement's default (issue 12's session-5 run: "dynamic", aging 8, ties refused)
+    policy: str = "set-lru"  # the placement's default (the run of 2026-11-30 at e5e4c42: "dynamic", aging 8, ties refused)
     direct_max_rows: int | None = None  # the placements' switch to the host gather (None: their default)
 
 
@@ -93,10 +92,10 @@ SMOKE = Sizes(rows=20_000, tokens=(1, 16, 64), step_tokens=64, cache_rows=400, m
 def stream_steps(sizes: Sizes) -> tuple[np.ndarray, dict]:
     """``(ids int32 [steps, step_tokens, 24] in [0, rows), facts)``; a partial last step is dropped."""
     if STREAM_PATH.is_file():
-        ids, corpus = load_stream(max_tokens=sizes.max_stream_tokens)
+        ids, corpus = load_stream(STREAM_PATH, max_tokens=sizes.max_stream_tokens)
     else:
         if sizes is FULL:
-            raise SystemExit(f"no {STREAM_PATH}: run `PYTHONPATH=src python benchmarks/make_cache_stream.py` on a "
+            raise SystemExit(f"no {STREAM_PATH}: run `PYTHONPATH=src python benchmarks/real_text.py stream` on a "
                              "machine with the DeepSeek-V4 tokenizer and carry .bench-data")
         print(f"no {STREAM_PATH}: a synthetic Zipf stream instead", flush=True)
         ids, corpus = synthetic_stream(sizes.max_stream_tokens, V41_LAYER1_ROWS, COLUMNS), "synthetic-zipf"
@@ -109,12 +108,73 @@ def stream_steps(sizes: Sizes) -> tuple[np.ndarray, dict]:
     return folded.reshape(steps, sizes.step_tokens, COLUMNS), facts
 
 
+# ---- what a cache could serve on the held-out steps (CPU) -----------------------
+# The stream is split into steps of ``step_reads`` reads; the first ``warm_steps`` only warm the
+# cache, the rest are measured. For the measured steps: heldout_ceiling, the share of reads whose
+# row was read in an earlier step (warm-up included: no cache that learns only from the stream
+# served so far can serve more); best_static_share, the share the ``capacity`` most-read rows of
+# the measured steps themselves would serve (an oracle, chosen on the text it is scored on);
+# simulated_hit_rates, ``engram.tools.cache_policy`` replays (the fully associative ``lru``, and
+# ``set-lru`` and ``dynamic`` with the device cache's parameters: the rules the device index
+# follows), warm-up excluded.
+def heldout_ceiling(reads: np.ndarray, step_reads: int, warm_steps: int) -> float:
+    reads = np.asarray(reads, dtype=np.int64).reshape(-1)
+    rows, first_index, inverse = np.unique(reads, return_index=True, return_inverse=True)
+    first_step = first_index // step_reads
+    step = np.arange(len(reads)) // step_reads
+    measured = step >= warm_steps
+    seen_before = first_step[inverse] < step
+    return float(seen_before[measured].mean()) if measured.any() else 0.0
+
+
+def measured_distinct_rows(reads: np.ndarray, step_reads: int, warm_steps: int) -> int:
+    """Distinct rows read in the measured steps: when the cache has at least as many slots,
+    :func:`best_static_share` holds them all (1.0, an oracle that says nothing of the policy)."""
+    return int(np.unique(np.asarray(reads, dtype=np.int64).reshape(-1)[warm_steps * step_reads:]).size)
+
+
+def best_static_share(reads: np.ndarray, step_reads: int, warm_steps: int, capacity: int) -> float:
+    measured = np.asarray(reads, dtype=np.int64).reshape(-1)[warm_steps * step_reads:]
+    if len(measured) == 0:
+        return 0.0
+    counts = np.unique(measured, return_counts=True)[1]
+    top = counts if capacity >= len(counts) else np.partition(counts, len(counts) - capacity)[len(counts) - capacity:]
+    return float(top.sum() / len(measured))
+
+
+def device_cache_params(ways: int, aging_interval: int) -> DynamicParams:
+    """The replay parameters of :class:`engram.table.placements.row_cache.RowCache` with these ``ways`` and
+    ``aging_interval`` (it follows the replay's ``dynamic`` / ``set-lru`` rules exactly)."""
+    return DynamicParams(ways=ways, age_steps=aging_interval)
+
+
+def simulated_hit_rates(reads: np.ndarray, step_reads: int, warm_steps: int, capacity: int,
+                        params: DynamicParams) -> dict[str, dict[str, float]]:
+    """Per policy (``lru``, ``set-lru``, ``dynamic``): hit rate and host fetch ratio (deduplicated per step) of the
+    measured steps, from a cold cache warmed by the first ``warm_steps`` steps. A replay is causal, so
+    the measured steps' counts are the whole stream's minus the warm-up's."""
+    reads = np.asarray(reads, dtype=np.int64).reshape(-1)
+    whole = CompactStream(reads, step_reads)
+    warm = CompactStream(reads[:warm_steps * step_reads], step_reads) if warm_steps else None
+    results = {}
+    for policy in ("lru", "set-lru", "dynamic"):
+        total = replay(whole, capacity, policy, params=params)
+        before = replay(warm, capacity, policy, params=params) if warm is not None else None
+        reads_n = total.reads - (before.reads if before else 0)
+        hits = total.hits - (before.hits if before else 0)
+        fetches = total.fetches - (before.fetches if before else 0)
+        fetch_hits = total.fetch_hits - (before.fetch_hits if before else 0)
+        results[policy] = {"hit_rate": hits / reads_n if reads_n else 0.0,
+                           "host_fetch_ratio": (fetches - fetch_hits) / fetches if fetches else 0.0}
+    return results
+
+
 # ---- the tables -----------------------------------------------------------------
 def build_tables(sizes: Sizes, on_gpu: bool) -> dict[str, engram.EngramTable]:
     options = {"cache_fraction": min(1.0, sizes.cache_rows / sizes.rows), "ways": sizes.ways,
                "aging_interval": sizes.aging_interval, "policy": sizes.policy}
     if on_gpu:
-        from host_table_fixture import host_table, table_over_rows
+        from common import host_table, table_over_rows
 
         host = host_table(sizes.rows)
         tables = {"host": host, "cached": table_over_rows(host, "cached", **options),
@@ -251,12 +311,12 @@ def time_lookups(tables, last_step: np.ndarray, sizes: Sizes, device: str, on_gp
         for name, table in tables.items():
             row[f"{name}_equal_to_device"] = same_rows(table, tables["device"], ids, on_gpu)
             if on_gpu:
-                from wall_clock import median_wall_us
+                from common import median_wall_us
 
                 row[f"{name}_us"] = median_wall_us(lambda: table.lookup(ids), repeats=20 if tokens >= 8192 else 50)
                 on_device_only = name == "device" or ids.numel() <= direct_max_rows(tables, name)
                 if on_device_only:
-                    from host_table_fixture import gpu_us
+                    from common import gpu_us
 
                     row[f"{name}_device_us"] = gpu_us(lambda: table.lookup(ids), graph=tokens <= 1024)
             else:
@@ -292,7 +352,7 @@ def direct_share_sweep(tables, ids: torch.Tensor, rows: int, on_gpu: bool) -> di
                      "gathered_rows": int(distinct_rows(miss, 0, rows).rows_and_count[-1]),
                      "direct_reads": int((slot <= -2).sum())}
             if on_gpu:
-                from wall_clock import median_wall_us
+                from common import median_wall_us
 
                 entry["us"] = median_wall_us(lambda: tables["cached"].lookup(ids), repeats=20)
             else:
@@ -307,8 +367,7 @@ def stage_breakdown(tables, ids: torch.Tensor, rows: int) -> dict:
     """Per stage of ``cached``'s host-gather path on ``ids`` (GPU): device time of the probe, of the dedup of
     its miss ids and of each merge kernel; wall clock of the host gather of the misses (dedup, ids to the
     host, worker's gather, copies) and of ``host``'s host gather of all the ids."""
-    from host_table_fixture import gpu_us
-    from wall_clock import median_wall_us
+    from common import gpu_us, median_wall_us
 
     from engram.table.kernels.cache_gather import cached_merge_rows, cached_merge_rows_packed, cached_probe
     from engram.table.kernels.dedup import distinct_rows
@@ -392,18 +451,18 @@ def _cache_size(report: dict) -> str:
     return f"{cache['fraction_of_v41_layer1_table']:.0%} of a V4.1 table's rows ({cache['slots']:,} slots)"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU under TRITON_INTERPRET=1, or a GPU)")
     parser.add_argument("--simulate", action="store_true",
                         help="also replay the stream through engram.tools.cache_policy's lru, set-lru and dynamic (CPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.smoke:
-        raise SystemExit("bench_cache.py needs a CUDA device; on the CPU run it with --smoke and TRITON_INTERPRET=1")
+        parser.error("needs a CUDA device; on the CPU run it with --smoke and TRITON_INTERPRET=1")
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("without CUDA, placement 'cached' runs only under TRITON_INTERPRET=1")
+        parser.error("--smoke without CUDA: placement 'cached' runs only under TRITON_INTERPRET=1")
     device = "cuda" if on_gpu else "cpu"
     started = time.perf_counter()
     steps, stream_facts = stream_steps(sizes)

@@ -2,7 +2,7 @@
 
 A host table of ``ROWS`` packed rows (272 B each, >= 32 GiB, pinned), read at T in
 {1, 64, 1024, 8192, 32768} tokens x 24 columns, uniform ids and ids hashed from real
-text (.bench-data/real_ids_v41.npy from make_real_ids.py, folded into the table's
+text (.bench-data/real_ids_v41.npy from ``real_text.py ids``, folded into the table's
 rows), by both read paths side by side:
 
 * direct: the gather kernel reading host memory over PCIe (median of events;
@@ -23,6 +23,7 @@ Writes ``host-h200.json`` to ``$OUT`` (or benchmarks/results/).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -41,8 +42,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import engram  # noqa: E402
-from wall_clock import median_wall_us  # noqa: E402
-from host_table_fixture import COLUMNS, ROW_BYTES_ON_DISK, fold_ids, gpu_us, host_table  # noqa: E402
+from common import COLUMNS, ROW_BYTES_ON_DISK, fold_ids, gpu_us, host_table, median_wall_us  # noqa: E402
+from real_text import REAL_IDS_PATH  # noqa: E402
 
 ROWS = 128 * 2**20  # 128 Mi rows x 272 B = 34.2 GiB
 TOKENS = (1, 64, 1024, 8192, 32768)
@@ -56,14 +57,15 @@ def copy_engine_gbps(nbytes: int = 256 << 20) -> float:
     return nbytes / seconds / 1e9
 
 
-def id_sets(rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
-    real_path = HERE.parent / ".bench-data" / "real_ids_v41.npy"
+def id_sets(rng: np.random.Generator, rows: int, real_path: Path = REAL_IDS_PATH) -> dict[str, np.ndarray]:
+    """``{"uniform": int32 [max(TOKENS), 24], "real_text": int32 [T, 24]}`` ids in ``[0, rows)``; the
+    real-text ids are layer 1's of ``real_path`` (``real_text.py ids``), folded, where that file exists."""
     sets = {"uniform": rng.integers(0, rows, (max(TOKENS), COLUMNS)).astype(np.int32)}
     if real_path.is_file():
         real = np.load(real_path)[:, 0, :]  # layer 1's ids, folded into this table's rows
         sets["real_text"] = fold_ids(real, rows)
     else:
-        print(f"no {real_path}: real-text ids skipped (run benchmarks/make_real_ids.py here first)", flush=True)
+        print(f"no {real_path}: real-text ids skipped (run `benchmarks/real_text.py ids` on a machine with the tokenizer first)", flush=True)
     return sets
 
 
@@ -237,7 +239,22 @@ def load_rate(vocab_size: int = 120_000) -> dict:
         return {"table_bytes": table_bytes, "seconds": seconds, "load_GBps": table_bytes / seconds / 1e9}
 
 
-def main() -> None:
+def headline(paths: list[dict], overlap_run: dict) -> dict:
+    """The report's headline keys from its ``paths`` rows and its ``overlap`` run: the faster path's time at
+    T = 8192 and 64 (uniform ids), the unique-row rate at 8192, the overlap slowdown."""
+    uniform = {r["T"]: r for r in paths if r["ids"] == "uniform"}
+    keys = {"host_T8192_us": min(uniform[8192]["direct_us"], uniform[8192]["host_gather_us"]),
+            "host_T64_us": min(uniform[64]["direct_us"], uniform[64]["host_gather_us"]),
+            "overlap_slowdown_pct": overlap_run["overlap_slowdown_pct"]}
+    keys["host_T8192_GBps"] = uniform[8192]["unique_bytes"] / (keys["host_T8192_us"] / 1e6) / 1e9
+    return keys
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (placement \"host\" reads pinned host memory from the GPU)")
     rng = np.random.default_rng(5)
     ceiling = copy_engine_gbps()
     print(f"copy engine (pinned -> device, 256 MiB): {ceiling:.1f} GB/s ({torch.cuda.get_device_name()})", flush=True)
@@ -260,12 +277,7 @@ def main() -> None:
     report["trace_T8192"] = trace_gather(table, sets["uniform"])
     report["overlap"] = overlap(table, rng, ROWS)
     print(f"overlap: {report['overlap']}", flush=True)
-    uniform = {r["T"]: r for r in report["paths"] if r["ids"] == "uniform"}
-    best = lambda r: min(r["direct_us"], r["host_gather_us"])  # noqa: E731
-    report["host_T8192_us"] = best(uniform[8192])
-    report["host_T8192_GBps"] = uniform[8192]["unique_bytes"] / (report["host_T8192_us"] / 1e6) / 1e9
-    report["host_T64_us"] = best(uniform[64])
-    report["overlap_slowdown_pct"] = report["overlap"]["overlap_slowdown_pct"]
+    report.update(headline(report["paths"], report["overlap"]))
     out_dir = Path(os.environ.get("OUT", HERE / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "host-h200.json").write_text(json.dumps(report, indent=2))

@@ -1,11 +1,11 @@
-"""Whole-layer benchmark on one GPU, one call (issue 13): lookup + wkv + gate of one Engram
+"""Whole-layer benchmark on one GPU, one call: lookup + wkv + gate of one Engram
 layer at V4.1-Flash shapes for the bf16 wkv, path (a) (re-quantized rows, block-scaled FP8
 GEMM) and path (b) (fused gather-GEMM), at T in {1, 64, 1024, 8192, 32768}, with the bf16 GEMM
 and ``torch._scaled_mm`` alone as references; ``a_small_m`` is path (a) with the split-K GEMM
 for T <= 128 (``WkvProjection(small_m=True)``, key ``layer_small_m_T64_us``).
 
 Each layer is the library's :class:`engram.layer.Engram` module over a full-size device table
-(384,006,168 rows, ~101 GB, ``gather_bench.big_table``; a smaller one if that does not fit) and
+(384,006,168 rows, ~101 GB, ``kernels_gather.big_table``; a smaller one if that does not fit) and
 one FP8 ``wkv`` ([25600, 6144], 128 x 128 UE8M0 blocks, values N(0, 1 / K)). Times are
 ``triton.testing.do_bench`` medians (it clears the L2 before every call) of CUDA-graph replays
 (one graph per input set; eager medians beside them), cycling through input sets that together
@@ -116,7 +116,7 @@ def scaled_mm_weight(generator: torch.Generator):
 
 def make_table(recorder: Recorder):
     """The full-size V4.1 table in HBM (rows filled where ids land), or a smaller one if it does not fit."""
-    from gather_bench import V41_TABLE_ROWS, big_table
+    from kernels_gather import V41_TABLE_ROWS, big_table
 
     for rows in (V41_TABLE_ROWS, 100_000_000, 20_000_000):
         try:
@@ -322,12 +322,25 @@ def sweep_fused(values, scales, inputs, weight, weight_scale, recorder) -> list[
     return rows
 
 
-def main() -> None:
+def token_counts(text: str) -> list[int]:
+    """``--tokens``: comma-separated positive token counts."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default=",".join(str(t) for t in TOKEN_COUNTS))
+    parser.add_argument("--tokens", type=token_counts, default=list(TOKEN_COUNTS),
+                        help="token counts, comma-separated (default %(default)s)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the fused kernel's tile sweep")
-    args = parser.parse_args()
-    token_counts = [int(t) for t in args.tokens.split(",")]
+    args = parser.parse_args(argv)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        parser.error("needs a CUDA device (tests/test_bench_layer.py runs it on the CPU under the interpreter)")
     from engram.layer.reference import reference_dequantize_wkv
     from engram.table import EngramTable
 
@@ -364,7 +377,7 @@ def main() -> None:
     numerics_t64 = recorder.attempt("numerics T=64", run_numerics, small_layers, values, scales, table_rows, weight,
                                     weight_scale, q_weight, k_weight, generator, tokens=64) or {}
     print(f"update relative error vs float64 at T = 64: {numerics_t64}", flush=True)
-    for tokens in token_counts:
+    for tokens in args.tokens:
         sets = recorder.attempt(f"inputs T={tokens}", input_sets, tokens, table_rows, values, scales, generator)
         if sets is None:
             continue

@@ -26,7 +26,7 @@ Stages timed on every rank (median, 10th and 90th percentile of ``--iterations``
 * ``forward``: the whole ``Engram`` forward in tensor-parallel mode (lookup, pad,
   all-gather, unshard, wkv, gate); ``forward_sp``: ``Engram`` in sequence+tensor mode over
   the same group (each rank its ``ceil(T / tp)`` tokens; all-to-all of rows).
-* the two tensor-parallel designs for the wkv (issue 13): gather-first, the library's
+* the two tensor-parallel designs for the wkv: gather-first, the library's
   (``all_gather`` + the whole ``wkv``; with an FP8 wkv the rows travel as FP8 bytes,
   ``all_gather_fp8``: ``[T, ceil(24 / tp), 256 + 8]`` uint8), against partial kv sums
   (``partial_wkv``: the rank's columns times its K-slice of ``wkv``, then ``all_reduce_kv``:
@@ -494,6 +494,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="directory of the JSON (default $OUT, else benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"--world-size: expected a positive number of ranks, got {args.world_size}")
+    if args.iterations < 1 or args.warmup < 0:
+        parser.error(f"--iterations must be positive and --warmup non-negative, got {args.iterations} and "
+                     f"{args.warmup}")
+    if args.tokens is not None and min(args.tokens) < 1:
+        parser.error(f"--tokens: expected positive token counts, got {args.tokens}")
 
     if args.backend == "nccl":
         if not torch.cuda.is_available() or not dist.is_nccl_available():
@@ -505,8 +512,6 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(NCCL_ENVIRONMENT)  # before the ranks start: they inherit it
     else:
         world_size = args.world_size or 2
-    if world_size < 1 or args.iterations < 1 or args.warmup < 0:
-        parser.error("--world-size and --iterations must be positive, --warmup non-negative")
     options = {"world_size": world_size, "backend": args.backend, "small": args.small,
                "tokens": tuple(args.tokens or (SMALL_TOKEN_COUNTS if args.small else TOKEN_COUNTS)),
                "iterations": args.iterations, "warmup": args.warmup, "seed": args.seed, "output": args.output}

@@ -227,7 +227,7 @@ def time_us(call, cuda: bool, graph: bool = True) -> float:
     """Median us of ``call`` alone: on a GPU do_bench (L2 cleared before each run) of its graph's
     replays (``graph``) or of eager calls; on the CPU the median of 3 host-timed calls."""
     if cuda:
-        from host_table_fixture import gpu_us
+        from common import gpu_us
 
         return gpu_us(call, graph=graph)
     call()

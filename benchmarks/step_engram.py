@@ -98,7 +98,7 @@ def _seed_table(layout, index, values, scales, device, facts: dict) -> EngramTab
 def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], device, *, distinct_rows: int,
                  generator: torch.Generator) -> tuple[dict[str, dict[int, EngramTable]], dict, list]:
     """``({kind: {layer_id: table}}, facts, keep)``; ``keep`` holds what must outlive the tables (the
-    pinned rows). On CUDA the rows are random packed host rows (``host_table_fixture.host_table``,
+    pinned rows). On CUDA the rows are random packed host rows (``common.host_table``,
     ``distinct_rows`` drawn and repeated); on the CPU random bytes for placement ``"cpu"``."""
     tables: dict[str, dict[int, EngramTable]] = {kind: {} for kind in kinds}
     facts: dict = {"table_rows": list(layout.num_embeddings), "row_bytes": spec.row_bytes}
@@ -112,7 +112,7 @@ def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], devic
             tables["cpu"][layer_id] = EngramTable.from_layout(layout, index, None, values, scales, placement="cpu",
                                                               validate=False)
             continue
-        from host_table_fixture import host_table
+        from common import host_table
 
         base = host_table(rows, head_dim, seed=index, distinct_rows=distinct_rows)
         keep.append(base)

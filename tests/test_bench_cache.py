@@ -20,9 +20,9 @@ BENCHMARKS = ROOT / "benchmarks"
 @pytest.fixture
 def heldout(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import cache_heldout
+    import bench_cache
 
-    return cache_heldout
+    return bench_cache
 
 
 def test_heldout_ceiling_counts_rows_read_in_earlier_steps(heldout):
@@ -59,7 +59,7 @@ def test_simulated_hit_rates_exclude_the_warm_up(heldout):
 
 def test_fold_ids(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from host_table_fixture import fold_ids
+    from common import fold_ids
 
     folded = fold_ids(np.array([[0, 10, 384_006_167]]), 10)
     assert folded.dtype == np.int32 and folded.tolist() == [[0, 0, 7]]
@@ -96,3 +96,62 @@ def test_bench_cache_smoke_runs_end_to_end(tmp_path):
     assert measured["distinct_missed_per_step_sum"] <= measured["moved_rows_cached"]
     assert measured["moved_rows_cached"] <= measured["distinct_missed_per_step_sum"] + report["serve"]["measured_steps"]
     assert "| T (tokens x 24 rows) | `cached` | `device` |" in done.stdout
+
+
+def test_stream_steps_fold_the_stored_stream_into_steps(heldout, monkeypatch, rng, tmp_path):
+    from test_bench_real_text import write_stream
+
+    path = tmp_path / "stream.npz"
+    write_stream(path, rng, (300, 450))
+    monkeypatch.setattr(heldout, "STREAM_PATH", path)
+    sizes = heldout.SMOKE
+    steps, facts = heldout.stream_steps(sizes)
+    ids, corpus = heldout.load_stream(path, max_tokens=sizes.max_stream_tokens)
+    whole = len(ids) // sizes.step_tokens
+    assert steps.shape == (whole, sizes.step_tokens, 24) and steps.dtype == np.int32
+    assert np.array_equal(steps.reshape(-1, 24), ids[:whole * sizes.step_tokens] % sizes.rows)
+    assert facts["corpus"] == corpus == "tiny" and facts["steps"] == whole
+    assert facts["distinct_rows"] == np.unique(ids[:whole * sizes.step_tokens]).size
+
+
+def test_stream_steps_without_a_stored_stream(heldout, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(heldout, "STREAM_PATH", tmp_path / "absent.npz")
+    steps, facts = heldout.stream_steps(heldout.SMOKE)
+    assert facts["corpus"] == "synthetic-zipf" and "synthetic" in capsys.readouterr().out
+    assert 0 <= steps.min() and steps.max() < heldout.SMOKE.rows
+    with pytest.raises(SystemExit, match="real_text.py stream"):  # the full run needs the real text
+        heldout.stream_steps(heldout.FULL)
+
+
+def test_markdown_table_reports_each_placement(heldout, rng):
+    timings = []
+    for tokens in (64, 8192):
+        host, cached, device = (float(x) for x in rng.uniform(10, 5000, 3))
+        timings.append({"T": tokens, "host_us": host, "cached_us": cached, "device_us": device,
+                        "cached_speedup_vs_host": host / cached, "hit_rate": float(rng.uniform()),
+                        "host_bytes_ratio": float(rng.uniform())})
+    report = {"timings": timings, "measured": {"hit_rate": 0.405, "host_bytes_ratio": 0.678}, "device": "fake",
+              "stream": {"corpus": "tiny", "step_tokens": 8192}, "cache": {"policy": "set-lru", "slots": 100,
+                                                                          "fraction_of_v41_layer1_table": 0.02},
+              "serve": {"warm_steps": 40, "measured_steps": 42}, "heldout_ceiling": 0.422,
+              "best_static_share": 1.0, "measured_distinct_rows": 50, "smoke": False}
+    table = heldout.markdown_table(report, heldout.PLACEMENTS).splitlines()
+    for row, line in zip(timings, table[2:4]):
+        assert line == (f"| {row['T']} | {row['host_us']:.1f} us | {row['cached_us']:.1f} us | "
+                        f"{row['device_us']:.1f} us | {row['host_us'] / row['cached_us']:.2f}x | "
+                        f"{row['hit_rate']:.1%} | {row['host_bytes_ratio']:.1%} |")
+    assert "40.5% of row reads served from HBM with 2% of a V4.1 table's rows" in table[-1]
+    assert "ceiling 42.2%" in table[-1] and "all of which fit in the 100 slots" in table[-1]
+
+
+def test_without_cuda_one_clear_error(heldout, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stopped:
+        heldout.main([])
+    assert stopped.value.code == 2 and "--smoke" in capsys.readouterr().err
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        heldout.main(["--smoke"])
+    assert stopped.value.code == 2 and "TRITON_INTERPRET=1" in capsys.readouterr().err

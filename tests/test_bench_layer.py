@@ -1,6 +1,7 @@
-"""benchmarks/bench_layer.py end to end on the CPU (Triton interpreter, a small geometry, timing
-replaced by one call of each timed function): every path, stage, check and the JSON keys, so the
-one unattended GPU run does not die on a Python error."""
+"""benchmarks/bench_layer.py on the CPU: end to end under the Triton interpreter (a small geometry, timing
+replaced by one call of each timed function: every path, stage, check and the JSON keys), and in the
+plain suite its command line and its printed table on fake numbers, so the one unattended GPU run does
+not die on a Python error."""
 
 from __future__ import annotations
 
@@ -71,3 +72,56 @@ def test_bench_layer_runs_end_to_end(tmp_path, monkeypatch):
     assert report["layer_small_m_T64_us"] == 1.0
     assert report["fused_sweep"], "the fused tile sweep did not run at T = 64"
     assert report["wkv_bytes_per_layer_bf16"] == 256 * 256 * 2
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_layer
+
+    return bench_layer
+
+
+@pytest.mark.parametrize("tokens", ["1,x", "0,64", "", "64,-1"])
+def test_bad_token_counts_are_one_clear_error(bench, capsys, tokens):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--tokens", tokens])
+    assert stopped.value.code == 2
+    assert "--tokens" in capsys.readouterr().err
+
+
+def test_without_cuda_one_clear_error(bench, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--tokens", "1,64"])
+    assert stopped.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_table_prints_each_path_against_the_ceiling(bench, rng, capsys):
+    """print_table on a report of tiny fake numbers: every path's time, its GEMM rate and share of the
+    bf16 ceiling, its ratio to the bf16 layer; paths without a time are left out."""
+    ceiling = 700.0
+    rows = []
+    for tokens in (1, 64):
+        row = {"T": tokens}
+        for path in ("default",) + bench.PATHS:
+            row[f"{path}_us"] = float(rng.uniform(50.0, 200.0))
+            row[f"{path}_eager_us"] = float(rng.uniform(50.0, 200.0))
+        row["b_fused_us"] = None  # a path that failed
+        rows.append(row)
+    report = {"device": "fake", "torch": "-", "triton": "-", "bf16_gemm_ceiling_TFLOPs": ceiling,
+              "default_backend": "scaled_mm", "layer": rows, "stages": [{"T": 64, "gate_us": 8.5}],
+              "update_rel_error": {}, "update_rel_error_T64": {}, "wkv_bytes_per_layer": 1,
+              "wkv_bytes_per_layer_bf16": 2, "layer_T8192_us": None, "layer_T64_us": rows[1]["default_us"],
+              "layer_bf16_T8192_us": None, "layer_small_m_T64_us": None, "errors": [{"what": "x", "error": "y"}]}
+    bench.print_table(report)
+    printed = capsys.readouterr().out
+    for row in rows:
+        line = next(text for text in printed.splitlines()
+                    if text.split()[:2] == [str(row["T"]), "a_triton"])
+        us = row["a_triton_us"]
+        tflops = bench.gemm_tflops(row["T"], us)
+        assert line.split()[2:6] == [f"{us:.1f}", f"{tflops:.0f}", f"{100 * tflops / ceiling:.0f}%",
+                                     f"{row['bf16_us'] / us:.2f}x"]
+        assert not any(text.split()[:2] == [str(row["T"]), "b_fused"] for text in printed.splitlines())
+    assert "gate 8.5" in printed and "1 errors" in printed

@@ -75,8 +75,8 @@ def _gate_sensitivity(hidden_states, key, q_weight, k_weight, mask) -> torch.Ten
     at ``dot = 0`` (by up to 1e-3) and has slope ``sigmoid' / (2 sqrt|dot|)`` beside it,
     so where ``|dot|`` is within ``dot_error`` of zero the sign, hence ``g``, may differ.
     The T = 8192 GPU test (32k dots per run) failed once without this allowance;
-    benchmarks/gate_flake_probe.py counts, over many seeds, how often the old bound
-    fails and whether each failure sits at such a dot (benchmarks/NOTES.md)."""
+    a probe (benchmarks/NOTES.md, "Findings of removed probes") counted, over many seeds,
+    how often the old bound fails and whether each failure sits at such a dot."""
     h, key = hidden_states.double(), key.double()
     w = (q_weight.double() * k_weight.double())[None]
     hidden = h.shape[-1]

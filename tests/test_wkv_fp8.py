@@ -362,7 +362,7 @@ def test_gather_quantize_bit_exact(case, source, monkeypatch):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("launch_shape", [(1, 1), (4, 1), (8, 2)], ids=lambda s: f"block_t{s[0]}-warps{s[1]}")
 def test_gather_quantize_launch_shapes_bit_exact(launch_shape, monkeypatch):
-    """Other (BLOCK_T, num_warps) shapes (small_t_sweep.py's) give the default's bytes."""
+    """Other (BLOCK_T, num_warps) shapes (the small-T sweep's in benchmarks/NOTES.md) give the default's bytes."""
     wkv_gemm = _wkv_gemm()
     device = _kernel_device()
     seed = _fresh_seed()

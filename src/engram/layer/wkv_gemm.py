@@ -54,7 +54,7 @@ MIN_ACTIVATION_ROWS = 128
 """Fewest rows of the quantized activations. Below 128 rows cuBLAS's block-scaled FP8 GEMM picks a
 slower kernel: V4.1-Flash wkv (K = 6144, N = 25600) on the H200, graph-replayed, 59.1 us at M = 64
 against 56.2 us with the same rows padded to 128 (59.4 against 55.8 at M = 1;
-``benchmarks/probe_scaled_mm_small_m.py``). The padding rows are zeros; the Triton GEMMs skip them."""
+``benchmarks/NOTES.md``, "Findings of removed probes"). The padding rows are zeros; the Triton GEMMs skip them."""
 
 
 def padded_tokens(tokens: int) -> int:
@@ -126,7 +126,7 @@ class SmallMGemmConfig:
                              f"found {self.reduction!r}")
 
 
-# Unmeasured first guesses (benchmarks/wkv_small_m_sweep.py measures them on the H200): at
+# Unmeasured first guesses (their H200 sweep: benchmarks/NOTES.md, "Findings of removed probes"): at
 # V4.1's N = 25600, 128-wide column tiles give 200 tiles; 4 (2) K splits make 800 (400) programs
 # on 132 SMs, 12 (24) 128-deep steps each.
 _SMALL_M_GPU_CONFIGS = (  # (largest T, config)

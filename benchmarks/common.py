@@ -1,14 +1,18 @@
-"""Benchmark tables at V4.1-Flash row shape, shared by bench_host.py and bench_cache.py (GPU).
+"""Helpers shared by the GPU benchmarks: the HBM copy ceiling, host-clock and device timing, and
+host tables at V4.1-Flash row shape (bench_host.py, bench_cache.py, bench_step.py).
 
+* :func:`copy_ceiling_gbps`: the HBM copy ceiling every kernel benchmark reports against;
+* :func:`median_wall_us`: host-clock timing of host work, or of host + device work;
+* :func:`gpu_us`: median device time of a call (optionally a CUDA-graph replay);
 * :func:`host_table`: a placement "host" table of random rows in host memory (2 MiB pages
   where the OS gives them, as a loaded table has), filled from the GPU in 1 GiB pieces;
 * :func:`table_over_rows`: another placement over the same pinned rows, without a copy;
-* :func:`gpu_us`: median device time of a call (CUDA events; optionally a graph replay);
 * :func:`fold_ids`: hash ids of a real table folded into a smaller table's row range.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -19,6 +23,35 @@ from engram.table.host_memory.rows import PackedRows, packed_row_bytes
 
 HEAD_DIM, COLUMNS = 256, 24  # V4.1-Flash: 256 E4M3 values + 8 UE8M0 scales per row, 24 columns per token
 ROW_BYTES_ON_DISK = HEAD_DIM + HEAD_DIM // 32  # 264
+
+
+def copy_ceiling_gbps(num_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy of ``num_bytes`` random bytes: (read + written) / median time."""
+    import triton.testing
+
+    source = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    milliseconds = triton.testing.do_bench(lambda: target.copy_(source), warmup=50, rep=300, return_mode="median")
+    return 2 * num_bytes / (milliseconds * 1e-3) / 1e9
+
+
+def median_wall_us(call, repeats: int = 30, warmup: int = 3, *, until_device_done: bool = True) -> float:
+    """Median microseconds of ``call()``, each run alone after a device sync. With
+    ``until_device_done`` the clock stops after a second sync (the call's whole latency);
+    without, when the call returns (the host time an engine's thread pays)."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        if until_device_done:
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def gpu_us(call, graph: bool = False) -> float:

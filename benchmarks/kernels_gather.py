@@ -14,7 +14,7 @@ and do_bench then times the host (seen on an H200 VM: packed 38 us replaced by 7
 medians in whole phases of a run). Eager medians are reported beside them; the
 torch-native path is timed eagerly, as it runs.
 
-    PYTHONPATH=src python benchmarks/gather_bench.py            # sweep + table, JSON to $OUT
+    PYTHONPATH=src python benchmarks/kernels_gather.py           # sweep + table, JSON to $OUT
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ceiling import copy_ceiling_gbps  # noqa: E402
+from common import copy_ceiling_gbps  # noqa: E402
 
 from engram.table import lookup_reference  # noqa: E402
 from engram.table.kernels.gather import GatherConfig, default_config, gather_rows, gather_rows_packed  # noqa: E402

@@ -5,7 +5,7 @@ Bytes counted per call: hidden read + kv read + out written,
 not counted): 1.09 GB at T = 8192, hc = 4, D = 5120.
 
 :func:`bench_gate` is the entry point for ``benchmarks/bench_kernels.py``. Run as a
-script for the tuning sweep: ``PYTHONPATH=src python benchmarks/gate_bench.py --sweep short``
+script for the tuning sweep: ``PYTHONPATH=src python benchmarks/kernels_gate.py --sweep short``
 (copy ceiling, launch configs at several T, then :func:`bench_gate`; ``--json PATH``
 writes every number).
 """
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ceiling import copy_ceiling_gbps  # noqa: E402
+from common import copy_ceiling_gbps  # noqa: E402
 
 EPS = 1e-6
 DEFAULT_L2_BYTES = 60 * 2 ** 20  # H200: 60 MB (torch reports 50 MiB on some builds)
