@@ -18,7 +18,7 @@ from engram.table import (
     lookup_reference,
     register_placement,
 )
-from engram.table import table as table_module
+from engram.table import placement as table_module
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOKEN_COUNTS = st.sampled_from([1, 2, 7, 63, 100])

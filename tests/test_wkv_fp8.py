@@ -720,18 +720,20 @@ def test_scaled_mm_probe_logic(monkeypatch):
         factors = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)[: weight.shape[0], :in_features]
         return (a_values @ (weight.float() * factors).T).to(torch.bfloat16)[:tokens]
 
-    layout = wkv_gemm.ScaledMmLayout(4)
+    from engram.layer import scaled_mm
+
+    layout = scaled_mm.ScaledMmLayout(4)
     cpu = torch.device("cpu")
-    monkeypatch.setattr(wkv_gemm, "scaled_mm_gemm", emulated)
-    assert wkv_gemm._probe(cpu, 384, 320, layout) is None          # partial N block, K / 128 = 3 (padded to 4)
-    monkeypatch.setattr(wkv_gemm, "scaled_mm_gemm", lambda *args: emulated(*args, transpose_scales=True))
-    assert "wrong results" in wkv_gemm._probe(cpu, 384, 320, layout)
+    monkeypatch.setattr(scaled_mm, "scaled_mm_gemm", emulated)
+    assert scaled_mm._probe(cpu, 384, 320, layout) is None          # partial N block, K / 128 = 3 (padded to 4)
+    monkeypatch.setattr(scaled_mm, "scaled_mm_gemm", lambda *args: emulated(*args, transpose_scales=True))
+    assert "wrong results" in scaled_mm._probe(cpu, 384, 320, layout)
 
     def failing(*args):
         raise RuntimeError("Invalid scaling configuration.\nmore")
 
-    monkeypatch.setattr(wkv_gemm, "scaled_mm_gemm", failing)
-    assert wkv_gemm._probe(cpu, 384, 320, layout) == "RuntimeError: Invalid scaling configuration."
+    monkeypatch.setattr(scaled_mm, "scaled_mm_gemm", failing)
+    assert scaled_mm._probe(cpu, 384, 320, layout) == "RuntimeError: Invalid scaling configuration."
     assert wkv_gemm.probe_scaled_mm_blockwise(cpu, 384, 320) == (None, "not a CUDA device")
 
 
