@@ -83,7 +83,7 @@ def test_eager_step_equals_the_checked_path(fp8, tokens, seed):
         out = layer(hidden, hash_ids, mask)
         expected = _checked(layer, hidden, hash_ids, mask)
         assert torch.equal(out, expected), f"step {step}, seed {seed}"
-    steps = [value for value in layer._checked_calls._entries.values() if isinstance(value, EagerStep)]
+    steps = [plan.step for plan in layer._checked_calls._entries.values() if isinstance(plan.step, EagerStep)]
     assert len(steps) == 1, "the eager step was not prepared"
     assert (steps[0].fp8_rows is not None) == fp8 and (steps[0].lookup is not None) != fp8
 

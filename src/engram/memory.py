@@ -31,7 +31,7 @@ from engram.table import EngramTable, available_placements
 from engram.table.prefetch import IdsIdentity, TablePrefetch
 from engram.vocab import TokenCompressor
 
-__all__ = ["EngramMemory", "StepPrefetch", "resolve_placement"]
+__all__ = ["EngramMemory", "StepPrefetch", "StepPlan", "resolve_placement"]
 
 
 # "auto" keeps the tables in HBM when they take at most this fraction of the free device
@@ -106,6 +106,31 @@ class StepPrefetch:
 
     def __repr__(self) -> str:
         return f"StepPrefetch(layers={list(self._tables)}, hasher_calls={self.hasher_calls})"
+
+
+class StepPlan:
+    """Every Engram layer's :class:`~engram.layer.plan.LayerPlan` for one step structure
+    (:meth:`EngramMemory.plan`). ``run(layer_id, hidden_states, hash_ids, token_mask=None,
+    prefetch=None)`` equals :meth:`EngramMemory.forward_layer` bit for bit and only launches (with
+    validation on it still checks each layer's ids against its columns, a host sync)."""
+
+    def __init__(self, memory: "EngramMemory", plans: dict):
+        self.memory, self.plans = memory, dict(plans)
+
+    def run(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
+            token_mask: torch.Tensor | None = None, prefetch: "StepPrefetch | None" = None) -> torch.Tensor:
+        memory = self.memory
+        index = memory._index(layer_id)
+        layer_ids = hash_ids[:, index, :]
+        if memory.tables[layer_id].validate:
+            memory._check_columns(index, layer_ids)
+        layer_prefetch = None
+        if prefetch is not None:
+            if not isinstance(prefetch, StepPrefetch) or prefetch.memory is not memory:
+                raise ValueError(f"prefetch: expected the handle this EngramMemory's prefetch() returned, or None, "
+                                 f"found {type(prefetch).__name__}")
+            layer_prefetch = prefetch.take(layer_id, hash_ids, memory.hasher.calls)
+        return self.plans[layer_id].run(hidden_states, layer_ids, token_mask, layer_prefetch)
 
 
 def _read_spec(model_dir: Path) -> EngramSpec:
@@ -404,6 +429,16 @@ class EngramMemory:
             layer_prefetch = prefetch.take(layer_id, hash_ids, self.hasher.calls)
         return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask,
                                       sp_token_counts=sp_token_counts, prefetch=layer_prefetch)
+
+    def plan(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
+             token_mask: torch.Tensor | None = None) -> "StepPlan":
+        """A :class:`StepPlan` for steps whose arguments have these structures (``hidden_states [T, hc, D]``,
+        ``hash_ids [T, L, C]``, ``token_mask [T]`` or None): every layer's checks and choices made now,
+        so ``plan.run(layer_id, ...)`` only launches. Single-process layers (no tensor or sequence
+        parallelism)."""
+        self._check_step_ids(hash_ids)
+        return StepPlan(self, {layer_id: self._layers[layer_id].plan(hidden_states, hash_ids[:, index, :], token_mask)
+                               for index, layer_id in enumerate(self.spec.layer_ids)})
 
     def _check_columns(self, index: int, hash_ids: torch.Tensor) -> None:
         """Each column's ids must lie in that column's rows ``[offset, offset + prime)`` of layer

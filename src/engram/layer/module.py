@@ -58,11 +58,11 @@ import torch
 import torch.distributed as dist
 
 from engram.backends import resolve_backend
-from engram.call_cache import CallCache, structure
+from engram.call_cache import CallCache
 from engram import ops
 from engram.common import HASH_ID_DTYPES, ceil_div
 from engram.ops import compiling
-from engram.layer.eager_step import prepare_eager_step
+from engram.layer.plan import LayerPlan, plan_key
 from engram.layer.gate import engram_gate_kv
 from engram.layer.wkv import WkvProjection
 
@@ -449,27 +449,18 @@ class Engram(torch.nn.Module):
 
     def _forward_eagerly(self, hidden_states, hash_ids, token_mask, sp_token_counts, prefetch) -> torch.Tensor:
         if sp_token_counts is None and self.mode == "single":
-            key = (structure(hidden_states), structure(hash_ids), structure(token_mask), self.q_weight.device)
-            planned = self._checked_calls.get(key)
-            if planned is None:
-                planned = self._checked_calls.put(key, self._check_single_call(hidden_states, hash_ids, token_mask))
-            if planned:
-                if planned is not True and planned.current(self):  # an EagerStep: launches only (rows in place)
-                    return planned(self, hidden_states, hash_ids, token_mask)
-                kv = self.project(hash_ids, [hash_ids.shape[0]], [0], hidden_states.device, prefetch)
-                return engram_gate_kv(hidden_states, kv, self.q_weight, self.k_weight, self.eps, token_mask,
-                                      backend=self.gate_backend)
+            key = plan_key(self, hidden_states, hash_ids, token_mask)
+            plan = self._checked_calls.get(key)
+            if plan is None:
+                plan = self._checked_calls.put(key, LayerPlan(self, hidden_states, hash_ids, token_mask, key=key))
+            return plan.launch(hidden_states, hash_ids, token_mask, prefetch)
         return self._forward_checked(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch=prefetch)
 
-    def _check_single_call(self, hidden_states, hash_ids, token_mask):
-        """The checks of :meth:`forward` without parallelism. What calls of this structure run:
-        False: every check on every call (where the mask is moved to the layer's device on every
-        call); an :class:`~engram.layer.eager_step.EagerStep` where every part has a prepared
-        call; else True (the unchecked path through :meth:`project` and the gate)."""
-        self._forward_checked(hidden_states, hash_ids, token_mask, None, check_only=True)
-        if token_mask is not None and token_mask.device != hidden_states.device:
-            return False
-        return prepare_eager_step(self, hidden_states, hash_ids, token_mask) or True
+    def plan(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
+             token_mask: torch.Tensor | None = None) -> LayerPlan:
+        """The :class:`~engram.layer.plan.LayerPlan` of calls with these arguments' structure: every check
+        and choice made now; ``plan.run(...)`` then only launches (single-process layers)."""
+        return LayerPlan(self, hidden_states, hash_ids, token_mask)
 
     def _apply(self, fn, *args, **kwargs):
         self._checked_calls.clear()  # steps hold views and launch plans of the tensors being replaced
