@@ -84,9 +84,18 @@ class StepPrefetch:
     buffer, a later hashing call or a second use gets None (the layer then reads its own rows)."""
 
     def __init__(self, memory: "EngramMemory", hasher_calls: int, ids: IdsIdentity,
-                 tables: dict[int, TablePrefetch | None]):
+                 tables: dict[int, TablePrefetch | None], kv: dict | None = None):
         self.memory, self.hasher_calls, self.ids = memory, hasher_calls, ids
         self._tables = dict(tables)
+        self._kv = dict(kv or {})  # layer id -> KvAhead (prefetch(kv_ahead=True))
+
+    def take_kv(self, layer_id: int, hash_ids: torch.Tensor, hasher_calls: int):
+        """Layer ``layer_id``'s kv computed ahead, for the gate of exactly this step's ``hash_ids`` (the
+        same tensor, unrefilled, no hashing since), or None; it is taken either way."""
+        kv = self._kv.pop(layer_id, None)
+        if kv is None or hasher_calls != self.hasher_calls or not self.ids.matches(hash_ids):
+            return None
+        return kv
 
     def take(self, layer_id: int, hash_ids: torch.Tensor, hasher_calls: int) -> TablePrefetch | None:
         """Layer ``layer_id``'s handle for the lookup of ``hash_ids [T, L, C]`` when this prefetch was
@@ -124,13 +133,14 @@ class StepPlan:
         layer_ids = hash_ids[:, index, :]
         if memory.tables[layer_id].validate:
             memory._check_columns(index, layer_ids)
-        layer_prefetch = None
+        layer_prefetch = kv = None
         if prefetch is not None:
             if not isinstance(prefetch, StepPrefetch) or prefetch.memory is not memory:
                 raise ValueError(f"prefetch: expected the handle this EngramMemory's prefetch() returned, or None, "
                                  f"found {type(prefetch).__name__}")
             layer_prefetch = prefetch.take(layer_id, hash_ids, memory.hasher.calls)
-        return self.plans[layer_id].run(hidden_states, layer_ids, token_mask, layer_prefetch)
+            kv = prefetch.take_kv(layer_id, hash_ids, memory.hasher.calls)
+        return self.plans[layer_id].run(hidden_states, layer_ids, token_mask, layer_prefetch, kv)
 
 
 def _read_spec(model_dir: Path) -> EngramSpec:
@@ -355,7 +365,8 @@ class EngramMemory:
             raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
                              f"hash columns), found {found}")
 
-    def prefetch(self, hash_ids: torch.Tensor, *, sp_token_counts: Sequence[int] | None = None):
+    def prefetch(self, hash_ids: torch.Tensor, *, sp_token_counts: Sequence[int] | None = None,
+                 kv_ahead: bool = False):
         """Start reading every layer's rows of ``hash_ids [T, L, C]`` now, in layer order, and return
         the step's handle for ``forward_layer(..., prefetch=handle)``. Call it right after hashing, on
         the stream that runs the layers. With placement ``"host"`` large batches are gathered on the
@@ -371,20 +382,34 @@ class EngramMemory:
         (no host sync); nothing is started where the rows already live on the device, for
         decode-sized batches (read directly, graph-capturable) and while a CUDA graph is being captured.
 
+        ``kv_ahead``: also compute each layer's ``kv = wkv(rows)`` now (on CUDA on a side stream per
+        layer, after its rows; :meth:`Engram.kv_ahead`), so ``forward_layer`` given the handle runs only
+        the gate; bit-identical to computing it there. Off by default: it pays only where the step
+        measures it faster (``benchmarks/bench_step.py``); with host tables this call then waits, as a
+        lookup does, for each layer's host gather to be enqueued. Single-process layers.
+
         Under ``torch.compile`` this is the custom op ``engram::prefetch`` (:mod:`engram.ops`) and the
         handle is an int64 ticket tensor, passed to ``forward_layer`` the same way."""
+        if not isinstance(kv_ahead, bool):
+            raise ValueError(f"kv_ahead: expected True or False, found {kv_ahead!r}")
         if compiling():
-            if sp_token_counts is not None:
-                raise ValueError("sp_token_counts: not supported under torch.compile; prefetch eagerly")
+            if sp_token_counts is not None or kv_ahead:
+                raise ValueError("sp_token_counts, kv_ahead: not supported under torch.compile; prefetch eagerly")
             return ops.prefetch(self, hash_ids)
-        return self._prefetch_eagerly(hash_ids, sp_token_counts)
+        return self._prefetch_eagerly(hash_ids, sp_token_counts, kv_ahead)
 
-    def _prefetch_eagerly(self, hash_ids: torch.Tensor,
-                          sp_token_counts: Sequence[int] | None = None) -> "StepPrefetch":
+    def _prefetch_eagerly(self, hash_ids: torch.Tensor, sp_token_counts: Sequence[int] | None = None,
+                          kv_ahead: bool = False) -> "StepPrefetch":
         self._check_step_ids(hash_ids)
+        if kv_ahead and sp_token_counts is not None:
+            raise ValueError("kv_ahead: single-process layers only; found sp_token_counts")
         tables = {layer_id: self._layers[layer_id].prefetch(hash_ids[:, index, :], sp_token_counts=sp_token_counts)
                   for index, layer_id in enumerate(self.spec.layer_ids)}
-        handle = StepPrefetch(self, self.hasher.calls, IdsIdentity.of(hash_ids), tables)
+        kv = {}
+        if kv_ahead:  # each layer's rows taken by its kv now, in layer order
+            for index, layer_id in enumerate(self.spec.layer_ids):
+                kv[layer_id] = self._layers[layer_id].kv_ahead(hash_ids[:, index, :], tables.pop(layer_id))
+        handle = StepPrefetch(self, self.hasher.calls, IdsIdentity.of(hash_ids), tables, kv)
         self._op_ticket = handle  # the custom op names it by a ticket tensor: kept until the next prefetch
         return handle
 
@@ -427,6 +452,9 @@ class EngramMemory:
                 raise ValueError(f"prefetch: expected the handle this EngramMemory's prefetch() returned, or None, "
                                  f"found {type(prefetch).__name__}")
             layer_prefetch = prefetch.take(layer_id, hash_ids, self.hasher.calls)
+            kv = prefetch.take_kv(layer_id, hash_ids, self.hasher.calls)
+            if kv is not None:
+                return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask, kv_ahead=kv)
         return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask,
                                       sp_token_counts=sp_token_counts, prefetch=layer_prefetch)
 

@@ -62,7 +62,8 @@ from engram.call_cache import CallCache
 from engram import ops
 from engram.common import HASH_ID_DTYPES, ceil_div
 from engram.ops import compiling
-from engram.layer.plan import LayerPlan, plan_key
+from engram.layer.plan import KvAhead, LayerPlan, plan_key
+from engram.table.prefetch import IdsIdentity
 from engram.layer.gate import engram_gate_kv
 from engram.layer.wkv import WkvProjection
 
@@ -219,6 +220,7 @@ class Engram(torch.nn.Module):
         self._check_table(table)
         self._checked_calls = CallCache(64)  # argument structures forward has checked (single mode)
         self._op_key = ops.register(self)  # names this layer in engram::layer
+        self._kv_stream = None  # kv_ahead's side stream (CUDA), made on first use
 
     @classmethod
     def from_weights(
@@ -421,6 +423,7 @@ class Engram(torch.nn.Module):
         *,
         sp_token_counts: Sequence[int] | None = None,
         prefetch=None,
+        kv_ahead: KvAhead | None = None,
     ) -> torch.Tensor:
         """``out [n, hc, D] = h + g * value`` (docs/design.md §2 "Gate"), dtype of ``hidden_states``.
 
@@ -434,6 +437,8 @@ class Engram(torch.nn.Module):
                 default the ceil split of :func:`sequence_parallel_sizes`.
             prefetch: the handle :meth:`prefetch` returned for this ``hash_ids`` (or None); served only
                 while valid (:mod:`engram.table.prefetch`).
+            kv_ahead: what :meth:`kv_ahead` returned for this very ``hash_ids`` (or None): only the gate
+                runs; for other ids (or a second use) kv is computed here.
 
         Every rank of a group must call forward with the same ``hash_ids`` (and counts). Under
         ``torch.compile`` the call is the custom op ``engram::layer`` (:mod:`engram.ops`).
@@ -442,19 +447,49 @@ class Engram(torch.nn.Module):
             if sp_token_counts is not None:
                 raise ValueError("sp_token_counts: not supported under torch.compile")
             return ops.layer(self, -1, hidden_states, hash_ids, token_mask, None)
-        return self._forward_eagerly(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch)
+        return self._forward_eagerly(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch, kv_ahead)
 
     def _layer_eagerly(self, layer_id, hidden_states, hash_ids, token_mask, prefetch) -> torch.Tensor:
         return self._forward_eagerly(hidden_states, hash_ids, token_mask, None, prefetch)
 
-    def _forward_eagerly(self, hidden_states, hash_ids, token_mask, sp_token_counts, prefetch) -> torch.Tensor:
+    def _forward_eagerly(self, hidden_states, hash_ids, token_mask, sp_token_counts, prefetch,
+                         kv_ahead=None) -> torch.Tensor:
         if sp_token_counts is None and self.mode == "single":
             key = plan_key(self, hidden_states, hash_ids, token_mask)
             plan = self._checked_calls.get(key)
             if plan is None:
                 plan = self._checked_calls.put(key, LayerPlan(self, hidden_states, hash_ids, token_mask, key=key))
-            return plan.launch(hidden_states, hash_ids, token_mask, prefetch)
+            kv = kv_ahead.consume(hash_ids) if kv_ahead is not None else None
+            return plan.launch(hidden_states, hash_ids, token_mask, prefetch, kv)
+        if kv_ahead is not None:
+            raise ValueError(f"kv_ahead: layers of mode {self.mode!r} compute kv in forward; expected None")
         return self._forward_checked(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch=prefetch)
+
+    def kv_ahead(self, hash_ids: torch.Tensor, prefetch=None) -> KvAhead:
+        """``kv`` of ``hash_ids int [T, C]`` (lookup, then wkv) started now, for ``forward(...,
+        kv_ahead=...)`` of the same tensor, which then runs only the gate. On CUDA it runs on a side stream
+        that first waits for the current one (capturable: the fork and the join are events), so a later
+        layer's kv overlaps the decoder; on the CPU now. Single-process layers."""
+        if self.mode != "single":
+            raise ValueError(f"kv_ahead: layers of mode {self.mode!r} compute kv in forward")
+        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
+            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
+            raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {found}")
+        device = self.q_weight.device
+        identity = IdsIdentity.of(hash_ids)
+        if device.type != "cuda":
+            return KvAhead(self.project(hash_ids, [hash_ids.shape[0]], [0], device, prefetch), None, identity)
+        main = torch.cuda.current_stream(device)
+        if self._kv_stream is None:
+            self._kv_stream = torch.cuda.Stream(device)
+        side = self._kv_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            kv = self.project(hash_ids, [hash_ids.shape[0]], [0], device, prefetch)
+        hash_ids.record_stream(side)
+        done = torch.cuda.Event()
+        done.record(side)
+        return KvAhead(kv, done, identity)
 
     def plan(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
              token_mask: torch.Tensor | None = None) -> LayerPlan:

@@ -17,7 +17,30 @@ import torch
 from engram.call_cache import structure
 from engram.layer.gate import engram_gate_kv
 
-__all__ = ["LayerPlan", "plan_key"]
+__all__ = ["LayerPlan", "KvAhead", "plan_key"]
+
+
+class KvAhead:
+    """A layer's ``kv [T, (hc + 1) * D]`` computed ahead of its gate (:meth:`Engram.kv_ahead
+    <engram.layer.module.Engram.kv_ahead>`): on CUDA on a side stream, with the event after it."""
+
+    __slots__ = ("kv", "done", "ids", "spent")
+
+    def __init__(self, kv: torch.Tensor, done, ids):
+        self.kv, self.done, self.ids, self.spent = kv, done, ids, False
+
+    def consume(self, hash_ids: torch.Tensor) -> torch.Tensor | None:
+        """The kv for the gate of ``hash_ids`` (the tensor it was computed from, unrefilled), ordered after
+        its computation on the current stream; None (spent, or made for other ids) otherwise."""
+        if self.spent or not self.ids.matches(hash_ids):
+            self.spent = True
+            return None
+        self.spent = True
+        if self.done is not None:
+            stream = torch.cuda.current_stream(self.kv.device)
+            stream.wait_event(self.done)
+            self.kv.record_stream(stream)
+        return self.kv
 
 
 def plan_key(layer, hidden_states, hash_ids, token_mask) -> tuple:
@@ -52,17 +75,26 @@ class LayerPlan:
             self.path = "prepared" if self.step is not None else "unchecked"
 
     def run(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None = None,
-            prefetch=None) -> torch.Tensor:
-        """The layer's output for a call of the plan's structure; ValueError for another structure."""
+            prefetch=None, kv_ahead: "KvAhead | None" = None) -> torch.Tensor:
+        """The layer's output for a call of the plan's structure; ValueError for another structure.
+        ``kv_ahead``: from :meth:`Engram.kv_ahead` for this ``hash_ids`` (then only the gate runs)."""
         key = plan_key(self.layer, hidden_states, hash_ids, token_mask)
         if key != self.key:
             raise ValueError(f"plan: made for arguments of structure {self.key[:3]}, found {key[:3]}; make a plan "
                              "for this structure (Engram.plan) or call the layer")
-        return self.launch(hidden_states, hash_ids, token_mask, prefetch)
+        kv = kv_ahead.consume(hash_ids) if kv_ahead is not None else None
+        return self.launch(hidden_states, hash_ids, token_mask, prefetch, kv)
 
-    def launch(self, hidden_states, hash_ids, token_mask, prefetch=None) -> torch.Tensor:
-        """:meth:`run` without the structure compare (for a caller that looked the plan up by it)."""
+    def launch(self, hidden_states, hash_ids, token_mask, prefetch=None, kv: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """:meth:`run` without the structure compare (for a caller that looked the plan up by it);
+        ``kv``: the layer's kv computed ahead (then only the gate runs)."""
         layer = self.layer
+        if kv is not None:
+            if self.path == "checked":
+                token_mask = token_mask.to(hidden_states.device)
+            return engram_gate_kv(hidden_states, kv, layer.q_weight, layer.k_weight, layer.eps, token_mask,
+                                  backend=layer.gate_backend)
         if self.path == "checked":
             return layer._forward_checked(hidden_states, hash_ids, token_mask, None, prefetch=prefetch)
         if self.step is not None and self.step.current(layer):  # prepared launches, rows read in place
