@@ -71,7 +71,7 @@ class EngramTable:
             Default: ``rows`` when the table is a whole layer (``row_start == 0``,
             ``column_start == 0``, ``column_end`` None or ``num_columns_total``);
             otherwise unknown and validation checks only ``id >= 0``.
-        placement: ``"cpu"``, ``"device"``, ``"host"`` or ``"cached"`` (see :func:`available_placements`).
+        placement: ``"cpu"``, ``"device"``, ``"host"``, ``"cached"`` or ``"node"`` (see :func:`available_placements`).
         device: the CUDA device of placement ``"device"`` (default: current).
         validate: check hash ids on every lookup (a host sync); default on for the
             CPU and off for CUDA.
