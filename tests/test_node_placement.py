@@ -103,24 +103,25 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, seed: int,
                         "cpu": (plain.lookup(ids).view(torch.int16), plain.lookup_packed(ids)[0].view(torch.uint8),
                                 plain.lookup_packed(ids)[1]),
                     }
-        # a checkpoint's layer 0, each rank reading only its rows
+        # a checkpoint's layer 0, whole and one tensor-parallel shard, each rank reading only its rows
         checkpoint = SafetensorsCheckpoint(checkpoint_dir)
         layout = EngramLayout(spec)
-        node = load_engram_table(checkpoint, layout, 0, placement="node",
-                                 placement_options={"group": dist.group.WORLD})
-        plain = load_engram_table(checkpoint, layout, 0)
-        own = torch.Generator().manual_seed(seed + 7 + rank)
-        rows = node.num_rows
-        ids = request(rows, 0, rows, 40 + 9 * rank, own, edge_ids(rows, 0, rows, world_size),
-                      layout.num_columns)
-        start, end = node.storage.owned
-        results["checkpoint"] = {
-            "ids": ids, "owned": (start, end),
-            "stored": (node.storage.value_bytes, node.storage.scale_bytes),
-            "expected_stored": (plain.storage.value_bytes[start:end], plain.storage.scale_bytes[start:end]),
-            "node": (node.lookup(ids).view(torch.int16), node.lookup_packed(ids)[0].view(torch.uint8)),
-            "cpu": (plain.lookup(ids).view(torch.int16), plain.lookup_packed(ids)[0].view(torch.uint8)),
-        }
+        for shard_name, shard in (("whole", None), ("shard", layout.shard(1, 2))):  # the same rows on every rank
+            node = load_engram_table(checkpoint, layout, 0, shard, placement="node",
+                                     placement_options={"group": dist.group.WORLD})
+            plain = load_engram_table(checkpoint, layout, 0, shard)
+            own = torch.Generator().manual_seed(seed + 7 + rank)
+            rows, row_start, total = node.num_rows, node.row_start, layout.num_embeddings[0]
+            ids = request(rows, row_start, total, 40 + 9 * rank, own, edge_ids(rows, row_start, total, world_size),
+                          layout.num_columns)
+            start, end = node.storage.owned
+            results[("checkpoint", shard_name)] = {
+                "ids": ids, "owned": (start, end),
+                "stored": (node.storage.value_bytes, node.storage.scale_bytes),
+                "expected_stored": (plain.storage.value_bytes[start:end], plain.storage.scale_bytes[start:end]),
+                "node": (node.lookup(ids).view(torch.int16), node.lookup_packed(ids)[0].view(torch.uint8)),
+                "cpu": (plain.lookup(ids).view(torch.int16), plain.lookup_packed(ids)[0].view(torch.uint8)),
+            }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -151,7 +152,7 @@ def test_exchange_lookups_equal_cpu_table(world_size, seed, small_checkpoint, tm
             for node_part, cpu_part in zip(got["node"], got["cpu"]):
                 assert torch.equal(node_part, cpu_part), (rank, key)
                 compared += 1
-            if key == "checkpoint":
+            if key[0] == "checkpoint":
                 for stored, expected_bytes in zip(got["stored"], got["expected_stored"]):
                     assert torch.equal(stored, expected_bytes), rank
     # every rank owns its block; the blocks tile the rows
