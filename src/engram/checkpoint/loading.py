@@ -95,6 +95,8 @@ class TableSource:
     progress: ByteProgress | None = None
     check_values: bool = True
     share: bool = False
+    placement_options: dict | None = None
+    """The table's ``placement_options`` (placement ``"node"`` reads its group from them)."""
 
     @property
     def num_rows(self) -> int:
@@ -190,7 +192,7 @@ def load_engram_table(
     description = f"layer {layer_id} table"
     own_bar = progress is True
     source = TableSource(checkpoint, values_info, scales_info, row_start, row_end, spec.head_dim, description,
-                         chunk_bytes, None, check_values, bool(share_host_table))
+                         chunk_bytes, None, check_values, bool(share_host_table), placement_options)
     bar = table_progress(source.nbytes, description) if own_bar else (progress or None)
     source.progress = bar
     try:

@@ -24,6 +24,7 @@ from engram.table.placements.cpu import CpuPlacement  # each placement registers
 from engram.table.placements.device import DevicePlacement
 from engram.table.placements.host import HostPlacement
 from engram.table.placements.cached import CachedPlacement
+from engram.table.placements.node import NodePlacement
 
 __all__ = [
     "BLOCK_SIZE",
@@ -43,6 +44,7 @@ __all__ = [
     "DevicePlacement",
     "HostPlacement",
     "CachedPlacement",
+    "NodePlacement",
     "available_placements",
     "make_placement",
     "register_placement",

@@ -10,7 +10,8 @@ the storage and gathers rows by local row id onto the device lookups run on.
 The placement ABC and registry are :mod:`engram.table.placement`; each placement lives in its own
 module of :mod:`engram.table.placements` and registers itself:
 ``"cpu"`` (:mod:`engram.table.placements.cpu`), ``"device"`` (:mod:`engram.table.placements.device`),
-``"host"`` (:mod:`engram.table.placements.host`) and ``"cached"`` (:mod:`engram.table.placements.cached`);
+``"host"`` (:mod:`engram.table.placements.host`), ``"cached"`` (:mod:`engram.table.placements.cached`)
+and ``"node"`` (:mod:`engram.table.placements.node`);
 :func:`available_placements` lists them.
 """
 
@@ -70,7 +71,7 @@ class EngramTable:
             Default: ``rows`` when the table is a whole layer (``row_start == 0``,
             ``column_start == 0``, ``column_end`` None or ``num_columns_total``);
             otherwise unknown and validation checks only ``id >= 0``.
-        placement: ``"cpu"``, ``"device"``, ``"host"`` or ``"cached"`` (see :func:`available_placements`).
+        placement: ``"cpu"``, ``"device"``, ``"host"``, ``"cached"`` or ``"node"`` (see :func:`available_placements`).
         device: the CUDA device of placement ``"device"`` (default: current).
         validate: check hash ids on every lookup (a host sync); default on for the
             CPU and off for CUDA.
@@ -359,12 +360,12 @@ class EngramTable:
         """The stored rows for a kernel that reads them by id itself (the fused wkv paths):
         ``(values uint8 [rows, D], scales uint8 [rows, D // 32], ids [T, C_local], row_start)``
         with ``ids`` the served columns of ``hash_ids`` (a view, checked as :meth:`lookup` does),
-        or None when the bytes do not live on :attr:`device` (host placements: use
-        :meth:`lookup_packed`)."""
+        or None when the bytes do not live on :attr:`device` (host placements) or this process
+        holds only some of the rows (``"node"``): use :meth:`lookup_packed`."""
         global_ids = self._local_columns(hash_ids)
         storage = self._storage
-        if not _same_device(storage.value_bytes.device, self.device):
-            return None
+        if not _same_device(storage.value_bytes.device, self.device) or storage.value_bytes.shape[0] != self.num_rows:
+            return None  # the bytes live elsewhere, or this process holds only some of the rows ("node")
         if self.validate:
             self._check_ids(global_ids)
         return storage.value_bytes, storage.scale_bytes, global_ids, self._row_start
