@@ -259,6 +259,10 @@ class Engram(torch.nn.Module):
 
     # ---- checks --------------------------------------------------------------
     def _check_table(self, table: Any) -> None:
+        if getattr(table, "collective", False):
+            # The layer skips the lookup of a rank with no tokens: a collective lookup would then hang.
+            raise ValueError(f"table: {table!r} serves lookups as collectives every rank must call; the Engram "
+                             "layer does not call one on every rank yet: use EngramTable.lookup directly")
         for attribute in ("lookup", "column_start", "column_end"):
             if not hasattr(table, attribute):
                 raise ValueError(f"table: expected an object with lookup(), column_start and column_end, "

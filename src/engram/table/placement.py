@@ -34,6 +34,8 @@ class TablePlacement(abc.ABC):
 
     name: ClassVar[str] = ""
     has_triton_lookup: ClassVar[bool] = False
+    collective: ClassVar[bool] = False
+    """True where every lookup is a collective that every rank of a group must call, in the same order."""
     backend: str = "torch"
     """``"triton"`` or ``"torch"``: set once by :class:`EngramTable` from its ``backend`` argument."""
 

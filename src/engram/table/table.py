@@ -224,6 +224,11 @@ class EngramTable:
 
     # ---- properties ----------------------------------------------------------
     @property
+    def collective(self) -> bool:
+        """Whether every lookup is a collective that every rank of the placement's group must call."""
+        return self._storage.collective
+
+    @property
     def storage(self) -> TablePlacement:
         """The placement object that owns the bytes."""
         return self._storage

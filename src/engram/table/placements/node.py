@@ -84,6 +84,7 @@ class NodePlacement(TablePlacement):
     """
 
     name = "node"
+    collective = True
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, group=None,
                  lookup: str = "exchange"):
