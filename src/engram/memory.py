@@ -128,18 +128,7 @@ class StepPlan:
 
     def run(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
             token_mask: torch.Tensor | None = None, prefetch: "StepPrefetch | None" = None) -> torch.Tensor:
-        memory = self.memory
-        index = memory._index(layer_id)
-        layer_ids = hash_ids[:, index, :]
-        if memory.tables[layer_id].validate:
-            memory._check_columns(index, layer_ids)
-        layer_prefetch = kv = None
-        if prefetch is not None:
-            if not isinstance(prefetch, StepPrefetch) or prefetch.memory is not memory:
-                raise ValueError(f"prefetch: expected the handle this EngramMemory's prefetch() returned, or None, "
-                                 f"found {type(prefetch).__name__}")
-            layer_prefetch = prefetch.take(layer_id, hash_ids, memory.hasher.calls)
-            kv = prefetch.take_kv(layer_id, hash_ids, memory.hasher.calls)
+        layer_ids, layer_prefetch, kv = self.memory._layer_inputs(layer_id, hash_ids, prefetch)
         return self.plans[layer_id].run(hidden_states, layer_ids, token_mask, layer_prefetch, kv)
 
 
@@ -442,21 +431,28 @@ class EngramMemory:
 
     def _layer_eagerly(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
                        token_mask: torch.Tensor | None, prefetch, sp_token_counts=None) -> torch.Tensor:
-        index = self._index(layer_id)
         self._check_step_ids(hash_ids)
+        layer_ids, layer_prefetch, kv = self._layer_inputs(layer_id, hash_ids, prefetch)
+        if kv is not None:
+            return self._layers[layer_id](hidden_states, layer_ids, token_mask, kv_ahead=kv)
+        return self._layers[layer_id](hidden_states, layer_ids, token_mask, sp_token_counts=sp_token_counts,
+                                      prefetch=layer_prefetch)
+
+    def _layer_inputs(self, layer_id: int, hash_ids: torch.Tensor, prefetch):
+        """``(ids [T, C], table handle or None, kv ahead or None)`` of layer ``layer_id`` for this step's
+        ``hash_ids [T, L, C]``: the ids checked against the layer's columns under validation, and what
+        ``prefetch`` (this memory's step handle, or None) holds for them."""
+        index = self._index(layer_id)
+        layer_ids = hash_ids[:, index, :]
         if self.tables[layer_id].validate:
-            self._check_columns(index, hash_ids[:, index, :])
-        layer_prefetch = None
-        if prefetch is not None:
-            if not isinstance(prefetch, StepPrefetch) or prefetch.memory is not self:
-                raise ValueError(f"prefetch: expected the handle this EngramMemory's prefetch() returned, or None, "
-                                 f"found {type(prefetch).__name__}")
-            layer_prefetch = prefetch.take(layer_id, hash_ids, self.hasher.calls)
-            kv = prefetch.take_kv(layer_id, hash_ids, self.hasher.calls)
-            if kv is not None:
-                return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask, kv_ahead=kv)
-        return self._layers[layer_id](hidden_states, hash_ids[:, index, :], token_mask,
-                                      sp_token_counts=sp_token_counts, prefetch=layer_prefetch)
+            self._check_columns(index, layer_ids)
+        if prefetch is None:
+            return layer_ids, None, None
+        if not isinstance(prefetch, StepPrefetch) or prefetch.memory is not self:
+            raise ValueError(f"prefetch: expected the handle this EngramMemory's prefetch() returned, or None, "
+                             f"found {type(prefetch).__name__}")
+        return (layer_ids, prefetch.take(layer_id, hash_ids, self.hasher.calls),
+                prefetch.take_kv(layer_id, hash_ids, self.hasher.calls))
 
     def plan(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
              token_mask: torch.Tensor | None = None) -> "StepPlan":
