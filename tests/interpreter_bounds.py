@@ -60,9 +60,10 @@ class _Extents:
 
 
 @contextlib.contextmanager
-def bounds_checked():
+def bounds_checked(reachable=()):
     """Check every load and store of every kernel launched inside; yields the checker
-    (``.accesses`` counts the lanes checked)."""
+    (``.accesses`` counts the lanes checked). ``reachable``: tensors a kernel may also touch
+    though they are not its arguments (shards found through a pointer table)."""
     from triton.runtime.interpreter import GridExecutor, InterpreterBuilder
 
     extents = _Extents()
@@ -70,7 +71,7 @@ def bounds_checked():
     launch = GridExecutor.__call__
 
     def checked_launch(self, *args, **kwargs):
-        extents.set([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
+        extents.set([a for a in (*args, *kwargs.values(), *reachable) if isinstance(a, torch.Tensor)])
         return launch(self, *args, **kwargs)
 
     def checked_load(self, pointers, mask, other, cache_policy, is_volatile):

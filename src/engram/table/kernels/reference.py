@@ -10,7 +10,7 @@ import torch
 
 from engram.table.fp8 import as_scale_bytes, as_value_bytes, dequantize_rows
 
-__all__ = ["lookup_reference", "distinct_rows_reference"]
+__all__ = ["lookup_reference", "peer_lookup_reference", "distinct_rows_reference"]
 
 
 def lookup_reference(
@@ -55,6 +55,35 @@ def lookup_reference(
 
     zeros = torch.zeros((), dtype=torch.bfloat16, device=rows.device)
     return torch.where(inside.unsqueeze(-1), rows, zeros)
+
+
+def peer_lookup_reference(
+    shards: list[torch.Tensor],
+    head_dim: int,
+    hash_ids: torch.Tensor,
+    row_start: int = 0,
+    column_start: int = 0,
+    column_end: int | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """A lookup of a table whose rows are split over packed shards (the peer gather's input).
+
+    ``shards``: ``uint8 [owned_s, row_bytes]`` in row order (values ``[:D]``, scales ``[D:D + D // 32]``);
+    the table is their concatenation. Returns ``(bfloat16 [T, C_local, D], (uint8 [T, C_local, D],
+    uint8 [T, C_local, D // 32]))``: :func:`lookup_reference` of it, and the raw bytes (zeros for ids
+    outside ``[row_start, row_start + rows)``).
+    """
+    table = torch.cat([shard.cpu() for shard in shards])
+    groups = head_dim // 32
+    value_bytes, scale_bytes = table[:, :head_dim], table[:, head_dim:head_dim + groups]
+    rows = lookup_reference(value_bytes.view(torch.float8_e4m3fn), scale_bytes, hash_ids.cpu(), row_start,
+                            column_start, column_end)
+    column_end = hash_ids.shape[1] if column_end is None else column_end
+    local = hash_ids[:, column_start:column_end].cpu().to(torch.int64) - row_start
+    inside = ((local >= 0) & (local < table.shape[0])).unsqueeze(-1)
+    safe = torch.where(inside.squeeze(-1), local, torch.zeros_like(local))
+    packed_values = torch.where(inside, value_bytes[safe], torch.zeros((), dtype=torch.uint8))
+    packed_scales = torch.where(inside, scale_bytes[safe], torch.zeros((), dtype=torch.uint8))
+    return rows, (packed_values, packed_scales)
 
 
 def distinct_rows_reference(global_ids: torch.Tensor, row_start: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
