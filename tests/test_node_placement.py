@@ -186,10 +186,7 @@ def test_argument_errors(tmp_path, seed):
             NodePlacement(values, scales, group=dist.GroupMember.NON_GROUP_MEMBER)
         with pytest.raises(ValueError, match="group: expected a torch.distributed ProcessGroup, found str"):
             NodePlacement(values, scales, group="world")
-        with pytest.raises(ValueError, match="lookup: 'peer' .* is not built yet"):
-            EngramTable(values, scales, placement="node", placement_options={"group": dist.group.WORLD,
-                                                                            "lookup": "peer"})
-        with pytest.raises(ValueError, match="lookup: expected 'exchange', found 'all'"):
+        with pytest.raises(ValueError, match="lookup: expected 'peer' or 'exchange', found 'all'"):
             NodePlacement(values, scales, group=dist.group.WORLD, lookup="all")
         # one process: the group is this rank alone, and it serves every row
         table = EngramTable(values, scales, placement="node", placement_options={"group": dist.group.WORLD})

@@ -1,11 +1,18 @@
-"""Placement ``"node"``: a table spread over a node-local process group, rows served by collectives.
+"""Placement ``"node"``: a table spread over a node-local process group.
 
 The table's rows ``[0, rows)`` (a whole layer, or a tensor-parallel shard) are split contiguously
 over the group's ``W`` ranks: rank ``r`` owns ``[r * ceil(rows / W), min(rows, (r + 1) * ceil(rows / W)))``
-and keeps only those rows. With ``lookup="exchange"`` every lookup is a collective: each rank sends
-its ids to all, serves the rows it owns for every rank, and one ``all_to_all_single`` brings each
-rank its rows. Every rank of the group must call every lookup, in the same order (its own number
-of ids, zero included). Runs over gloo (CPU tensors) and NCCL (CUDA tensors).
+and keeps only those rows. Setup checks that the group runs on one host. Two ways to serve a lookup:
+
+* ``lookup="peer"``: each rank maps the others' shards (:mod:`engram.table.peer_memory`; CUDA IPC,
+  every pair of GPUs checked for peer access at setup) and the peer gather kernel
+  (:mod:`engram.table.kernels.peer_gather`) reads every row from its owner through a pointer table:
+  no collective in a lookup, capturable in a CUDA graph. :meth:`NodePlacement.close` (a collective)
+  releases the mappings in order. On gloo groups the shards are shared-memory files (CPU tests).
+* ``lookup="exchange"``: every lookup is a collective: each rank sends its ids to all, serves the rows
+  it owns for every rank, and one ``all_to_all_single`` brings each rank its rows. Every rank of the
+  group must call every lookup, in the same order (its own number of ids, zero included). Runs over
+  gloo (CPU tensors) and NCCL (CUDA tensors).
 """
 
 from __future__ import annotations
@@ -16,9 +23,15 @@ import torch
 import torch.distributed as dist
 
 from engram.table.fp8 import BLOCK_SIZE
+from engram.table.host_memory.rows import packed_row_bytes
+from engram.table.peer_memory import allocate_shard, check_node_local, check_peer_access, describe_ranks, map_peer_shards
 from engram.table.table import TablePlacement, register_placement
+from engram.triton_launch import interpreting as _interpreting
 
-__all__ = ["NodePlacement", "owned_rows"]
+__all__ = ["NodePlacement", "owned_rows", "LOOKUPS"]
+
+LOOKUPS = ("peer", "exchange")
+
 
 def owned_rows(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """Rows ``[start, end)`` of ``num_rows`` that group rank ``rank`` of ``world_size`` owns
@@ -29,11 +42,8 @@ def owned_rows(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
 
 def _check_group(group, lookup) -> tuple[int, int]:
     """This rank's ``(rank, world_size)`` in ``group``; one ValueError per bad option."""
-    if lookup == "peer":
-        raise ValueError("lookup: 'peer' (reading other GPUs' rows over NVLink) is not built yet; "
-                         "use lookup='exchange'")
-    if lookup != "exchange":
-        raise ValueError(f"lookup: expected 'exchange', found {lookup!r}")
+    if lookup not in LOOKUPS:
+        raise ValueError(f"lookup: expected 'peer' or 'exchange', found {lookup!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: placement 'node' needs torch.distributed initialized "
                          "(dist.init_process_group) before the table is built")
@@ -52,6 +62,20 @@ def _check_group(group, lookup) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
+def _row_width(head_dim: int, lookup: str) -> int:
+    """Bytes of a stored row: the peer kernel reads 16-byte aligned packed rows; the exchange sends
+    ``D + D // 32`` bytes a row."""
+    return packed_row_bytes(head_dim) if lookup == "peer" else head_dim + head_dim // BLOCK_SIZE
+
+
+def _allocate_owned(rows: int, head_dim: int, lookup: str, device: torch.device):
+    """``(uint8 [rows, width] uninitialized, shared file or None)``: peers' shards are mappable."""
+    width = _row_width(head_dim, lookup)
+    if lookup == "peer":
+        return allocate_shard(rows, width, device)
+    return torch.empty(rows, width, dtype=torch.uint8, device=device), None
+
+
 def _storage_device(group, device) -> torch.device:
     """Where the owned rows live and lookups run: ``device``, else the CPU for a gloo group and
     the current CUDA device for an NCCL group."""
@@ -68,7 +92,7 @@ def _storage_device(group, device) -> torch.device:
 
 @register_placement
 class NodePlacement(TablePlacement):
-    """A table spread over the ranks of ``group``; each rank keeps and serves the rows it owns.
+    """A table spread over the ranks of ``group``; each rank keeps the rows it owns.
 
     Args:
         value_bytes, scale_bytes: ``uint8 [rows, D]`` / ``[rows, D // 32]``, the whole table; this
@@ -76,11 +100,12 @@ class NodePlacement(TablePlacement):
         device: where the owned rows live and lookups run (default: the CPU for gloo, the current
             CUDA device for NCCL).
         group: the node-local ``torch.distributed`` ProcessGroup (required).
-        lookup: ``"exchange"`` (collectives); ``"peer"`` is refused (not built yet).
+        lookup: ``"peer"`` (read the owners' memory, no collective per lookup) or ``"exchange"``
+            (one all-to-all per lookup; :attr:`collective`).
 
-    :meth:`gather` is a collective of ``group`` (see the module docstring). Storage is packed:
-    ``uint8 [owned, D + D // 32]`` (values then scales); :attr:`value_bytes` and :attr:`scale_bytes`
-    are views of this rank's rows only, while :attr:`num_rows` is the whole table's.
+    Storage is packed, ``uint8 [owned, width]`` (values, then scales; ``width`` 16-byte aligned for
+    ``"peer"``); :attr:`value_bytes` and :attr:`scale_bytes` are views of this rank's rows only,
+    while :attr:`num_rows` is the whole table's. Building one is a collective of ``group``.
     """
 
     name = "node"
@@ -91,22 +116,67 @@ class NodePlacement(TablePlacement):
         self._rank, self._world_size = _check_group(group, lookup)
         self._group = group
         self.lookup = lookup
+        self.collective = lookup == "exchange"
+        self.has_triton_lookup = lookup == "peer"
         target = _storage_device(group, device)
+        infos = describe_ranks(group, target)
+        check_node_local(infos)
+        if lookup == "peer" and target.type == "cuda":
+            check_peer_access(infos)
         rows, head_dim = value_bytes.shape
         start, end = owned_rows(rows, self._world_size, self._rank)
-        packed = torch.empty(end - start, head_dim + head_dim // BLOCK_SIZE, dtype=torch.uint8, device=target)
-        packed[:, :head_dim].copy_(value_bytes[start:end])
-        packed[:, head_dim:].copy_(scale_bytes[start:end])
         self._total_rows = rows
         self._own_start, self._own_end = start, end
         self._block = max(1, -(-rows // self._world_size))
+        self._mapping = None
+        self._peer = None
+        self._closed = False
+        # The loader's zero-stride placeholders: the owned rows come with adopt(), read once.
+        placeholder = rows > 1 and value_bytes.stride(0) == 0
+        if placeholder:
+            packed, shared = torch.empty(0, _row_width(head_dim, lookup), dtype=torch.uint8, device=target), None
+        else:
+            packed, shared = _allocate_owned(end - start, head_dim, lookup, target)
+        if not placeholder:
+            packed[:, :head_dim].copy_(value_bytes[start:end])
+            packed[:, head_dim:head_dim + head_dim // BLOCK_SIZE].copy_(scale_bytes[start:end])
         self._set_packed(packed, head_dim)
         super().__init__(self._value_bytes, self._scale_bytes, target)
+        if lookup == "peer" and not placeholder:
+            self._map_peers(packed, shared)
 
     def _set_packed(self, packed: torch.Tensor, head_dim: int) -> None:
         self._packed = packed
         self._value_bytes = packed[:, :head_dim]
-        self._scale_bytes = packed[:, head_dim:]
+        self._scale_bytes = packed[:, head_dim:head_dim + head_dim // BLOCK_SIZE]
+
+    def _map_peers(self, packed: torch.Tensor, shared) -> None:
+        """Collective: map every rank's shard and build the pointer table (where a kernel runs: CUDA, or
+        the CPU under the Triton interpreter; elsewhere the torch path reads the mapped shards)."""
+        width = packed.shape[1]
+        shapes = [(end - start, width) for start, end in
+                  (owned_rows(self._total_rows, self._world_size, r) for r in range(self._world_size))]
+        if self._mapping is not None:
+            self._peer = None
+            self._mapping.close()
+        self._mapping = map_peer_shards(packed, shared, self._group, self._rank, shapes)
+        if self._device.type == "cuda" or _interpreting():
+            from engram.table.kernels.peer_gather import PeerShards
+
+            self._peer = PeerShards(self._mapping.shards, self._total_rows, self.head_dim, self._device)
+
+    def close(self) -> None:
+        """Collective of ``group`` (lookup ``"peer"``): every rank drops its mappings of the others'
+        rows, then its own; lookups are refused afterwards. A no-op for ``"exchange"``."""
+        if self._mapping is not None:
+            self._peer = None
+            self._mapping.close()
+            self._mapping = None
+            self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r}: closed (NodePlacement.close released its rows); build the table again")
 
     # ---- what this rank holds ----------------------------------------------------------
     @property
@@ -125,7 +195,7 @@ class NodePlacement(TablePlacement):
 
     @property
     def nbytes(self) -> int:
-        """Bytes this rank keeps: ``owned rows * (D + D // 32)``."""
+        """Bytes this rank keeps: ``owned rows * width``."""
         return self._packed.numel()
 
     # ---- loading from a checkpoint -----------------------------------------------------
@@ -140,33 +210,40 @@ class NodePlacement(TablePlacement):
         returns zero-stride placeholders of the whole table's shape (what the table checks) and the
         owned rows packed, which :meth:`adopt` installs."""
         options = source.placement_options or {}
-        rank, world_size = _check_group(options.get("group"), options.get("lookup", "exchange"))
+        lookup = options.get("lookup", "exchange")
+        rank, world_size = _check_group(options.get("group"), lookup)
         target = _storage_device(options["group"], device)
         start, end = owned_rows(source.num_rows, world_size, rank)
         head_dim = source.head_dim
-        packed = torch.empty(end - start, head_dim + head_dim // BLOCK_SIZE, dtype=torch.uint8, device=target)
+        packed, shared = _allocate_owned(end - start, head_dim, lookup, target)
         if end > start:
             owned = dataclasses.replace(source, row_start=source.row_start + start, row_end=source.row_start + end)
-            owned.read_into(packed[:, :head_dim], packed[:, head_dim:])
+            owned.read_into(packed[:, :head_dim], packed[:, head_dim:head_dim + head_dim // BLOCK_SIZE])
         placeholder_values = torch.zeros(1, head_dim, dtype=torch.uint8, device=target).expand(source.num_rows, -1)
         placeholder_scales = torch.zeros(1, head_dim // BLOCK_SIZE, dtype=torch.uint8,
                                          device=target).expand(source.num_rows, -1)
-        return placeholder_values, placeholder_scales, {"owned_packed": (packed, start, end)}
+        return placeholder_values, placeholder_scales, {"owned_packed": (packed, start, end, shared)}
 
     def adopt(self, keep: dict) -> None:
         keep = dict(keep)
         owned = keep.pop("owned_packed", None)
         if owned is not None:
-            packed, start, end = owned
+            packed, start, end, shared = owned
             if (start, end) != self.owned:
                 raise ValueError(f"owned_packed: rows [{start}, {end}) read, this rank owns {list(self.owned)}")
             self._set_packed(packed.to(self._device), self.head_dim)
+            if self.lookup == "peer":
+                self._map_peers(self._packed, shared)
         super().adopt(keep)
 
     # ---- the lookup --------------------------------------------------------------------
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Collective: ``int64 [N]`` ids in ``[0, rows)`` on :attr:`device` (``N`` per rank, 0 allowed) ->
-        ``(uint8 [N, D], uint8 [N, D // 32])``. Syncs with the host once (the largest ``N``)."""
+        """``int64 [N]`` ids in ``[0, rows)`` on :attr:`device` -> ``(uint8 [N, D], uint8 [N, D // 32])``.
+        ``"exchange"``: a collective (``N`` per rank, 0 allowed) that syncs with the host once (the
+        largest ``N``); ``"peer"``: read from the owners' mapped rows, no sync."""
+        self._check_open()
+        if self.lookup == "peer":
+            return self._gather_mapped(local_row_ids)
         group, world, device = self._group, self._world_size, self._device
         head_dim = self.head_dim
         width = self._packed.shape[1]
@@ -196,6 +273,49 @@ class NodePlacement(TablePlacement):
         picked = received.view(world, longest, width)[owner, torch.arange(count, device=device)]  # [N, D + D/32]
         return picked[:, :head_dim].contiguous(), picked[:, head_dim:].contiguous()
 
+    def _gather_mapped(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path of ``"peer"``: each shard's rows read where they live (one index_select per
+        shard, selected per id; no host sync)."""
+        device, head_dim = self._device, self.head_dim
+        ids = local_row_ids.to(device=device, dtype=torch.int64).reshape(-1)
+        owner = torch.div(ids, self._block, rounding_mode="floor")
+        picked = torch.zeros(ids.numel(), self._packed.shape[1], dtype=torch.uint8, device=device)
+        for rank, shard in enumerate(self._mapping.shards):
+            if shard.shape[0] == 0:
+                continue
+            within = (ids - rank * self._block).clamp(0, shard.shape[0] - 1)
+            rows = shard.index_select(0, within.to(shard.device)).to(device)
+            picked = torch.where((owner == rank).unsqueeze(-1), rows, picked)
+        return picked[:, :head_dim].contiguous(), picked[:, head_dim:head_dim + head_dim // BLOCK_SIZE].contiguous()
+
+    def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool, pending=None):
+        """``"peer"`` with backend ``"triton"``: the peer gather kernel (one launch, no sync)."""
+        if self._peer is None or self.backend != "triton":
+            self._check_open()
+            return None
+        from engram.table.kernels import peer_gather
+
+        if packed:
+            return peer_gather.peer_gather_rows_packed(self._peer, global_ids, row_start)
+        return peer_gather.peer_gather_rows(self._peer, global_ids, row_start)
+
+    def prepare_gather(self, global_ids: torch.Tensor, row_start: int, column_start: int, column_end: int,
+                       flat: bool = False):
+        """``"peer"`` with backend ``"triton"``: the peer gather of the columns ``[column_start, column_end)``
+        for every call of ``global_ids``' structure (``flat``: ``[T, C_local * D]``), else None."""
+        if self._peer is None or self.backend != "triton":
+            return None
+        from engram.table.kernels import peer_gather
+
+        peer = self._peer
+        peer_gather.peer_gather_rows(peer, global_ids[:0], row_start, column_start, column_end)  # checked once
+
+        def prepared(hash_ids: torch.Tensor) -> torch.Tensor:
+            rows = peer_gather.peer_gather_rows(peer, hash_ids, row_start, column_start, column_end)
+            return rows.view(rows.shape[0], -1) if flat else rows
+
+        return prepared
+
     def __repr__(self) -> str:
-        return (f"NodePlacement(rows={self.num_rows}, owned={list(self.owned)}, rank={self._rank} of "
+        return (f"NodePlacement(lookup={self.lookup!r}, rows={self.num_rows}, owned={list(self.owned)}, rank={self._rank} of "
                 f"{self._world_size}, head_dim={self.head_dim}, device={self.device})")
