@@ -1,5 +1,8 @@
 """Tensor-parallel Engram benchmark: per rank, the stages of one layer's forward at
 V4.1-Flash shapes, one process per GPU over NCCL (or per CPU process over gloo).
+``--mode node`` runs the node section instead: placement ``"node"`` (lookups ``peer`` and
+``exchange``) against ``device`` and ``host`` on the same ids, with the peer copy ceiling
+(``parallel_node.py`` says what it measures and how); ``--mode tp`` (the default) is this:
 
 Shapes (default): the table of Engram layer 1 of V4.1-Flash, 384,006,168 rows x 256
 FP8 values + 8 UE8M0 scale bytes (~101 GB), sharded by whole hash columns: rank ``r``
@@ -44,13 +47,16 @@ equal bit for bit to the stages run one by one; ``forward_sp_matches_forward`` s
 whether each rank's sequence+tensor tokens equal the tensor-parallel result (false
 where the GPU's ``wkv`` GEMM is not row-invariant: see ``engram.layer.module``).
 
-Output: a rich table (rank 0) and ``parallel-<device>-tp<N>.json`` in ``$OUT``, else
-``benchmarks/results/``: device, torch/Triton/NCCL versions, commit (``ENGRAM_COMMIT``),
-date, world size, per-T per-rank numbers and the slowest rank's. NVLink multicast stays
-off (``NCCL_NVLS_ENABLE=0`` and friends are set before the ranks start).
+Output: a rich table (rank 0) and ``parallel-<device>-tp<N>.json`` (``--mode node``:
+``parallel-<device>-node<N>.json``) in ``$OUT``, else ``benchmarks/results/``: device,
+torch/Triton/NCCL versions, commit (``ENGRAM_COMMIT``), date, world size, per-T per-rank
+numbers and the slowest rank's. NVLink multicast stays off (``NCCL_NVLS_ENABLE=0`` and
+friends are set before the ranks start).
 
     PYTHONPATH=src ENGRAM_COMMIT=$(git rev-parse HEAD) python benchmarks/bench_parallel.py --world-size 8
+    PYTHONPATH=src ENGRAM_COMMIT=$(git rev-parse HEAD) python benchmarks/bench_parallel.py --mode node
     PYTHONPATH=src python benchmarks/bench_parallel.py --backend gloo --world-size 2 --small   # CPU smoke run
+    PYTHONPATH=src python benchmarks/bench_parallel.py --mode node --backend gloo --world-size 2 --small
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # parallel_node (--mode node)
 sys.path.insert(0, str(HERE.parent / "src"))
 
 import engram  # noqa: E402
@@ -180,11 +187,17 @@ def _rank_main(rank: int, options: dict, init_file: str) -> None:
                                   cpu_threads=max(1, (os.cpu_count() or 1) // world_size),
                                   timeout=datetime.timedelta(minutes=5))
     try:
-        rows = run_rank(rank, world_size, device, placement, options)
+        if options.get("mode") == "node":
+            from parallel_node import report_node, run_node_rank
+
+            run, write = run_node_rank, report_node
+        else:
+            run, write = run_rank, report
+        rows = run(rank, world_size, device, placement, options)
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(rows, gathered, dst=0)
         if rank == 0:
-            report(gathered, options, device)
+            write(gathered, options, device)
     finally:
         dist.destroy_process_group()
 
@@ -483,6 +496,9 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("tp", "node"), default="tp",
+                        help="tp: the tensor-parallel stages; node: placement 'node' against 'device' and 'host'")
+    parser.add_argument("--no-host", action="store_true", help="--mode node: leave placement 'host' out")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks (default: every visible GPU for nccl, 2 for gloo)")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
@@ -512,7 +528,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(NCCL_ENVIRONMENT)  # before the ranks start: they inherit it
     else:
         world_size = args.world_size or 2
-    options = {"world_size": world_size, "backend": args.backend, "small": args.small,
+    options = {"mode": args.mode, "no_host": args.no_host, "world_size": world_size, "backend": args.backend,
+               "small": args.small,
                "tokens": tuple(args.tokens or (SMALL_TOKEN_COUNTS if args.small else TOKEN_COUNTS)),
                "iterations": args.iterations, "warmup": args.warmup, "seed": args.seed, "output": args.output}
     with tempfile.TemporaryDirectory() as directory:
