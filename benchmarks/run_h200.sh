@@ -13,6 +13,8 @@
 #   cache     bench_cache.py: placements host / cached / device on held-out text (carry .bench-data)
 #   step      bench_step.py: what Engram adds to a whole served decoder step
 #   parallel  bench_parallel.py: tensor-parallel ranks over NCCL, one per visible GPU
+#   node      bench_parallel.py --mode node: placement "node" (peer, exchange) against device and
+#             host on one table over every visible GPU, with the peer copy ceiling
 #   all       suite, then every benchmark above
 # Logs (and the benchmarks' JSON) go to $OUT if set, else benchmarks/results/. --print prints the
 # commands instead of running them. The device copy of the tree has no .git: pass ENGRAM_COMMIT.
@@ -33,8 +35,8 @@ while (( $# )); do
       [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run_h200.sh: --runs: expected a positive integer, got '${2:-}'" >&2; usage; }
       runs=$2; shift 2 ;;
     --print) print_only=1; shift ;;
-    suite|kernels|layer|host|cache|step|parallel) commands+=("$1"); shift ;;
-    all) commands+=(suite kernels layer host cache step parallel); shift ;;
+    suite|kernels|layer|host|cache|step|parallel|node) commands+=("$1"); shift ;;
+    all) commands+=(suite kernels layer host cache step parallel node); shift ;;
     *) echo "run_h200.sh: unknown subcommand or option '$1'" >&2; usage ;;
   esac
 done
@@ -107,6 +109,7 @@ for command in "${commands[@]}"; do
     step) run step-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \
             --json "$OUT/step-h200.json" ;;
     parallel) run "bench-parallel-tp$(gpus)-h200.log" timeout 400 python benchmarks/bench_parallel.py ;;
+    node) run "bench-parallel-node$(gpus)-h200.log" timeout 500 python benchmarks/bench_parallel.py --mode node ;;
   esac
 done
 exit $status

@@ -13,7 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run_h200.sh"
-BENCHMARKS = ("kernels", "layer", "host", "cache", "step", "parallel")
+# subcommand -> (script, an argument its command must pass: "" for none)
+BENCHMARKS = {"kernels": ("bench_kernels.py", ""), "layer": ("bench_layer.py", ""), "host": ("bench_host.py", ""),
+              "cache": ("bench_cache.py", ""), "step": ("bench_step.py", ""), "parallel": ("bench_parallel.py", ""),
+              "node": ("bench_parallel.py", "--mode node")}
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -32,19 +35,20 @@ def test_bad_command_lines_print_the_usage_and_exit_2(argv):
     done = run(*argv)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Subcommands" in done.stderr and done.stdout == ""
-    for name in ("suite",) + BENCHMARKS + ("all",):
+    for name in ("suite", *BENCHMARKS, "all"):
         assert f"\n  {name} " in done.stderr, name
 
 
 def test_each_subcommand_runs_its_script_with_its_log_under_out(tmp_path):
-    for name in BENCHMARKS:
+    for name, (expected, argument) in BENCHMARKS.items():
         done = run("--print", name, out=tmp_path)
         assert done.returncode == 0, done.stderr
         (line,) = done.stdout.splitlines()
         command, log = line.rsplit(" > ", 1)
         script = next(part for part in command.split() if part.endswith(".py"))
         assert (ROOT / script).is_file(), script
-        assert Path(script).name.startswith("bench_") and Path(log).parent == tmp_path, line
+        assert Path(script).name == expected and Path(log).parent == tmp_path, line
+        assert argument in command and ("--mode node" in command) == (name == "node"), line
 
 
 def test_suite_runs_the_gpu_tests_then_memcheck(tmp_path):
@@ -64,4 +68,5 @@ def test_all_is_the_suite_then_every_benchmark_and_logs_default_to_results():
     assert len(lines) == 2 + len(BENCHMARKS)
     assert all(line.rsplit(" > ", 1)[1].startswith("benchmarks/results/") for line in lines)
     scripts = [next(p for p in line.split() if p.endswith(".py")) for line in lines[2:]]
-    assert scripts == [f"benchmarks/bench_{name}.py" for name in BENCHMARKS]
+    assert scripts == [f"benchmarks/{script}" for script, _ in BENCHMARKS.values()]
+    assert len({line.rsplit(" > ", 1)[1] for line in lines}) == len(lines)  # no two write one log
