@@ -346,3 +346,54 @@ def test_resolve_placement_runs_node_tables_on_the_cpu():
     assert resolve_placement("node", "cpu") == ("node", torch.device("cpu"))
     if not torch.cuda.is_available():
         assert resolve_placement("node") == ("node", torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------
+# a rank that refuses its arguments: the others raise too, nobody waits
+# ---------------------------------------------------------------------------
+def _refusing_worker(rank: int, world_size: int, init_file: str, out_dir: str, seed: int) -> None:
+    init(rank, world_size, init_file)
+    try:
+        generator = torch.Generator().manual_seed(seed)  # the same table and weights on every rank
+        values, scales = fp8_table(generator)
+        weights = layer_weights(generator)
+        node, plain = layer_pair(weights, values, scales, dist.group.WORLD)
+        own = torch.Generator().manual_seed(seed + 1 + rank)
+        messages = {}
+        hidden, ids, mask = step_inputs(5, own)
+        bad_ids = ids.clone()
+        bad_ids[1, 2] = COLUMNS * BUCKET + 7  # outside the layer's rows: validation refuses it
+        bad_hidden = hidden[:, :1]            # [T, 1, D]: the layer refuses the shape
+        for case, (table_ids, layer_hidden) in {"table": (bad_ids, hidden), "layer": (ids, bad_hidden)}.items():
+            try:
+                if case == "table":
+                    node.table.lookup(table_ids if rank == world_size - 1 else ids)
+                else:
+                    node(layer_hidden if rank == world_size - 1 else hidden, ids, mask)
+                messages[case] = None
+            except ValueError as error:
+                messages[case] = str(error)
+            # the group is still in step: the next lookup and forward serve every rank
+            hidden, ids, mask = step_inputs(3 + rank, own)
+            messages[f"{case}_after"] = bool(torch.equal(as_bits(node(hidden, ids, mask)),
+                                                         as_bits(plain(hidden, ids, mask))))
+        torch.save(messages, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_that_refuses_its_arguments_makes_every_rank_raise(world_size, seed, tmp_path):
+    """The last rank's ids are outside the table (the table refuses them) or its hidden states have the
+    wrong shape (the layer refuses them): it raises its own error, every other rank raises one naming it,
+    within the lookup's first collective instead of the group's timeout; the next step serves all ranks."""
+    mp.spawn(_refusing_worker, args=(world_size, str(tmp_path / "init"), str(tmp_path), seed),
+             nprocs=world_size, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world_size)]
+    refusing = world_size - 1
+    assert "outside the layer's table rows" in results[refusing]["table"]
+    assert "hidden_states: expected shape" in results[refusing]["layer"]
+    for rank in range(refusing):
+        for case in ("table", "layer"):
+            assert results[rank][case] is not None and f"rank(s) [{refusing}]" in results[rank][case], (rank, case)
+    assert all(result[f"{case}_after"] for result in results for case in ("table", "layer"))

@@ -223,6 +223,7 @@ class Engram(torch.nn.Module):
         self.table = table
         self._check_table(table)
         self._checked_calls = CallCache(64)  # argument structures forward has checked (single mode)
+        self._lookups_started = 0  # lookups reached by the current forward (collective tables: see forward)
         self._op_key = ops.register(self)  # names this layer in engram::layer
         self._kv_stream = None  # kv_ahead's side stream (CUDA), made on first use
 
@@ -305,6 +306,7 @@ class Engram(torch.nn.Module):
         local_columns = self.column_end - self.column_start
         if hash_ids.shape[0] == 0 and not self.collective:
             return torch.empty(0, local_columns, self.head_dim, dtype=torch.bfloat16, device=device)
+        self._lookups_started += 1
         rows = self.table.lookup(hash_ids) if prefetch is None else self.table.lookup(hash_ids, prefetch=prefetch)
         expected = [hash_ids.shape[0], local_columns, self.head_dim]
         if not isinstance(rows, torch.Tensor) or list(rows.shape) != expected or rows.dtype != torch.bfloat16:
@@ -319,6 +321,7 @@ class Engram(torch.nn.Module):
         width = self.head_dim + self.head_dim // 32
         if hash_ids.shape[0] == 0 and not self.collective:
             return torch.empty(0, local_columns, width, dtype=torch.uint8, device=device)
+        self._lookups_started += 1
         values, scales = (self.table.lookup_packed(hash_ids) if prefetch is None
                           else self.table.lookup_packed(hash_ids, prefetch=prefetch))
         return torch.cat([values.view(torch.uint8), scales], dim=-1)
@@ -473,6 +476,21 @@ class Engram(torch.nn.Module):
 
     def _forward_eagerly(self, hidden_states, hash_ids, token_mask, sp_token_counts, prefetch,
                          kv_ahead=None) -> torch.Tensor:
+        if not self.collective:
+            return self._forward_unguarded(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch, kv_ahead)
+        # A collective table: a rank that refuses its arguments before reaching the lookup still tells
+        # the table's group (which then raises too), instead of leaving the other ranks waiting in it.
+        self._lookups_started = 0
+        try:
+            return self._forward_unguarded(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch, kv_ahead)
+        except ValueError:
+            refuse = getattr(self.table, "refuse_lookup", None)
+            if self._lookups_started == 0 and refuse is not None:
+                refuse()
+            raise
+
+    def _forward_unguarded(self, hidden_states, hash_ids, token_mask, sp_token_counts, prefetch,
+                           kv_ahead=None) -> torch.Tensor:
         if sp_token_counts is None and self.mode == "single":
             key = plan_key(self, hidden_states, hash_ids, token_mask)
             plan = self._checked_calls.get(key)
