@@ -90,6 +90,13 @@ def memory_ids(memory: EngramMemory, tokens: int, generator: torch.Generator) ->
     return (offsets + (draw * primes).long()).to(torch.int32)
 
 
+def run_inputs(memory: EngramMemory, generator: torch.Generator, tokens: int = 3) -> tuple:
+    """``(hidden bf16 [T, hc, D], hash_ids int32 [T, L, C])`` for one step of ``memory``."""
+    hash_ids = memory_ids(memory, tokens, generator)
+    hidden = torch.randn(tokens, memory.spec.hc_mult, memory.spec.hidden_size, generator=generator)
+    return hidden.to(torch.bfloat16), hash_ids
+
+
 def run_memories(node: EngramMemory, plain: EngramMemory, tokens: int, generator: torch.Generator,
                  sp_token_counts=None, own: tuple[int, int] | None = None) -> list[tuple]:
     """``(node output, cpu output)`` per layer and path: forward_layer with the step's prefetch handle, and
@@ -180,6 +187,18 @@ def _group_worker(rank: int, world_size: int, init_file: str, out_dir: str, seed
             same = torch.Generator().manual_seed(seed + 99 + step)     # all tokens: the same ids on every rank
             for index, pair in enumerate(run_memories(*memories, tokens, same, counts, own_range)):
                 results[("memory sequence", step, index)] = (*pair, own_range[1])
+        # lookup "peer": no collective in a lookup; EngramMemory.close() releases every layer's mappings
+        peer_options = {"group": world, "lookup": "peer"}
+        memories = [EngramMemory.from_pretrained(checkpoint_dir, placement=placement, device="cpu", progress=False,
+                                                 placement_options=peer_options if placement == "node" else None)
+                    for placement in ("node", "cpu")]
+        assert not memories[0].table(memories[0].layer_ids[0]).collective
+        for step, tokens in enumerate(tokens_per_step(world_size, rank)):
+            for index, pair in enumerate(run_memories(*memories, tokens, own)):
+                results[("memory peer", step, index)] = (*pair, tokens)
+        memories[0].close()
+        with pytest.raises(RuntimeError, match="closed"):
+            memories[0].forward_layer(memories[0].layer_ids[0], *run_inputs(memories[0], own))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -209,7 +228,8 @@ def test_layer_over_a_node_table_equals_a_cpu_table(world_size, seed, tiny_check
     steps, sp = range(len(tokens_per_step(world_size, 0))), range(len(sp_steps(world_size)))
     keys = ({(path, step) for path in ("eager", "plan") for step in steps} | {("sequence", step) for step in sp}
             | {("memory", step, index) for step in steps for index in range(2 * layers)}
-            | {("memory sequence", step, index) for step in sp for index in range(layers)})
+            | {("memory sequence", step, index) for step in sp for index in range(layers)}
+            | {("memory peer", step, index) for step in steps for index in range(2 * layers)})
     check_results(results, keys)
     # the cases happened: no tokens on rank 0 while others had some, one rank alone, empty shards
     counts = [[results[rank][("eager", step)][2] for rank in range(world_size)] for step in steps]

@@ -84,7 +84,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, seed: int)
                         if not _same(prepared(ids), reference.lookup(ids)):
                             failures.append(f"{table_name}/peer prepared rank {rank}: differs, seed {seed}")
                     del graph, out
-                    table.storage.close()
+                    table.close()
                     try:
                         table.lookup(ids)
                         failures.append(f"{table_name}/peer: a lookup after close() was served")

@@ -421,6 +421,12 @@ class EngramMemory:
         for index, layer_id in enumerate(self.spec.layer_ids):
             self.tables[layer_id].update_cache(hash_ids[:, index, :])
 
+    def close(self) -> None:
+        """Release each layer's table (:meth:`EngramTable.close`), in layer order: with placement ``"node"``
+        and lookup ``"peer"`` a collective of the group, so every rank calls it at teardown."""
+        for layer_id in self.spec.layer_ids:
+            self.tables[layer_id].close()
+
     def forward_layer(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
                       token_mask: torch.Tensor | None = None, *,
                       sp_token_counts: Sequence[int] | None = None,

@@ -292,6 +292,12 @@ class EngramTable:
         start, end = served
         return hash_ids if start == 0 and end == hash_ids.shape[1] else hash_ids[:, start:end]
 
+    def close(self) -> None:
+        """Release what the placement holds beyond memory Python frees by itself: placement ``"node"`` with
+        lookup ``"peer"`` drops its mappings of the other ranks' rows (a collective of its group; lookups
+        are refused afterwards). A no-op for the other placements."""
+        self._storage.close()
+
     def refuse_lookup(self) -> None:
         """Collective tables (:attr:`collective`): this rank will not run the lookup its group expects
         now (its caller refused its arguments); the group's other ranks raise instead of waiting.
