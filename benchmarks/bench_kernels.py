@@ -3,7 +3,9 @@ host time of one eager call.
 
 Device side (``kernels_hash.py``, ``kernels_gather.py``, ``kernels_gate.py``): median time,
 achieved GB/s against the HBM copy ceiling measured in the same run, speed-up over the
-torch-native path measured in the same run.
+torch-native path measured in the same run. The peer gather (placement ``"node"``, lookup
+``"peer"``) against the device gather of the same rows, on this GPU's memory split into 8 shards
+(``peer_gather_T8192_vs_device``: the project's bound is 1.10).
 
 Host side (:func:`bench_host_cost`): what an engine's Python thread pays per eager call. Each
 call is timed alone with a host clock after a device sync, so the launch queue is empty and the
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key:36s} {value:8.1f}")
         return 0
     from common import copy_ceiling_gbps
-    from kernels_gather import bench_gather
+    from kernels_gather import bench_gather, bench_peer_gather
     from kernels_gate import bench_gate
     from kernels_hash import bench_hash, compiled_variants, empty_kernel_floor
 
@@ -71,13 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     hash_rows = bench_hash(TOKEN_COUNTS)
     gate_rows = bench_gate(TOKEN_COUNTS)
     gather_rows = bench_gather(TOKEN_COUNTS)
+    peer_rows = bench_peer_gather(TOKEN_COUNTS)
     host_cost = bench_host_cost()
     print("host time per eager call (us): " + ", ".join(f"{k} {v:.1f}" for k, v in host_cost.items()), flush=True)
     report = make_report(
         {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
          "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
-        ceiling, floor, hash_rows, compiled_variants(), gather_rows, gate_rows, host_cost)
+        ceiling, floor, hash_rows, compiled_variants(), gather_rows, gate_rows, host_cost, peer_rows)
     out_dir = Path(os.environ.get("OUT", HERE / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "kernels-h200.json").write_text(json.dumps(report, indent=2))
@@ -86,11 +89,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def make_report(facts: dict, ceiling: float, floor: dict, hash_rows: list[dict], hash_compiled: list[dict],
-                gather_rows: list[dict], gate_rows: list[dict], host_cost: dict) -> dict:
+                gather_rows: list[dict], gate_rows: list[dict], host_cost: dict, peer_rows: list[dict] = ()) -> dict:
     """The JSON report: ``facts`` (device, versions, commit, date), every row, and the headline keys."""
     report = dict(facts, copy_ceiling_GBps=ceiling, harness_floor_us=floor, hash=hash_rows, hash_compiled=hash_compiled,
-                  gather=gather_rows, gate=gate_rows, host_cost=host_cost)
+                  gather=gather_rows, gate=gate_rows, host_cost=host_cost, peer_gather=list(peer_rows))
     report.update(summary_keys(hash_rows, gather_rows, gate_rows))
+    if peer_rows:
+        peer = _row(list(peer_rows), 8192)
+        report["peer_gather_T8192_vs_device"] = peer["peer_vs_device_bf16"]  # acceptance: <= 1.10
+        report["peer_gather_bit_exact"] = all(row["bit_exact"] for row in peer_rows)
     report["layer_host_T64_us"] = host_cost["layer_host_T64_us"]
     report["hash_host_T1_us"] = host_cost["hash_host_T1_us"]
     return report
@@ -143,6 +150,18 @@ def print_table(report: dict, ceiling: float) -> None:
     for row in report["gate"]:
         add("gate", row["T"], row["triton_graph_us"], row["bytes"], row["torch_graph_us"])
     Console(width=140).print(table)
+    if report.get("peer_gather"):
+        peer_table = Table(title="peer gather (shards on this GPU, read through the pointer table) against the "
+                                 "device gather of the same rows; graph replays")
+        for column in ("T", "shards", "device bf16 us", "peer bf16 us", "peer / device", "device packed us",
+                       "peer packed us", "GB/s peer bf16", "bit exact"):
+            peer_table.add_column(column, justify="right")
+        for row in report["peer_gather"]:
+            peer_table.add_row(str(row["T"]), str(row["shards"]), f"{row['device_bf16_us']:.1f}",
+                               f"{row['peer_bf16_us']:.1f}", f"{row['peer_vs_device_bf16']:.2f}x",
+                               f"{row['device_packed_us']:.1f}", f"{row['peer_packed_us']:.1f}",
+                               f"{row['bytes_bf16'] / (row['peer_bf16_us'] * 1e-6) / 1e9:,.0f}", str(row["bit_exact"]))
+        Console(width=140).print(peer_table)
     host = report["host_cost"]
     host_table = Table(title="host time of one eager call (median us; bare launches for scale)")
     host_table.add_column("call")

@@ -14,6 +14,11 @@ and do_bench then times the host (seen on an H200 VM: packed 38 us replaced by 7
 medians in whole phases of a run). Eager medians are reported beside them; the
 torch-native path is timed eagerly, as it runs.
 
+:func:`bench_peer_gather` times the peer gather (placement ``"node"``, lookup ``"peer"``) on one GPU:
+the same rows split into 8 shards allocated on this GPU (the kernel reads them through its pointer
+table exactly as it reads peers' HBM), against the device gather of the one-piece table, both at
+100,000,000 rows (two copies fit in HBM), bit-exactness checked.
+
     PYTHONPATH=src python benchmarks/kernels_gather.py           # sweep + table, JSON to $OUT
 """
 
@@ -36,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_ceiling_gbps  # noqa: E402
 
 from engram.table import lookup_reference  # noqa: E402
+from engram.table.host_memory.rows import packed_row_bytes  # noqa: E402
 from engram.table.kernels.gather import GatherConfig, default_config, gather_rows, gather_rows_packed  # noqa: E402
+from engram.table.kernels.peer_gather import PeerShards, peer_gather_rows, peer_gather_rows_packed, shard_rows  # noqa: E402
 
 V41_TABLE_ROWS = 384_006_168
 ID_SETS = 4
@@ -169,6 +176,65 @@ def bench_gather(T_values, *, table_rows: int = V41_TABLE_ROWS, columns: int = 2
         print(f"gather T={tokens}: bf16 {bf16_us:.1f} us (eager {bf16_eager_us:.1f}), packed {packed_us:.1f} us "
               f"(eager {packed_eager_us:.1f}), torch {torch_us:.1f} us, bit_exact={bit_exact}", flush=True)
         del id_sets
+    return results
+
+
+PEER_TABLE_ROWS = 100_000_000
+
+
+def _fill_shards(shards: list[torch.Tensor], values: torch.Tensor, scales: torch.Tensor, id_sets) -> None:
+    """Copy the rows the id sets name from the one-piece table into their shards."""
+    table_rows, head_dim = values.shape
+    rows = torch.cat([ids.reshape(-1).long() for ids in id_sets]).unique()
+    for index, shard in enumerate(shards):
+        start, end = shard_rows(table_rows, len(shards), index)
+        mine = rows[(rows >= start) & (rows < end)]
+        shard[mine - start, :head_dim] = values[mine]
+        shard[mine - start, head_dim:head_dim + head_dim // 32] = scales[mine]
+
+
+def bench_peer_gather(T_values, *, table_rows: int = PEER_TABLE_ROWS, num_shards: int = 8, columns: int = 24,
+                      head_dim: int = 256, seed: int = 1) -> list[dict]:
+    """Per token count: median us (CUDA-graph replays) of the peer gather over ``num_shards`` shards on this
+    GPU against the device gather of the same rows in one piece, bf16 and packed, and their bit-exactness."""
+    values, scales = big_table(table_rows, head_dim)
+    row_bytes = packed_row_bytes(head_dim)
+    shards = [torch.empty(end - start, row_bytes, dtype=torch.uint8, device="cuda")
+              for start, end in (shard_rows(table_rows, num_shards, s) for s in range(num_shards))]
+    peer = PeerShards(shards, table_rows, head_dim, "cuda")
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    results = []
+    for tokens in T_values:
+        id_sets = random_id_sets(tokens, columns, values, scales, generator)
+        _fill_shards(shards, values, scales, id_sets)
+        rows = tokens * columns
+        bf16_bytes, packed_bytes = _bytes(rows, head_dim)
+        expected = gather_rows(values, scales, id_sets[0])
+        expected_packed = gather_rows_packed(values, scales, id_sets[0])
+        found_packed = peer_gather_rows_packed(peer, id_sets[0])
+        bit_exact = (_bf16_bit_exact(peer_gather_rows(peer, id_sets[0]), expected)
+                     and torch.equal(found_packed[0], expected_packed[0])
+                     and torch.equal(found_packed[1], expected_packed[1]))
+        del expected, expected_packed, found_packed
+        timings = {
+            "device_bf16_us": [lambda ids=ids: gather_rows(values, scales, ids) for ids in id_sets],
+            "peer_bf16_us": [lambda ids=ids: peer_gather_rows(peer, ids) for ids in id_sets],
+            "device_packed_us": [lambda ids=ids: gather_rows_packed(values, scales, ids) for ids in id_sets],
+            "peer_packed_us": [lambda ids=ids: peer_gather_rows_packed(peer, ids) for ids in id_sets],
+        }
+        row = {"T": tokens, "rows": rows, "table_rows": table_rows, "shards": num_shards, "bit_exact": bit_exact,
+               "bytes_bf16": bf16_bytes, "bytes_packed": packed_bytes}
+        for name, calls in timings.items():
+            row[name] = _time_us(calls, graph=True)[0]
+        row["peer_bf16_eager_us"] = _time_us(timings["peer_bf16_us"], graph=False)[0]
+        row["peer_vs_device_bf16"] = row["peer_bf16_us"] / row["device_bf16_us"]
+        row["peer_vs_device_packed"] = row["peer_packed_us"] / row["device_packed_us"]
+        results.append(row)
+        print(f"peer gather T={tokens} ({num_shards} shards): bf16 {row['peer_bf16_us']:.1f} us against device "
+              f"{row['device_bf16_us']:.1f} ({row['peer_vs_device_bf16']:.2f}x), packed {row['peer_packed_us']:.1f} "
+              f"against {row['device_packed_us']:.1f}, bit_exact={bit_exact}", flush=True)
+        del id_sets
+    del shards, peer
     return results
 
 

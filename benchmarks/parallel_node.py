@@ -357,7 +357,7 @@ def run_node_rank(rank: int, world_size: int, device: torch.device, placement: s
     timings["peer"] = time_lookups(setup, timer, peer)
     owned = peer.storage.owned
     shard_bytes = {"peer": peer.storage.nbytes}
-    peer.storage.close()
+    peer.close()  # a collective: every rank drops the mappings
     del peer
     _flush_device(device)
     if rank == 0:

@@ -38,8 +38,12 @@ def test_report_takes_its_headline_keys_from_the_rows(bench, rng, capsys):
     hash_rows, gather_rows, gate_rows = _fake_rows(rng, bench.TOKEN_COUNTS)
     host_cost = {"empty_kernel_launch_us": 10.0, "hash_host_T1_us": 18.5, "layer_host_T64_us": 60.5}
     facts = {"device": "fake", "torch": "-", "triton": "-", "commit": "abc", "date": "2026-01-01"}
+    peer_rows = [{"T": t, "shards": 8, "bit_exact": True, "bytes_bf16": 2000 * t, "device_bf16_us": 10.0 + t,
+                  "peer_bf16_us": 11.0 + t, "peer_vs_device_bf16": (11.0 + t) / (10.0 + t), "device_packed_us": 9.0,
+                  "peer_packed_us": 9.5} for t in bench.TOKEN_COUNTS]
     report = bench.make_report(facts, 4000.0, {"cold_us": 4.0, "warm_us": 0.7}, hash_rows, [], gather_rows,
-                               gate_rows, host_cost)
+                               gate_rows, host_cost, peer_rows)
+    assert report["peer_gather_T8192_vs_device"] == (11.0 + 8192) / (10.0 + 8192) and report["peer_gather_bit_exact"]
     by_t = {name: {r["T"]: r for r in rows} for name, rows in
             (("hash", hash_rows), ("gather", gather_rows), ("gate", gate_rows))}
     assert report["hash_T8192_us"] == by_t["hash"][8192]["triton_graph_us"]
@@ -57,6 +61,7 @@ def test_report_takes_its_headline_keys_from_the_rows(bench, rng, capsys):
     gbps = row["bytes"] / (row["triton_graph_us"] * 1e-6) / 1e9
     assert f"{row['triton_graph_us']:.1f}" in printed and f"{gbps:,.0f}" in printed
     assert "layer_host_T64_us" in printed and "60.5" in printed
+    assert "peer gather" in printed and f"{8192 + 11.0:.1f}" in printed
 
 
 def test_without_cuda_one_clear_error(bench, monkeypatch, capsys):

@@ -90,7 +90,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, seed: int,
             }
         results["kernel"] = tables[0].storage._peer is not None
         for table in tables:
-            table.storage.close()  # a collective: every rank closes its tables in the same order
+            table.close()  # a collective: every rank closes its tables in the same order
         try:
             tables[0].lookup(torch.zeros(1, COLUMNS, dtype=torch.int64))
             results["after_close"] = None

@@ -197,19 +197,3 @@ def test_argument_errors(tmp_path, seed):
     finally:
         dist.destroy_process_group()
 
-
-def test_the_engram_layer_refuses_a_collective_table():
-    """The layer skips the lookup of a rank with no tokens; with a collective table the other ranks would
-    wait for it forever, so the layer refuses such a table until it calls a lookup on every rank."""
-    from engram.layer import Engram, WkvProjection
-
-    class Collective:
-        collective, column_start, column_end = True, 0, 2
-
-        def lookup(self, hash_ids):
-            raise AssertionError("never called")
-
-    wkv = WkvProjection(torch.zeros(3 * 8, 2 * 32, dtype=torch.bfloat16))
-    weights = torch.ones(2, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="serves lookups as collectives every rank must call"):
-        Engram(Collective(), wkv, weights, weights, eps=1e-6, num_columns=2)

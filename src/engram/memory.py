@@ -46,9 +46,9 @@ def resolve_placement(placement: str, device: torch.device | str | int | None = 
     ``"auto"``: ``"cpu"`` for a CPU ``device`` or on a machine without CUDA; on a CUDA
     device ``"device"`` when ``table_bytes`` (this rank's tables) fit in
     :data:`AUTO_DEVICE_FRACTION` of its free memory (or are unknown), else ``"host"``.
-    ``"cpu"`` runs on the CPU; every other placement (``"device"``, ``"host"``, ``"cached"``) on a CUDA
-    device, ``device`` or the current one. Errors name the placement the caller gave
-    and the device.
+    ``"cpu"`` runs on the CPU; ``"node"`` on the CPU for a CPU ``device`` (or without CUDA: a gloo group),
+    else like every other placement (``"device"``, ``"host"``, ``"cached"``) on a CUDA device, ``device``
+    or the current one. Errors name the placement the caller gave and the device.
     """
     asked = placement
     if placement == "auto":
@@ -68,6 +68,9 @@ def resolve_placement(placement: str, device: torch.device | str | int | None = 
     if placement == "cpu":
         if device is not None and as_device(device).type != "cpu":
             raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
+        return placement, torch.device("cpu")
+    if placement == "node" and ((device is None and not torch.cuda.is_available())
+                                or (device is not None and as_device(device).type == "cpu")):
         return placement, torch.device("cpu")
     if placement in ("host", "cached") and not torch.cuda.is_available():
         raise ValueError(f"placement: {placement!r} keeps the tables in host memory for a CUDA device to read, and "
@@ -231,7 +234,10 @@ class EngramMemory:
                 in half the free HBM, else ``"host"``; ``"cpu"`` without CUDA), ``"cpu"``,
                 ``"device"`` (HBM), ``"host"`` (pinned host memory read by the GPU; see
                 :meth:`prefetch`) or ``"cached"`` (``"host"`` plus an HBM cache of hot rows; see
-                :meth:`update_cache` and ``placement_options``).
+                :meth:`update_cache` and ``placement_options``), or ``"node"`` (each table's rows
+                spread over ``placement_options["group"]``, lookups exchanged by collectives: every
+                rank of the group runs every layer, with no tokens too, in the same order; give
+                ``device="cpu"`` for a gloo group).
             device: the CUDA device of a GPU placement (default: the current one).
             tp_group: tensor-parallel ``ProcessGroup``: this rank reads and keeps only the
                 rows of its hash columns (:meth:`EngramLayout.shard`); the layers gather
@@ -369,13 +375,15 @@ class EngramMemory:
         very ``hash_ids`` tensor, unrefilled, before the hasher runs again and before the next prefetch;
         otherwise the layer reads its rows itself (correct, without the head start). Returns at once
         (no host sync); nothing is started where the rows already live on the device, for
-        decode-sized batches (read directly, graph-capturable) and while a CUDA graph is being captured.
+        decode-sized batches (read directly, graph-capturable), while a CUDA graph is being captured and
+        for placement ``"node"`` (its lookups exchange the rows, on every rank).
 
         ``kv_ahead``: also compute each layer's ``kv = wkv(rows)`` now (on CUDA on a side stream per
         layer, after its rows; :meth:`Engram.kv_ahead`), so ``forward_layer`` given the handle runs only
         the gate; bit-identical to computing it there. Off by default: it pays only where the step
         measures it faster (``benchmarks/bench_step.py``); with host tables this call then waits, as a
-        lookup does, for each layer's host gather to be enqueued. Single-process layers.
+        lookup does, for each layer's host gather to be enqueued. Single-process layers, not placement
+        ``"node"``.
 
         Under ``torch.compile`` this is the custom op ``engram::prefetch`` (:mod:`engram.ops`) and the
         handle is an int64 ticket tensor, passed to ``forward_layer`` the same way."""
@@ -392,6 +400,9 @@ class EngramMemory:
         self._check_step_ids(hash_ids)
         if kv_ahead and sp_token_counts is not None:
             raise ValueError("kv_ahead: single-process layers only; found sp_token_counts")
+        if kv_ahead and any(getattr(table, "collective", False) for table in self.tables.values()):
+            raise ValueError(f"kv_ahead: placement {self.placement!r} serves lookups as collectives; expected "
+                             "kv_ahead=False (a layer that could not use its kv ahead would look up alone)")
         tables = {layer_id: self._layers[layer_id].prefetch(hash_ids[:, index, :], sp_token_counts=sp_token_counts)
                   for index, layer_id in enumerate(self.spec.layer_ids)}
         kv = {}
@@ -409,6 +420,12 @@ class EngramMemory:
         self._check_step_ids(hash_ids)
         for index, layer_id in enumerate(self.spec.layer_ids):
             self.tables[layer_id].update_cache(hash_ids[:, index, :])
+
+    def close(self) -> None:
+        """Release each layer's table (:meth:`EngramTable.close`), in layer order: with placement ``"node"``
+        and lookup ``"peer"`` a collective of the group, so every rank calls it at teardown."""
+        for layer_id in self.spec.layer_ids:
+            self.tables[layer_id].close()
 
     def forward_layer(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
                       token_mask: torch.Tensor | None = None, *,

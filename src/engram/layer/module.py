@@ -124,6 +124,10 @@ class Engram(torch.nn.Module):
             (rows of its columns ``[column_start, column_end)``) and those two attributes;
             ``column_end = None`` means ``C``. Without tensor parallelism it must hold
             all ``C`` columns; with it, exactly the columns of :func:`tensor_parallel_columns`.
+            A table whose ``collective`` is True (placement ``"node"``, its rows spread over a
+            group: per column shard under tensor parallelism) is looked up on every forward, with
+            no tokens too, so every rank of its group calls its lookups in the same order; it is
+            never prefetched (:meth:`prefetch` returns None) and has no :meth:`kv_ahead`.
         wkv: the :class:`WkvProjection`, ``[(hc + 1) * D, C * head_dim]``.
         q_weight, k_weight: bf16 ``[hc, D]``.
         eps: ``rms_norm_eps``.
@@ -219,6 +223,7 @@ class Engram(torch.nn.Module):
         self.table = table
         self._check_table(table)
         self._checked_calls = CallCache(64)  # argument structures forward has checked (single mode)
+        self._lookups_started = 0  # lookups reached by the current forward (collective tables: see forward)
         self._op_key = ops.register(self)  # names this layer in engram::layer
         self._kv_stream = None  # kv_ahead's side stream (CUDA), made on first use
 
@@ -259,10 +264,6 @@ class Engram(torch.nn.Module):
 
     # ---- checks --------------------------------------------------------------
     def _check_table(self, table: Any) -> None:
-        if getattr(table, "collective", False):
-            # The layer skips the lookup of a rank with no tokens: a collective lookup would then hang.
-            raise ValueError(f"table: {table!r} serves lookups as collectives every rank must call; the Engram "
-                             "layer does not call one on every rank yet: use EngramTable.lookup directly")
         for attribute in ("lookup", "column_start", "column_end"):
             if not hasattr(table, attribute):
                 raise ValueError(f"table: expected an object with lookup(), column_start and column_end, "
@@ -294,11 +295,18 @@ class Engram(torch.nn.Module):
         return counts, starts
 
     # ---- rows ------------------------------------------------------------------
+    @property
+    def collective(self) -> bool:
+        """Whether the table's lookups are collectives (placement ``"node"``): every rank of its group
+        then calls every lookup, with no tokens too, and nothing is prefetched."""
+        return bool(getattr(self.table, "collective", False))
+
     def _lookup(self, hash_ids: torch.Tensor, device: torch.device, prefetch=None) -> torch.Tensor:
         """This rank's columns for the tokens of ``hash_ids [n, C]``: bf16 ``[n, C_local, hd]``."""
         local_columns = self.column_end - self.column_start
-        if hash_ids.shape[0] == 0:
+        if hash_ids.shape[0] == 0 and not self.collective:
             return torch.empty(0, local_columns, self.head_dim, dtype=torch.bfloat16, device=device)
+        self._lookups_started += 1
         rows = self.table.lookup(hash_ids) if prefetch is None else self.table.lookup(hash_ids, prefetch=prefetch)
         expected = [hash_ids.shape[0], local_columns, self.head_dim]
         if not isinstance(rows, torch.Tensor) or list(rows.shape) != expected or rows.dtype != torch.bfloat16:
@@ -311,8 +319,9 @@ class Engram(torch.nn.Module):
         ``uint8 [n, C_local, hd + hd / 32]`` (E4M3 bytes, then the UE8M0 scale bytes of each row)."""
         local_columns = self.column_end - self.column_start
         width = self.head_dim + self.head_dim // 32
-        if hash_ids.shape[0] == 0:
+        if hash_ids.shape[0] == 0 and not self.collective:
             return torch.empty(0, local_columns, width, dtype=torch.uint8, device=device)
+        self._lookups_started += 1
         values, scales = (self.table.lookup_packed(hash_ids) if prefetch is None
                           else self.table.lookup_packed(hash_ids, prefetch=prefetch))
         return torch.cat([values.view(torch.uint8), scales], dim=-1)
@@ -348,20 +357,25 @@ class Engram(torch.nn.Module):
 
     def lookup_ids(self, hash_ids: torch.Tensor, counts: Sequence[int], starts: Sequence[int]) -> torch.Tensor | None:
         """The view of ``hash_ids [T, C]`` this rank's table lookup reads (None: it reads none): its own
-        tokens, or all tokens in mode ``"sequence+tensor"`` (own columns of every token)."""
+        tokens, or all tokens in mode ``"sequence+tensor"`` (own columns of every token). A collective
+        table is read on every call, with no tokens too (an empty view)."""
         start, count = starts[self.sp_rank], counts[self.sp_rank]
         if self.mode == "sequence+tensor":
-            return hash_ids if max(counts) > 0 else None
-        return _token_range(hash_ids, start, count) if count > 0 else None
+            return hash_ids if max(counts) > 0 or self.collective else None
+        return _token_range(hash_ids, start, count) if count > 0 or self.collective else None
 
     def prefetch(self, hash_ids: torch.Tensor, *, sp_token_counts: Sequence[int] | None = None):
         """Start reading the rows that :meth:`forward` of ``hash_ids int [T, C]`` (with the same
         ``sp_token_counts``) will look up on this rank, exactly those; returns the table's handle for
-        ``forward(..., prefetch=handle)``, or None when this rank looks up nothing."""
+        ``forward(..., prefetch=handle)``, or None when this rank looks up nothing. None for a
+        collective table: its rows are exchanged by the lookup itself, on every rank, and a read
+        started here on some ranks only would not be matched by the others."""
         if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
             found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
             raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {found}")
         counts, starts = self._token_layout(hash_ids.shape[0], sp_token_counts)
+        if self.collective:
+            return None
         ids = self.lookup_ids(hash_ids, counts, starts)
         if ids is None or not hasattr(self.table, "prefetch"):
             return None
@@ -378,7 +392,9 @@ class Engram(torch.nn.Module):
             return lookup(_token_range(hash_ids, start, count), device)
         if self.mode in ("tensor", "sequence x tensor"):
             # The tensor-parallel peers hold the same tokens: gather their columns.
-            if count == 0:  # every peer has no token either
+            if count == 0:  # every peer has no token either: no all_gather
+                if self.collective:  # but the table's group (per column shard) may have tokens elsewhere
+                    lookup(hash_ids[start:start], device)
                 return torch.empty(0, self.num_columns, width, dtype=dtype, device=device)
             local = self._pad_columns(lookup(hash_ids[start:start + count], device))
             received = local.new_empty(self.tp_size, *local.shape)
@@ -386,7 +402,9 @@ class Engram(torch.nn.Module):
             return self._unshard_columns(received, count)
         # "sequence+tensor": own columns of all tokens, all_to_all so each rank gets its tokens.
         chunk = max(counts)
-        if chunk == 0:
+        if chunk == 0:  # no token in the group (T = 0): no all_to_all
+            if self.collective:
+                lookup(hash_ids, device)
             return torch.empty(0, self.num_columns, width, dtype=dtype, device=device)
         local = lookup(hash_ids, device)
         send = local.new_zeros(self.tp_size, chunk, self.columns_per_rank, width)
@@ -458,6 +476,21 @@ class Engram(torch.nn.Module):
 
     def _forward_eagerly(self, hidden_states, hash_ids, token_mask, sp_token_counts, prefetch,
                          kv_ahead=None) -> torch.Tensor:
+        if not self.collective:
+            return self._forward_unguarded(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch, kv_ahead)
+        # A collective table: a rank that refuses its arguments before reaching the lookup still tells
+        # the table's group (which then raises too), instead of leaving the other ranks waiting in it.
+        self._lookups_started = 0
+        try:
+            return self._forward_unguarded(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch, kv_ahead)
+        except ValueError:
+            refuse = getattr(self.table, "refuse_lookup", None)
+            if self._lookups_started == 0 and refuse is not None:
+                refuse()
+            raise
+
+    def _forward_unguarded(self, hidden_states, hash_ids, token_mask, sp_token_counts, prefetch,
+                           kv_ahead=None) -> torch.Tensor:
         if sp_token_counts is None and self.mode == "single":
             key = plan_key(self, hidden_states, hash_ids, token_mask)
             plan = self._checked_calls.get(key)
@@ -473,9 +506,13 @@ class Engram(torch.nn.Module):
         """``kv`` of ``hash_ids int [T, C]`` (lookup, then wkv) started now, for ``forward(...,
         kv_ahead=...)`` of the same tensor, which then runs only the gate. On CUDA it runs on a side stream
         that first waits for the current one (capturable: the fork and the join are events), so a later
-        layer's kv overlaps the decoder; on the CPU now. Single-process layers."""
+        layer's kv overlaps the decoder; on the CPU now. Single-process layers, not with a collective
+        table: a forward whose kv ahead no longer holds would look up again on one rank alone."""
         if self.mode != "single":
             raise ValueError(f"kv_ahead: layers of mode {self.mode!r} compute kv in forward")
+        if self.collective:
+            raise ValueError(f"kv_ahead: the table {self.table!r} serves lookups as collectives; a forward that "
+                             "could not use the kv ahead would look it up again on this rank alone")
         if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
             found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
             raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {found}")

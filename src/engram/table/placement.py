@@ -114,6 +114,14 @@ class TablePlacement(abc.ABC):
         for name, value in keep.items():
             setattr(self, name, value)
 
+    def close(self) -> None:
+        """Release what the placement holds beyond memory Python frees (mappings of other processes'
+        memory). Default: nothing."""
+
+    def refuse_lookup(self) -> None:
+        """Collective placements: this rank refuses its lookup (bad ids); join the lookup's first
+        collective so the other ranks raise instead of waiting. Default: nothing (no collective)."""
+
     # ---- optional hooks (defaults: nothing to do) ------------------------------------
     def prefetch(self, global_ids: torch.Tensor, row_start: int) -> Any:
         """Start reading the rows of ``global_ids int [T, C_local]`` now; returns the pending state that

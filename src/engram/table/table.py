@@ -292,6 +292,33 @@ class EngramTable:
         start, end = served
         return hash_ids if start == 0 and end == hash_ids.shape[1] else hash_ids[:, start:end]
 
+    def close(self) -> None:
+        """Release what the placement holds beyond memory Python frees by itself: placement ``"node"`` with
+        lookup ``"peer"`` drops its mappings of the other ranks' rows (a collective of its group; lookups
+        are refused afterwards). A no-op for the other placements."""
+        self._storage.close()
+
+    def refuse_lookup(self) -> None:
+        """Collective tables (:attr:`collective`): this rank will not run the lookup its group expects
+        now (its caller refused its arguments); the group's other ranks raise instead of waiting.
+        A no-op for other tables."""
+        if self._storage.collective:
+            self._storage.refuse_lookup()
+
+    def _lookup_ids(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """The served columns of ``hash_ids``, checked (ids too with :attr:`validate`). A collective
+        placement's rank that refuses its ids still joins the lookup's first collective, to tell the
+        others (they raise too, naming it) instead of leaving them waiting."""
+        try:
+            global_ids = self._local_columns(hash_ids)
+            if self.validate:
+                self._check_ids(global_ids)
+        except ValueError:
+            if self._storage.collective:
+                self._storage.refuse_lookup()
+            raise
+        return global_ids
+
     def _check_hash_ids(self, hash_ids: torch.Tensor) -> tuple[int, int]:
         """Check ``hash_ids [T, C]``; the columns ``(start, end)`` it serves."""
         if not isinstance(hash_ids, torch.Tensor):
@@ -337,9 +364,7 @@ class EngramTable:
         ids outside this table's rows read all-zero bytes (value +0, scale byte 0).
         ``prefetch``: the handle :meth:`prefetch` returned for these ids (see :meth:`lookup`).
         """
-        global_ids = self._local_columns(hash_ids)  # [T, C_local]
-        if self.validate:
-            self._check_ids(global_ids)
+        global_ids = self._lookup_ids(hash_ids)  # [T, C_local]
         pending = self._claim(prefetch, hash_ids)
         fused = self._storage.gather_fused(global_ids, self._row_start, packed=True, pending=pending)
         if fused is not None:
@@ -451,9 +476,7 @@ class EngramTable:
         ``prefetch``: the handle :meth:`prefetch` returned for this very tensor; its rows are served only
         when it is still valid (:mod:`engram.table.prefetch`), else the lookup reads them itself. Without
         a handle nothing prefetched is ever used."""
-        global_ids = self._local_columns(hash_ids)  # [T, C_local]
-        if self.validate:
-            self._check_ids(global_ids)
+        global_ids = self._lookup_ids(hash_ids)  # [T, C_local]
         pending = self._claim(prefetch, hash_ids)
         fused = self._storage.gather_fused(global_ids, self._row_start, packed=False, pending=pending)
         if fused is not None:

@@ -249,9 +249,7 @@ class NodePlacement(TablePlacement):
         width = self._packed.shape[1]
         ids = local_row_ids.to(device=device, dtype=torch.int64).reshape(-1)
         count = ids.numel()
-        counts = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([count], dtype=torch.int64, device=device), group=group)
-        longest = int(torch.cat(counts).max())
+        longest = int(self._exchange_counts(count).max())
         if longest == 0:
             empty = torch.empty(0, width, dtype=torch.uint8, device=device)
             return empty[:, :head_dim].contiguous(), empty[:, head_dim:].contiguous()
@@ -272,6 +270,25 @@ class NodePlacement(TablePlacement):
         owner = torch.div(ids, self._block, rounding_mode="floor")
         picked = received.view(world, longest, width)[owner, torch.arange(count, device=device)]  # [N, D + D/32]
         return picked[:, :head_dim].contiguous(), picked[:, head_dim:].contiguous()
+
+    def _exchange_counts(self, count: int) -> torch.Tensor:
+        """Collective: every rank's id count (``int64 [W]``); a count of -1 is a rank that refused its
+        lookup, and every other rank then raises naming it (the lookup is not run anywhere)."""
+        device = self._device
+        counts = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(self._world_size)]
+        dist.all_gather(counts, torch.tensor([count], dtype=torch.int64, device=device), group=self._group)
+        counts = torch.cat(counts)
+        refused = [rank for rank, value in enumerate(counts.tolist()) if value < 0]
+        if refused and count >= 0:
+            raise ValueError(f"hash_ids: rank(s) {refused} of the table's group refused their ids for this lookup "
+                             f"(their error names the bad id); no rank ran it")
+        return counts
+
+    def refuse_lookup(self) -> None:
+        """Lookup ``"exchange"``: join the lookup's first collective with a count of -1, so the other
+        ranks raise instead of waiting (see :meth:`_exchange_counts`)."""
+        if self.collective and not self._closed:
+            self._exchange_counts(-1)
 
     def _gather_mapped(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch path of ``"peer"``: each shard's rows read where they live (one index_select per
