@@ -56,7 +56,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 import step_decoder  # noqa: E402
 import step_engram  # noqa: E402
-import step_probes  # noqa: E402
+import common  # noqa: E402
 
 DECODE_TOKENS, PREFILL_TOKENS = (1, 64, 256), (4096, 8192)
 # Run order: decode and T = 4096 first (every host read there takes the direct path), then T = 8192, the one
@@ -485,7 +485,7 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
 
         try:
             guard("host path alone at T=8192")
-            report["host_path_T8192"] = step_probes.host_path_alone(host.table(host.layer_ids[0]), make_ids)
+            report["host_path_T8192"] = common.host_path_alone(host.table(host.layer_ids[0]), make_ids)
             print(f"  host path alone, T=8192 (prefetch to rows ready): {report['host_path_T8192']}", flush=True)
         except Exception as error:  # noqa: BLE001
             report.error("host path alone at T=8192", error)
@@ -663,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = None
     try:
         if cuda:  # before the pinned tables take the host's memory
-            report["host_gather_ceiling"] = step_probes.host_gather_ceiling(args.ceiling_gib, args.ceiling_threads,
+            report["host_gather_ceiling"] = common.host_gather_ceiling(args.ceiling_gib, args.ceiling_threads,
                                                                             "0,16")
             ceiling = report["host_gather_ceiling"]
             print(f"host gather ceiling (C, {ceiling.get('table_gib')} GiB, 196,608 rows of 272 B): "

@@ -156,11 +156,11 @@ def test_stand_in_layer_arguments_at_v41_shapes(monkeypatch, expert_form, o_form
 
 def test_ceiling_output_is_parsed(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import step_probes
+    import common
 
     text = ("sequential read of 8 GiB, 16 threads: 76.9 GB/s\n\n threads  distance        ms    min ms      GB/s\n"
             "      14         0     2.505     2.348      21.3\n      16        16     2.710     2.086      19.7\n")
-    rows = step_probes.parse_ceiling_output(text)
+    rows = common.parse_ceiling_output(text)
     assert [(r["threads"], r["distance"], r["median_ms"], r["min_ms"], r["printed_GBps"]) for r in rows] == [
         (14, 0, 2.505, 2.348, 21.3), (16, 16, 2.71, 2.086, 19.7)]
     for row in rows:  # the rate from the median ms agrees with the printed one
@@ -171,11 +171,11 @@ def test_ceiling_output_is_parsed(monkeypatch):
 @pytest.mark.slow
 def test_ceiling_program_builds_and_runs(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import step_probes
+    import common
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler")
-    found = step_probes.host_gather_ceiling(1, "1,2", "0")
+    found = common.host_gather_ceiling(1, "1,2", "0")
     assert "skipped" not in found, found
     assert [(row["threads"], row["distance"]) for row in found["rows"]] == [(1, 0), (2, 0)]
     assert found["best_GBps"] == max(row["GBps"] for row in found["rows"]) > 0
