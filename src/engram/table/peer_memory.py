@@ -4,7 +4,9 @@ Setup only (collectives of the group, once per table); a lookup then reads peers
 
 * CUDA shards are ordinary device tensors, shared with torch's CUDA IPC (``cudaIpcGetMemHandle``
   under :class:`multiprocessing.reduction.ForkingPickler`): each rank maps the others' shards
-  and its kernels read them over NVLink. Every rank must see the same GPUs in the same order, and
+  and its kernels read them over NVLink. torch opens a peer's memory on the peer's GPU (a CUDA
+  context there in every rank: its memory is part of the cost) and this GPU's access to it is
+  enabled explicitly. Every rank must see the same GPUs in the same order, and
   every pair of the group's GPUs must have peer access: both are checked at setup, on every rank,
   and every rank raises the same error naming what is missing.
 * CPU shards (gloo groups: tests, and hosts without GPUs) live in a shared-memory file the owner
@@ -31,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankInfo", "describe_ranks", "check_node_local", "check_peer_access", "allocate_shard", "PeerMapping", "map_peer_shards"]
+__all__ = ["RankInfo", "describe_ranks", "check_node_local", "check_peer_access", "allocate_shard", "PeerMapping",
+           "enable_peer_access", "map_peer_shards"]
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,18 @@ class PeerMapping:
         self.closed = True
 
 
+def enable_peer_access(device: torch.device, peers: list[torch.device]) -> None:
+    """Let kernels on ``device`` read memory of each of ``peers`` (and the reverse). torch maps another
+    process's memory on its owner's GPU, so this GPU's kernels need peer access to it; a one-element
+    copy each way makes torch enable it (it keeps that state itself, ``at::cuda::get_p2p_access``)."""
+    here = torch.empty(1, dtype=torch.uint8, device=device)
+    for peer in sorted({p for p in peers if p != device}, key=lambda d: d.index):
+        there = torch.empty(1, dtype=torch.uint8, device=peer)
+        here.copy_(there)
+        there.copy_(here)
+    torch.cuda.synchronize(device)
+
+
 def map_peer_shards(local: torch.Tensor, shared: _SharedFile | None, group, rank: int,
                     shapes: list[tuple[int, int]]) -> PeerMapping:
     """Collective: map every rank's shard (``shapes[r]`` = its ``[rows, row_bytes]``) next to ``local``
@@ -255,4 +270,6 @@ def map_peer_shards(local: torch.Tensor, shared: _SharedFile | None, group, rank
     failed = [message for message in errors if message is not None]
     if failed:
         raise ValueError(f"group: mapping the ranks' shards failed: {'; '.join(failed)}")
+    if local.is_cuda:
+        enable_peer_access(local.device, [shard.device for shard in shards])
     return PeerMapping(shards, rank, group, files)
