@@ -102,13 +102,20 @@ def _check_inputs(value_bytes, scale_bytes, hash_ids, row_start, column_start, c
     if value_bytes.stride(1) != 1 or scale_bytes.stride(1) != 1:
         raise ValueError(f"values/scales: rows must be contiguous (last stride 1), found strides "
                          f"{value_bytes.stride()} and {scale_bytes.stride()}")
+    column_end = check_lookup_ids(hash_ids, row_start, column_start, column_end)
+    if not (value_bytes.device == scale_bytes.device == hash_ids.device):
+        raise ValueError(f"hash_ids, values, scales: expected one device, found {hash_ids.device}, "
+                         f"{value_bytes.device}, {scale_bytes.device}")
+    return value_bytes, scale_bytes, column_end
+
+
+def check_lookup_ids(hash_ids, row_start, column_start: int, column_end: int | None) -> int:
+    """A gather's ids and what it reads of them: ``hash_ids`` int32/int64 ``[T, C]``, ``0 <= column_start
+    < column_end <= C`` (None: ``C``), ``row_start >= 0``; returns ``column_end``. One ValueError per field."""
     if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
         found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
                  else type(hash_ids).__name__)
         raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
-    if not (value_bytes.device == scale_bytes.device == hash_ids.device):
-        raise ValueError(f"hash_ids, values, scales: expected one device, found {hash_ids.device}, "
-                         f"{value_bytes.device}, {scale_bytes.device}")
     width = hash_ids.shape[1]
     column_end = width if column_end is None else column_end
     if not 0 <= column_start < column_end <= width:
@@ -116,7 +123,7 @@ def _check_inputs(value_bytes, scale_bytes, hash_ids, row_start, column_start, c
                          f"(hash_ids shape {list(hash_ids.shape)})")
     if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
         raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
-    return value_bytes, scale_bytes, column_end
+    return column_end
 
 
 def _output(name: str, given: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:

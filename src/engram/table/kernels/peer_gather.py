@@ -16,9 +16,9 @@ from typing import NamedTuple
 import torch
 
 from engram.call_cache import CallCache, structure
-from engram.common import HASH_ID_DTYPES
 from engram.table.fp8 import BLOCK_SIZE
 from engram.table.host_memory.rows import packed_row_bytes
+from engram.table.kernels.gather import check_lookup_ids
 from engram.table.kernels.peer_gather_kernels import peer_gather_rows_bf16_kernel, peer_gather_rows_packed_kernel
 from engram.triton_launch import BoundLaunch, CompiledLaunch, interpreting
 
@@ -116,20 +116,10 @@ class PeerShards:
 
 
 def _check_ids(peer: PeerShards, hash_ids, row_start, column_start, column_end) -> int:
-    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
-        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
-                 else type(hash_ids).__name__)
-        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
+    column_end = check_lookup_ids(hash_ids, row_start, column_start, column_end)
     if hash_ids.device != peer.device:
         raise ValueError(f"hash_ids: expected a tensor on {peer.device} (the pointer table's device), "
                          f"found {hash_ids.device}")
-    width = hash_ids.shape[1]
-    column_end = width if column_end is None else column_end
-    if not 0 <= column_start < column_end <= width:
-        raise ValueError(f"column_start, column_end: expected 0 <= {column_start} < {column_end} <= {width} "
-                         f"(hash_ids shape {list(hash_ids.shape)})")
-    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
-        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
     return column_end
 
 
