@@ -443,8 +443,8 @@ def report_node(per_rank: list[dict], options: dict, device: torch.device) -> Pa
                    "GBps": "rows delivered (T x columns x row_bytes) over the median"},
         "seed": options["seed"],
         "host": {"measured": first["results"][0]["host"] is not None, "note": first["host_note"]},
-        "peer_access_note": "the copy ceiling runs before the peer lookups; torch's cross-GPU copies enable "
-                            "peer access from each rank's GPU to the source GPU",
+        "peer_access_note": "the node placement enables each rank's peer access to every mapped shard at "
+                            "setup (engram.table.peer_memory.enable_peer_access), before the copy ceiling",
         "ranks": [{key: rank[key] for key in ("rank", "owned", "touched_rows", "shard_bytes", "setup_s",
                                               "ceiling", "memory")} for rank in per_rank],
         "results": [summarize(per_rank, tokens) for tokens in options["tokens"]],
