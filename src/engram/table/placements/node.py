@@ -9,8 +9,9 @@ and keeps only those rows. Setup checks that the group runs on one host. Two way
   (:mod:`engram.table.kernels.peer_gather`) reads every row from its owner through a pointer table:
   no collective in a lookup, capturable in a CUDA graph. :meth:`NodePlacement.close` (a collective)
   releases the mappings in order. On gloo groups the shards are shared-memory files (CPU tests).
-* ``lookup="exchange"``: every lookup is a collective: each rank sends its ids to all, serves the rows
-  it owns for every rank, and one ``all_to_all_single`` brings each rank its rows. Every rank of the
+* ``lookup="exchange"``: every lookup is a collective: the ranks all-gather how many ids each asks of
+  each owner, one ``all_to_all_single`` sends every owner the ids it serves, and one more brings each
+  rank exactly its rows. Every rank of the
   group must call every lookup, in the same order (its own number of ids, zero included). Runs over
   gloo (CPU tensors) and NCCL (CUDA tensors).
 """
@@ -240,55 +241,52 @@ class NodePlacement(TablePlacement):
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``int64 [N]`` ids in ``[0, rows)`` on :attr:`device` -> ``(uint8 [N, D], uint8 [N, D // 32])``.
         ``"exchange"``: a collective (``N`` per rank, 0 allowed) that syncs with the host once (the
-        largest ``N``); ``"peer"``: read from the owners' mapped rows, no sync."""
+        ranks' per-owner counts); ``"peer"``: read from the owners' mapped rows, no sync."""
         self._check_open()
         if self.lookup == "peer":
             return self._gather_mapped(local_row_ids)
-        group, world, device = self._group, self._world_size, self._device
+        group, rank, device = self._group, self._rank, self._device
         head_dim = self.head_dim
         width = self._packed.shape[1]
         ids = local_row_ids.to(device=device, dtype=torch.int64).reshape(-1)
-        count = ids.numel()
-        longest = int(self._exchange_counts(count).max())
-        if longest == 0:
+        owner = torch.div(ids, self._block, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)  # this rank's ids grouped by owner
+        counts = torch.bincount(owner, minlength=self._world_size)
+        matrix = self._exchange_counts(counts)  # [W, W]: ids rank i asks of owner j
+        sent, served = matrix[rank].tolist(), matrix[:, rank].tolist()
+        if not matrix.any():
             empty = torch.empty(0, width, dtype=torch.uint8, device=device)
             return empty[:, :head_dim].contiguous(), empty[:, head_dim:].contiguous()
-        padded = torch.zeros(longest, dtype=torch.int64, device=device)
-        padded[:count] = ids
-        requested = [torch.empty(longest, dtype=torch.int64, device=device) for _ in range(world)]
-        dist.all_gather(requested, padded, group=group)
-        wanted = torch.stack(requested)  # [W, maxN]: every rank's ids (padding: row 0)
-        start, end = self._own_start, self._own_end
-        send = torch.zeros(world * longest, width, dtype=torch.uint8, device=device)  # [W * maxN, D + D/32]
-        if end > start:
-            mine = ((wanted >= start) & (wanted < end)).reshape(-1)
-            local = (wanted.reshape(-1) - start).clamp(0, end - start - 1)
-            rows = self._packed.index_select(0, local)
-            send = rows.masked_fill(~mine.unsqueeze(-1), 0)
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)  # chunk j: owner j's rows for this rank's ids
-        owner = torch.div(ids, self._block, rounding_mode="floor")
-        picked = received.view(world, longest, width)[owner, torch.arange(count, device=device)]  # [N, D + D/32]
+        # Each owner receives exactly the ids it serves and returns exactly their rows: every rank moves
+        # its own N rows (an all-to-all of every rank's ids padded to the longest moved W times as many).
+        requested = torch.empty(sum(served), dtype=torch.int64, device=device)
+        dist.all_to_all_single(requested, ids[order], output_split_sizes=served, input_split_sizes=sent, group=group)
+        rows = self._packed.index_select(0, requested - self._own_start)  # [sum(served), D + D/32]
+        returned = torch.empty(ids.numel(), width, dtype=torch.uint8, device=device)
+        dist.all_to_all_single(returned, rows, output_split_sizes=sent, input_split_sizes=served, group=group)
+        picked = torch.empty_like(returned)
+        picked[order] = returned  # back in this rank's id order
         return picked[:, :head_dim].contiguous(), picked[:, head_dim:].contiguous()
 
-    def _exchange_counts(self, count: int) -> torch.Tensor:
-        """Collective: every rank's id count (``int64 [W]``); a count of -1 is a rank that refused its
-        lookup, and every other rank then raises naming it (the lookup is not run anywhere)."""
+    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Collective: every rank's ids per owner (``int64 [W]`` each -> ``[W, W]``, row ``i`` from rank
+        ``i``); a row of -1 is a rank that refused its lookup, and every other rank then raises naming it
+        (the lookup is not run anywhere)."""
         device = self._device
-        counts = [torch.empty(1, dtype=torch.int64, device=device) for _ in range(self._world_size)]
-        dist.all_gather(counts, torch.tensor([count], dtype=torch.int64, device=device), group=self._group)
-        counts = torch.cat(counts)
-        refused = [rank for rank, value in enumerate(counts.tolist()) if value < 0]
-        if refused and count >= 0:
+        gathered = [torch.empty(self._world_size, dtype=torch.int64, device=device) for _ in range(self._world_size)]
+        dist.all_gather(gathered, counts.to(device=device, dtype=torch.int64), group=self._group)
+        matrix = torch.stack(gathered)
+        refused = [rank for rank, row in enumerate(matrix[:, 0].tolist()) if row < 0]
+        if refused and int(counts[0]) >= 0:
             raise ValueError(f"hash_ids: rank(s) {refused} of the table's group refused their ids for this lookup "
                              f"(their error names the bad id); no rank ran it")
-        return counts
+        return matrix
 
     def refuse_lookup(self) -> None:
         """Lookup ``"exchange"``: join the lookup's first collective with a count of -1, so the other
         ranks raise instead of waiting (see :meth:`_exchange_counts`)."""
         if self.collective and not self._closed:
-            self._exchange_counts(-1)
+            self._exchange_counts(torch.full((self._world_size,), -1, dtype=torch.int64))
 
     def _gather_mapped(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch path of ``"peer"``: each shard's rows read where they live (one index_select per
