@@ -65,8 +65,6 @@ import argparse
 import datetime
 import json
 import os
-import re
-import statistics
 import sys
 import tempfile
 import time
@@ -86,77 +84,16 @@ from engram.layer import Engram, WkvProjection, engram_gate_kv  # noqa: E402
 from engram.layout import EngramLayout  # noqa: E402
 from engram.parallel import NCCL_ENVIRONMENT, init_rank  # noqa: E402
 from engram.table import EngramTable  # noqa: E402
+from common import (ID_SETS, LAYER_INDEX, V41_CONFIG, StageTimer, device_slug, small_spec,  # noqa: E402
+                    versions as _versions)
 
-V41_CONFIG = HERE.parent / "src" / "engram" / "configs" / "deepseek-v4.1-flash.json"
 TOKEN_COUNTS = (64, 8192)
 SMALL_TOKEN_COUNTS = (16, 256)
-ID_SETS = 4
-LAYER_INDEX = 0  # Engram layer 1, 384,006,168 rows
-L2_FLUSH_BYTES = 256 << 20
 # ``all_gather_single`` where torch has it (2.13+; ``all_gather_into_tensor`` is deprecated there), as Engram does.
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 STAGES = ("lookup", "all_gather", "wkv", "gate", "forward", "forward_sp", "all_gather_fp8", "partial_wkv",
           "all_reduce_kv")
 COLLECTIVE_STAGES = ("all_gather", "forward", "forward_sp", "all_gather_fp8", "all_reduce_kv")
-
-
-def small_spec() -> engram.EngramSpec:
-    """A CPU-sized geometry with V4.1's 24 columns and hc 4: head_dim 64, hidden 256, buckets near 1009."""
-    config = {
-        "engram_layer_ids": [1], "engram_num_embeddings": [1], "engram_max_ngram_size": 4, "engram_n_heads": 8,
-        "engram_head_dim": 64, "engram_vocab_size": 1009, "engram_compressed_vocab_size": 40,
-        "engram_pad_token_id": 2, "hidden_size": 256, "hc_mult": 4, "rms_norm_eps": 1e-6,
-    }
-    spec = engram.EngramSpec.from_hf_config(config, check_rows=False)
-    config["engram_num_embeddings"] = EngramLayout(spec).num_embeddings
-    return engram.EngramSpec.from_hf_config(config)
-
-
-# ---------------------------------------------------------------------------
-# timing
-# ---------------------------------------------------------------------------
-class StageTimer:
-    """Times a call the same number of times on every rank (see the module docstring)."""
-
-    def __init__(self, device: torch.device, iterations: int, warmup: int):
-        self.device, self.iterations, self.warmup = device, iterations, warmup
-        self.cuda = device.type == "cuda"
-        self.flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if self.cuda else None
-        self.token = torch.zeros(1, dtype=torch.float32, device=device)
-
-    def _line_up(self) -> None:
-        if self.cuda:
-            dist.all_reduce(self.token)  # on the current stream: ranks leave it together
-        else:
-            dist.barrier()
-
-    def time(self, call, collective: bool) -> dict:
-        """``call(i)`` for ``i`` in 0.. -> ``{"us", "us_p10", "us_p90"}`` over ``iterations`` calls."""
-        for i in range(self.warmup):
-            call(i)
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(self.iterations)]
-            for i, (start, end) in enumerate(events):
-                self.flush.zero_()
-                if collective:
-                    self._line_up()
-                start.record()
-                call(i)
-                end.record()
-            torch.cuda.synchronize(self.device)
-            times = [start.elapsed_time(end) * 1e3 for start, end in events]
-        else:
-            times = []
-            for i in range(self.iterations):
-                if collective:
-                    self._line_up()
-                started = time.perf_counter()
-                call(i)
-                times.append((time.perf_counter() - started) * 1e6)
-        quantiles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
-        return {"us": statistics.median(times), "us_p10": quantiles[0], "us_p90": quantiles[-1]}
 
 
 # ---------------------------------------------------------------------------
@@ -398,29 +335,6 @@ def bench_tokens(setup: RankSetup, timer: StageTimer, tokens: int, seed: int) ->
 # ---------------------------------------------------------------------------
 # report (rank 0)
 # ---------------------------------------------------------------------------
-def device_slug(device: torch.device) -> str:
-    """``h200`` for "NVIDIA H200", ``cpu`` for the CPU: the device part of the JSON's name."""
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
-
-
-def _versions(device: torch.device) -> dict:
-    versions = {"torch": torch.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        versions["triton"] = None
-    if device.type == "cuda":
-        nccl = torch.cuda.nccl.version()
-        versions["nccl"] = ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else str(nccl)
-        versions["cuda"] = torch.version.cuda
-    return versions
-
-
 def report(per_rank: list[list[dict]], options: dict, device: torch.device) -> None:
     """Write the JSON and print the table from every rank's rows."""
     world_size = options["world_size"]

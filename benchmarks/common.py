@@ -12,7 +12,9 @@ host tables at V4.1-Flash row shape (bench_host.py, bench_cache.py, bench_step.p
   ``host_gather_ceiling.c`` (pthreads, no Python; 196,608 = 8192 x 24 rows of 272 B, fresh sorted ids
   per gather), compiled with ``cc`` here and run over thread counts and prefetch distances; best median;
 * :func:`host_path_alone`: the library's host path end to end at ``T`` tokens, measured alone: one
-  layer's ``prefetch`` to its rows on the device (``lookup_packed`` and a sync), wall clock.
+  layer's ``prefetch`` to its rows on the device (``lookup_packed`` and a sync), wall clock;
+* for the parallel benchmarks: :func:`small_spec` (a CPU-sized geometry), :class:`StageTimer` (the same
+  number of calls on every rank), :func:`device_slug` and :func:`versions` (report names and facts).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import engram
+from engram.layout import EngramLayout
 from engram.table.host_memory.rows import PackedRows, packed_row_bytes
 
 HEAD_DIM, COLUMNS = 256, 24  # V4.1-Flash: 256 E4M3 values + 8 UE8M0 scales per row, 24 columns per token
@@ -203,3 +207,90 @@ def host_path_alone(table, make_ids, repeats: int = 10) -> dict:
     median = statistics.median(samples)
     return {"median_us": median, "min_us": min(samples), "rows": rows,
             "GBps": rows_bytes / (median * 1e-6) / 1e9, "repeats": repeats}
+
+
+# ---- the parallel benchmarks (bench_parallel.py and its node section, parallel_node.py) -------------
+V41_CONFIG = Path(__file__).resolve().parents[1] / "src" / "engram" / "configs" / "deepseek-v4.1-flash.json"
+ID_SETS = 4
+LAYER_INDEX = 0  # Engram layer 1, 384,006,168 rows
+L2_FLUSH_BYTES = 256 << 20
+
+
+def small_spec() -> engram.EngramSpec:
+    """A CPU-sized geometry with V4.1's 24 columns and hc 4: head_dim 64, hidden 256, buckets near 1009."""
+    config = {
+        "engram_layer_ids": [1], "engram_num_embeddings": [1], "engram_max_ngram_size": 4, "engram_n_heads": 8,
+        "engram_head_dim": 64, "engram_vocab_size": 1009, "engram_compressed_vocab_size": 40,
+        "engram_pad_token_id": 2, "hidden_size": 256, "hc_mult": 4, "rms_norm_eps": 1e-6,
+    }
+    spec = engram.EngramSpec.from_hf_config(config, check_rows=False)
+    config["engram_num_embeddings"] = EngramLayout(spec).num_embeddings
+    return engram.EngramSpec.from_hf_config(config)
+
+
+class StageTimer:
+    """Times a call the same number of times on every rank (see the module docstring)."""
+
+    def __init__(self, device: torch.device, iterations: int, warmup: int):
+        self.device, self.iterations, self.warmup = device, iterations, warmup
+        self.cuda = device.type == "cuda"
+        self.flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if self.cuda else None
+        self.token = torch.zeros(1, dtype=torch.float32, device=device)
+
+    def _line_up(self) -> None:
+        if self.cuda:
+            dist.all_reduce(self.token)  # on the current stream: ranks leave it together
+        else:
+            dist.barrier()
+
+    def time(self, call, collective: bool) -> dict:
+        """``call(i)`` for ``i`` in 0.. -> ``{"us", "us_p10", "us_p90"}`` over ``iterations`` calls."""
+        for i in range(self.warmup):
+            call(i)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(self.iterations)]
+            for i, (start, end) in enumerate(events):
+                self.flush.zero_()
+                if collective:
+                    self._line_up()
+                start.record()
+                call(i)
+                end.record()
+            torch.cuda.synchronize(self.device)
+            times = [start.elapsed_time(end) * 1e3 for start, end in events]
+        else:
+            times = []
+            for i in range(self.iterations):
+                if collective:
+                    self._line_up()
+                started = time.perf_counter()
+                call(i)
+                times.append((time.perf_counter() - started) * 1e6)
+        quantiles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
+        return {"us": statistics.median(times), "us_p10": quantiles[0], "us_p90": quantiles[-1]}
+
+
+def device_slug(device: torch.device) -> str:
+    """``h200`` for "NVIDIA H200", ``cpu`` for the CPU: the device part of the JSON's name."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
+
+
+def versions(device: torch.device) -> dict:
+    """torch, Triton, and on CUDA the NCCL and CUDA versions, for a report."""
+    versions = {"torch": torch.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    if device.type == "cuda":
+        nccl = torch.cuda.nccl.version()
+        versions["nccl"] = ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else str(nccl)
+        versions["cuda"] = torch.version.cuda
+    return versions

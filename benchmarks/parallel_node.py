@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import bench_parallel as bench
+import common
 import engram
 from engram.layout import EngramLayout
 from engram.parallel import NCCL_ENVIRONMENT
@@ -102,12 +102,12 @@ def fill_rows(values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) ->
 
 def draw_ids(layout: EngramLayout, rows: int, tokens: int, rank: int, seed: int) -> list[torch.Tensor]:
     """``ID_SETS`` int64 ``[T, C]`` (CPU) of rank ``rank``: layer 1's ids scaled to ``rows``."""
-    primes = torch.from_numpy(layout.column_primes[bench.LAYER_INDEX]).to(torch.int64)
-    offsets = torch.from_numpy(layout.column_offsets[bench.LAYER_INDEX]).to(torch.int64)
-    layer_rows = layout.num_embeddings[bench.LAYER_INDEX]
+    primes = torch.from_numpy(layout.column_primes[common.LAYER_INDEX]).to(torch.int64)
+    offsets = torch.from_numpy(layout.column_offsets[common.LAYER_INDEX]).to(torch.int64)
+    layer_rows = layout.num_embeddings[common.LAYER_INDEX]
     generator = torch.Generator().manual_seed(seed * 1_000_003 + tokens * 8_191 + rank)
     sets = []
-    for _ in range(bench.ID_SETS):
+    for _ in range(common.ID_SETS):
         draws = torch.randint(0, 1 << 40, (tokens, primes.numel()), generator=generator)
         sets.append((draws % primes + offsets) * rows // layer_rows)
     return sets
@@ -166,9 +166,9 @@ def setup_node_rank(rank: int, world_size: int, device: torch.device, placement:
     """Draw every rank's ids, allocate the whole table on the device (``torch.empty``), fill the rows
     they touch and build the device table."""
     started = time.perf_counter()
-    spec = bench.small_spec() if options["small"] else engram.EngramSpec.from_hf_config(bench.V41_CONFIG)
+    spec = common.small_spec() if options["small"] else engram.EngramSpec.from_hf_config(common.V41_CONFIG)
     layout = EngramLayout(spec)
-    layer_rows = layout.num_embeddings[bench.LAYER_INDEX]
+    layer_rows = layout.num_embeddings[common.LAYER_INDEX]
     rows = table_rows(spec, layer_rows, world_size, device)
     ids, touched = {}, []
     for tokens in options["tokens"]:
@@ -188,7 +188,7 @@ def setup_node_rank(rank: int, world_size: int, device: torch.device, placement:
     return setup
 
 
-def time_lookups(setup: NodeSetup, timer: bench.StageTimer, table: EngramTable) -> dict[int, dict]:
+def time_lookups(setup: NodeSetup, timer: common.StageTimer, table: EngramTable) -> dict[int, dict]:
     """Per T: each call of ``table`` timed (lined up across ranks) and compared with the device table's."""
     results = {}
     row_bytes = setup.spec.row_bytes
@@ -196,7 +196,7 @@ def time_lookups(setup: NodeSetup, timer: bench.StageTimer, table: EngramTable) 
         entry = {}
         for call in CALLS:
             method = getattr(table, call)
-            timing = timer.time(lambda i, method=method: method(id_sets[i % bench.ID_SETS]), collective=True)
+            timing = timer.time(lambda i, method=method: method(id_sets[i % common.ID_SETS]), collective=True)
             timing["GBps"] = tokens * setup.spec.num_columns * row_bytes / timing["us"] / 1e3
             entry[call] = timing
         if table is not setup.device_table:
@@ -285,7 +285,7 @@ def close_host_table(table: EngramTable, host_buffer) -> None:
     host_buffer.close()
 
 
-def copy_ceiling(setup: NodeSetup, timer: bench.StageTimer, peer: EngramTable) -> dict:
+def copy_ceiling(setup: NodeSetup, timer: common.StageTimer, peer: EngramTable) -> dict:
     """The peer copy ceiling of this rank (see the module docstring)."""
     rank, world_size, device = setup.rank, setup.world_size, setup.device
     shards = peer.storage._mapping.shards  # shards[r]: rank r's packed rows, as this rank maps them
@@ -333,7 +333,7 @@ def copy_ceiling(setup: NodeSetup, timer: bench.StageTimer, peer: EngramTable) -
 def run_node_rank(rank: int, world_size: int, device: torch.device, placement: str, options: dict) -> dict:
     """This rank's numbers: setup, the copy ceiling, and per T every placement's timings and checks."""
     setup = setup_node_rank(rank, world_size, device, placement, options)
-    timer = bench.StageTimer(device, options["iterations"], options["warmup"])
+    timer = common.StageTimer(device, options["iterations"], options["warmup"])
     timings = {"device": time_lookups(setup, timer, setup.device_table)}
     if rank == 0:
         print(f"node: {setup.rows:,} rows ({setup.touched.numel():,} filled), device table timed", flush=True)
@@ -420,12 +420,12 @@ def report_node(per_rank: list[dict], options: dict, device: torch.device) -> Pa
     import json
 
     world_size = options["world_size"]
-    spec = bench.small_spec() if options["small"] else engram.EngramSpec.from_hf_config(bench.V41_CONFIG)
+    spec = common.small_spec() if options["small"] else engram.EngramSpec.from_hf_config(common.V41_CONFIG)
     first = per_rank[0]
     result = {
         "benchmark": "bench_parallel", "mode": "node",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        **bench._versions(device),
+        **common.versions(device),
         "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "backend": options["backend"], "world_size": world_size, "small": options["small"],
@@ -437,7 +437,7 @@ def report_node(per_rank: list[dict], options: dict, device: torch.device) -> Pa
                      "node_shard_GB": {name: max(r["shard_bytes"][name] for r in per_rank) / 1e9
                                        for name in ("peer", "exchange")},
                      "host_table_GB": (first["rows"] + 1) * packed_row_bytes(spec.head_dim) / 1e9},
-        "timing": {"iterations": options["iterations"], "warmup": options["warmup"], "id_sets": bench.ID_SETS,
+        "timing": {"iterations": options["iterations"], "warmup": options["warmup"], "id_sets": common.ID_SETS,
                    "method": ("CUDA events, eager, L2 flushed before each call" if device.type == "cuda"
                               else "perf_counter, eager") + "; every call lined up across ranks",
                    "GBps": "rows delivered (T x columns x row_bytes) over the median"},
@@ -449,9 +449,9 @@ def report_node(per_rank: list[dict], options: dict, device: torch.device) -> Pa
                                               "ceiling", "memory")} for rank in per_rank],
         "results": [summarize(per_rank, tokens) for tokens in options["tokens"]],
     }
-    out_dir = Path(options["output"] or os.environ.get("OUT") or bench.HERE / "results")
+    out_dir = Path(options["output"] or os.environ.get("OUT") or common.HERE / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"parallel-{bench.device_slug(device)}-node{world_size}.json"
+    path = out_dir / f"parallel-{common.device_slug(device)}-node{world_size}.json"
     path.write_text(json.dumps(result, indent=2))
     print_node_tables(result)
     print(f"wrote {path}")

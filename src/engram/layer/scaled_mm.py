@@ -9,6 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
+_TOKEN_PADDING = 4  # cuBLASLt wants the column-major [T, K / 128] scale's column stride 16-byte aligned
+MIN_ACTIVATION_ROWS = 128
+"""Fewest rows of the quantized activations. Below 128 rows cuBLAS's block-scaled FP8 GEMM picks a
+slower kernel: V4.1-Flash wkv (K = 6144, N = 25600) on the H200, graph-replayed, 59.1 us at M = 64
+against 56.2 us with the same rows padded to 128 (59.4 against 55.8 at M = 1;
+``benchmarks/NOTES.md``, "Findings of removed probes"). The padding rows are zeros; the Triton GEMMs skip them."""
+
+
+def padded_tokens(tokens: int) -> int:
+    """Rows of the quantized activation buffer: ``T`` rounded up to a multiple of 4, at least
+    :data:`MIN_ACTIVATION_ROWS`."""
+    return max(MIN_ACTIVATION_ROWS, -(-tokens // _TOKEN_PADDING) * _TOKEN_PADDING)
+
 
 __all__ = ["ScaledMmLayout", "scaled_mm_weight_scale", "scaled_mm_gemm", "scaled_mm_gemm_transposed",
            "probe_scaled_mm_blockwise"]
@@ -52,8 +65,6 @@ def _probe(device: torch.device, in_features: int, out_features: int, layout: Sc
     """None when ``torch._scaled_mm`` runs 1 x 128 / 128 x 128 blocks with ``layout`` at this
     ``K x N`` (5 random tokens, random power-of-two scales, partial blocks as the real shape has
     them) and matches an fp32 reference within bf16 rounding; else why not."""
-    from engram.layer.wkv_gemm import padded_tokens  # (wkv_gemm imports this module)
-
     generator = torch.Generator(device=device).manual_seed(13)
     tokens = 5
     blocks = (-(-out_features // 128), -(-in_features // 128))

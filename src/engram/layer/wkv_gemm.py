@@ -28,6 +28,10 @@ from engram.table.fp8 import BLOCK_SIZE
 from engram.triton_launch import BoundLaunch, CompiledLaunch, interpreting
 from engram.layer.wkv_kernels import block_scaled_gemm_kernel, fused_gather_gemm_kernel, gather_quantize_kernel
 from engram.layer.wkv_small_m_kernels import small_m_gemm_kernel, split_k_reduce_kernel
+# The torch._scaled_mm path (and the activation rows both paths use) lives in engram.layer.scaled_mm.
+from engram.layer.scaled_mm import (MIN_ACTIVATION_ROWS, ScaledMmLayout, padded_tokens,  # noqa: F401
+                                    probe_scaled_mm_blockwise, scaled_mm_gemm, scaled_mm_gemm_transposed,
+                                    scaled_mm_weight_scale)
 
 __all__ = [
     "ACTIVATION_GROUP",
@@ -49,20 +53,6 @@ __all__ = [
 
 ACTIVATION_GROUP = 128
 """Values per activation scale of path (a) (1 x 128 groups, the DeepSeek FP8 recipe)."""
-_TOKEN_PADDING = 4  # cuBLASLt wants the column-major [T, K / 128] scale's column stride 16-byte aligned
-MIN_ACTIVATION_ROWS = 128
-"""Fewest rows of the quantized activations. Below 128 rows cuBLAS's block-scaled FP8 GEMM picks a
-slower kernel: V4.1-Flash wkv (K = 6144, N = 25600) on the H200, graph-replayed, 59.1 us at M = 64
-against 56.2 us with the same rows padded to 128 (59.4 against 55.8 at M = 1;
-``benchmarks/NOTES.md``, "Findings of removed probes"). The padding rows are zeros; the Triton GEMMs skip them."""
-
-
-def padded_tokens(tokens: int) -> int:
-    """Rows of the quantized activation buffer: ``T`` rounded up to a multiple of 4, at least
-    :data:`MIN_ACTIVATION_ROWS`."""
-    return max(MIN_ACTIVATION_ROWS, -(-tokens // _TOKEN_PADDING) * _TOKEN_PADDING)
-
-
 @dataclass(frozen=True)
 class WkvGemmConfig:
     """Tile shape of the GEMM kernels: ``block_m x block_n`` outputs per program, ``group_m``
@@ -567,8 +557,3 @@ def fused_gather_gemm(
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
-
-
-# The torch._scaled_mm path lives in engram.layer.scaled_mm.
-from engram.layer.scaled_mm import (ScaledMmLayout, probe_scaled_mm_blockwise, scaled_mm_gemm,  # noqa: E402,F401
-                                    scaled_mm_gemm_transposed, scaled_mm_weight_scale)
