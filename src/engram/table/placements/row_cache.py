@@ -194,7 +194,8 @@ class RowCache:
             if step > 0 and step % self.aging_interval == 0:
                 self._counters.bitwise_right_shift_(1)
             self._counters.index_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
-            self._counters.clamp_(max=COUNTER_MAX)
+            # Saturate only the slots read (a clamp of every counter cost O(slots) per step).
+            self._counters.index_copy_(0, slot, self._counters[slot].clamp(max=COUNTER_MAX))
         self._counters[-1:].zero_()  # a kernel: assigning a Python 0 would copy it from the host (a sync)
         self._admit(ids, counts, candidate, back_values, back_scales)
 
@@ -236,13 +237,16 @@ class RowCache:
         order = order[torch.argsort(candidate_set[order], stable=True)]
         sorted_set, sorted_id, sorted_count = candidate_set[order], ids[order], counts[order]
         rank = torch.arange(count_total, device=self.device) - torch.searchsorted(sorted_set, sorted_set)
-        victim_key = torch.where(self.tags >= 0, self.counters.to(torch.int64), -1)  # [sets, ways]
-        victim_key, victim_way = torch.sort(victim_key, dim=1, stable=True)
         usable = (sorted_set < num_sets) & (rank < ways)
         safe_set = torch.where(usable, sorted_set, 0)
-        safe_rank = torch.where(usable, rank, 0)
-        admit = usable & (sorted_count >= victim_key[safe_set, safe_rank])
-        slot = torch.where(admit, safe_set * ways + victim_way[safe_set, safe_rank], self.num_slots)
+        safe_rank = torch.where(usable, rank, 0)[:, None]
+        # The ways of each candidate's set by counter, ascending, empty first: sorted per candidate
+        # ([N, ways]) rather than for every set of the cache (O(slots) per step).
+        set_tags, set_counters = self.tags[safe_set], self.counters[safe_set]
+        victim_key = torch.where(set_tags >= 0, set_counters.to(torch.int64), -1)
+        victim_key, victim_way = torch.sort(victim_key, dim=1, stable=True)
+        admit = usable & (sorted_count >= victim_key.gather(1, safe_rank)[:, 0])
+        slot = torch.where(admit, safe_set * ways + victim_way.gather(1, safe_rank)[:, 0], self.num_slots)
         row = torch.where(admit, sorted_id, -1)
         values, scales = _read_rows(back_values, back_scales, row)
         head_dim = self.head_dim
