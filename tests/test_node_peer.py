@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import tempfile
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from engram.tools.testing import write_synthetic_checkpoint
 from test_node_placement import COLUMNS, TABLES, edge_ids, random_fp8, request, tokens_per_step
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SHM = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def _peer_files() -> set[str]:

@@ -1,6 +1,6 @@
 """The package's structure: every import of an engram module in src/, tests/ and benchmarks/ resolves (lazy ones inside functions too,
-which only a GPU path may run), the serving core never imports the tools, and no module exceeds
-600 lines."""
+which only a GPU path may run), the serving core never imports the tools, no module exceeds
+600 lines, and environment variables are read in two modules only."""
 
 from __future__ import annotations
 
@@ -72,6 +72,23 @@ def test_the_serving_core_never_imports_the_tools():
 def test_no_module_is_over_600_lines():
     long = {str(p.relative_to(SRC)): n for p in MODULES if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert long == {}, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _environment_reads(path: Path) -> list[int]:
+    """Lines of ``path`` that read the environment: ``os.environ[...]`` / ``.get`` / ``in``, ``os.getenv``
+    (``os.environ.update``, which sets variables for child processes, is not a read)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    setters = {id(node.value) for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr == "update"}
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and (node.attr == "getenv" or (node.attr == "environ" and id(node) not in setters))]
+
+
+def test_environment_variables_are_read_in_two_modules_only():
+    """``engram.environment`` (every serving default) and the CLI (the terminal's width); ``engram.parallel``
+    only sets NCCL's variables for the processes it starts."""
+    reading = {str(path.relative_to(SRC)) for path in MODULES if _environment_reads(path)}
+    assert reading <= {"engram/environment.py", "engram/tools/cli.py"}, sorted(reading)
 
 
 def test_the_checker_catches_a_broken_import(tmp_path):

@@ -27,6 +27,7 @@ import pickle
 import secrets
 import socket
 import stat
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 
@@ -129,7 +130,7 @@ class _SharedFile:
 
 
 def _shm_directory() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def _as_tensor(mapping: mmap.mmap, rows: int, row_bytes: int) -> torch.Tensor:
