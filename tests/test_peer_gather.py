@@ -217,7 +217,7 @@ def test_gpu_peer_gather_equals_the_device_gather_at_8192_tokens(num_shards, see
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         peer_gather.peer_gather_rows(peer, hash_ids, 7, out=out)
-    ids.copy_(_random_ids(8192, 2, 7, num_rows, generator, torch.int64).cuda())
+    hash_ids.copy_(_random_ids(8192, 2, 7, num_rows, generator, torch.int64).cuda())  # new ids, same buffer
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
