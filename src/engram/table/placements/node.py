@@ -252,9 +252,9 @@ class NodePlacement(TablePlacement):
         owner = torch.div(ids, self._block, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)  # this rank's ids grouped by owner
         counts = torch.bincount(owner, minlength=self._world_size)
-        matrix = self._exchange_counts(counts)  # [W, W]: ids rank i asks of owner j
+        matrix = self._exchange_counts(counts)  # [W, W] on the host: ids rank i asks of owner j
         sent, served = matrix[rank].tolist(), matrix[:, rank].tolist()
-        if not matrix.any():
+        if not bool(matrix.any()):
             empty = torch.empty(0, width, dtype=torch.uint8, device=device)
             return empty[:, :head_dim].contiguous(), empty[:, head_dim:].contiguous()
         # Each owner receives exactly the ids it serves and returns exactly their rows: every rank moves
@@ -269,15 +269,15 @@ class NodePlacement(TablePlacement):
         return picked[:, :head_dim].contiguous(), picked[:, head_dim:].contiguous()
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """Collective: every rank's ids per owner (``int64 [W]`` each -> ``[W, W]``, row ``i`` from rank
-        ``i``); a row of -1 is a rank that refused its lookup, and every other rank then raises naming it
-        (the lookup is not run anywhere)."""
+        """Collective: every rank's ids per owner (``int64 [W]`` each -> ``[W, W]`` on the host, row ``i`` from
+        rank ``i``: the lookup's one host sync); a row of -1 is a rank that refused its lookup, and every other
+        rank then raises naming it (the lookup is not run anywhere)."""
         device = self._device
         gathered = [torch.empty(self._world_size, dtype=torch.int64, device=device) for _ in range(self._world_size)]
         dist.all_gather(gathered, counts.to(device=device, dtype=torch.int64), group=self._group)
-        matrix = torch.stack(gathered)
+        matrix = torch.stack(gathered).cpu()
         refused = [rank for rank, row in enumerate(matrix[:, 0].tolist()) if row < 0]
-        if refused and int(counts[0]) >= 0:
+        if refused and int(matrix[self._rank, 0]) >= 0:
             raise ValueError(f"hash_ids: rank(s) {refused} of the table's group refused their ids for this lookup "
                              f"(their error names the bad id); no rank ran it")
         return matrix
