@@ -34,8 +34,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankInfo", "describe_ranks", "check_node_local", "check_peer_access", "allocate_shard", "PeerMapping",
+__all__ = ["shard_rows", "RankInfo", "describe_ranks", "check_node_local", "check_peer_access", "allocate_shard", "PeerMapping",
            "enable_peer_access", "map_peer_shards"]
+
+
+def shard_rows(num_rows: int, num_shards: int, shard: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of ``num_rows`` that shard (group rank) ``shard`` of ``num_shards`` holds:
+    contiguous blocks of ``ceil(num_rows / num_shards)`` rows (the last ones may be short or empty)."""
+    block = -(-num_rows // num_shards)
+    return min(num_rows, shard * block), min(num_rows, (shard + 1) * block)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from engram.call_cache import CallCache, structure
 from engram.table.fp8 import BLOCK_SIZE
 from engram.table.host_memory.rows import packed_row_bytes
 from engram.table.kernels.gather import check_lookup_ids
+from engram.table.peer_memory import shard_rows
 from engram.table.kernels.peer_gather_kernels import peer_gather_rows_bf16_kernel, peer_gather_rows_packed_kernel
 from engram.triton_launch import BoundLaunch, CompiledLaunch, interpreting
 
@@ -31,13 +32,6 @@ _PACKED_SHAPE = (16, 4, 0)
 _INTERPRETED_BLOCK_ROWS = 64
 _LAUNCHERS = {peer_gather_rows_bf16_kernel: CompiledLaunch(peer_gather_rows_bf16_kernel),
               peer_gather_rows_packed_kernel: CompiledLaunch(peer_gather_rows_packed_kernel)}
-
-
-def shard_rows(num_rows: int, num_shards: int, shard: int) -> tuple[int, int]:
-    """Local rows ``[start, end)`` of shard ``shard`` of ``num_shards``: contiguous blocks of
-    ``ceil(num_rows / num_shards)`` rows (the last ones may be short or empty)."""
-    block = -(-num_rows // num_shards)
-    return min(num_rows, shard * block), min(num_rows, (shard + 1) * block)
 
 
 class _PeerPlan(NamedTuple):

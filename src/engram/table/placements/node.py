@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from engram.table.fp8 import BLOCK_SIZE
 from engram.table.host_memory.rows import packed_row_bytes
-from engram.table.peer_memory import allocate_shard, check_node_local, check_peer_access, describe_ranks, map_peer_shards
+from engram.table.peer_memory import (allocate_shard, check_node_local, check_peer_access, describe_ranks,
+                                      map_peer_shards, shard_rows)
 from engram.table.table import TablePlacement, register_placement
 from engram.triton_launch import interpreting as _interpreting
 
@@ -34,11 +35,8 @@ __all__ = ["NodePlacement", "owned_rows", "LOOKUPS"]
 LOOKUPS = ("peer", "exchange")
 
 
-def owned_rows(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Rows ``[start, end)`` of ``num_rows`` that group rank ``rank`` of ``world_size`` owns
-    (contiguous blocks of ``ceil(num_rows / world_size)``; the last ones may be short or empty)."""
-    block = -(-num_rows // world_size)
-    return min(num_rows, rank * block), min(num_rows, (rank + 1) * block)
+owned_rows = shard_rows
+"""Rows ``[start, end)`` of ``num_rows`` that group rank ``rank`` of ``world_size`` owns (:func:`shard_rows`)."""
 
 
 def _check_group(group, lookup) -> tuple[int, int]:
@@ -102,7 +100,7 @@ class NodePlacement(TablePlacement):
             CUDA device for NCCL).
         group: the node-local ``torch.distributed`` ProcessGroup (required).
         lookup: ``"peer"`` (read the owners' memory, no collective per lookup) or ``"exchange"``
-            (one all-to-all per lookup; :attr:`collective`).
+            (ids to their owners and rows back, two all-to-alls per lookup; :attr:`collective`).
 
     Storage is packed, ``uint8 [owned, width]`` (values, then scales; ``width`` 16-byte aligned for
     ``"peer"``); :attr:`value_bytes` and :attr:`scale_bytes` are views of this rank's rows only,
@@ -138,7 +136,6 @@ class NodePlacement(TablePlacement):
             packed, shared = torch.empty(0, _row_width(head_dim, lookup), dtype=torch.uint8, device=target), None
         else:
             packed, shared = _allocate_owned(end - start, head_dim, lookup, target)
-        if not placeholder:
             packed[:, :head_dim].copy_(value_bytes[start:end])
             packed[:, head_dim:head_dim + head_dim // BLOCK_SIZE].copy_(scale_bytes[start:end])
         self._set_packed(packed, head_dim)
