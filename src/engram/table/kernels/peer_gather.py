@@ -102,6 +102,7 @@ class PeerShards:
         self.rows_per_shard = max(1, -(-self.num_rows // num_shards))
         self.bases = torch.tensor([shard.data_ptr() for shard in self.shards], dtype=torch.int64,
                                   device=self.device)
+        self.device = self.bases.device  # "cuda" resolved to "cuda:N": ids and outputs compare to it
         self._plans = CallCache(64)
 
     @property
