@@ -21,7 +21,8 @@ Measuring: before a prefill phase one prefetched pass of the Engram layers per h
 the host gathers' buffers (an engine's warm-up batch), then each variant's warm-up steps (on the same
 token ids: every variant's output is compared with ``device``'s), then the variants interleaved
 (rounds of one step each, the order rotated per round), each step timed with CUDA events, fresh
-random token ids per step from a seeded generator; medians and spreads (IQR, min-max). A watchdog
+random token ids per step from a seeded generator; medians and spreads (IQR, min-max), and each
+variant against ``none`` and ``device`` paired per round (the headline figures use these). A watchdog
 writes the report and ends the run when a warm-up or step stalls (``--stall-s``). In the same run: one decoder layer alone, the floor (the two Engram layers'
 wkv + gate with their rows already on the device), one Engram layer alone (``device``, graph), the
 copy engine's rate, the host's random-row gather ceiling (``host_gather_ceiling.c``) and the host
@@ -136,23 +137,43 @@ def _best(phase: dict | None, names: tuple[str, ...]):
     return min(found) if found else None
 
 
+def paired_pct(values: list[float], base: list[float]) -> float | None:
+    """Median over rounds of ``100 * (values[r] - base[r]) / base[r]``: each round's two steps ran
+    seconds apart, so a drift of the clocks over the run (prefill T = 8192 on the H200: steps
+    without Engram 352-377 ms in one run) cancels where a ratio of two medians keeps it."""
+    pairs = [(v, b) for v, b in zip(values, base) if b]
+    return statistics.median(100 * (v - b) / b for v, b in pairs) if pairs else None
+
+
+def _vs(phase: dict | None, names: tuple[str, ...], base: str):
+    """The best of ``names`` against ``base`` in %: paired per round where the phase has the
+    per-round figures, else the ratio of medians."""
+    if phase is None:
+        return None
+    key = f"paired_vs_{base}_pct"
+    paired = [phase["variants"].get(n, {}).get(key) for n in names]
+    if any(p is not None for p in paired):
+        return min(p for p in paired if p is not None)
+    return _pct(_best(phase, names), _median(phase, base))
+
+
 def headline(report: dict) -> dict:
-    """The keys the task asks for, from what has finished (None where its phase did not run)."""
+    """The keys the task asks for, from what has finished (None where its phase did not run); each
+    comparison paired per round (:func:`paired_pct`) where the phase has per-round figures."""
     decode64, prefill = _phase(report, "decode", 64), _phase(report, "prefill", 8192)
-    device_prefill, device_decode = _median(prefill, "device"), _median(decode64, "device")
     none_prefill = _median(prefill, "none")
     floor_prefill = None if prefill is None or prefill.get("floor_us") is None else prefill["floor_us"] / 1e3
+    device_vs_none = _vs(prefill, ("device",), "none")
     over_floor = None
-    if None not in (device_prefill, none_prefill, floor_prefill):
-        over_floor = 100 * (device_prefill - none_prefill - floor_prefill) / none_prefill
+    if None not in (device_vs_none, none_prefill, floor_prefill):
+        over_floor = device_vs_none - 100 * floor_prefill / none_prefill
     ceiling = (report.get("host_gather_ceiling") or {}).get("best_GBps")
     alone = report.get("host_path_T8192") or {}
     return {
-        "host_vs_device_prefill_T8192_pct": _pct(_best(prefill, ("host_prefetch", "host_kv_ahead")), device_prefill),
-        "host_vs_device_decode_T64_pct": _pct(_best(decode64, ("host_prefetch", "host_kv_ahead")), device_decode),
-        "cached_vs_device_prefill_T8192_pct": _pct(_best(prefill, ("cached_prefetch", "cached_kv_ahead")),
-                                                   device_prefill),
-        "common_vs_device_prefill_T8192_pct": _pct(_median(prefill, "seed"), device_prefill),
+        "host_vs_device_prefill_T8192_pct": _vs(prefill, ("host_prefetch", "host_kv_ahead"), "device"),
+        "host_vs_device_decode_T64_pct": _vs(decode64, ("host_prefetch", "host_kv_ahead"), "device"),
+        "cached_vs_device_prefill_T8192_pct": _vs(prefill, ("cached_prefetch", "cached_kv_ahead"), "device"),
+        "common_vs_device_prefill_T8192_pct": _vs(prefill, ("seed",), "device"),
         "device_over_floor_prefill_T8192_pct": over_floor,
         "host_gather_vs_ceiling_T8192": alone["GBps"] / ceiling if ceiling and alone.get("GBps") else None,
         "layer_us_T64": report.get("layer_us", {}).get("64"),
@@ -521,7 +542,8 @@ def update_cache_ms(memory, inputs, clock: Clock, repeats: int = 5) -> float:
 
 
 def summarize(phase: dict, samples: dict[str, list[float]], setup: Setup) -> None:
-    """Each variant's spread, and its median against ``none`` and ``device`` (in %)."""
+    """Each variant's spread, its median against ``none`` and ``device`` (in %), and the same paired
+    per round (:func:`paired_pct`)."""
     none_ms = statistics.median(samples["none"]) if samples.get("none") else None
     device_ms = statistics.median(samples["device"]) if samples.get("device") else None
     for name, values in samples.items():
@@ -529,6 +551,9 @@ def summarize(phase: dict, samples: dict[str, list[float]], setup: Setup) -> Non
             stats = spread(values)
             stats["vs_none_pct"] = _pct(stats["median_ms"], none_ms)
             stats["vs_device_pct"] = _pct(stats["median_ms"], device_ms) if name != "none" else None
+            for base in ("none", "device"):
+                if name != base and samples.get(base):
+                    stats[f"paired_vs_{base}_pct"] = paired_pct(values, samples[base])
             phase["variants"][name] = stats
     if none_ms:
         phase["decoder_layer_share_of_none"] = phase["decoder_layer_us"] * setup.decoder.shape.layers / 1e3 / none_ms
@@ -623,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few steps (the CPU smoke test)")
     parser.add_argument("--json", type=Path, default=None, help="report path (default results/step-h200.json, "
                                                                  "with --smoke results/step-smoke.json)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per variant and T (default 20, smoke 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per variant and T (default 40, smoke 2)")
     parser.add_argument("--min-steps", type=int, default=10, help="fewest steps the time budget may cut a phase to")
     parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run")
     parser.add_argument("--decode-tokens", type=token_counts, default=None,
@@ -641,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     begun = time.perf_counter()
     if args.steps is None:
-        args.steps = 2 if args.smoke else 20
+        args.steps = 2 if args.smoke else 40
     args.min_steps = min(args.min_steps, args.steps)
     decode = list(DECODE_TOKENS) if args.decode_tokens is None else args.decode_tokens
     prefill = ([128] if args.smoke else list(PREFILL_TOKENS)) if args.prefill_tokens is None else args.prefill_tokens
@@ -706,12 +731,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if report.get("errors") else 0
 
 
+def _signed(value) -> str:
+    return "" if value is None else f"{value:+.2f}%"
+
+
 def print_table(report: dict) -> None:
     phases = sorted(report.get("phases", []), key=lambda p: (p["mode"] != "decode", p["T"]))
     print(f"\nEngram in a served decoder step: {report['device']} (torch {report['torch']}, Triton {report['triton']}), "
           f"commit {report['commit'][:12]}; step = {report.get('decoder', {}).get('layers')} stand-in layers")
     print(f"{'step':>14} {'variant':>16} {'median ms':>10} {'IQR ms':>15} {'min-max ms':>17} {'vs none':>8} "
-          f"{'vs device':>9}")
+          f"{'vs device':>9} {'paired vs none':>14} {'paired vs device':>16}")
     for phase in phases:
         label = f"{phase['mode']} T={phase['T']}"
         for name, stats in phase["variants"].items():
@@ -722,7 +751,8 @@ def print_table(report: dict) -> None:
             vs_device = "" if stats.get("vs_device_pct") is None else f"{stats['vs_device_pct']:+.2f}%"
             print(f"{label:>14} {name:>16} {stats['median_ms']:10.3f} "
                   f"{stats['p25_ms']:7.3f}-{stats['p75_ms']:<7.3f} {stats['min_ms']:8.3f}-{stats['max_ms']:<8.3f} "
-                  f"{vs_none:>8} {vs_device:>9}")
+                  f"{vs_none:>8} {vs_device:>9} {_signed(stats.get('paired_vs_none_pct')):>14} "
+                  f"{_signed(stats.get('paired_vs_device_pct')):>16}")
         floor = phase.get("floor_pct_of_none")
         print(f"{label:>14} {'':>16} decoder layer alone {phase.get('decoder_layer_us', 0):.1f} us, floor (2 Engram "
               f"layers' wkv + gate) {phase.get('floor_us', 0):.1f} us"

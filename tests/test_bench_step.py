@@ -259,3 +259,19 @@ def test_bad_token_counts_are_one_clear_error(bench, capsys):
     assert "--decode-tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--smoke", "--prefill-tokens", "0"])
+
+
+def test_paired_comparison_cancels_a_drift_that_medians_keep(bench):
+    # A clock drift over the run: round r's steps all take 1 + r/10 of the first round's; "host"
+    # costs 1% over "device" in every round, but its steps fall late in half the rounds.
+    device = [100.0 * (1 + r / 10) for r in range(10)]
+    host = [d * 1.01 for d in device]
+    assert bench.paired_pct(host, device) == pytest.approx(1.0)
+    assert bench.paired_pct([], []) is None
+    phase = {"mode": "prefill", "T": 8192, "floor_us": 2000.0,
+             "variants": {"none": {"median_ms": 120.0}, "device": {"median_ms": 140.0, "paired_vs_none_pct": 3.0},
+                          "host_prefetch": {"median_ms": 150.0, "paired_vs_device_pct": 0.2},
+                          "host_kv_ahead": {"median_ms": 141.0, "paired_vs_device_pct": 0.5}}}
+    keys = bench.headline({"phases": [phase]})
+    assert keys["host_vs_device_prefill_T8192_pct"] == pytest.approx(0.2)  # paired, not from the medians
+    assert keys["device_over_floor_prefill_T8192_pct"] == pytest.approx(3.0 - 100 * 2.0 / 120.0)

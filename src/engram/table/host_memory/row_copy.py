@@ -13,8 +13,7 @@ and no torch thread setting is read or changed: the engine's intra-op threads st
 ``wait`` returns only once every part has finished, so no thread writes ``out`` after it.
 A gather of random rows from DRAM is latency-bound, one row in flight per thread: H200 host
 (16 vCPUs, 34 GiB of 272-byte rows on 2 MiB pages), 196,608 distinct rows with
-``index_select`` on 14-16 threads 3.0 ms (benchmarks/NOTES.md "Host tables v3"); this form is
-not yet measured there.
+``index_select`` on 14-16 threads 3.0 ms (benchmarks/NOTES.md "Host tables v3").
 """
 
 from __future__ import annotations
@@ -118,7 +117,12 @@ class RowGather:
 
     def _copy_part(self, begin: int, end: int) -> None:
         if end > begin:
-            np.take(self._table.numpy(), self._ids[begin:end].numpy(), axis=0, out=self._out[begin:end].numpy())
+            # mode="clip": `_copy` checked the ids already, and numpy buffers `out` under mode="raise"
+            # (a temporary per part, then a second copy): 196,608 rows of an 8M-row table on a 2-core
+            # VM 31 ms against 13 ms clipped (index_select 11 ms); H200 host, 14-16 threads: the host
+            # path at T = 8192 took 28.7 ms buffered (benchmarks/NOTES.md "Host row copy: unbuffered").
+            np.take(self._table.numpy(), self._ids[begin:end].numpy(), axis=0, out=self._out[begin:end].numpy(),
+                    mode="clip")
 
     def _copy(self, begin: int, end: int) -> None:
         wave_ids = self._ids[begin:end]
