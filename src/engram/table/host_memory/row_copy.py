@@ -125,10 +125,12 @@ class RowGather:
                     mode="clip")
 
     def _copy(self, begin: int, end: int) -> None:
-        wave_ids = self._ids[begin:end]
-        if wave_ids.numel() and (int(wave_ids.min()) < 0 or int(wave_ids.max()) >= self._table.shape[0]):
-            outside = ((wave_ids < 0) | (wave_ids >= self._table.shape[0])).nonzero()  # numpy would wrap < 0
-            position = begin + int(outside[0, 0])
+        # The bounds check in numpy, on this thread: torch's min/max of a wave (> 32k ids) run on its
+        # OpenMP threads, which then spin and take cores from the copy threads.
+        wave_ids = self._ids[begin:end].numpy()
+        if wave_ids.size and (int(wave_ids.min()) < 0 or int(wave_ids.max()) >= self._table.shape[0]):
+            outside = np.flatnonzero((wave_ids < 0) | (wave_ids >= self._table.shape[0]))  # numpy would wrap < 0
+            position = begin + int(outside[0])
             raise IndexError(f"ids[{position}] = {int(self._ids[position])} is outside the table's "
                              f"{self._table.shape[0]} rows")
         parts = min(self._threads, max(1, (end - begin) // MIN_ROWS_PER_THREAD))
