@@ -17,7 +17,12 @@ from engram.table.host_memory.gather import default_gather_threads
 def test_worker_changes_no_thread_setting_of_the_process():
     before = torch.get_num_threads()
     worker = host_gather._shared_worker()
-    assert worker.submit(torch.get_num_threads).result() == before  # the worker runs with the process's count
+    table = torch.arange(4000 * 16, dtype=torch.int64).view(torch.uint8).view(4000, 128)
+    ids = torch.randperm(4000, generator=torch.Generator().manual_seed(3))
+    out = torch.empty(4000, 128, dtype=torch.uint8)
+    threads = 1 if before > 1 else 2  # a count unlike the process's, so a leak would show
+    worker.submit(host_gather.gather_rows, table, ids, out, threads).result()  # rows copied on the worker
+    assert torch.equal(out, table[ids])
     seen = []
     later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
     later.start()

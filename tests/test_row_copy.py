@@ -187,11 +187,13 @@ def test_host_tables_gather_their_rows_and_the_zero_row_outside(contiguous_out, 
 
 
 @pytest.mark.parametrize("threads", [1, 2, 5])
-def test_a_large_wave_is_copied_by_exactly_threads_threads(threads, rng, monkeypatch):
-    """Each wave is split into ``threads`` parts, copied by the waiting thread and at most
-    ``threads - 1`` pool threads; torch's thread count is not changed."""
+def test_a_large_wave_without_openmp_is_copied_by_exactly_threads_threads(threads, rng, monkeypatch):
+    """Without an OpenMP runtime to set per thread, each wave is split into ``threads`` parts,
+    copied by the waiting thread and at most ``threads - 1`` pool threads; torch's thread count is
+    not changed."""
     import threading
 
+    monkeypatch.setattr(row_copy.openmp_team, "available", lambda: False)
     rows = 4 * row_copy.MIN_ROWS_PER_THREAD * threads
     table, ids, out = _random_case(rng, 5000, 48, rows, torch.int64)
     copiers, parts, copy_part = set(), [], row_copy.RowGather._copy_part
@@ -208,3 +210,40 @@ def test_a_large_wave_is_copied_by_exactly_threads_threads(threads, rng, monkeyp
     assert len(parts) == 2 * threads and sorted(parts)[0][0] == 0 and sorted(parts)[-1][1] == rows
     assert len(copiers) <= threads and threading.current_thread().name in copiers
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_wave_is_copied_on_a_library_thread_with_threads_openmp_threads(threads, rng, monkeypatch):
+    """With torch's OpenMP runtime, each wave is one index_select on a library thread whose own
+    team is ``threads`` large; the caller's count, and that of a thread started afterwards, stay."""
+    import threading
+
+    from engram.table.host_memory import openmp_team
+
+    if not openmp_team.available():
+        pytest.skip("torch's parallel backend here is not a per-thread OpenMP runtime")
+    table, ids, out = _random_case(rng, 5000, 48, 3000, torch.int32)
+    seen, copy_in_team = [], row_copy.RowGather._copy_in_team
+
+    def recording(self, begin, end):
+        copy_in_team(self, begin, end)
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+
+    monkeypatch.setattr(row_copy.RowGather, "_copy_in_team", recording)
+    before = torch.get_num_threads()
+    row_copy.start_gather_rows(table, ids, out, threads, wave_ends=[1000, 3000]).wait()
+    assert torch.equal(out, torch.index_select(table, 0, ids))
+    assert [count for _, count in seen] == [threads, threads]
+    assert all(name.startswith("engram-row-copy") for name, _ in seen)
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert torch.get_num_threads() == before and later == [before]
+
+
+def test_team_size_is_set_only_on_library_threads():
+    from engram.table.host_memory import openmp_team
+
+    with pytest.raises(RuntimeError, match="not one of the library's own"):
+        openmp_team.use(1)

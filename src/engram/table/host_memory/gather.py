@@ -3,7 +3,7 @@
 The caller's stream finds the lookup's distinct rows (:mod:`engram.table.kernels.dedup`, no
 sync), copies them with their count to a pinned buffer and records an event; a worker
 thread waits for that event (the caller never does), gathers each distinct row once into
-pinned staging in waves on ``gather_threads`` pool threads, and after each wave enqueues its
+pinned staging in waves on ``gather_threads`` threads, and after each wave enqueues its
 host-to-device copy on a copy stream, so the copy of one wave overlaps the gather of the next.
 The consumer waits until the worker has enqueued the copies (not until they ran), makes its
 stream wait on the last copy's event and reads the rows from the device staging through the
@@ -36,6 +36,7 @@ import torch
 from engram.common import next_power_of_2
 from engram.environment import local_world_size
 from engram.table.kernels.dedup import distinct_rows
+from engram.table.host_memory import openmp_team
 from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
 
 __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads"]
@@ -71,7 +72,7 @@ def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_
                             out: torch.Tensor, threads: int | None = None) -> None:
     """``out[i] = packed[global_ids[i] - row_start]``, the zero row (``packed[-1]``) for ids
     outside the table. ``packed uint8 [rows + 1, row_bytes]``, ``global_ids`` int ``[N]``,
-    ``out uint8 [N, row_bytes]``, all on the CPU. Copied on ``threads`` pool threads (default
+    ``out uint8 [N, row_bytes]``, all on the CPU. Copied on ``threads`` threads (default
     :func:`default_gather_threads`) when ``packed`` and ``out`` are contiguous, else by ``index_select``."""
     zero_row = packed.shape[0] - 1
     local = global_ids.reshape(-1).to(torch.int64) - row_start
@@ -89,13 +90,14 @@ _WORKER_LOCK = threading.Lock()
 def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
     """One worker thread for every table of the process: gathers run one at a time, in the order
     they were started (layer by layer), instead of several gathers fighting over the cores. The
-    worker only waits, starts the pool's copy threads and enqueues copies; it changes no thread
-    setting of the process (torch's intra-op thread count stays the engine's). A forked child gets
-    its own (the parent's thread does not exist there)."""
+    worker waits, copies rows on its own OpenMP team of ``gather_threads`` and enqueues copies; it
+    changes no thread setting of the process or of any other thread (:mod:`openmp_team`). A forked
+    child gets its own (the parent's thread does not exist there)."""
     with _WORKER_LOCK:
         if not _WORKER or _WORKER[0][1] != os.getpid():
             _WORKER[:] = [(concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                                 thread_name_prefix="engram-host-gather"),
+                                                                 thread_name_prefix="engram-host-gather",
+                                                                 initializer=openmp_team.mark_owned),
                            os.getpid())]
         return _WORKER[0][0]
 
@@ -117,7 +119,7 @@ class HostGather:
     are needed (see the module docstring).
 
     ``packed``: pinned CPU ``uint8 [rows + 1, row_bytes]`` (last row zero); ``device``:
-    where the rows land; ``gather_threads``: pool threads copying rows on the host.
+    where the rows land; ``gather_threads``: threads copying rows on the host.
     """
 
     def __init__(self, packed: torch.Tensor, device: torch.device, gather_threads: int | None = None):

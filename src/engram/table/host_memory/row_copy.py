@@ -6,14 +6,17 @@ time: ``wait(wave)`` copies the waves up to ``wave`` not yet copied. A caller th
 each wave's device copy after its ``wait`` overlaps that copy with the next wave's gather
 (:class:`engram.table.host_memory.gather.HostGather` does).
 
-A wave of more than ``2 * MIN_ROWS_PER_THREAD`` rows is split into ``threads`` contiguous
-parts copied at once: the waiting thread takes one, a persistent pool of ``threads - 1``
-threads the others (``numpy.take``, which releases the GIL, so exactly ``threads`` threads copy
-and no torch thread setting is read or changed: the engine's intra-op threads stay its own).
-``wait`` returns only once every part has finished, so no thread writes ``out`` after it.
-A gather of random rows from DRAM is latency-bound, one row in flight per thread: H200 host
-(16 vCPUs, 34 GiB of 272-byte rows on 2 MiB pages), 196,608 distinct rows with
-``index_select`` on 14-16 threads 3.0 ms (benchmarks/NOTES.md "Host tables v3").
+Each wave is one ``index_select`` on a library thread (the waiting thread if it is one, else the
+library's copy thread) whose OpenMP team is ``threads`` large (:mod:`openmp_team`): the engine's
+threads and torch's process-wide count are left as they are. H200 host (16 vCPUs), 196,608 random
+rows of 272 B from an 8.2 GB pinned table: ``index_select`` on 16 threads 2.2 ms, against
+``numpy.take`` over 16 pool threads 8.2 ms and on one thread 12.9 ms (numpy's take scales 1.6x
+from 1 to 16 threads there; benchmarks/NOTES.md "Host row copy"). Where torch's threads cannot be
+set per thread (no OpenMP runtime), a wave of more than ``2 * MIN_ROWS_PER_THREAD`` rows is split
+into ``threads`` parts copied by ``numpy.take`` (which releases the GIL) on the waiting thread and a
+persistent pool of ``threads - 1``. ``wait`` returns only once the wave is copied, so no thread
+writes ``out`` after it. A gather of random rows from DRAM is latency-bound, one row in flight per
+thread.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+from engram.table.host_memory import openmp_team
 
 __all__ = ["start_gather_rows", "gather_rows", "RowGather", "MIN_ROWS_PER_THREAD"]
 
@@ -124,6 +129,12 @@ class RowGather:
             np.take(self._table.numpy(), self._ids[begin:end].numpy(), axis=0, out=self._out[begin:end].numpy(),
                     mode="clip")
 
+    def _copy_in_team(self, begin: int, end: int) -> None:
+        """One ``index_select`` of the wave on an OpenMP team of ``threads`` (a library thread's own)."""
+        if not openmp_team.use(self._threads):
+            raise RuntimeError(f"the host row copy could not set its thread's OpenMP team to {self._threads}")
+        torch.index_select(self._table, 0, self._ids[begin:end], out=self._out[begin:end])
+
     def _copy(self, begin: int, end: int) -> None:
         # The bounds check in numpy, on this thread: torch's min/max of a wave (> 32k ids) run on its
         # OpenMP threads, which then spin and take cores from the copy threads.
@@ -133,6 +144,9 @@ class RowGather:
             position = begin + int(outside[0])
             raise IndexError(f"ids[{position}] = {int(self._ids[position])} is outside the table's "
                              f"{self._table.shape[0]} rows")
+        if openmp_team.available():
+            openmp_team.run_owned(lambda: self._copy_in_team(begin, end))
+            return
         parts = min(self._threads, max(1, (end - begin) // MIN_ROWS_PER_THREAD))
         bounds = [begin + (end - begin) * k // parts for k in range(parts + 1)]
         futures = []
