@@ -125,7 +125,7 @@ class RowGather:
             # mode="clip": `_copy` checked the ids already, and numpy buffers `out` under mode="raise"
             # (a temporary per part, then a second copy): 196,608 rows of an 8M-row table on a 2-core
             # VM 31 ms against 13 ms clipped (index_select 11 ms); H200 host, 14-16 threads: the host
-            # path at T = 8192 took 28.7 ms buffered (benchmarks/NOTES.md "Host row copy: unbuffered").
+            # path at T = 8192 took 28.7 ms buffered (benchmarks/NOTES.md "Host row copy").
             np.take(self._table.numpy(), self._ids[begin:end].numpy(), axis=0, out=self._out[begin:end].numpy(),
                     mode="clip")
 
