@@ -71,3 +71,36 @@ def test_gpu_kv_ahead_on_a_side_stream_is_bit_identical(synthetic_model_dir, rng
         for layer_id in memory.layer_ids:
             got = memory.forward_layer(layer_id, hidden, hash_ids, mask, prefetch=handle)
             assert torch.equal(got.view(torch.int16), expected[layer_id].view(torch.int16)), (placement, tokens)
+
+
+def test_kv_ahead_leaves_a_layer_with_a_host_gather_in_flight_to_its_forward(synthetic_model_dir, rng, monkeypatch):
+    """A layer whose prefetch started a host gather keeps that prefetch: kv ahead would wait on the
+    caller's thread for the gather. Its forward computes kv itself; the other layers only gate."""
+    from engram.table.prefetch import TablePrefetch
+
+    memory = engram.EngramMemory.from_pretrained(synthetic_model_dir, placement="cpu", progress=False)
+    hash_ids, hidden, mask = _step(memory, rng, 9)
+    expected = {i: memory.forward_layer(i, hidden, hash_ids, mask) for i in memory.layer_ids}
+    gathering = memory.layer_ids[0]
+    marked = []
+    real_prefetch = memory.layer(gathering).prefetch
+
+    def prefetch_started(*args, **kwargs):
+        handle = real_prefetch(*args, **kwargs)
+        marked.append(handle)
+        return handle
+
+    monkeypatch.setattr(memory.layer(gathering), "prefetch", prefetch_started)
+    monkeypatch.setattr(TablePrefetch, "started", property(lambda self: any(self is h for h in marked)))
+    kv_calls = []
+    for layer_id in memory.layer_ids:
+        real_kv = memory.layer(layer_id).kv_ahead
+        monkeypatch.setattr(memory.layer(layer_id), "kv_ahead",
+                            lambda ids, table_prefetch, _id=layer_id, _real=real_kv: (kv_calls.append(_id),
+                                                                                       _real(ids, table_prefetch))[1])
+    handle = memory.prefetch(hash_ids, kv_ahead=True)
+    assert marked and marked[0] is not None
+    assert kv_calls == [i for i in memory.layer_ids if i != gathering]
+    for layer_id in memory.layer_ids:
+        got = memory.forward_layer(layer_id, hidden, hash_ids, mask, prefetch=handle)
+        assert torch.equal(got.view(torch.int16), expected[layer_id].view(torch.int16))

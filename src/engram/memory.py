@@ -381,9 +381,10 @@ class EngramMemory:
         ``kv_ahead``: also compute each layer's ``kv = wkv(rows)`` now (on CUDA on a side stream per
         layer, after its rows; :meth:`Engram.kv_ahead`), so ``forward_layer`` given the handle runs only
         the gate; bit-identical to computing it there. Off by default: it pays only where the step
-        measures it faster (``benchmarks/bench_step.py``); with host tables this call then waits, as a
-        lookup does, for each layer's host gather to be enqueued. Single-process layers, not placement
-        ``"node"``.
+        measures it faster (``benchmarks/bench_step.py``). A layer whose rows come through a host gather
+        (placement ``"host"`` or ``"cached"``, large batches) keeps that gather's prefetch and computes
+        its kv in ``forward_layer``, so this call never waits for a gather. Single-process layers, not
+        placement ``"node"``.
 
         Under ``torch.compile`` this is the custom op ``engram::prefetch`` (:mod:`engram.ops`) and the
         handle is an int64 ticket tensor, passed to ``forward_layer`` the same way."""
@@ -408,6 +409,12 @@ class EngramMemory:
         kv = {}
         if kv_ahead:  # each layer's rows taken by its kv now, in layer order
             for index, layer_id in enumerate(self.spec.layer_ids):
+                table_prefetch = tables[layer_id]
+                if table_prefetch is not None and table_prefetch.started:
+                    # A host gather in flight: its kv now would wait on this thread for the gather
+                    # (H200, T = 8192: kv ahead +4.4% over device, prefetch alone +2.2%; NOTES "The
+                    # served decoder step"). The layer keeps the gather and computes kv itself.
+                    continue
                 kv[layer_id] = self._layers[layer_id].kv_ahead(hash_ids[:, index, :], tables.pop(layer_id))
         handle = StepPrefetch(self, self.hasher.calls, IdsIdentity.of(hash_ids), tables, kv)
         self._op_ticket = handle  # the custom op names it by a ticket tensor: kept until the next prefetch
