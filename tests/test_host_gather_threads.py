@@ -49,3 +49,36 @@ def test_bad_placement_options_name_the_option(placement, option, value):
     scales = torch.full((4, 1), 127, dtype=torch.uint8)
     with pytest.raises(ValueError, match=f"{option}: expected an integer >= "):
         engram.EngramTable(values, scales, placement=placement, placement_options={option: value})
+
+
+def test_copy_threads_keep_their_team_after_the_engine_sets_torch_threads(tmp_path):
+    """An engine that calls torch.set_num_threads (before or after the library's threads exist) keeps
+    its count on its threads and on threads it starts later; the library's copy thread keeps its own."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import threading, torch\n"
+        "from engram.table.host_memory import openmp_team, row_copy\n"
+        "if not openmp_team.available():\n"
+        "    print('unavailable'); raise SystemExit(0)\n"
+        "torch.set_num_threads(1)\n"
+        "table = torch.arange(3000 * 8, dtype=torch.int64).view(torch.uint8).view(3000, 64)\n"
+        "ids = torch.randperm(3000, generator=torch.Generator().manual_seed(5))\n"
+        "out = torch.empty(3000, 64, dtype=torch.uint8)\n"
+        "row_copy.gather_rows(table, ids, out, 3)\n"
+        "assert torch.equal(out, table[ids])\n"
+        "copy_thread = openmp_team.run_owned(torch.get_num_threads)\n"
+        "torch.set_num_threads(2)\n"
+        "row_copy.gather_rows(table, ids, out, 3)\n"
+        "again = openmp_team.run_owned(torch.get_num_threads)\n"
+        "later = []\n"
+        "thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))\n"
+        "thread.start(); thread.join()\n"
+        "print(copy_thread, again, torch.get_num_threads(), later[0])\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    if result.stdout.strip() == "unavailable":
+        pytest.skip("torch's parallel backend here is not a per-thread OpenMP runtime")
+    assert result.stdout.split() == ["3", "3", "2", "2"], result.stdout

@@ -26,7 +26,7 @@ __all__ = ["available", "use", "owned", "mark_owned", "run_owned"]
 _RUNTIME_NAMES = ("libgomp", "libiomp5", "libomp")
 _STATE: dict = {}                      # "runtime": ctypes.CDLL | None, once found
 _STATE_LOCK = threading.Lock()
-_LOCAL = threading.local()             # .owned: a library thread; .size: its team size as last set
+_LOCAL = threading.local()             # .owned: a library thread; .initialized: torch's first loop ran
 _EXECUTOR: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # (thread, process id)
 
 Result = TypeVar("Result")
@@ -76,17 +76,17 @@ def use(threads: int) -> bool:
     if not owned():
         raise RuntimeError("openmp_team.use: the calling thread is not one of the library's own; "
                            "use run_owned to move the work onto one")
-    if getattr(_LOCAL, "size", None) == threads:
-        return True
     library = _runtime()
     if library is None:
         return False
-    torch.get_num_threads()  # torch's per-thread first use, which would overwrite the value set below
-    library.omp_set_num_threads(threads)
+    if not getattr(_LOCAL, "initialized", False):
+        # torch sets a thread's team size on that thread's first parallel loop (from its process-wide
+        # count): run one now, so that it cannot overwrite the value set below later.
+        torch.ones(1 << 17, dtype=torch.int32).add_(1)
+        _LOCAL.initialized = True
     if torch.get_num_threads() != threads:
-        return False
-    _LOCAL.size = threads
-    return True
+        library.omp_set_num_threads(threads)
+    return torch.get_num_threads() == threads
 
 
 def _owned_thread() -> concurrent.futures.ThreadPoolExecutor:
@@ -113,8 +113,4 @@ def available() -> bool:
 
 
 def _probe(threads: int) -> bool:
-    size = getattr(_LOCAL, "size", None)
-    working = use(threads) and use(1 if threads > 1 else 2)
-    if size is not None:
-        use(size)
-    return working
+    return use(1 if threads > 1 else 2) and use(threads)
