@@ -22,7 +22,9 @@ the host gathers' buffers (an engine's warm-up batch), then each variant's warm-
 token ids: every variant's output is compared with ``device``'s), then the variants interleaved
 (rounds of one step each, the order rotated per round), each step timed with CUDA events, fresh
 random token ids per step from a seeded generator; medians and spreads (IQR, min-max), and each
-variant against ``none`` and ``device`` paired per round (the headline figures use these). A watchdog
+variant against ``none`` and ``device`` paired per round (the headline figures use these), and for
+eager steps the time Engram's calls hold the main stream (``engram_stream_ms``: CUDA events around the
+hashing + prefetch and around each Engram layer, waits for prefetched rows included). A watchdog
 writes the report and ends the run when a warm-up or step stalls (``--stall-s``). In the same run: one decoder layer alone, the floor (the two Engram layers'
 wkv + gate with their rows already on the device), one Engram layer alone (``device``, graph), the
 copy engine's rate, the host's random-row gather ceiling (``host_gather_ceiling.c``) and the host
@@ -285,20 +287,58 @@ def make_variants(memories: dict, api: dict, cuda: bool) -> list[Variant]:
     return variants
 
 
-def engram_step(decoder, plan, inputs, memory, form: str | None, takes_prefetch: bool):
+class StreamMarks:
+    """Spans of the main stream (CUDA events; the host clock on the CPU), summed once the step has run:
+    the time Engram's own calls hold the stream, waits for prefetched rows included."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.spans: list[list] = []
+
+    def begin(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.spans.append([event, None])
+        else:
+            self.spans.append([time.perf_counter(), None])
+
+    def end(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.spans[-1][1] = event
+        else:
+            self.spans[-1][1] = time.perf_counter()
+
+    def total_ms(self) -> float:
+        """The spans' sum (ms); after the step's work has finished."""
+        if self.cuda:
+            return sum(start.elapsed_time(end) for start, end in self.spans)
+        return sum((end - start) * 1e3 for start, end in self.spans)
+
+
+def engram_step(decoder, plan, inputs, memory, form: str | None, takes_prefetch: bool,
+                marks: StreamMarks | None = None):
     """The served step: hash once, prefetch (``form``), the decoder layers with Engram before its layers.
+    ``marks``: spans around the hashing + prefetch and each Engram layer (eager steps only).
     Returns ``(h [T, hc, hidden], hash_ids or None)``."""
     h, hash_ids, handle = inputs.hidden, None, None
+    begin, end = (marks.begin, marks.end) if marks is not None else (lambda: None, lambda: None)
     if memory is not None:
+        begin()
         hash_ids = inputs.hash(memory)
         if form == "prefetch":
             handle = memory.prefetch(hash_ids)
         elif form == "kv_ahead":
             handle = memory.prefetch(hash_ids, kv_ahead=True)
+        end()
     handed = {"prefetch": handle} if handle is not None and takes_prefetch else {}
     for index in range(decoder.shape.layers):
         if memory is not None and index in memory.layer_ids:
+            begin()
             h = memory.forward_layer(index, h, hash_ids, **handed)
+            end()
         h = decoder.layer(h, plan)
     return h, hash_ids
 
@@ -315,10 +355,11 @@ class StepRun:
         self.output = None
         self.hash_ids = None
         self.warm_ms = 0.0
+        self.engram_stream_ms: list[float] = []  # per timed eager step: Engram's spans of the main stream
 
-    def _eager(self):
+    def _eager(self, marks: StreamMarks | None = None):
         out, self.hash_ids = engram_step(self.decoder, self.plan, self.inputs, self.memory, self.variant.form,
-                                         self.takes_prefetch)
+                                         self.takes_prefetch, marks)
         return out
 
     def _after(self) -> None:
@@ -355,7 +396,11 @@ class StepRun:
         self.clock.sync()
         if self.graph is not None:
             return self.clock.time(lambda: (self.graph.replay(), self._after()))
-        return self.clock.time(lambda: (self._eager(), self._after()))
+        marks = StreamMarks(self.clock.cuda) if self.memory is not None else None
+        step_ms = self.clock.time(lambda: (self._eager(marks), self._after()))
+        if marks is not None:
+            self.engram_stream_ms.append(marks.total_ms())  # the clock waited for the step's end
+        return step_ms
 
     def release(self) -> None:
         self.graph = None
@@ -496,6 +541,10 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
         for run in runs:
             run.release()
         summarize(phase, samples, setup)
+        for run in runs:
+            stats = phase["variants"].get(run.variant.name)
+            if run.engram_stream_ms and stats is not None and "median_ms" in stats:
+                stats["engram_stream_ms"] = statistics.median(run.engram_stream_ms)
         phase["table_counters"] = counter_changes(counters_before, table_counters(setup.memories))
     if "cached" in setup.memories:
         guard(f"{mode} T={tokens}: update_cache alone")
@@ -756,6 +805,11 @@ def print_table(report: dict) -> None:
                   f"{stats['p25_ms']:7.3f}-{stats['p75_ms']:<7.3f} {stats['min_ms']:8.3f}-{stats['max_ms']:<8.3f} "
                   f"{vs_none:>8} {vs_device:>9} {_signed(stats.get('paired_vs_none_pct')):>14} "
                   f"{_signed(stats.get('paired_vs_device_pct')):>16}")
+        stream = {name: stats["engram_stream_ms"] for name, stats in phase["variants"].items()
+                  if stats.get("engram_stream_ms") is not None}
+        if stream:
+            print(f"{label:>14} {'':>16} Engram's spans of the main stream (hash + prefetch, each layer; median "
+                  "ms a step): " + ", ".join(f"{name} {ms:.3f}" for name, ms in stream.items()))
         floor = phase.get("floor_pct_of_none")
         print(f"{label:>14} {'':>16} decoder layer alone {phase.get('decoder_layer_us', 0):.1f} us, floor (2 Engram "
               f"layers' wkv + gate) {phase.get('floor_us', 0):.1f} us"

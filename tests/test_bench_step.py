@@ -47,6 +47,10 @@ def test_smoke_runs_end_to_end(bench, tmp_path, seed, capsys):
         assert phase["variants"]["device"]["vs_none_pct"] is not None
         assert phase["floor_us"] > 0 and phase["decoder_layer_us"] > 0 and phase["engram_layer_us"] > 0
         assert phase["variants"]["device_again"]["n"] == 2  # the control runs wherever "device" does
+        if phase["mode"] == "prefill":  # eager steps: Engram's spans of the stream, within the step
+            stats = phase["variants"]["device"]
+            assert 0 < stats["engram_stream_ms"] < stats["max_ms"]
+            assert "engram_stream_ms" not in phase["variants"]["none"]
         for name in names[2:-1]:  # host, cached and seed need CUDA; kv ahead is not in this version either way
             assert phase["variants"][name]["status"].startswith(("skipped", "n/a")), (name, phase["variants"][name])
         assert "nonfinite" not in phase
