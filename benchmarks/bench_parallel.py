@@ -84,8 +84,8 @@ from engram.layer import Engram, WkvProjection, engram_gate_kv  # noqa: E402
 from engram.layout import EngramLayout  # noqa: E402
 from engram.parallel import NCCL_ENVIRONMENT, init_rank  # noqa: E402
 from engram.table import EngramTable  # noqa: E402
-from common import (ID_SETS, LAYER_INDEX, V41_CONFIG, StageTimer, device_slug, small_spec,  # noqa: E402
-                    versions as _versions)
+from common import (ID_SETS, LAYER_INDEX, V41_CONFIG, StageTimer, device_slug, report_header,  # noqa: E402
+                    small_spec)
 
 TOKEN_COUNTS = (64, 8192)
 SMALL_TOKEN_COUNTS = (16, 256)
@@ -352,13 +352,7 @@ def report(per_rank: list[list[dict]], options: dict, device: torch.device) -> N
             "ranks": rows,
         })
     result = {
-        "benchmark": "bench_parallel",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        **_versions(device),
-        "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "backend": options["backend"], "world_size": world_size, "small": options["small"],
-        "environment": {key: os.environ.get(key) for key in NCCL_ENVIRONMENT},
+        **report_header(None, device, options, world_size),
         "geometry": {"columns": spec.num_columns, "head_dim": spec.head_dim, "hidden": spec.hidden_size,
                      "hc_mult": spec.hc_mult, "table_rows": EngramLayout(spec).num_embeddings[LAYER_INDEX],
                      "wkv": [spec.kv_dim, spec.num_columns * spec.head_dim]},

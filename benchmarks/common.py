@@ -19,7 +19,9 @@ host tables at V4.1-Flash row shape (bench_host.py, bench_cache.py, bench_step.p
 
 from __future__ import annotations
 
+import datetime
 import inspect
+import os
 import re
 import shutil
 import statistics
@@ -278,6 +280,20 @@ def device_slug(device: torch.device) -> str:
         return "cpu"
     name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
+
+
+def report_header(mode: str | None, device: torch.device, options: dict, world_size: int) -> dict:
+    """The fields a parallel benchmark's report opens with: what ran, where, on which versions and
+    commit, when, and the NCCL environment the ranks inherited."""
+    from engram.parallel import NCCL_ENVIRONMENT
+
+    header = {"benchmark": "bench_parallel", **({"mode": mode} if mode else {}),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              **versions(device), "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "backend": options["backend"], "world_size": world_size, "small": options["small"],
+              "environment": {key: os.environ.get(key) for key in NCCL_ENVIRONMENT}}
+    return header
 
 
 def versions(device: torch.device) -> dict:

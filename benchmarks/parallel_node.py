@@ -43,7 +43,6 @@ With one rank the "peers" are the rank's own shard (``ceiling["peers"]`` false).
 
 from __future__ import annotations
 
-import datetime
 import gc
 import os
 import time
@@ -56,7 +55,6 @@ import torch.distributed as dist
 import common
 import engram
 from engram.layout import EngramLayout
-from engram.parallel import NCCL_ENVIRONMENT
 from engram.table import EngramTable
 from engram.table.host_memory.buffers import allocate_host_buffer, remove_shared_buffer
 from engram.table.host_memory.rows import PackedRows, packed_row_bytes
@@ -423,13 +421,7 @@ def report_node(per_rank: list[dict], options: dict, device: torch.device) -> Pa
     spec = common.small_spec() if options["small"] else engram.EngramSpec.from_hf_config(common.V41_CONFIG)
     first = per_rank[0]
     result = {
-        "benchmark": "bench_parallel", "mode": "node",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        **common.versions(device),
-        "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "backend": options["backend"], "world_size": world_size, "small": options["small"],
-        "environment": {key: os.environ.get(key) for key in NCCL_ENVIRONMENT},
+        **common.report_header("node", device, options, world_size),
         "geometry": {"columns": spec.num_columns, "head_dim": spec.head_dim, "row_bytes": spec.row_bytes,
                      "table_rows": first["rows"], "layer_rows": first["layer_rows"],
                      "rows_scaled_to_fit": first["rows"] < first["layer_rows"],
