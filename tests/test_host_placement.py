@@ -133,11 +133,12 @@ def test_host_placement_without_cuda_names_cpu():
 
 
 # ---- GPU ---------------------------------------------------------------------------
-def _device_and_host(rows, head_dim, seed, row_start=0):
+def _device_and_host(rows, head_dim, seed, row_start=0, worker="auto"):
     values, scales = _table(rows, head_dim, seed)
     common = dict(row_start=row_start, validate=False)
     device = engram.EngramTable(values, scales, placement="device", device="cuda", **common)
-    host = engram.EngramTable(values, scales, placement="host", device="cuda", **common)
+    host = engram.EngramTable(values, scales, placement="host", device="cuda",
+                              placement_options={"host_gather_worker": worker}, **common)
     return device, host
 
 
@@ -150,8 +151,12 @@ def _ids(rng, tokens, columns, rows, row_start=0):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens", [1, 63, 700, 4096])
 @pytest.mark.parametrize("direct_max_rows", [0, 10**9])  # host gather everywhere / direct reads everywhere
-def test_gpu_host_paths_equal_device_placement(tokens, direct_max_rows, rng):
-    device, host = _device_and_host(5000, 256, int(rng.integers(2**31)), row_start=777)
+@pytest.mark.parametrize("worker", ["native", "python"])
+def test_gpu_host_paths_equal_device_placement(tokens, direct_max_rows, worker, rng):
+    if direct_max_rows and worker == "python":
+        pytest.skip("direct reads use no worker")
+    device, host = _device_and_host(5000, 256, int(rng.integers(2**31)), row_start=777, worker=worker)
+    assert host.storage.host_gather.worker == worker
     host.storage.direct_max_rows = direct_max_rows
     for _ in range(3):  # the persistent staging reused
         assert_lookups_equal(host, device, _ids(rng, tokens, 24, 5000, row_start=777))
@@ -212,6 +217,42 @@ def test_gpu_prefetch_equals_the_synchronous_path_without_host_sync(rng):
             torch.cuda.set_sync_debug_mode("default")
         for a, b in zip(got, expected):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_forward_layer_returns_before_its_host_rows_are_there(synthetic_model_dir, rng):
+    """With the native worker held before it copies a row, every layer's forward_layer (inline, then
+    prefetched) returns to the caller; the rows arrive once the worker is let go, bit-identical."""
+    on_device = memory_on_cuda(synthetic_model_dir, "device")
+    on_host = memory_on_cuda(synthetic_model_dir, "host",
+                             placement_options={"direct_max_rows": 0, "host_gather_worker": "native"})
+    spec = on_device.spec
+    tokens = 300
+    hash_ids = torch.stack([_ids(rng, tokens, spec.num_columns, on_device.layout.num_embeddings[i])
+                            for i in range(spec.num_layers)], dim=1)
+    hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, device="cuda",
+                         generator=torch.Generator("cuda").manual_seed(int(rng.integers(2**31)))).bfloat16()
+    expected = {i: on_device.forward_layer(i, hidden, hash_ids) for i in on_device.layer_ids}
+    gathers = [on_host.table(i).storage.host_gather for i in on_host.layer_ids]
+    assert all(gather.worker == "native" for gather in gathers)
+    for layer_id in on_host.layer_ids:  # warm-up: kernels loaded, staging grown
+        on_host.forward_layer(layer_id, hidden, hash_ids)
+    torch.cuda.synchronize()
+    service = gathers[0].native_service
+    for prefetched in (False, True):
+        latch = torch.zeros(16, dtype=torch.int32)
+        service.hold_next(latch, timeout_ms=60_000)
+        handle = on_host.prefetch(hash_ids) if prefetched else None
+        got = {i: on_host.forward_layer(i, hidden, hash_ids, prefetch=handle) for i in on_host.layer_ids}
+        back_before_rows = not any(gather.idle for gather in gathers) and not torch.cuda.current_stream().query()
+        latch[0] = 1
+        torch.cuda.synchronize()
+        assert back_before_rows, f"prefetched={prefetched}: forward_layer returned only after the worker copied rows"
+        assert service.stats()["holds_timed_out"] == 0
+        for layer_id in on_host.layer_ids:
+            assert torch.equal(got[layer_id].view(torch.int16), expected[layer_id].view(torch.int16)), (prefetched,
+                                                                                                       layer_id)
 
 
 @pytest.mark.gpu

@@ -74,8 +74,9 @@ def test_gpu_kv_ahead_on_a_side_stream_is_bit_identical(synthetic_model_dir, rng
 
 
 def test_kv_ahead_leaves_a_layer_with_a_host_gather_in_flight_to_its_forward(synthetic_model_dir, rng, monkeypatch):
-    """A layer whose prefetch started a host gather keeps that prefetch: kv ahead would wait on the
-    caller's thread for the gather. Its forward computes kv itself; the other layers only gate."""
+    """A layer whose prefetch started a host gather that its lookup would wait for on the caller's
+    thread (the Python worker) keeps that prefetch. Its forward computes kv itself; the other layers
+    only gate."""
     from engram.table.prefetch import TablePrefetch
 
     memory = engram.EngramMemory.from_pretrained(synthetic_model_dir, placement="cpu", progress=False)
@@ -91,7 +92,7 @@ def test_kv_ahead_leaves_a_layer_with_a_host_gather_in_flight_to_its_forward(syn
         return handle
 
     monkeypatch.setattr(memory.layer(gathering), "prefetch", prefetch_started)
-    monkeypatch.setattr(TablePrefetch, "started", property(lambda self: any(self is h for h in marked)))
+    monkeypatch.setattr(TablePrefetch, "finish_waits", property(lambda self: any(self is h for h in marked)))
     kv_calls = []
     for layer_id in memory.layer_ids:
         real_kv = memory.layer(layer_id).kv_ahead

@@ -12,10 +12,12 @@ from engram.options import ServingOptions
 def test_defaults_and_placement_options():
     options = ServingOptions()
     assert options.placement_options("device") == {}
-    assert options.placement_options("host") == {"direct_max_rows": 4096 * 24, "gather_threads": None}
+    assert options.placement_options("host") == {"direct_max_rows": 4096 * 24, "gather_threads": None,
+                                                 "host_gather_worker": "auto"}
     cached = ServingOptions(cache_fraction=0.05, cache_policy="static", cache_ways=4, direct_max_rows=0,
                             extra_placement_options={"aging_interval": 32}).placement_options("cached")
-    assert cached == {"direct_max_rows": 0, "gather_threads": None, "cache_fraction": 0.05, "policy": "static",
+    assert cached == {"direct_max_rows": 0, "gather_threads": None, "host_gather_worker": "auto",
+                      "cache_fraction": 0.05, "policy": "static",
                       "ways": 4, "aging_interval": 32}
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.backend = "torch"
@@ -27,6 +29,7 @@ def test_defaults_and_placement_options():
     ("validate", "yes", "validate: expected True, False or None, found 'yes'"),
     ("direct_max_rows", -1, "direct_max_rows: expected an integer >= 0, found -1"),
     ("gather_threads", 0, "gather_threads: expected an integer >= 1 or None, found 0"),
+    ("host_gather_worker", "c", "host_gather_worker: expected one of 'auto', 'native', 'python', found 'c'"),
     ("cache_fraction", 1.5, r"cache_fraction: expected a number in \(0, 1\], found 1.5"),
     ("cache_policy", "lfu", "cache_policy: expected one of"),
     ("cache_ways", 6, "cache_ways: expected a power of two up to 64, found 6"),

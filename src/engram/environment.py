@@ -8,15 +8,17 @@ field that wins over it. Read where a default is needed (at construction, never 
 ``LOCAL_WORLD_SIZE``    processes sharing the node (torchrun sets it): splits the host-gather threads
 ``ENGRAM_CACHE_DIR``    where token maps are cached (else ``$XDG_CACHE_HOME/engram``, ``~/.cache/engram``)
 ``TRITON_INTERPRET``    Triton's own switch (``1``: kernels run on the CPU interpreter)
+``CC``                  the C compiler that builds the host gather's native worker (else ``cc`` / ``gcc``)
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 __all__ = ["WKV_BACKEND_ENV", "WKV_SMALL_M_ENV", "wkv_backend_default", "wkv_small_m_default",
-           "local_world_size", "cache_directory", "triton_interpret"]
+           "local_world_size", "cache_directory", "triton_interpret", "c_compiler"]
 
 WKV_BACKEND_ENV = "ENGRAM_WKV_BACKEND"
 WKV_SMALL_M_ENV = "ENGRAM_WKV_SMALL_M"
@@ -56,3 +58,12 @@ def cache_directory() -> Path:
 def triton_interpret() -> bool:
     """Whether ``TRITON_INTERPRET=1`` (set before triton is imported)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def c_compiler() -> str | None:
+    """The C compiler to use: ``$CC`` when set and found, else ``cc`` or ``gcc`` on the ``PATH``, else None."""
+    for name in (os.environ.get("CC", ""), "cc", "gcc"):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    return None

@@ -410,10 +410,11 @@ class EngramMemory:
         if kv_ahead:  # each layer's rows taken by its kv now, in layer order
             for index, layer_id in enumerate(self.spec.layer_ids):
                 table_prefetch = tables[layer_id]
-                if table_prefetch is not None and table_prefetch.started:
-                    # A host gather in flight: its kv now would wait on this thread for the gather
-                    # (H200, T = 8192: kv ahead +4.4% over device, prefetch alone +2.2%; NOTES "The
-                    # served decoder step"). The layer keeps the gather and computes kv itself.
+                if table_prefetch is not None and table_prefetch.finish_waits:
+                    # A host gather of the Python worker: its kv now would wait on this thread for the
+                    # gather (H200, T = 8192: kv ahead +4.4% over device, prefetch alone +2.2%; NOTES
+                    # "The served decoder step"). The layer keeps the gather and computes kv itself.
+                    # The native worker's gathers only make the side stream wait.
                     continue
                 kv[layer_id] = self._layers[layer_id].kv_ahead(hash_ids[:, index, :], tables.pop(layer_id))
         handle = StepPrefetch(self, self.hasher.calls, IdsIdentity.of(hash_ids), tables, kv)

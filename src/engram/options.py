@@ -20,6 +20,7 @@ __all__ = ["ServingOptions", "BACKEND_CHOICES", "WKV_BACKEND_CHOICES", "CACHE_PO
 BACKEND_CHOICES = ("auto", "triton", "torch")
 WKV_BACKEND_CHOICES = ("auto", "bf16", "scaled_mm", "triton", "fused")
 CACHE_POLICIES = ("set-lru", "dynamic", "static")
+HOST_GATHER_WORKERS = ("auto", "native", "python")  # engram.table.host_memory.gather.WORKERS
 
 # Lookups of at most this many rows read host memory directly (the decode path, capturable); larger
 # ones take the host gather. H200, 34 GiB table on 2 MiB pages (benchmarks/NOTES.md "Host tables"):
@@ -67,6 +68,11 @@ class ServingOptions:
             the host gather [4096 * 24].
         gather_threads: host threads copying rows for the host gather [usable cores divided by
             ``$LOCAL_WORLD_SIZE``, at least 1].
+        host_gather_worker: who copies the host gather's rows: ``"native"`` (threads in C, built at
+            first use with the system's C compiler; the caller's thread never waits for a gather),
+            ``"python"`` (torch's ``index_select`` on a Python thread; the caller waits until the
+            copies are enqueued) or ``"auto"`` (native where a C compiler and the driver's stream
+            memory operations are found) [``"auto"``].
         share_host_tables: one copy of each table per node in ``/dev/shm`` [False].
     Placement ``"cached"``:
         cache_fraction: fraction of a table's rows held in HBM, in (0, 1] [0.02].
@@ -84,6 +90,7 @@ class ServingOptions:
     check_values: bool = True
     direct_max_rows: int = DEFAULT_DIRECT_MAX_ROWS
     gather_threads: int | None = None
+    host_gather_worker: str = "auto"
     share_host_tables: bool = False
     cache_fraction: float = DEFAULT_CACHE_FRACTION
     cache_policy: str = "set-lru"
@@ -104,6 +111,7 @@ class ServingOptions:
                 raise ValueError(f"{name}: expected True or False, found {getattr(self, name)!r}")
         _integer("direct_max_rows", self.direct_max_rows, 0)
         _integer("gather_threads", self.gather_threads, 1, optional=True)
+        _choice("host_gather_worker", self.host_gather_worker, HOST_GATHER_WORKERS)
         fraction = self.cache_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"cache_fraction: expected a number in (0, 1], found {fraction!r}")
@@ -146,7 +154,8 @@ class ServingOptions:
         then :attr:`extra_placement_options`."""
         options: dict = {}
         if placement in ("host", "cached"):
-            options.update(direct_max_rows=self.direct_max_rows, gather_threads=self.gather_threads)
+            options.update(direct_max_rows=self.direct_max_rows, gather_threads=self.gather_threads,
+                           host_gather_worker=self.host_gather_worker)
         if placement == "cached":
             options.update(cache_fraction=self.cache_fraction, policy=self.cache_policy, ways=self.cache_ways)
         options.update(self.extra_placement_options)

@@ -132,6 +132,10 @@ class TablePlacement(abc.ABC):
         """Whether ``pending`` (from :meth:`prefetch`) still holds the rows it was started for."""
         return True
 
+    def finish_waits(self, pending: Any) -> bool:
+        """Whether finishing ``pending`` (from :meth:`prefetch`) blocks the calling thread. Default: no."""
+        return False
+
     def update(self, global_ids: torch.Tensor, row_start: int) -> None:
         """Between steps: learn from the reads ``global_ids int [T, C_local]`` (row caches). Default: nothing."""
 

@@ -85,3 +85,9 @@ class TablePrefetch:
     def started(self) -> bool:
         """Whether the prefetch started a read (a host gather) that a lookup can finish."""
         return self.pending is not None
+
+    @property
+    def finish_waits(self) -> bool:
+        """Whether the lookup finishing this prefetch blocks its thread (a host gather's Python worker)."""
+        table = self.table()
+        return self.pending is not None and table is not None and table.storage.finish_waits(self.pending)

@@ -1,26 +1,31 @@
 """Read path (b) of host tables: rows gathered on the host, moved by the copy engine.
 
 The caller's stream finds the lookup's distinct rows (:mod:`engram.table.kernels.dedup`, no
-sync), copies them with their count to a pinned buffer and records an event; a worker
-thread waits for that event (the caller never does), gathers each distinct row once into
-pinned staging in waves on ``gather_threads`` threads, and after each wave enqueues its
-host-to-device copy on a copy stream, so the copy of one wave overlaps the gather of the next.
-The consumer waits until the worker has enqueued the copies (not until they ran), makes its
-stream wait on the last copy's event and reads the rows from the device staging through the
-lookup's ``inverse``.
+sync) and copies them with their count to a pinned buffer; a worker gathers each distinct row
+once into pinned staging in waves on ``gather_threads`` threads, and each wave's host-to-device
+copy on a copy stream overlaps the gather of the next. The consumer's stream waits on the last
+copy and reads the rows from the device staging through the lookup's ``inverse``.
 
-Why the consumer's thread still waits for the worker: a stream that waits on a value the
-worker writes (``cuStreamWaitValue32``) deadlocked on the H200 as soon as the consumer's thread
-loaded a kernel module (Triton's first launch of a variant) while the stream was stalled: the
-load waited for the device, the worker's next ``cudaMemcpyAsync`` waited for the load. A
-worker that makes no CUDA call at all (copies enqueued up front behind host-written flags)
-would avoid it; benchmarks/NOTES.md "Host gather: the consumer's wait" has the measurement.
+Two workers (``worker=``):
+
+* ``"native"`` (default where a C compiler and the driver's stream memory operations are found):
+  :mod:`~engram.table.host_memory.native_worker`, threads in C that make no CUDA call and take no
+  GIL. ``start`` enqueues everything at once: on the caller's stream the dedup, the ids' copy and a
+  write of "ids ready" (:mod:`~engram.table.host_memory.stream_memory_ops`); on the copy stream, per
+  wave, a wait for the worker's "wave done" word and the wave's copy (sized for every id, as the
+  distinct count is known only on the device). No thread ever waits for a gather: ``finish`` only
+  makes the stream wait.
+* ``"python"``: a Python worker thread waits for the ids' event, copies rows with ``index_select``
+  (:mod:`~engram.table.host_memory.row_copy`) and enqueues each wave's copy; ``finish`` blocks the
+  caller until the worker has enqueued them (not until they ran). A stream waiting on a word that
+  this worker writes deadlocked on the H200 behind a module load (benchmarks/NOTES.md "Host gather:
+  the consumer's wait"): its next CUDA call waited for the device, which waited for it.
 
 Every :meth:`HostGather.start` makes the tickets of earlier gathers stale (they share the
 staging): :meth:`HostGather.current` tells, and a stale ticket is never finished.
 
-Buffers are persistent (grown, never shrunk) and guarded by events: the host staging
-is rewritten only after the previous copies finished, the device staging only after
+Buffers are persistent (grown, never shrunk) and guarded: the host staging is rewritten only after
+the previous copies ran (an event, or the GPU's "staging free" word), the device staging only after
 the previous reader ran.
 """
 
@@ -29,6 +34,8 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -36,10 +43,14 @@ import torch
 from engram.common import next_power_of_2
 from engram.environment import local_world_size
 from engram.table.kernels.dedup import distinct_rows
-from engram.table.host_memory import openmp_team
+from engram.table.host_memory import native_worker, openmp_team, stream_memory_ops
+from engram.table.host_memory.native_worker import JOB_DONE, STAGING_FREE, WAVES_DONE
 from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
 
-__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads"]
+__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads", "WORKERS",
+           "check_gather_worker"]
+
+WORKERS = ("auto", "native", "python")
 
 # The gather runs in waves (each wave's copy overlaps the next wave's gather) over the
 # distinct rows, ascending. H200 host (16 cores, KVM), 196,608 distinct rows of 272 B from
@@ -47,6 +58,7 @@ __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gat
 # 4 waves 0.75-0.85 ms each; the copy of all rows 1.0 ms.
 _MIN_WAVE_ROWS = 16384
 _MAX_WAVES = 4
+_ID_BUFFERS = 4  # pinned id buffers per table for the native worker, each reused once its job is done
 
 
 def _usable_cores() -> int:
@@ -59,6 +71,40 @@ def default_gather_threads(processes_per_node: int | None = None) -> int:
     Eight ranks on one node then split its cores instead of each taking all of them."""
     sharing = processes_per_node if processes_per_node is not None else (local_world_size() or 1)
     return max(1, _usable_cores() // max(1, sharing))
+
+
+def check_gather_worker(value) -> str:
+    """``host_gather_worker`` as given by a caller: one of :data:`WORKERS`."""
+    if value not in WORKERS:
+        raise ValueError(f"host_gather_worker: expected one of {', '.join(map(repr, WORKERS))}, found {value!r}")
+    return value
+
+
+_WARNED: list[str] = []
+
+
+def _resolve_worker(worker: str, device: torch.device) -> str:
+    """``"native"`` or ``"python"`` for ``worker`` on ``device`` (``"auto"``: native where it can run,
+    with one warning per process where it cannot)."""
+    if worker == "python":
+        return worker
+    reason = native_worker.unavailable_reason()
+    if reason is None and not stream_memory_ops.available(device):
+        reason = f"the CUDA driver does not run stream memory operations on {device}"
+    if reason is None:
+        return "native"
+    if worker == "native":
+        raise RuntimeError(f"host_gather_worker='native': {reason}")
+    if not _WARNED:
+        _WARNED.append(reason)
+        warnings.warn(f"host gather: the native worker is unavailable ({reason}); using the Python worker, whose "
+                      "consumer waits on its thread until each gather's copies are enqueued", RuntimeWarning,
+                      stacklevel=3)
+    return "python"
+
+
+def _num_waves(num_rows: int) -> int:
+    return max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
 
 
 def check_gather_threads(value) -> int:
@@ -83,6 +129,7 @@ def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_
         torch.index_select(packed, 0, local, out=out)
 
 
+_NATIVE_ENQUEUE_LOCK = threading.Lock()
 _WORKER: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # (worker, process id)
 _WORKER_LOCK = threading.Lock()
 
@@ -104,13 +151,15 @@ def _shared_worker() -> concurrent.futures.ThreadPoolExecutor:
 
 @dataclass(eq=False)
 class GatherTicket:
-    """One started gather: ``number`` (its place among the table's gathers), ``future`` (the worker's
-    task; it returns the event of the last copy once every copy is enqueued) and ``inverse`` (int32 on the device, the lookup's shape) mapping each
-    lookup to its row in the device staging."""
+    """One started gather: ``number`` (its place among the table's gathers), ``inverse`` (int32 on the
+    device, the lookup's shape) mapping each lookup to its row in the device staging, and either
+    ``done`` (native worker: the event of the last copy, enqueued at start) or ``future`` (Python
+    worker: its task, which returns that event once every copy is enqueued)."""
 
     number: int
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future | None
     inverse: torch.Tensor
+    done: torch.cuda.Event | None = None
     finished: bool = field(default=False)
 
 
@@ -119,18 +168,29 @@ class HostGather:
     are needed (see the module docstring).
 
     ``packed``: pinned CPU ``uint8 [rows + 1, row_bytes]`` (last row zero); ``device``:
-    where the rows land; ``gather_threads``: threads copying rows on the host.
+    where the rows land; ``gather_threads``: threads copying rows on the host; ``worker``: one of
+    :data:`WORKERS` (see the module docstring; :attr:`worker` is the one chosen).
     """
 
-    def __init__(self, packed: torch.Tensor, device: torch.device, gather_threads: int | None = None):
+    def __init__(self, packed: torch.Tensor, device: torch.device, gather_threads: int | None = None,
+                 worker: str = "auto"):
         self.packed = packed
         self.device = device
         self.gather_threads = default_gather_threads() if gather_threads is None else check_gather_threads(
             gather_threads)
+        self.worker = _resolve_worker(check_gather_worker(worker), device)
         self.row_bytes = packed.shape[1]
         self.capacity = 0
         self.copy_stream = torch.cuda.Stream(device)
-        self._worker = _shared_worker()
+        if self.worker == "native":
+            self.native_service = native_worker.shared_service(self.gather_threads)
+            self._flags = torch.zeros(native_worker.FLAG_WORDS, dtype=torch.int32, pin_memory=True)
+            self._flags_view = self._flags.numpy()
+            self._flags_device = stream_memory_ops.device_address(self._flags, device)
+            self._waves = 0                                  # waves submitted (the next job's WAVES_DONE base)
+            self._broken: str | None = None                  # a failed enqueue: later gathers could wait forever
+        else:
+            self._worker = _shared_worker()
         self._copies_done: torch.cuda.Event | None = None  # the last copies: host staging free after it
         self._consumed: torch.cuda.Event | None = None     # the last reader: device staging free after it
         self._last_future: concurrent.futures.Future | None = None
@@ -147,14 +207,16 @@ class HostGather:
                                "allocated during CUDA-graph capture: run one eager step of this size first")
         # Grown buffers replace ones a pending gather or reader may still use: let them finish
         # (warm-up only: buffers grow to the largest batch and stay).
-        if self._last_future is not None:
-            concurrent.futures.wait([self._last_future])
+        self.wait_idle()
         for event in (self._copies_done, self._consumed):
             if event is not None:
                 event.synchronize()
         capacity = next_power_of_2(num_rows)
         self.staging_host = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, pin_memory=True)
         self.staging_device = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self.device)
+        if self.worker == "native":  # id buffers reused once the worker is done with them (no pinned allocation per call)
+            self._id_buffers = [self._id_buffer(capacity) for _ in range(_ID_BUFFERS)]
+            self._id_buffer_jobs = [self._started] * _ID_BUFFERS
         self.capacity = capacity
 
     def _raise_failure(self) -> None:
@@ -171,10 +233,16 @@ class HostGather:
     def start(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream) -> GatherTicket:
         """Begin gathering the rows of ``global_ids`` (int32/int64, any shape, at least one id, on
         the device; ``packed[0]`` is row ``row_start``): enqueues the dedup and the id copy on
-        ``stream`` and returns at once. Earlier tickets become stale."""
+        ``stream`` (and, with the native worker, the copies) and returns at once. Earlier tickets
+        become stale."""
         num_ids = global_ids.numel()
         if num_ids == 0:
             raise ValueError("global_ids: the host gather needs at least one id, found an empty tensor")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the host gather needs host threads and cannot run during CUDA-graph capture "
+                               "(lookups under capture read host rows directly)")
+        if self.worker == "native":
+            return self._start_native(global_ids, row_start, stream)
         with self._lock:
             self._raise_failure()
             self._ensure_capacity(num_ids)
@@ -194,6 +262,59 @@ class HostGather:
             self._last_future = future
             return GatherTicket(number, future, distinct.inverse.view(global_ids.shape))
 
+    def _id_buffer(self, num_ids: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A pinned int32 buffer for ``num_ids`` ids and their count, its "ids ready" word (written by the
+        GPU after the ids, so a job never depends on another job's stream) and that word's device address."""
+        buffer = torch.empty(num_ids + 2 + 15, dtype=torch.int32, pin_memory=True)
+        ready = buffer[-16:-15]  # after the ids and the count
+        ready.fill_(self._started)  # below every later job's number
+        return buffer, ready, stream_memory_ops.device_address(buffer, self.device) + 4 * (buffer.numel() - 16)
+
+    def _start_native(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream) -> GatherTicket:
+        """:meth:`start` with the native worker: the caller's thread enqueues every step of the gather."""
+        num_ids = global_ids.numel()
+        with self._lock:
+            if self._broken is not None:
+                raise RuntimeError(f"this table's host gather is unusable after an earlier failure: {self._broken}")
+            self._ensure_capacity(num_ids)
+            number = self._started + 1
+            slot = number % _ID_BUFFERS
+            if native_worker.flags_reached(self._flags_view, JOB_DONE, self._id_buffer_jobs[slot]):
+                buffer, ready, ready_address = self._id_buffers[slot]
+                self._id_buffer_jobs[slot] = number
+            else:  # the worker is _ID_BUFFERS gathers behind: a buffer of its own (the service holds it)
+                buffer, ready, ready_address = self._id_buffer(num_ids)
+            ids_host = buffer[:num_ids + 1]
+            with torch.cuda.stream(stream):
+                distinct = distinct_rows(global_ids, row_start, self.packed.shape[0] - 1)
+                ids_host.copy_(distinct.rows_and_count, non_blocking=True)
+            num_waves = _num_waves(num_ids)
+            bounds = [num_ids * k // num_waves for k in range(num_waves + 1)]
+            try:
+                with _NATIVE_ENQUEUE_LOCK:  # the worker's job order = the order the jobs' ids were enqueued
+                    stream_memory_ops.write_value(stream, ready_address, number)
+                    self.native_service.submit(table=self.packed, ids=ids_host, staging=self.staging_host,
+                                               flags=self._flags, ready=ready, ids_ready=number,
+                                               staging_free=number - 1,
+                                               waves_base=self._waves, num_waves=num_waves, job_done=number)
+                if self._consumed is not None:  # the device staging's last reader runs first
+                    self.copy_stream.wait_event(self._consumed)
+                with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+                    for wave, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+                        stream_memory_ops.wait_value(self.copy_stream, self._flags_device + 4 * WAVES_DONE,
+                                                     self._waves + wave + 1)
+                        self.staging_device[begin:end].copy_(self.staging_host[begin:end], non_blocking=True)
+                    stream_memory_ops.write_value(self.copy_stream, self._flags_device + 4 * STAGING_FREE, number)
+                    done = torch.cuda.Event()
+                    done.record(self.copy_stream)
+            except BaseException as failure:
+                self._broken = repr(failure)
+                raise
+            self._started = number
+            self._waves += num_waves
+            self._copies_done = done
+            return GatherTicket(number, None, distinct.inverse.view(global_ids.shape), done)
+
     def _gather(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event, number: int) -> torch.cuda.Event:
         """Worker thread (one; tasks run in order): wait for the ids and for the previous task's
         copies (the host staging is then free), start the gather of every wave, enqueue each wave's
@@ -206,7 +327,7 @@ class HostGather:
             num_ids = ids_host.numel() - 1
             num_rows = min(max(int(ids_host[num_ids]), 1), num_ids)  # clamped: the count came from the device
             rows = ids_host[:num_rows]
-            num_waves = max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
+            num_waves = _num_waves(num_rows)
             bounds = [num_rows * k // num_waves for k in range(num_waves + 1)]
             gathered = self.gather_rows(self.packed, rows, self.staging_host[:num_rows], self.gather_threads,
                                         wave_ends=bounds[1:])
@@ -234,6 +355,9 @@ class HostGather:
             raise ValueError(f"ticket: gather {ticket.number} is stale (gather {self._started} started since, or "
                              "it was finished already): its rows are no longer in the staging")
         ticket.finished = True
+        if ticket.done is not None:  # native worker: everything is enqueued already
+            stream.wait_event(ticket.done)
+            return self.staging_device, ticket.inverse
         try:
             done = ticket.future.result()
         except BaseException as failure:
@@ -248,7 +372,19 @@ class HostGather:
         event.record(stream)
         self._consumed = event
 
+    @property
+    def idle(self) -> bool:
+        """Whether the worker is done with every started gather (native: its rows copied to the host
+        staging; Python: its copies enqueued)."""
+        if self.worker == "native":
+            return native_worker.flags_reached(self._flags_view, JOB_DONE, self._started)
+        return self._last_future is None or self._last_future.done()
+
     def wait_idle(self) -> None:
-        """Block until every started gather has enqueued its copies (tests, shutdown)."""
-        if self._last_future is not None:
+        """Block until the worker is done with every started gather: its copies enqueued (Python
+        worker), its rows copied to the host staging (native worker; the GPU's part runs meanwhile)."""
+        if self.worker == "native":
+            while not native_worker.flags_reached(self._flags_view, JOB_DONE, self._started):
+                time.sleep(0.0002)
+        elif self._last_future is not None:
             concurrent.futures.wait([self._last_future])

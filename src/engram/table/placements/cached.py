@@ -62,7 +62,7 @@ import torch
 
 from engram.triton_launch import interpreting, triton_available
 from engram.table.placements.host import DIRECT_MAX_ROWS, HostPlacement, check_direct_max_rows
-from engram.table.host_memory.gather import GatherTicket, check_gather_threads, gather_packed_rows_host
+from engram.table.host_memory.gather import GatherTicket, check_gather_threads, check_gather_worker, gather_packed_rows_host
 from engram.table.host_memory.rows import PackedRows, pack_rows
 from engram.table.table import TablePlacement, register_placement
 
@@ -88,6 +88,7 @@ class CachedPlacement(TablePlacement):
         direct_max_rows: lookups of at most this many rows take the one-kernel path, larger ones send
             their misses through the host gather (0: every lookup outside CUDA-graph capture does).
         gather_threads: host threads of the host gather (as placement ``"host"``'s option).
+        host_gather_worker: who copies the host gather's rows (as placement ``"host"``'s option).
     """
 
     name = "cached"
@@ -96,7 +97,8 @@ class CachedPlacement(TablePlacement):
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
                  cache_fraction: float = DEFAULT_CACHE_FRACTION, ways: int = 8, aging_interval: int = 16,
                  policy: str = "set-lru", hot_rows: torch.Tensor | None = None,
-                 direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None):
+                 direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
+                 host_gather_worker: str = "auto"):
         if isinstance(cache_fraction, bool) or not isinstance(cache_fraction, (int, float)) or not (
                 0 < cache_fraction <= 1):
             raise ValueError(f"cache_fraction: expected a number in (0, 1], found {cache_fraction!r}")
@@ -105,8 +107,10 @@ class CachedPlacement(TablePlacement):
         direct_max_rows = check_direct_max_rows(direct_max_rows)
         if gather_threads is not None:
             check_gather_threads(gather_threads)
+        check_gather_worker(host_gather_worker)
         if torch.cuda.is_available():
-            self.host = HostPlacement(value_bytes, scale_bytes, device, gather_threads=gather_threads)
+            self.host = HostPlacement(value_bytes, scale_bytes, device, gather_threads=gather_threads,
+                                      host_gather_worker=host_gather_worker)
             target = self.host.device
             self._back_values, self._back_scales = self.host._direct_values, self.host._direct_scales
             self._packed = self.host.rows.packed
@@ -248,6 +252,10 @@ class CachedPlacement(TablePlacement):
         if self.backend != "triton" or self._use_one_kernel(global_ids):
             return None
         return self._start_misses(global_ids, row_start)
+
+    def finish_waits(self, pending: "_Pending") -> bool:
+        """Whether the merge of the prefetch blocks the caller (a host gather of the Python worker)."""
+        return isinstance(pending.ticket, GatherTicket) and pending.ticket.future is not None
 
     def prefetch_usable(self, pending: "_Pending") -> bool:
         """Whether a prefetch's probe and gathered misses still hold: the cache's content is the one the

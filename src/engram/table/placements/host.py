@@ -26,7 +26,8 @@ import torch
 
 from engram.common import resolve_cuda_device
 from engram.options import DEFAULT_DIRECT_MAX_ROWS
-from engram.table.host_memory.gather import GatherTicket, HostGather, check_gather_threads, gather_packed_rows_host
+from engram.table.host_memory.gather import (GatherTicket, HostGather, check_gather_threads, check_gather_worker,
+                                             gather_packed_rows_host)
 from engram.table.host_memory.rows import (PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, packed_row_bytes,
                         register_with_cuda)
 from engram.table.table import TablePlacement, register_placement
@@ -77,16 +78,20 @@ class HostPlacement(TablePlacement):
             capture through the host gather.
         gather_threads: host threads copying rows for path (b) (default: the usable cores over
             the processes sharing the node, :func:`~engram.table.host_memory.gather.default_gather_threads`).
+        host_gather_worker: ``"auto"``, ``"native"`` or ``"python"``: who copies path (b)'s rows
+            (:mod:`engram.table.host_memory.gather`).
     """
 
     name = "host"
     has_triton_lookup = True
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
-                 direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None):
+                 direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
+                 host_gather_worker: str = "auto"):
         direct_max_rows = check_direct_max_rows(direct_max_rows)
         if gather_threads is not None:
             check_gather_threads(gather_threads)
+        check_gather_worker(host_gather_worker)
         if not torch.cuda.is_available():
             raise ValueError("placement 'host' keeps the table in host memory for a CUDA device to read, and this "
                              "machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
@@ -104,7 +109,7 @@ class HostPlacement(TablePlacement):
         alias = cuda_alias(rows.packed, target)  # [rows + 1, row_bytes], host memory, a CUDA tensor
         self._direct_values = alias[:-1, :head_dim]
         self._direct_scales = alias[:-1, head_dim: head_dim + head_dim // 32]
-        self._host_gather = HostGather(rows.packed, target, gather_threads)
+        self._host_gather = HostGather(rows.packed, target, gather_threads, host_gather_worker)
 
     # ---- loading from a checkpoint ---------------------------------------------------
     @classmethod
@@ -168,6 +173,10 @@ class HostPlacement(TablePlacement):
         if self.backend != "triton" or self._use_direct(global_ids):
             return None
         return self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
+
+    def finish_waits(self, pending: GatherTicket) -> bool:
+        """Whether finishing the prefetch blocks the caller: with the Python worker, until its copies are enqueued."""
+        return pending.future is not None
 
     def prefetch_usable(self, pending: GatherTicket) -> bool:
         """Whether a prefetch's ticket still holds its rows (no later gather reused the staging)."""

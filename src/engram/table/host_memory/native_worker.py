@@ -1,0 +1,218 @@
+"""The host gather's native worker (``native_gather.c``): row copies no Python thread or CUDA call can hold up.
+
+The C source is compiled once per process with the system's C compiler (``$CC``, else ``cc`` /
+``gcc``: the one Triton uses for its launchers) into a private temporary directory (mode 0700, removed
+once loaded, so no other user can plant the library), then loaded with ``ctypes``.
+:func:`unavailable_reason` says why not where it cannot be.
+
+A :class:`NativeGatherService` is a team of ``threads`` native threads that runs jobs in the order
+submitted (see the C file for the protocol: the GPU writes the ids and an "ids ready" word, the
+worker stores a "waves done" word per wave and a "job done" word at the end). Python keeps every
+buffer a job touches alive until its "job done" word says the worker has finished with it, so a
+table, staging or id buffer dropped by its owner is never freed under the worker. One service per
+thread count and process (:func:`shared_service`); a forked child makes its own; services stop at
+interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engram.environment import c_compiler
+
+__all__ = ["NativeGatherService", "shared_service", "unavailable_reason", "FLAG_WORDS", "IDS_READY", "STAGING_FREE",
+           "WAVES_DONE", "JOB_DONE"]
+
+_SOURCE = Path(__file__).with_name("native_gather.c")
+
+# Word offsets in a flags tensor (int32 [FLAG_WORDS], pinned): one 64-byte line per writer's word.
+FLAG_WORDS = 64
+IDS_READY = 0       # free for a caller's "ids ready" word (the host gather keeps one per id buffer instead)
+STAGING_FREE = 16   # written by the GPU after the copies of the previous job of this staging
+WAVES_DONE = 32     # stored by the worker after each wave
+JOB_DONE = 48       # stored by the worker when it no longer touches the job's buffers
+
+_u32p = ctypes.c_void_p
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    compiler = c_compiler()
+    if compiler is None:
+        return None, "no C compiler found ($CC, cc or gcc)"
+    directory = tempfile.mkdtemp(prefix="engram-native-")  # mode 0700: this user's only
+    try:
+        target = os.path.join(directory, "native_gather.so")
+        command = [compiler, "-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", str(_SOURCE), "-o", target]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as error:
+            return None, f"{compiler} could not run: {error}"
+        if result.returncode != 0:
+            return None, f"{' '.join(command)} failed: {result.stderr.strip()[-400:]}"
+        try:
+            lib = ctypes.CDLL(target)
+        except OSError as error:
+            return None, f"the compiled worker did not load: {error}"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # the loaded library stays mapped
+    lib.engram_gather_create.argtypes = [ctypes.c_int]
+    lib.engram_gather_create.restype = ctypes.c_void_p
+    lib.engram_gather_submit.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_void_p, _u32p, ctypes.c_uint32, _u32p, ctypes.c_uint32, _u32p, ctypes.c_uint32, ctypes.c_int32,
+        _u32p, ctypes.c_uint32]
+    lib.engram_gather_submit.restype = ctypes.c_int
+    lib.engram_gather_hold_next.argtypes = [ctypes.c_void_p, _u32p, ctypes.c_int64]
+    lib.engram_gather_hold_next.restype = None
+    lib.engram_gather_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+    lib.engram_gather_stats.restype = None
+    lib.engram_gather_stop.argtypes = [ctypes.c_void_p]
+    lib.engram_gather_stop.restype = None
+    return lib, ""
+
+
+def unavailable_reason() -> str | None:
+    """None when the native worker can run in this process, else why not (one line)."""
+    lib, reason = _library()
+    return None if lib is not None else reason
+
+
+def _word(tensor: torch.Tensor, index: int) -> int:
+    return tensor.data_ptr() + 4 * index
+
+
+def _reached(value: int, target: int) -> bool:
+    return ((int(value) - target) & 0xFFFFFFFF) < 0x80000000  # wrap-aware, as the worker and the GPU compare
+
+
+class NativeGatherService:
+    """``threads`` native copying threads running submitted jobs in order (see the module docstring)."""
+
+    def __init__(self, threads: int):
+        lib, reason = _library()
+        if lib is None:
+            raise RuntimeError(f"the host gather's native worker is unavailable: {reason}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256:
+            raise ValueError(f"threads: expected an integer in [1, 256], found {threads!r}")
+        self._lib = lib
+        self.threads = threads
+        self._handle = lib.engram_gather_create(threads)
+        if not self._handle:
+            raise RuntimeError(f"the host gather's native worker could not start {threads} threads")
+        self._lock = threading.Lock()
+        self._retained: collections.deque = collections.deque()  # (flags numpy view, value, buffers), in job order
+        self._pid = os.getpid()
+
+    def submit(self, *, table: torch.Tensor, ids: torch.Tensor, staging: torch.Tensor, flags: torch.Tensor,
+               ready: torch.Tensor, ids_ready: int, staging_free: int, waves_base: int, num_waves: int,
+               job_done: int) -> None:
+        """Queue one job: ``staging[i] = table[ids[i]]`` for ``i < ids[-1]`` (the count), once the word
+        ``ready[0]`` (int32, the job's own: the GPU writes it after this job's ids) has reached ``ids_ready``
+        and ``flags[STAGING_FREE]`` ``staging_free``; stores
+        ``waves_base + k + 1`` in ``flags[WAVES_DONE]`` after wave ``k`` of ``num_waves`` and ``job_done`` in
+        ``flags[JOB_DONE]`` at the end. ``table`` uint8 ``[rows, row_bytes]`` (last row the zero row), ``ids``
+        int32 ``[N + 1]``, ``staging`` uint8 ``[>= N, row_bytes]``, ``flags`` int32 ``[FLAG_WORDS]``: contiguous
+        CPU tensors, kept alive here until the job is done."""
+        num_ids = ids.numel() - 1
+        if table.dtype != torch.uint8 or table.dim() != 2 or not table.is_contiguous():
+            raise ValueError(f"table: expected contiguous uint8 [rows, row_bytes], found {table.dtype} "
+                             f"{list(table.shape)}")
+        if ids.dtype != torch.int32 or ids.dim() != 1 or num_ids < 1 or not ids.is_contiguous():
+            raise ValueError(f"ids: expected contiguous int32 [N + 1] with N >= 1, found {ids.dtype} {list(ids.shape)}")
+        if (staging.dtype != torch.uint8 or staging.dim() != 2 or staging.shape[0] < num_ids
+                or staging.shape[1] != table.shape[1] or not staging.is_contiguous()):
+            raise ValueError(f"staging: expected contiguous uint8 [>= {num_ids}, {table.shape[1]}], found "
+                             f"{staging.dtype} {list(staging.shape)}")
+        if flags.dtype != torch.int32 or flags.shape != (FLAG_WORDS,) or not flags.is_contiguous():
+            raise ValueError(f"flags: expected contiguous int32 [{FLAG_WORDS}], found {flags.dtype} {list(flags.shape)}")
+        if ready.dtype != torch.int32 or ready.numel() < 1 or ready.device.type != "cpu":
+            raise ValueError(f"ready: expected an int32 CPU tensor of at least one word, found {ready.dtype} "
+                             f"{list(ready.shape)} on {ready.device}")
+        if not 1 <= num_waves <= num_ids:
+            raise ValueError(f"num_waves: expected 1 <= num_waves <= {num_ids} (the ids), found {num_waves}")
+        with self._lock:
+            if self._handle is None:
+                raise RuntimeError("the host gather's native worker was stopped")
+            self.prune()
+            status = self._lib.engram_gather_submit(
+                self._handle, table.data_ptr(), table.shape[0], table.shape[1], ids.data_ptr(), num_ids,
+                staging.data_ptr(), ready.data_ptr(), ids_ready & 0xFFFFFFFF, _word(flags, STAGING_FREE),
+                staging_free & 0xFFFFFFFF, _word(flags, WAVES_DONE), waves_base & 0xFFFFFFFF, num_waves,
+                _word(flags, JOB_DONE), job_done & 0xFFFFFFFF)
+            if status != 0:
+                raise RuntimeError("the host gather's native worker refused a job (out of memory?)")
+            self._retained.append((flags.numpy(), job_done & 0xFFFFFFFF, (table, ids, staging, flags, ready)))
+
+    def prune(self) -> None:
+        """Drop the buffers of the jobs done (in order: jobs finish in the order submitted)."""
+        while self._retained and _reached(self._retained[0][0][JOB_DONE], self._retained[0][1]):
+            self._retained.popleft()
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet known done."""
+        with self._lock:
+            self.prune()
+            return len(self._retained)
+
+    def hold_next(self, latch: torch.Tensor, timeout_ms: int) -> None:
+        """Test hook: the next job to start waits, once its ids are ready, until ``latch`` (a CPU int32
+        tensor, kept alive here until the next hold) is nonzero, at most ``timeout_ms``."""
+        self._latch = latch
+        self._lib.engram_gather_hold_next(self._handle, latch.data_ptr(), int(timeout_ms))
+
+    def stats(self) -> dict[str, int]:
+        """Counters: jobs done, holds released, holds timed out, flag waits that slept."""
+        values = (ctypes.c_int64 * 4)()
+        self._lib.engram_gather_stats(self._handle, values)
+        return dict(zip(("jobs_done", "holds_released", "holds_timed_out", "waits_slept"), values))
+
+    def stop(self) -> None:
+        """Stop the threads (jobs not done are dropped; their buffers stay referenced here) and free the
+        service. Only at shutdown: a stream waiting on a dropped job's wave would wait forever."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+        if handle is not None and self._pid == os.getpid():
+            self._lib.engram_gather_stop(handle)
+
+
+_SERVICES: dict[tuple[int, int], NativeGatherService] = {}  # (process id, threads)
+_SERVICES_LOCK = threading.Lock()
+
+
+def shared_service(threads: int) -> NativeGatherService:
+    """The process's service of ``threads`` threads (made at first use): every table with that thread
+    count shares it, so gathers run one at a time in the order started instead of fighting over cores."""
+    key = (os.getpid(), threads)
+    with _SERVICES_LOCK:
+        service = _SERVICES.get(key)
+        if service is None:
+            service = _SERVICES[key] = NativeGatherService(threads)
+        return service
+
+
+@atexit.register
+def _stop_services() -> None:
+    with _SERVICES_LOCK:
+        services = [service for (pid, _), service in _SERVICES.items() if pid == os.getpid()]
+        _SERVICES.clear()
+    for service in services:
+        service.stop()
+
+
+def flags_reached(flags: torch.Tensor | np.ndarray, word: int, value: int) -> bool:
+    """Whether ``flags[word]`` has reached ``value`` (wrap-aware)."""
+    return _reached(int(flags[word]), value & 0xFFFFFFFF)

@@ -1,0 +1,106 @@
+"""Stream memory operations on pinned host words: a CUDA stream writes a ``uint32`` or waits for one.
+
+``write_value(stream, address, value)`` enqueues ``cuStreamWriteValue32`` (the word is set once the
+stream's earlier work has run, its writes visible first); ``wait_value(stream, address, value)``
+enqueues ``cuStreamWaitValue32`` with the wrap-aware greater-or-equal test (later work on the stream
+waits until ``(int32)(*word - value) >= 0``). Both only enqueue: no host sync. ``address`` is the
+device address of a word of pinned host memory (:func:`device_address`).
+
+The host gather uses them with its native worker (:mod:`engram.table.host_memory.native_worker`):
+the stream waits for a word the worker stores, and the worker polls words the stream writes, so
+the caller's thread waits for nothing. :func:`available` says whether this driver runs them (one
+write and one wait on a scratch stream, once per device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+__all__ = ["available", "device_address", "write_value", "wait_value"]
+
+_WAIT_GEQ = 0x0        # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-aware
+_WRITE_DEFAULT = 0x0   # CU_STREAM_WRITE_VALUE_DEFAULT: after the stream's earlier writes are visible
+
+
+@functools.lru_cache(maxsize=1)
+def _driver():
+    """``(wait, write, device_pointer)`` of the CUDA driver, or None where it is not reachable."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+    def function(*names):
+        for name in names:
+            found = getattr(lib, name, None)
+            if found is not None:
+                return found
+        return None
+
+    wait = function("cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+    write = function("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+    pointer = function("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
+    if wait is None or write is None or pointer is None:
+        return None
+    for operation in (wait, write):
+        operation.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        operation.restype = ctypes.c_int
+    pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    pointer.restype = ctypes.c_int
+    return wait, write, pointer
+
+
+def _checked(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with CUresult {status}")
+
+
+def device_address(pinned: torch.Tensor, device: torch.device) -> int:
+    """The device address of the first byte of ``pinned`` (a CPU tensor in pinned memory) on ``device``."""
+    driver = _driver()
+    if driver is None:
+        raise RuntimeError("CUDA driver stream memory operations are unavailable (libcuda.so.1 or its "
+                           "cuStreamWaitValue32 / cuStreamWriteValue32 not found)")
+    if not pinned.is_pinned():
+        raise ValueError("pinned: expected a tensor in pinned host memory")
+    address = ctypes.c_uint64()
+    with torch.cuda.device(device):
+        _checked(driver[2](ctypes.byref(address), ctypes.c_void_p(pinned.data_ptr()), 0), "cuMemHostGetDevicePointer")
+    return address.value
+
+
+def write_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Enqueue on ``stream``: store ``value`` (uint32) at ``address`` once the stream's earlier work has run."""
+    _checked(_driver()[1](ctypes.c_void_p(stream.cuda_stream), address, value & 0xFFFFFFFF, _WRITE_DEFAULT),
+             "cuStreamWriteValue32")
+
+
+def wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
+    """Enqueue on ``stream``: later work waits until the word at ``address`` has reached ``value`` (wrap-aware)."""
+    _checked(_driver()[0](ctypes.c_void_p(stream.cuda_stream), address, value & 0xFFFFFFFF, _WAIT_GEQ),
+             "cuStreamWaitValue32")
+
+
+_AVAILABLE: dict[int, bool] = {}
+
+
+def available(device: torch.device) -> bool:
+    """Whether stream memory operations work on CUDA ``device`` (False without CUDA or a driver that refuses them)."""
+    if not torch.cuda.is_available() or device.type != "cuda" or _driver() is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _AVAILABLE:
+        try:
+            word = torch.zeros(16, dtype=torch.int32, pin_memory=True)
+            address = device_address(word, torch.device("cuda", index))
+            stream = torch.cuda.Stream(index)
+            write_value(stream, address, 7)
+            wait_value(stream, address, 7)
+            stream.synchronize()
+            _AVAILABLE[index] = int(word[0]) == 7
+        except RuntimeError:
+            _AVAILABLE[index] = False
+    return _AVAILABLE[index]

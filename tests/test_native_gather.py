@@ -1,0 +1,247 @@
+"""The host gather's native worker (``native_gather.c``) on the CPU: the GPU's part (the ids, the
+"ids ready" and "staging free" words) is played by the test writing the same pinned-memory words."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from engram.table.host_memory import gather as host_gather
+from engram.table.host_memory import native_worker
+from engram.table.host_memory.native_worker import FLAG_WORDS, IDS_READY, JOB_DONE, STAGING_FREE, WAVES_DONE
+
+pytestmark = pytest.mark.skipif(native_worker.unavailable_reason() is not None,
+                                reason=f"native worker unavailable: {native_worker.unavailable_reason()}")
+
+ROW_BYTES = 272
+
+
+def _table(rng: np.random.Generator, rows: int) -> torch.Tensor:
+    table = torch.from_numpy(rng.integers(0, 256, (rows + 1, ROW_BYTES), dtype=np.uint8))
+    table[-1] = 0  # the zero row
+    return table
+
+
+def _ids(values, count: int) -> torch.Tensor:
+    ids = torch.full((len(values) + 1,), -7, dtype=torch.int32)
+    ids[:len(values)] = torch.as_tensor(values, dtype=torch.int32)
+    ids[-1] = count
+    return ids
+
+
+def _wait_word(flags: torch.Tensor, word: int, value: int, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not native_worker.flags_reached(flags, word, value):
+        assert time.monotonic() < deadline, f"flags[{word}] = {int(flags[word])} never reached {value}"
+        time.sleep(0.001)
+
+
+def _expected(table: torch.Tensor, ids: torch.Tensor, count: int) -> torch.Tensor:
+    rows = ids[:count].to(torch.int64)
+    rows = torch.where((rows >= 0) & (rows < table.shape[0]), rows, torch.full_like(rows, table.shape[0] - 1))
+    return table[rows]
+
+
+@pytest.mark.parametrize("num_ids, count, waves", [(1, 1, 1), (63, 40, 1), (3000, 3000, 3), (4099, 1234, 4)])
+def test_native_worker_copies_each_wave_as_index_select(rng, num_ids, count, waves):
+    table = _table(rng, 5000)
+    ids = _ids(np.sort(rng.choice(5000, num_ids, replace=False)), count)
+    staging = torch.full((num_ids, ROW_BYTES), 0xA5, dtype=torch.uint8)  # poison
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    service = native_worker.NativeGatherService(3)
+    try:
+        service.submit(table=table, ids=ids, staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=1, staging_free=0,
+                       waves_base=10, num_waves=waves, job_done=1)
+        time.sleep(0.02)
+        assert int(flags[WAVES_DONE]) == 0 and int(flags[JOB_DONE]) == 0  # nothing before the ids are ready
+        flags[IDS_READY] = 1
+        _wait_word(flags, JOB_DONE, 1)
+        assert int(flags[WAVES_DONE]) == 10 + waves
+        assert torch.equal(staging[:count], _expected(table, ids, count))
+        assert bool((staging[count:] == 0xA5).all())  # rows past the count are neither needed nor written
+        assert service.pending == 0
+    finally:
+        service.stop()
+
+
+def test_native_worker_clamps_ids_and_count_into_its_buffers(rng):
+    table = _table(rng, 100)
+    values = [-1, 0, 99, 100, 2**31 - 1, -(2**31), 57]
+    staging = torch.full((len(values), ROW_BYTES), 0xA5, dtype=torch.uint8)
+    service = native_worker.NativeGatherService(2)
+    try:
+        for number, count in enumerate((len(values), 10**6, 0, -5), start=1):  # counts past N clamp to N, <= 0 to 1
+            flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+            ids = _ids(values, count)
+            service.submit(table=table, ids=ids, staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=number, staging_free=0,
+                           waves_base=0, num_waves=2, job_done=number)
+            flags[IDS_READY] = number
+            _wait_word(flags, JOB_DONE, number)
+            kept = min(max(count, 1), len(values))
+            assert torch.equal(staging[:kept], _expected(table, ids, kept)), count
+        zero = table.shape[0] - 1
+        assert torch.equal(staging[0], table[zero]) and torch.equal(staging[3], table[zero])  # -1 and 100
+    finally:
+        service.stop()
+
+
+def test_native_worker_waits_for_the_staging_and_runs_jobs_in_order(rng):
+    """A job rewrites its staging only once the GPU said the previous copies ran; a job whose ids
+    are ready waits behind an earlier one whose ids are not (the order the GPU inputs were enqueued)."""
+    table = _table(rng, 300)
+    service = native_worker.NativeGatherService(2)
+    try:
+        first_flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+        second_flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+        first = (_ids([1, 2, 3], 3), torch.zeros(3, ROW_BYTES, dtype=torch.uint8))
+        second = (_ids([7, 8], 2), torch.zeros(2, ROW_BYTES, dtype=torch.uint8))
+        service.submit(table=table, ids=first[0], staging=first[1], flags=first_flags, ready=first_flags[IDS_READY:], ids_ready=5,
+                       staging_free=4, waves_base=0, num_waves=1, job_done=5)
+        service.submit(table=table, ids=second[0], staging=second[1], flags=second_flags, ready=second_flags[IDS_READY:], ids_ready=1,
+                       staging_free=0, waves_base=0, num_waves=1, job_done=1)
+        second_flags[IDS_READY] = 1          # ready, but queued behind the first
+        first_flags[IDS_READY] = 5           # ready, but its staging's previous copies have not run
+        time.sleep(0.02)
+        assert int(first_flags[JOB_DONE]) == 0 and int(second_flags[JOB_DONE]) == 0
+        assert service.pending == 2          # both jobs' buffers still held
+        first_flags[STAGING_FREE] = 4
+        _wait_word(first_flags, JOB_DONE, 5)
+        _wait_word(second_flags, JOB_DONE, 1)
+        assert torch.equal(first[1], table[[1, 2, 3]]) and torch.equal(second[1], table[[7, 8]])
+        assert service.pending == 0
+    finally:
+        service.stop()
+
+
+def test_native_worker_keeps_a_dropped_jobs_buffers_until_it_is_done(rng):
+    table = _table(rng, 50)
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    service = native_worker.NativeGatherService(1)
+    try:
+        staging = torch.zeros(4, ROW_BYTES, dtype=torch.uint8)
+        service.submit(table=table, ids=_ids([4, 5, 6, 7], 4), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=1,
+                       staging_free=0, waves_base=0, num_waves=1, job_done=1)
+        address = staging.data_ptr()
+        del staging                        # the owner lets go while the job is queued
+        assert service.pending == 1        # the service holds the buffers
+        assert service._retained[0][2][2].data_ptr() == address
+        flags[IDS_READY] = 1
+        _wait_word(flags, JOB_DONE, 1)
+        assert service.pending == 0        # released once the worker is done with them
+    finally:
+        service.stop()
+
+
+def test_native_worker_hold_and_stop(rng):
+    table = _table(rng, 50)
+    service = native_worker.NativeGatherService(2)
+    latch = torch.zeros(16, dtype=torch.int32)
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    staging = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+    service.hold_next(latch, timeout_ms=60_000)
+    service.submit(table=table, ids=_ids([1, 2], 2), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=1, staging_free=0,
+                   waves_base=0, num_waves=1, job_done=1)
+    flags[IDS_READY] = 1
+    time.sleep(0.02)
+    assert int(flags[JOB_DONE]) == 0       # held
+    latch[0] = 1
+    _wait_word(flags, JOB_DONE, 1)
+    assert service.stats()["holds_released"] == 1 and service.stats()["holds_timed_out"] == 0
+    service.hold_next(torch.zeros(16, dtype=torch.int32), timeout_ms=1)  # released by its timeout
+    service.submit(table=table, ids=_ids([3, 4], 2), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=2, staging_free=0,
+                   waves_base=1, num_waves=1, job_done=2)
+    flags[IDS_READY] = 2
+    _wait_word(flags, JOB_DONE, 2)
+    assert service.stats()["holds_timed_out"] == 1
+    # a job whose ids never come: stop returns, and the service refuses more work
+    service.submit(table=table, ids=_ids([5], 1), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=3, staging_free=0,
+                   waves_base=2, num_waves=1, job_done=3)
+    service.stop()
+    assert int(flags[JOB_DONE]) == 2
+    with pytest.raises(RuntimeError, match="stopped"):
+        service.submit(table=table, ids=_ids([5], 1), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=4, staging_free=0,
+                       waves_base=3, num_waves=1, job_done=4)
+
+
+def test_native_worker_wraps_its_words(rng):
+    table = _table(rng, 20)
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    flags[STAGING_FREE] = -1               # 0xFFFFFFFF: the previous job's number, just before the wrap
+    flags[WAVES_DONE] = -1                 # the previous job's last wave
+    flags[JOB_DONE] = -1                   # the previous job
+    staging = torch.zeros(1, ROW_BYTES, dtype=torch.uint8)
+    service = native_worker.NativeGatherService(1)
+    try:
+        service.submit(table=table, ids=_ids([9], 1), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=0, staging_free=2**32 - 1,
+                       waves_base=2**32 - 1, num_waves=1, job_done=0)
+        flags[IDS_READY] = -1
+        time.sleep(0.02)
+        assert int(flags[JOB_DONE]) == -1      # 0xFFFFFFFF has not reached 0
+        flags[IDS_READY] = 0
+        _wait_word(flags, WAVES_DONE, 0)   # 0xFFFFFFFF + 1 wraps to 0
+        _wait_word(flags, JOB_DONE, 0)
+        assert torch.equal(staging[0], table[9])
+    finally:
+        service.stop()
+
+
+def test_native_worker_refuses_malformed_jobs_by_name(rng):
+    table = _table(rng, 20)
+    service = native_worker.NativeGatherService(1)
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    staging = torch.zeros(2, ROW_BYTES, dtype=torch.uint8)
+    good = dict(table=table, ids=_ids([1, 2], 2), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=1, staging_free=0,
+                waves_base=0, num_waves=1, job_done=1)
+    try:
+        for field, bad, message in [("ids", torch.zeros(1, dtype=torch.int32), "ids: expected"),
+                                    ("ids", torch.zeros(3, dtype=torch.int64), "ids: expected"),
+                                    ("staging", torch.zeros(1, ROW_BYTES, dtype=torch.uint8), "staging: expected"),
+                                    ("staging", torch.zeros(2, 16, dtype=torch.uint8), "staging: expected"),
+                                    ("table", table.t(), "table: expected"),
+                                    ("flags", torch.zeros(8, dtype=torch.int32), "flags: expected"),
+                                    ("ready", torch.zeros(2, dtype=torch.int64), "ready: expected"),
+                                    ("num_waves", 3, "num_waves: expected")]:
+            with pytest.raises(ValueError, match=message):
+                service.submit(**{**good, field: bad})
+        assert service.pending == 0
+        with pytest.raises(ValueError, match="threads: expected"):
+            native_worker.NativeGatherService(0)
+    finally:
+        service.stop()
+
+
+def test_gather_worker_choice_is_checked_and_falls_back_with_one_warning(monkeypatch):
+    with pytest.raises(ValueError, match="host_gather_worker: expected one of"):
+        host_gather.check_gather_worker("C")
+    from engram.options import ServingOptions
+
+    with pytest.raises(ValueError, match="host_gather_worker"):
+        ServingOptions(host_gather_worker="fast")
+    assert ServingOptions(host_gather_worker="python").placement_options("host")["host_gather_worker"] == "python"
+    cpu = torch.device("cpu")  # no stream memory operations here: "auto" takes the Python worker
+    monkeypatch.setattr(host_gather, "_WARNED", [])
+    with pytest.warns(RuntimeWarning, match="native worker is unavailable"):
+        assert host_gather._resolve_worker("auto", cpu) == "python"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")     # once per process
+        assert host_gather._resolve_worker("auto", cpu) == "python"
+        assert host_gather._resolve_worker("python", cpu) == "python"
+    with pytest.raises(RuntimeError, match="host_gather_worker='native'"):
+        host_gather._resolve_worker("native", cpu)
+
+
+def test_native_worker_without_a_compiler_says_why(monkeypatch):
+    monkeypatch.setattr(native_worker, "c_compiler", lambda: None)
+    native_worker._library.cache_clear()
+    try:
+        assert "no C compiler" in native_worker.unavailable_reason()
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            native_worker.NativeGatherService(1)
+    finally:
+        monkeypatch.undo()
+        native_worker._library.cache_clear()
+    assert native_worker.unavailable_reason() is None
