@@ -257,6 +257,26 @@ def test_gpu_forward_layer_returns_before_its_host_rows_are_there(synthetic_mode
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_prefetched_lookups_below_the_direct_switch_take_the_host_gather(rng):
+    """A prefetched lookup larger than prefetch_direct_max_rows starts the host gather at its prefetch
+    even where an unprefetched one of its size reads directly; both equal the device placement."""
+    values, scales = _table(4000, 256, int(rng.integers(2**31)))
+    device = engram.EngramTable(values, scales, placement="device", device="cuda", validate=False)
+    host = engram.EngramTable(values, scales, placement="host", device="cuda", validate=False,
+                              placement_options={"prefetch_direct_max_rows": 100})
+    for tokens, starts in ((4, False), (63, True), (700, True)):  # 96, 1512 and 16,800 rows, all <= direct_max_rows
+        ids = _ids(rng, tokens, 24, 4000)
+        handle = host.prefetch(ids)
+        assert handle.started == starts, tokens
+        assert torch.equal(host.lookup(ids, prefetch=handle).view(torch.int16), device.lookup(ids).view(torch.int16))
+        assert torch.equal(host.lookup(ids).view(torch.int16), device.lookup(ids).view(torch.int16))
+    with pytest.raises(ValueError, match="prefetch_direct_max_rows: expected an integer >= 0"):
+        engram.EngramTable(values, scales, placement="host", device="cuda",
+                           placement_options={"prefetch_direct_max_rows": -1})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_gpu_direct_path_under_cuda_graph_capture(rng):
     device, host = _device_and_host(3000, 256, int(rng.integers(2**31)))
     host.storage.direct_max_rows = 0  # even so, capture takes the direct path

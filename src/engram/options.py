@@ -29,6 +29,12 @@ HOST_GATHER_WORKERS = ("auto", "native", "python")  # engram.table.host_memory.g
 DEFAULT_DIRECT_MAX_ROWS = 4096 * 24
 # 2% of rows: the HBM cache size evaluated on held-out English (benchmarks/NOTES.md, cache policies).
 DEFAULT_CACHE_FRACTION = 0.02
+# Prefetched lookups of more rows than this start the host gather at the prefetch, hidden behind the
+# layers before theirs, even below direct_max_rows. H200, step of 40 layers at T = 4096 (98,304 rows,
+# direct): the direct reads held the main stream 9.8 ms a step against 2.7 ms with HBM tables (+1.8%
+# of the step); the host gather of 196,608 rows takes 3.8 ms end to end (benchmarks/NOTES.md "The
+# served decoder step").
+DEFAULT_PREFETCH_DIRECT_MAX_ROWS = 1024 * 24
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:
@@ -66,6 +72,9 @@ class ServingOptions:
         direct_max_rows: lookups of at most this many rows read host memory directly over PCIe,
             larger ones take the host gather; 0 sends every lookup outside graph capture through
             the host gather [4096 * 24].
+        prefetch_direct_max_rows: placement ``"host"``: prefetched lookups of at most this many rows
+            (and at most ``direct_max_rows``) read host memory directly; larger ones start the host
+            gather at the prefetch, off the main stream [1024 * 24].
         gather_threads: host threads copying rows for the host gather [usable cores divided by
             ``$LOCAL_WORLD_SIZE``, at least 1].
         host_gather_worker: who copies the host gather's rows: ``"native"`` (threads in C, built at
@@ -89,6 +98,7 @@ class ServingOptions:
     validate: bool | None = None
     check_values: bool = True
     direct_max_rows: int = DEFAULT_DIRECT_MAX_ROWS
+    prefetch_direct_max_rows: int = DEFAULT_PREFETCH_DIRECT_MAX_ROWS
     gather_threads: int | None = None
     host_gather_worker: str = "auto"
     share_host_tables: bool = False
@@ -110,6 +120,7 @@ class ServingOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, found {getattr(self, name)!r}")
         _integer("direct_max_rows", self.direct_max_rows, 0)
+        _integer("prefetch_direct_max_rows", self.prefetch_direct_max_rows, 0)
         _integer("gather_threads", self.gather_threads, 1, optional=True)
         _choice("host_gather_worker", self.host_gather_worker, HOST_GATHER_WORKERS)
         fraction = self.cache_fraction
@@ -156,6 +167,8 @@ class ServingOptions:
         if placement in ("host", "cached"):
             options.update(direct_max_rows=self.direct_max_rows, gather_threads=self.gather_threads,
                            host_gather_worker=self.host_gather_worker)
+        if placement == "host":
+            options.update(prefetch_direct_max_rows=self.prefetch_direct_max_rows)
         if placement == "cached":
             options.update(cache_fraction=self.cache_fraction, policy=self.cache_policy, ways=self.cache_ways)
         options.update(self.extra_placement_options)

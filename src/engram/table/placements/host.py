@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from engram.common import resolve_cuda_device
-from engram.options import DEFAULT_DIRECT_MAX_ROWS
+from engram.options import DEFAULT_DIRECT_MAX_ROWS, DEFAULT_PREFETCH_DIRECT_MAX_ROWS
 from engram.table.host_memory.gather import (GatherTicket, HostGather, check_gather_threads, check_gather_worker,
                                              gather_packed_rows_host)
 from engram.table.host_memory.rows import (PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, packed_row_bytes,
@@ -57,10 +57,10 @@ def _decode_direct_config():
     return _gather_launchers().GatherConfig(**DECODE_DIRECT_SHAPE)
 
 
-def check_direct_max_rows(value) -> int:
-    """``direct_max_rows`` as given by a caller: an integer >= 0."""
+def check_direct_max_rows(value, name: str = "direct_max_rows") -> int:
+    """``direct_max_rows`` (or the option ``name``) as given by a caller: an integer >= 0."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"direct_max_rows: expected an integer >= 0 (0: every lookup takes the host gather), "
+        raise ValueError(f"{name}: expected an integer >= 0 (0: every lookup takes the host gather), "
                          f"found {value!r}")
     return value
 
@@ -76,6 +76,8 @@ class HostPlacement(TablePlacement):
         direct_max_rows: lookups of at most this many rows read host memory directly (path a),
             larger ones take the host gather (path b); 0 sends every lookup outside CUDA-graph
             capture through the host gather.
+        prefetch_direct_max_rows: prefetched lookups of at most this many rows (and at most
+            ``direct_max_rows``) take path (a); larger ones start path (b) at the prefetch.
         gather_threads: host threads copying rows for path (b) (default: the usable cores over
             the processes sharing the node, :func:`~engram.table.host_memory.gather.default_gather_threads`).
         host_gather_worker: ``"auto"``, ``"native"`` or ``"python"``: who copies path (b)'s rows
@@ -87,8 +89,9 @@ class HostPlacement(TablePlacement):
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
                  direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
-                 host_gather_worker: str = "auto"):
+                 host_gather_worker: str = "auto", prefetch_direct_max_rows: int = DEFAULT_PREFETCH_DIRECT_MAX_ROWS):
         direct_max_rows = check_direct_max_rows(direct_max_rows)
+        prefetch_direct_max_rows = check_direct_max_rows(prefetch_direct_max_rows, "prefetch_direct_max_rows")
         if gather_threads is not None:
             check_gather_threads(gather_threads)
         check_gather_worker(host_gather_worker)
@@ -104,6 +107,7 @@ class HostPlacement(TablePlacement):
         super().__init__(rows.values, rows.scales, target)
         self.rows = rows
         self.direct_max_rows = direct_max_rows
+        self.prefetch_direct_max_rows = prefetch_direct_max_rows
         self.direct_config = None  # launch shape of the direct reads (None: by size, as above)
         head_dim = rows.head_dim
         alias = cuda_alias(rows.packed, target)  # [rows + 1, row_bytes], host memory, a CUDA tensor
@@ -168,9 +172,11 @@ class HostPlacement(TablePlacement):
 
     def prefetch(self, global_ids: torch.Tensor, row_start: int) -> GatherTicket | None:
         """Start the host gather of ``global_ids`` (``[T, C_local]`` on :attr:`device`) now and return
-        its ticket, for the lookup of exactly these ids. Decode-sized lookups (the direct path) and
-        lookups under CUDA-graph capture need no prefetch: nothing is started (None)."""
-        if self.backend != "triton" or self._use_direct(global_ids):
+        its ticket, for the lookup of exactly these ids. Lookups of at most
+        ``min(prefetch_direct_max_rows, direct_max_rows)`` rows (read directly) and lookups under
+        CUDA-graph capture need no prefetch: nothing is started (None)."""
+        if (self.backend != "triton" or torch.cuda.is_current_stream_capturing()
+                or global_ids.numel() <= min(self.prefetch_direct_max_rows, self.direct_max_rows)):
             return None
         return self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
 
