@@ -667,8 +667,14 @@ def build(args, report: Report, watchdog: Watchdog | None) -> Setup:
     vocab = step_engram.synthetic_vocab(spec)
     weights = step_engram.layer_weights(spec, generator, device)
     kinds = ["device", "host", "cached", "seed"] if cuda else ["cpu"]
+    host_options = {key: value for key, value in (("gather_threads", args.gather_threads),
+                                                  ("host_gather_worker", args.host_gather_worker)) if value is not None}
     tables, facts, keep = step_engram.build_tables(spec, layout, kinds, device, distinct_rows=args.distinct_rows,
-                                                   generator=generator)
+                                                   generator=generator, host_options=host_options)
+    facts["host_options"] = host_options
+    if cuda:
+        gather = tables["host"][spec.layer_ids[0]].storage.host_gather
+        facts["host_gather"] = {"worker": gather.worker, "gather_threads": gather.gather_threads}
     memories = step_engram.build_memories(spec, layout, vocab, tables, weights, device)
     api = step_engram.prefetch_api(next(iter(memories.values())))
     report["engram"] = {"spec": spec.to_hf_config(), **facts, "kinds": kinds, "api": api,
@@ -712,6 +718,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="random rows drawn per host table, repeated through it")
     parser.add_argument("--ceiling-gib", type=int, default=26, help="table of the C ceiling probe (GiB)")
     parser.add_argument("--ceiling-threads", default="8,12,14,16")
+    parser.add_argument("--gather-threads", type=int, default=None,
+                        help="placement option gather_threads of the host and cached tables (default: the library's)")
+    parser.add_argument("--host-gather-worker", choices=("auto", "native", "python"), default=None,
+                        help="placement option host_gather_worker of the host and cached tables")
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--stall-s", type=float, default=120.0,
                         help="a warm-up or step running longer ends the run, its report written")

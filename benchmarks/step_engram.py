@@ -96,10 +96,12 @@ def _seed_table(layout, index, values, scales, device, facts: dict) -> EngramTab
 
 
 def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], device, *, distinct_rows: int,
-                 generator: torch.Generator) -> tuple[dict[str, dict[int, EngramTable]], dict, list]:
+                 generator: torch.Generator, host_options: dict | None = None
+                 ) -> tuple[dict[str, dict[int, EngramTable]], dict, list]:
     """``({kind: {layer_id: table}}, facts, keep)``; ``keep`` holds what must outlive the tables (the
     pinned rows). On CUDA the rows are random packed host rows (``common.host_table``,
-    ``distinct_rows`` drawn and repeated); on the CPU random bytes for placement ``"cpu"``."""
+    ``distinct_rows`` drawn and repeated); on the CPU random bytes for placement ``"cpu"``.
+    ``host_options``: placement options of the ``host`` and ``cached`` tables (``gather_threads``, ...)."""
     tables: dict[str, dict[int, EngramTable]] = {kind: {} for kind in kinds}
     facts: dict = {"table_rows": list(layout.num_embeddings), "row_bytes": spec.row_bytes}
     keep = []
@@ -126,7 +128,8 @@ def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], devic
                                                 validate=False)
             elif kind in ("host", "cached"):
                 table = EngramTable.from_layout(layout, index, None, packed.values, packed.scales, placement=kind,
-                                                device=device, validate=False)
+                                                device=device, validate=False,
+                                                placement_options=dict(host_options or {}))
             elif kind == "seed":
                 table = _seed_table(layout, index, packed.values, packed.scales, device, facts)
             else:

@@ -146,6 +146,9 @@ class NativeGatherService:
         with self._lock:
             if self._handle is None:
                 raise RuntimeError("the host gather's native worker was stopped")
+            if self._pid != os.getpid():  # its threads live in the parent: a queued job would never run
+                raise RuntimeError("the host gather's native worker belongs to the parent process; make the table "
+                                   "in this process")
             self.prune()
             status = self._lib.engram_gather_submit(
                 self._handle, table.data_ptr(), table.shape[0], table.shape[1], ids.data_ptr(), num_ids,
