@@ -130,6 +130,7 @@ def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_
 
 
 _NATIVE_ENQUEUE_LOCK = threading.Lock()
+_FLAG_WORDS_KEPT: list[torch.Tensor] = []
 _WORKER: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # (worker, process id)
 _WORKER_LOCK = threading.Lock()
 
@@ -185,6 +186,9 @@ class HostGather:
         if self.worker == "native":
             self.native_service = native_worker.shared_service(self.gather_threads)
             self._flags = torch.zeros(native_worker.FLAG_WORDS, dtype=torch.int32, pin_memory=True)
+            # The copy stream writes these words after the worker is done (no torch op records that use),
+            # so they are never freed: 256 bytes per table.
+            _FLAG_WORDS_KEPT.append(self._flags)
             self._flags_view = self._flags.numpy()
             self._flags_device = stream_memory_ops.device_address(self._flags, device)
             self._waves = 0                                  # waves submitted (the next job's WAVES_DONE base)
@@ -214,6 +218,7 @@ class HostGather:
         capacity = next_power_of_2(num_rows)
         self.staging_host = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, pin_memory=True)
         self.staging_device = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self.device)
+        self.staging_device.record_stream(self.copy_stream)  # freed only once the copies into it have run
         if self.worker == "native":  # id buffers reused once the worker is done with them (no pinned allocation per call)
             self._id_buffers = [self._id_buffer(capacity) for _ in range(_ID_BUFFERS)]
             self._id_buffer_jobs = [self._started] * _ID_BUFFERS
