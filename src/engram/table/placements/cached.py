@@ -112,7 +112,7 @@ class CachedPlacement(TablePlacement):
             self.host = HostPlacement(value_bytes, scale_bytes, device, gather_threads=gather_threads,
                                       host_gather_worker=host_gather_worker)
             target = self.host.device
-            self._back_values, self._back_scales = self.host._direct_values, self.host._direct_scales
+            self._back_values, self._back_scales = self.host.direct_values, self.host.direct_scales
             self._packed = self.host.rows.packed
             super().__init__(self.host.value_bytes, self.host.scale_bytes, target)
         elif interpreting() and triton_available() and (device is None or torch.device(device).type == "cpu"):

@@ -152,6 +152,16 @@ class HostPlacement(TablePlacement):
         return self.rows.packed.numel()
 
     @property
+    def direct_values(self) -> torch.Tensor:
+        """``uint8 [rows, D]``: a CUDA tensor over the host rows' FP8 values (direct reads over PCIe)."""
+        return self._direct_values
+
+    @property
+    def direct_scales(self) -> torch.Tensor:
+        """``uint8 [rows, D / 32]``: a CUDA tensor over the host rows' UE8M0 scales (direct reads over PCIe)."""
+        return self._direct_scales
+
+    @property
     def host_gather(self) -> HostGather:
         """The table's path (b) (:class:`~engram.table.host_memory.gather.HostGather` over :attr:`rows`); placement
         ``"cached"`` sends the misses of its large lookups through it (ids local: ``row_start`` 0)."""
