@@ -63,7 +63,7 @@ def _device() -> str:
 
 
 def _checked(layer, hidden, hash_ids, mask):
-    return layer._forward_checked(hidden, hash_ids, mask, None)
+    return layer.forward_checked(hidden, hash_ids, mask, None)
 
 
 @pytest.mark.interpreter

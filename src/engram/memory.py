@@ -203,7 +203,7 @@ class EngramMemory:
         self.placement, self.device, self.shard = placement, device, shard
         self.model_dir = model_dir
         self.options: ServingOptions | None = None  # what from_pretrained served these layers with
-        self._op_key = ops.register(self)  # names this memory in engram::prefetch and engram::layer
+        self.op_key = ops.register(self)  # names this memory in engram::prefetch and engram::layer
 
     # ---- loading -------------------------------------------------------------
     @classmethod
@@ -394,10 +394,11 @@ class EngramMemory:
             if sp_token_counts is not None or kv_ahead:
                 raise ValueError("sp_token_counts, kv_ahead: not supported under torch.compile; prefetch eagerly")
             return ops.prefetch(self, hash_ids)
-        return self._prefetch_eagerly(hash_ids, sp_token_counts, kv_ahead)
+        return self.prefetch_eagerly(hash_ids, sp_token_counts, kv_ahead)
 
-    def _prefetch_eagerly(self, hash_ids: torch.Tensor, sp_token_counts: Sequence[int] | None = None,
+    def prefetch_eagerly(self, hash_ids: torch.Tensor, sp_token_counts: Sequence[int] | None = None,
                           kv_ahead: bool = False) -> "StepPrefetch":
+        """:meth:`prefetch` outside ``torch.compile`` (the body of the custom op ``engram::prefetch``)."""
         self._check_step_ids(hash_ids)
         if kv_ahead and sp_token_counts is not None:
             raise ValueError("kv_ahead: single-process layers only; found sp_token_counts")
@@ -452,10 +453,11 @@ class EngramMemory:
         """
         if compiling():
             return ops.layer(self, layer_id, hidden_states, hash_ids, token_mask, prefetch)
-        return self._layer_eagerly(layer_id, hidden_states, hash_ids, token_mask, prefetch, sp_token_counts)
+        return self.layer_eagerly(layer_id, hidden_states, hash_ids, token_mask, prefetch, sp_token_counts)
 
-    def _layer_eagerly(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
+    def layer_eagerly(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
                        token_mask: torch.Tensor | None, prefetch, sp_token_counts=None) -> torch.Tensor:
+        """:meth:`forward_layer` outside ``torch.compile`` (the body of the custom op ``engram::layer``)."""
         self._check_step_ids(hash_ids)
         layer_ids, layer_prefetch, kv = self._layer_inputs(layer_id, hash_ids, prefetch)
         if kv is not None:

@@ -13,7 +13,7 @@ dtype. ``NgramHasher.__call__``, ``EngramMemory.prefetch`` / ``forward_layer`` a
 * ``engram::layer``: one Engram layer, ``out [n, hc, D]``, given a ticket tensor or none.
 
 Objects (hashers, memories, layers) are named in the ops by the number :func:`register` gave them
-when they were built (their ``_op_key``: a plain attribute the compiler reads); the registry holds
+when they were built (their ``op_key``: a plain attribute the compiler reads); the registry holds
 them weakly.
 """
 
@@ -86,7 +86,7 @@ def _fresh(out: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
 def _stores(hasher) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bound stores' tensors; an empty tensor of the hasher's for a store not bound (inductor
     handles mutated arguments that are tensors, not None)."""
-    none_int, none_tags = hasher._no_store
+    none_int, none_tags = hasher.empty_stores
     slots = hasher.slot_cache.values if hasher.slot_cache is not None else none_int
     history = hasher.request_history
     return slots, (history.values if history is not None else none_int), (history.tags if history is not None
@@ -103,7 +103,7 @@ def _hash_batch(input_ids: torch.Tensor, positions: torch.Tensor, query_start_lo
                 history_tags: torch.Tensor, hasher_key: int) -> torch.Tensor:
     hasher = registered(hasher_key)
     with _stores_written_to(hasher, slot_values, history_values, history_tags):
-        out = hasher._hash_eagerly(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
+        out = hasher.hash_eagerly(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
                                    lookback_dead_mask, slot_mapping, block_table, request_rows)
     return _fresh(out, input_ids, slot_values, history_values, history_tags)
 
@@ -139,13 +139,13 @@ def _(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, look
 
 def hash_batch(hasher, *args) -> torch.Tensor:
     """``hasher(*args)`` through ``engram::hash_batch`` (args in ``NgramHasher.__call__``'s order)."""
-    return torch.ops.engram.hash_batch(*args, *_stores(hasher), hasher._op_key)
+    return torch.ops.engram.hash_batch(*args, *_stores(hasher), hasher.op_key)
 
 
 # ---- prefetch -------------------------------------------------------------------------------
 @torch.library.custom_op("engram::prefetch", mutates_args=())
 def _prefetch(hash_ids: torch.Tensor, memory_key: int) -> torch.Tensor:
-    return ticket_tensor(registered(memory_key)._prefetch_eagerly(hash_ids))
+    return ticket_tensor(registered(memory_key).prefetch_eagerly(hash_ids))
 
 
 @_prefetch.register_fake
@@ -154,7 +154,7 @@ def _(hash_ids, memory_key):
 
 
 def prefetch(memory, hash_ids: torch.Tensor) -> torch.Tensor:
-    return torch.ops.engram.prefetch(hash_ids, memory._op_key)
+    return torch.ops.engram.prefetch(hash_ids, memory.op_key)
 
 
 # ---- one layer ------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def prefetch(memory, hash_ids: torch.Tensor) -> torch.Tensor:
 def _layer(hidden_states: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None,
            ticket: torch.Tensor | None, owner_key: int, layer_id: int) -> torch.Tensor:
     owner = registered(owner_key)
-    out = owner._layer_eagerly(layer_id, hidden_states, hash_ids, token_mask, ticket_of(ticket))
+    out = owner.layer_eagerly(layer_id, hidden_states, hash_ids, token_mask, ticket_of(ticket))
     return _fresh(out, hidden_states, hash_ids)
 
 
@@ -172,6 +172,6 @@ def _(hidden_states, hash_ids, token_mask, ticket, owner_key, layer_id):
 
 
 def layer(owner, layer_id: int, hidden_states, hash_ids, token_mask, ticket) -> torch.Tensor:
-    """``owner._layer_eagerly(layer_id, ...)`` through ``engram::layer``: an EngramMemory's layer
+    """``owner.layer_eagerly(layer_id, ...)`` through ``engram::layer``: an EngramMemory's layer
     ``layer_id``, or an Engram module (``layer_id`` -1). ``ticket``: an int64 ticket tensor or None."""
-    return torch.ops.engram.layer(hidden_states, hash_ids, token_mask, ticket, owner._op_key, layer_id)
+    return torch.ops.engram.layer(hidden_states, hash_ids, token_mask, ticket, owner.op_key, layer_id)

@@ -94,8 +94,8 @@ class NgramHasher:
         self._plans = CallCache()
         self.calls = 0
         """Calls made (batches hashed); :class:`~engram.memory.EngramMemory` keys its prefetches by it."""
-        self._op_key = ops.register(self)  # names this hasher in engram::hash_batch
-        self._no_store = (torch.empty(0, dtype=torch.int32, device=self.device),
+        self.op_key = ops.register(self)  # names this hasher in engram::hash_batch
+        self.empty_stores = (torch.empty(0, dtype=torch.int32, device=self.device),
                           torch.empty(0, dtype=torch.int64, device=self.device))  # the op's stand-in for no store
 
     @property
@@ -164,15 +164,15 @@ class NgramHasher:
     def __call__(self, input_ids, positions, query_start_loc, dead_mask=None, lookback_token_ids=None,
                  lookback_dead_mask=None, slot_mapping=None, block_table=None, request_rows=None) -> torch.Tensor:
         """Hash ids of the batch: int32 ``[T, L, C]`` (int64 if a table exceeds int32); see
-        :meth:`_hash_eagerly` for the arguments. Under ``torch.compile`` the call is the custom op
+        :meth:`hash_eagerly` for the arguments. Under ``torch.compile`` the call is the custom op
         ``engram::hash_batch`` (:mod:`engram.ops`), whose checks run when the graph runs."""
         if compiling():
             return ops.hash_batch(self, input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
                                   lookback_dead_mask, slot_mapping, block_table, request_rows)
-        return self._hash_eagerly(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
+        return self.hash_eagerly(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
                                   lookback_dead_mask, slot_mapping, block_table, request_rows)
 
-    def _hash_eagerly(
+    def hash_eagerly(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,

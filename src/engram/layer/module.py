@@ -224,7 +224,7 @@ class Engram(torch.nn.Module):
         self._check_table(table)
         self._checked_calls = CallCache(64)  # argument structures forward has checked (single mode)
         self._lookups_started = 0  # lookups reached by the current forward (collective tables: see forward)
-        self._op_key = ops.register(self)  # names this layer in engram::layer
+        self.op_key = ops.register(self)  # names this layer in engram::layer
         self._kv_stream = None  # kv_ahead's side stream (CUDA), made on first use
 
     @classmethod
@@ -471,7 +471,8 @@ class Engram(torch.nn.Module):
             return ops.layer(self, -1, hidden_states, hash_ids, token_mask, None)
         return self._forward_eagerly(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch, kv_ahead)
 
-    def _layer_eagerly(self, layer_id, hidden_states, hash_ids, token_mask, prefetch) -> torch.Tensor:
+    def layer_eagerly(self, layer_id, hidden_states, hash_ids, token_mask, prefetch) -> torch.Tensor:
+        """The eager forward (the body of the custom op ``engram::layer`` for a lone layer)."""
         return self._forward_eagerly(hidden_states, hash_ids, token_mask, None, prefetch)
 
     def _forward_eagerly(self, hidden_states, hash_ids, token_mask, sp_token_counts, prefetch,
@@ -500,7 +501,7 @@ class Engram(torch.nn.Module):
             return plan.launch(hidden_states, hash_ids, token_mask, prefetch, kv)
         if kv_ahead is not None:
             raise ValueError(f"kv_ahead: layers of mode {self.mode!r} compute kv in forward; expected None")
-        return self._forward_checked(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch=prefetch)
+        return self.forward_checked(hidden_states, hash_ids, token_mask, sp_token_counts, prefetch=prefetch)
 
     def kv_ahead(self, hash_ids: torch.Tensor, prefetch=None) -> KvAhead:
         """``kv`` of ``hash_ids int [T, C]`` (lookup, then wkv) started now, for ``forward(...,
@@ -542,7 +543,7 @@ class Engram(torch.nn.Module):
         self._checked_calls.clear()  # steps hold views and launch plans of the tensors being replaced
         return super()._apply(fn, *args, **kwargs)
 
-    def _forward_checked(self, hidden_states, hash_ids, token_mask, sp_token_counts, check_only: bool = False,
+    def forward_checked(self, hidden_states, hash_ids, token_mask, sp_token_counts, check_only: bool = False,
                          prefetch=None):
         """:meth:`forward` with every check on this call (``check_only``: the checks alone)."""
         if not isinstance(hash_ids, torch.Tensor):

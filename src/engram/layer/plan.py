@@ -64,7 +64,7 @@ class LayerPlan:
                              "Engram.forward; plans are made for single-process layers")
         self.layer = layer
         self.key = plan_key(layer, hidden_states, hash_ids, token_mask) if key is None else key
-        layer._forward_checked(hidden_states, hash_ids, token_mask, None, check_only=True)  # every check, once
+        layer.forward_checked(hidden_states, hash_ids, token_mask, None, check_only=True)  # every check, once
         self.step = None
         if token_mask is not None and token_mask.device != hidden_states.device:
             self.path = "checked"
@@ -96,7 +96,7 @@ class LayerPlan:
             return engram_gate_kv(hidden_states, kv, layer.q_weight, layer.k_weight, layer.eps, token_mask,
                                   backend=layer.gate_backend)
         if self.path == "checked":
-            return layer._forward_checked(hidden_states, hash_ids, token_mask, None, prefetch=prefetch)
+            return layer.forward_checked(hidden_states, hash_ids, token_mask, None, prefetch=prefetch)
         if self.step is not None and self.step.current(layer):  # prepared launches, rows read in place
             return self.step(layer, hidden_states, hash_ids, token_mask)
         kv = layer.project(hash_ids, [hash_ids.shape[0]], [0], hidden_states.device, prefetch)
