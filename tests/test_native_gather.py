@@ -161,7 +161,7 @@ def test_native_worker_hold_and_stop(rng):
     service.submit(table=table, ids=_ids([5], 1), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=3, staging_free=0,
                    waves_base=2, num_waves=1, job_done=3)
     service.stop()
-    assert int(flags[JOB_DONE]) == 2
+    assert service.stopped and int(flags[JOB_DONE]) == 2
     with pytest.raises(RuntimeError, match="stopped"):
         service.submit(table=table, ids=_ids([5], 1), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=4, staging_free=0,
                        waves_base=3, num_waves=1, job_done=4)

@@ -389,7 +389,8 @@ class HostGather:
         """Block until the worker is done with every started gather: its copies enqueued (Python
         worker), its rows copied to the host staging (native worker; the GPU's part runs meanwhile)."""
         if self.worker == "native":
-            while not native_worker.flags_reached(self._flags_view, JOB_DONE, self._started):
+            while not (native_worker.flags_reached(self._flags_view, JOB_DONE, self._started)
+                       or self.native_service.stopped):
                 time.sleep(0.0002)
         elif self._last_future is not None:
             concurrent.futures.wait([self._last_future])

@@ -165,6 +165,11 @@ class NativeGatherService:
             self._retained.popleft()
 
     @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` ran (no job will be done any more)."""
+        return self._handle is None
+
+    @property
     def pending(self) -> int:
         """Jobs submitted and not yet known done."""
         with self._lock:
