@@ -173,12 +173,12 @@ def test_native_worker_wraps_its_words(rng):
     flags[STAGING_FREE] = -1               # 0xFFFFFFFF: the previous job's number, just before the wrap
     flags[WAVES_DONE] = -1                 # the previous job's last wave
     flags[JOB_DONE] = -1                   # the previous job
+    flags[IDS_READY] = -1                  # not yet this job's 0
     staging = torch.zeros(1, ROW_BYTES, dtype=torch.uint8)
     service = native_worker.NativeGatherService(1)
     try:
         service.submit(table=table, ids=_ids([9], 1), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=0, staging_free=2**32 - 1,
                        waves_base=2**32 - 1, num_waves=1, job_done=0)
-        flags[IDS_READY] = -1
         time.sleep(0.02)
         assert int(flags[JOB_DONE]) == -1      # 0xFFFFFFFF has not reached 0
         flags[IDS_READY] = 0
