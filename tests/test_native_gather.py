@@ -245,3 +245,34 @@ def test_native_worker_without_a_compiler_says_why(monkeypatch):
         monkeypatch.undo()
         native_worker._library.cache_clear()
     assert native_worker.unavailable_reason() is None
+
+
+def _submit_in_child(service, table, queue):
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    staging = torch.zeros(1, ROW_BYTES, dtype=torch.uint8)
+    try:
+        service.submit(table=table, ids=_ids([1], 1), staging=staging, flags=flags, ready=flags[IDS_READY:],
+                       ids_ready=1, staging_free=0, waves_base=0, num_waves=1, job_done=1)
+        queue.put("queued")
+    except RuntimeError as error:
+        fresh = native_worker.shared_service(1)  # the child's own service
+        queue.put(f"{error} | own service: {fresh is not service}")
+
+
+def test_native_worker_of_the_parent_refuses_a_forked_childs_jobs(rng):
+    """Its threads do not exist in a forked child: a job queued there would never run (and a stream
+    waiting on it would wait forever), so the child gets an error and makes its own service."""
+    import multiprocessing
+
+    table = _table(rng, 10)
+    service = native_worker.NativeGatherService(1)
+    try:
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_submit_in_child, args=(service, table, queue))
+        child.start()
+        said = queue.get(timeout=60)
+        child.join(timeout=60)
+        assert "belongs to the parent process" in said and "own service: True" in said, said
+    finally:
+        service.stop()
