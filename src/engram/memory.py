@@ -397,7 +397,7 @@ class EngramMemory:
         return self.prefetch_eagerly(hash_ids, sp_token_counts, kv_ahead)
 
     def prefetch_eagerly(self, hash_ids: torch.Tensor, sp_token_counts: Sequence[int] | None = None,
-                          kv_ahead: bool = False) -> "StepPrefetch":
+                         kv_ahead: bool = False) -> "StepPrefetch":
         """:meth:`prefetch` outside ``torch.compile`` (the body of the custom op ``engram::prefetch``)."""
         self._check_step_ids(hash_ids)
         if kv_ahead and sp_token_counts is not None:
@@ -456,7 +456,7 @@ class EngramMemory:
         return self.layer_eagerly(layer_id, hidden_states, hash_ids, token_mask, prefetch, sp_token_counts)
 
     def layer_eagerly(self, layer_id: int, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
-                       token_mask: torch.Tensor | None, prefetch, sp_token_counts=None) -> torch.Tensor:
+                      token_mask: torch.Tensor | None, prefetch, sp_token_counts=None) -> torch.Tensor:
         """:meth:`forward_layer` outside ``torch.compile`` (the body of the custom op ``engram::layer``)."""
         self._check_step_ids(hash_ids)
         layer_ids, layer_prefetch, kv = self._layer_inputs(layer_id, hash_ids, prefetch)

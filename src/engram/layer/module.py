@@ -544,7 +544,7 @@ class Engram(torch.nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def forward_checked(self, hidden_states, hash_ids, token_mask, sp_token_counts, check_only: bool = False,
-                         prefetch=None):
+                        prefetch=None):
         """:meth:`forward` with every check on this call (``check_only``: the checks alone)."""
         if not isinstance(hash_ids, torch.Tensor):
             raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
