@@ -116,7 +116,7 @@ static void copy_rows(const Job *job, int64_t begin, int64_t end) {
             uint64_t ahead = (uint32_t)ids[i + PREFETCH_DISTANCE];
             ahead = ahead > last ? last : ahead;
             const uint8_t *row = table + (int64_t)ahead * row_bytes;
-            for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line, 0, 0);
+            for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
         }
         uint64_t row = (uint32_t)ids[i];
         row = row > last ? last : row;
