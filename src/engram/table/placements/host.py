@@ -111,8 +111,9 @@ class HostPlacement(TablePlacement):
         self.direct_config = None  # launch shape of the direct reads (None: by size, as above)
         head_dim = rows.head_dim
         alias = cuda_alias(rows.packed, target)  # [rows + 1, row_bytes], host memory, a CUDA tensor
-        self._direct_values = alias[:-1, :head_dim]
-        self._direct_scales = alias[:-1, head_dim: head_dim + head_dim // 32]
+        # uint8 [rows, D] / [rows, D / 32]: CUDA views of the host rows' values and scales (direct reads over PCIe)
+        self.direct_values = alias[:-1, :head_dim]
+        self.direct_scales = alias[:-1, head_dim: head_dim + head_dim // 32]
         self._host_gather = HostGather(rows.packed, target, gather_threads, host_gather_worker)
 
     # ---- loading from a checkpoint ---------------------------------------------------
@@ -150,16 +151,6 @@ class HostPlacement(TablePlacement):
     def nbytes(self) -> int:
         """Bytes of host memory the table takes (packed rows and the zero row)."""
         return self.rows.packed.numel()
-
-    @property
-    def direct_values(self) -> torch.Tensor:
-        """``uint8 [rows, D]``: a CUDA tensor over the host rows' FP8 values (direct reads over PCIe)."""
-        return self._direct_values
-
-    @property
-    def direct_scales(self) -> torch.Tensor:
-        """``uint8 [rows, D / 32]``: a CUDA tensor over the host rows' UE8M0 scales (direct reads over PCIe)."""
-        return self._direct_scales
 
     @property
     def host_gather(self) -> HostGather:
@@ -210,9 +201,9 @@ class HostPlacement(TablePlacement):
                 if config is None and global_ids.numel() <= DECODE_MAX_ROWS:
                     config = _decode_direct_config()
                 if packed:
-                    return gather.gather_rows_packed(self._direct_values, self._direct_scales, global_ids, row_start,
+                    return gather.gather_rows_packed(self.direct_values, self.direct_scales, global_ids, row_start,
                                                      config=config)
-                return gather.gather_rows(self._direct_values, self._direct_scales, global_ids, row_start,
+                return gather.gather_rows(self.direct_values, self.direct_scales, global_ids, row_start,
                                           config=config)
             ticket = self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
         stream = torch.cuda.current_stream(self.device)
