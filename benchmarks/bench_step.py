@@ -430,6 +430,8 @@ class Setup:
     keep: list = field(default_factory=list)         # what must outlive the tables (pinned rows)
     plan_order: list = field(default_factory=list)   # the phases, in run order
     done: set = field(default_factory=set)
+    path_threads: list = field(default_factory=list)  # gather_threads of the extra host-path-alone runs
+    host_options_except_threads: dict = field(default_factory=dict)
 
 
 def floor_call(memory, inputs, hash_ids):
@@ -558,8 +560,19 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
 
         try:
             guard("host path alone at T=8192")
-            report["host_path_T8192"] = common.host_path_alone(host.table(host.layer_ids[0]), make_ids)
+            table = host.table(host.layer_ids[0])
+            report["host_path_T8192"] = common.host_path_alone(table, make_ids)
             print(f"  host path alone, T=8192 (prefetch to rows ready): {report['host_path_T8192']}", flush=True)
+            by_threads = {}
+            for threads in setup.path_threads:  # the same rows through tables of other gather_threads
+                guard(f"host path alone at T=8192, {threads} gather threads")
+                other = common.table_over_rows(table, "host", gather_threads=threads,
+                                               **setup.host_options_except_threads)
+                by_threads[str(threads)] = common.host_path_alone(other, make_ids)
+                print(f"  host path alone, T=8192, {threads} gather threads: {by_threads[str(threads)]}", flush=True)
+                del other
+            if by_threads:
+                report["host_path_T8192_by_threads"] = by_threads
         except Exception as error:  # noqa: BLE001
             report.error("host path alone at T=8192", error)
     if setup.watchdog:
@@ -687,7 +700,9 @@ def build(args, report: Report, watchdog: Watchdog | None) -> Setup:
           f"({', '.join(kinds)}); prefetch API {api}; setup {time.perf_counter() - started:.1f} s", flush=True)
     variants = make_variants(memories, api, cuda)
     return Setup(cuda, device, decoder, memories, variants, api, spec, generator, Clock(cuda), args.steps,
-                 report.deadline, args.min_steps, 1 if args.smoke else 2, watchdog, keep)
+                 report.deadline, args.min_steps, 1 if args.smoke else 2, watchdog, keep,
+                 path_threads=args.path_threads,
+                 host_options_except_threads={k: v for k, v in host_options.items() if k != "gather_threads"})
 
 
 def token_counts(text: str) -> list[int]:
@@ -720,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling-threads", default="8,12,14,16")
     parser.add_argument("--gather-threads", type=int, default=None,
                         help="placement option gather_threads of the host and cached tables (default: the library's)")
+    parser.add_argument("--path-threads", type=token_counts, default=[],
+                        help="comma-separated gather_threads for extra runs of the host path alone at T=8192")
     parser.add_argument("--host-gather-worker", choices=("auto", "native", "python"), default=None,
                         help="placement option host_gather_worker of the host and cached tables")
     parser.add_argument("--seed", type=int, default=20261201)

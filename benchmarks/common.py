@@ -191,24 +191,63 @@ def host_path_alone(table, make_ids, repeats: int = 10) -> dict:
     """One layer's host path measured alone: ``table.prefetch(ids)`` then ``table.lookup_packed(ids)`` and
     a device sync, wall clock from the prefetch, for fresh ``ids = make_ids()`` (``[T, C]`` on the device)
     each time (made before the clock starts). Returns the median, min and the row rate (packed 272-byte
-    rows of the lookup, T x C, over the median)."""
-    samples, rows, rows_bytes = [], 0, 0
+    rows of the lookup, T x C, over the median), and ``stages``: medians (us from the prefetch call) of
+    when each part was done (:func:`_path_stages`)."""
+    samples, rows, rows_bytes, stages = [], 0, 0, []
     takes_ticket = "prefetch" in inspect.signature(table.lookup_packed).parameters
+    gather = getattr(table.storage, "host_gather", None)
     for repeat in range(repeats + 1):
         ids = make_ids()
         torch.cuda.synchronize()
-        started = time.perf_counter()
+        marks = {name: torch.cuda.Event(enable_timing=True) for name in ("start", "enqueued", "copied", "read")}
+        started = time.monotonic_ns()
+        marks["start"].record()
         ticket = table.prefetch(ids)
+        prefetched = time.monotonic_ns()
+        marks["enqueued"].record()  # the caller's stream after the prefetch: dedup and the ids' copy
+        if gather is not None:
+            marks["copied"].record(gather.copy_stream)  # the copy stream after the gather's last copy
         handed = {"prefetch": ticket} if ticket is not None and takes_ticket else {}
         values, _ = table.lookup_packed(ids, **handed)
+        looked_up = time.monotonic_ns()
+        marks["read"].record()
         torch.cuda.synchronize()
+        ended = time.monotonic_ns()
         if repeat:  # the first one grows the staging buffers
-            samples.append((time.perf_counter() - started) * 1e6)
+            samples.append((ended - started) / 1e3)
+            stages.append(_path_stages(started, prefetched, looked_up, ended, marks, gather))
         rows, rows_bytes = ids.numel(), ids.numel() * CEILING_ROW_BYTES
         del values
     median = statistics.median(samples)
+    names = [name for name in stages[0] if all(name in stage for stage in stages)]
     return {"median_us": median, "min_us": min(samples), "rows": rows,
-            "GBps": rows_bytes / (median * 1e-6) / 1e9, "repeats": repeats}
+            "GBps": rows_bytes / (median * 1e-6) / 1e9, "repeats": repeats,
+            "gather_threads": getattr(gather, "gather_threads", None), "worker": getattr(gather, "worker", None),
+            "stages": {name: round(statistics.median(stage[name] for stage in stages), 1) for name in names}}
+
+
+def _path_stages(started: int, prefetched: int, looked_up: int, ended: int, marks: dict, gather) -> dict:
+    """One host path's parts, us after ``started`` (``time.monotonic_ns``): ``host_prefetch`` and
+    ``host_lookup`` (the calls returned), ``gpu_enqueued`` (the caller's stream done with the prefetch's
+    work: dedup, ids' copy), ``worker_ids_seen``, ``worker_staging_free``, ``worker_wave_<k>`` and
+    ``worker_done`` (the native worker's clock of the same job), ``gpu_copied`` (the copy stream's last
+    copy), ``gpu_read`` (the lookup's rows on the device), ``total``. GPU marks count from an event
+    recorded as the clock started (the queue empty, so within a launch of it)."""
+    stage = {"host_prefetch": (prefetched - started) / 1e3, "host_lookup": (looked_up - started) / 1e3,
+             "gpu_enqueued": marks["start"].elapsed_time(marks["enqueued"]) * 1e3,
+             "gpu_read": marks["start"].elapsed_time(marks["read"]) * 1e3, "total": (ended - started) / 1e3}
+    if gather is not None:
+        stage["gpu_copied"] = marks["start"].elapsed_time(marks["copied"]) * 1e3
+    service = getattr(gather, "native_service", None) if getattr(gather, "worker", None) == "native" else None
+    timeline = service.last_job() if service is not None else None
+    if timeline is not None and timeline["ids_ready_ns"] >= started:
+        stage["worker_ids_seen"] = (timeline["ids_ready_ns"] - started) / 1e3
+        stage["worker_staging_free"] = (timeline["staging_free_ns"] - started) / 1e3
+        for wave, end in enumerate(timeline["wave_end_ns"]):
+            stage[f"worker_wave_{wave}"] = (end - started) / 1e3
+        stage["worker_done"] = (timeline["done_ns"] - started) / 1e3
+        stage["worker_leader_chunk_share"] = timeline["leader_chunks"] / max(1, timeline["chunks"])
+    return stage
 
 
 # ---- the parallel benchmarks (bench_parallel.py and its node section, parallel_node.py) -------------

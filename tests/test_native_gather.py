@@ -68,6 +68,30 @@ def test_native_worker_copies_each_wave_as_index_select(rng, num_ids, count, wav
         service.stop()
 
 
+def test_native_worker_reports_the_last_jobs_timeline(rng):
+    table = _table(rng, 5000)
+    ids = _ids(np.sort(rng.choice(5000, 3000, replace=False)), 3000)
+    staging = torch.empty((3000, ROW_BYTES), dtype=torch.uint8)
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    service = native_worker.NativeGatherService(2)
+    try:
+        assert service.last_job() is None  # no job finished yet
+        service.submit(table=table, ids=ids, staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=1,
+                       staging_free=0, waves_base=0, num_waves=3, job_done=7)
+        released = time.monotonic_ns()
+        flags[IDS_READY] = 1
+        _wait_word(flags, JOB_DONE, 7)
+        timeline = service.last_job()
+        assert timeline["job"] == 7 and len(timeline["wave_end_ns"]) == 3
+        marks = [timeline["ids_ready_ns"], timeline["staging_free_ns"], *timeline["wave_end_ns"], timeline["done_ns"]]
+        assert marks == sorted(marks) and released <= marks[0] <= marks[-1] <= time.monotonic_ns()
+        assert timeline["chunks"] == 3 * 2  # 1000 rows a wave, chunks of 512
+        assert 0 <= timeline["leader_chunks"] <= timeline["chunks"]
+    finally:
+        service.stop()
+    assert service.last_job() is None  # stopped
+
+
 def test_native_worker_clamps_ids_and_count_into_its_buffers(rng):
     table = _table(rng, 100)
     values = [-1, 0, 99, 100, 2**31 - 1, -(2**31), 57]

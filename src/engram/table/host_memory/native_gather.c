@@ -28,6 +28,13 @@
 #define MAX_THREADS 256
 #define CHUNK_ROWS 512
 #define PREFETCH_DISTANCE 16
+#define TIMED_WAVES 16
+
+/* The last finished job's timeline (CLOCK_MONOTONIC ns, the clock of Python's time.monotonic_ns):
+ * its job_done value, ids seen ready, staging seen free, the end of each of its first TIMED_WAVES
+ * waves, the job's end, then the chunks its leader copied and the chunks in all. */
+enum { T_JOB, T_IDS_READY, T_STAGING_FREE, T_WAVES, T_DONE = T_WAVES + TIMED_WAVES, T_LEADER_CHUNKS,
+       T_CHUNKS, TIMELINE_WORDS };
 
 typedef struct Job {
     const uint8_t *table;
@@ -64,6 +71,7 @@ typedef struct Service {
     const volatile uint32_t *hold_latch;
     int64_t hold_timeout_ns;
     int64_t stats[4];              /* jobs done, holds released, holds timed out, polls that slept */
+    int64_t timeline[TIMELINE_WORDS];  /* the last finished job's (written by the leader only) */
 } Service;
 
 static int64_t now_ns(void) {
@@ -127,19 +135,20 @@ static void copy_rows(const Job *job, int64_t begin, int64_t end) {
     }
 }
 
-/* Take chunks of the posted wave until none is left. */
-static void copy_chunks(Service *s, const Job *job, int64_t begin, int64_t end, int64_t chunks) {
-    for (;;) {
+/* Take chunks of the posted wave until none is left; returns how many this thread copied. */
+static int64_t copy_chunks(Service *s, const Job *job, int64_t begin, int64_t end, int64_t chunks) {
+    for (int64_t copied = 0;; copied++) {
         int64_t chunk = __atomic_fetch_add(&s->next_chunk, 1, __ATOMIC_RELAXED);
-        if (chunk >= chunks) return;
+        if (chunk >= chunks) return copied;
         int64_t a = begin + chunk * CHUNK_ROWS, b = a + CHUNK_ROWS < end ? a + CHUNK_ROWS : end;
         copy_rows(job, a, b);
         __atomic_fetch_add(&s->chunks_done, 1, __ATOMIC_RELEASE);
     }
 }
 
-/* Leader: post rows [begin, end) of job to the team, copy beside it, return once every chunk is in. */
-static void copy_wave(Service *s, const Job *job, int64_t begin, int64_t end) {
+/* Leader: post rows [begin, end) of job to the team, copy beside it, return once every chunk is in.
+ * Adds the wave's chunks and the leader's own to timeline. */
+static void copy_wave(Service *s, const Job *job, int64_t begin, int64_t end, int64_t *timeline) {
     int64_t chunks = (end - begin + CHUNK_ROWS - 1) / CHUNK_ROWS;
     pthread_mutex_lock(&s->lock);
     s->wave_job = job;
@@ -152,7 +161,8 @@ static void copy_wave(Service *s, const Job *job, int64_t begin, int64_t end) {
     s->wave_open = 1;
     pthread_cond_broadcast(&s->wake);
     pthread_mutex_unlock(&s->lock);
-    copy_chunks(s, job, begin, end, chunks);
+    timeline[T_LEADER_CHUNKS] += copy_chunks(s, job, begin, end, chunks);
+    timeline[T_CHUNKS] += chunks;
     /* every chunk taken; wait for the ones other threads are still copying (microseconds each) */
     while (__atomic_load_n(&s->chunks_done, __ATOMIC_ACQUIRE) < chunks) pause_briefly();
     /* close the wave, then wait until every helper that joined it has left: only then may the
@@ -179,8 +189,12 @@ static void hold_if_asked(Service *s) {
 }
 
 static void run_job(Service *s, Job *job) {
+    int64_t timeline[TIMELINE_WORDS] = {0};
+    timeline[T_JOB] = job->job_done_value;
     if (wait_flag(s, job->ids_ready, job->ids_ready_value)) return;
+    timeline[T_IDS_READY] = now_ns();
     if (wait_flag(s, job->staging_free, job->staging_free_value)) return;
+    timeline[T_STAGING_FREE] = now_ns();
     hold_if_asked(s);
     int64_t count = job->ids[job->num_ids];
     count = count < 1 ? 1 : count > job->num_ids ? job->num_ids : count;
@@ -188,9 +202,12 @@ static void run_job(Service *s, Job *job) {
         int64_t begin = job->num_ids * wave / job->num_waves, end = job->num_ids * (wave + 1) / job->num_waves;
         begin = begin < count ? begin : count;  /* rows past the count are not needed (nor written) */
         end = end < count ? end : count;
-        if (end > begin) copy_wave(s, job, begin, end);
+        if (end > begin) copy_wave(s, job, begin, end, timeline);
         __atomic_store_n(job->waves_done, job->waves_base + (uint32_t)wave + 1, __ATOMIC_RELEASE);
+        if (wave < TIMED_WAVES) timeline[T_WAVES + wave] = now_ns();
     }
+    timeline[T_DONE] = now_ns();
+    for (int i = 0; i < TIMELINE_WORDS; i++) __atomic_store_n(&s->timeline[i], timeline[i], __ATOMIC_RELAXED);
     __atomic_store_n(job->job_done, job->job_done_value, __ATOMIC_RELEASE);
     __atomic_fetch_add(&s->stats[0], 1, __ATOMIC_RELAXED);
 }
@@ -292,6 +309,12 @@ void engram_gather_hold_next(Service *s, const volatile uint32_t *latch, int64_t
 /* stats[0..3]: jobs done, holds released, holds timed out, flag waits that slept. */
 void engram_gather_stats(Service *s, int64_t *out) {
     for (int i = 0; i < 4; i++) out[i] = __atomic_load_n(&s->stats[i], __ATOMIC_RELAXED);
+}
+
+/* The last finished job's timeline (see TIMELINE_WORDS) into out[0..words); returns TIMELINE_WORDS. */
+int engram_gather_last_job(Service *s, int64_t *out, int words) {
+    for (int i = 0; i < words && i < TIMELINE_WORDS; i++) out[i] = __atomic_load_n(&s->timeline[i], __ATOMIC_RELAXED);
+    return TIMELINE_WORDS;
 }
 
 int engram_gather_threads(Service *s) { return s->threads; }

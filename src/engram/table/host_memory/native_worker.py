@@ -79,6 +79,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.engram_gather_hold_next.restype = None
     lib.engram_gather_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
     lib.engram_gather_stats.restype = None
+    lib.engram_gather_last_job.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    lib.engram_gather_last_job.restype = ctypes.c_int
     lib.engram_gather_stop.argtypes = [ctypes.c_void_p]
     lib.engram_gather_stop.restype = None
     return lib, ""
@@ -92,6 +94,10 @@ def unavailable_reason() -> str | None:
 
 def _word(tensor: torch.Tensor, index: int) -> int:
     return tensor.data_ptr() + 4 * index
+
+
+_TIMED_WAVES = 16  # as native_gather.c's TIMED_WAVES
+_TIMELINE_WORDS = 6 + _TIMED_WAVES
 
 
 def _reached(value: int, target: int) -> bool:
@@ -187,6 +193,23 @@ class NativeGatherService:
         values = (ctypes.c_int64 * 4)()
         self._lib.engram_gather_stats(self._handle, values)
         return dict(zip(("jobs_done", "holds_released", "holds_timed_out", "waits_slept"), values))
+
+    def last_job(self) -> dict | None:
+        """The timeline of the last finished job, or None before the first: ``job`` (its ``job_done`` value),
+        ``ids_ready_ns`` and ``staging_free_ns`` (when the worker saw them), ``wave_end_ns`` (one per wave, the
+        first 16), ``done_ns``, all on the clock of :func:`time.monotonic_ns`; ``leader_chunks`` and ``chunks``
+        (of 512 rows: how many the leading thread copied itself, out of all)."""
+        words = (ctypes.c_int64 * _TIMELINE_WORDS)()
+        with self._lock:
+            if self._handle is None:
+                return None
+            self._lib.engram_gather_last_job(self._handle, words, _TIMELINE_WORDS)
+        if words[1] == 0:
+            return None
+        waves = [value for value in words[3:3 + _TIMED_WAVES] if value]
+        return {"job": words[0], "ids_ready_ns": words[1], "staging_free_ns": words[2], "wave_end_ns": waves,
+                "done_ns": words[3 + _TIMED_WAVES], "leader_chunks": words[4 + _TIMED_WAVES],
+                "chunks": words[5 + _TIMED_WAVES]}
 
     def stop(self) -> None:
         """Stop the threads (jobs not done are dropped; their buffers stay referenced here) and free the
