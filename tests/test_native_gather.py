@@ -85,11 +85,43 @@ def test_native_worker_reports_the_last_jobs_timeline(rng):
         assert timeline["job"] == 7 and len(timeline["wave_end_ns"]) == 3
         marks = [timeline["ids_ready_ns"], timeline["staging_free_ns"], *timeline["wave_end_ns"], timeline["done_ns"]]
         assert marks == sorted(marks) and released <= marks[0] <= marks[-1] <= time.monotonic_ns()
-        assert timeline["chunks"] == 3 * 2  # 1000 rows a wave, chunks of 512
+        assert timeline["chunks"] == 3 * 8  # 1000 rows a wave, chunks of 128
         assert 0 <= timeline["leader_chunks"] <= timeline["chunks"]
     finally:
         service.stop()
     assert service.last_job() is None  # stopped
+
+
+@pytest.mark.parametrize("threads, waves", [(1, 64), (4, 7), (4, 64)])
+def test_native_worker_publishes_waves_in_order_without_a_barrier(rng, threads, waves):
+    # Many small waves over several threads: a later wave can finish first, yet "waves done" only ever
+    # names waves whose rows are all in (checked at every store the poller sees).
+    num_ids = 20000
+    table = _table(rng, 50000)
+    ids = _ids(np.sort(rng.choice(50000, num_ids, replace=False)), num_ids)
+    staging = torch.full((num_ids, ROW_BYTES), 0xA5, dtype=torch.uint8)
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    flags[WAVES_DONE] = 100  # the waves of earlier jobs
+    expected = _expected(table, ids, num_ids)
+    bounds = [num_ids * k // waves for k in range(waves + 1)]
+    service = native_worker.NativeGatherService(threads)
+    try:
+        service.submit(table=table, ids=ids, staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=1,
+                       staging_free=0, waves_base=100, num_waves=waves, job_done=1)
+        flags[IDS_READY] = 1
+        seen = 100
+        deadline = time.monotonic() + 20
+        while int(flags[JOB_DONE]) != 1:
+            done = int(flags[WAVES_DONE])
+            assert 100 <= done <= 100 + waves
+            if done > seen:  # every row of the waves it names is in
+                assert torch.equal(staging[:bounds[done - 100]], expected[:bounds[done - 100]])
+                seen = done
+            assert time.monotonic() < deadline
+        assert int(flags[WAVES_DONE]) == 100 + waves and torch.equal(staging, expected)
+        assert len(service.last_job()["wave_end_ns"]) == min(waves, 16)
+    finally:
+        service.stop()
 
 
 def test_native_worker_clamps_ids_and_count_into_its_buffers(rng):

@@ -4,10 +4,12 @@
  *
  * A job copies `staging[i] = table[ids[i]]` for the job's distinct rows. The GPU writes its inputs
  * (the ids, their count at ids[num_ids], then the `ids_ready` flag, all into pinned memory); the
- * worker polls that flag, copies the rows in waves on its team of threads and stores `waves_done`
- * after each wave, which the GPU's copy stream waits on (cuStreamWaitValue32) before moving that
- * wave to the device. No thread here takes the GIL or calls CUDA, so a stream waiting on a wave is
- * released whatever the process's other threads hold (a module load, a synchronizing call).
+ * worker polls that flag and its team of threads copies the rows in chunks of CHUNK_ROWS, taken in
+ * order across the whole job with no barrier between waves: the thread that finishes a wave's last
+ * chunk stores `waves_done` (for every wave complete in order), which the GPU's copy stream waits on
+ * (cuStreamWaitValue32) before moving that wave to the device. No thread here takes the GIL or calls
+ * CUDA, so a stream waiting on a wave is released whatever the process's other threads hold (a module
+ * load, a synchronizing call).
  *
  * Jobs run one at a time in the order submitted: the order their GPU inputs were enqueued in, so
  * a job never waits on work enqueued after it. Flags are uint32, compared wrap-aware as the GPU does.
@@ -17,6 +19,8 @@
  * H200 host (16 vCPUs), 196,608 random rows of 272 B from a 26 GiB table (benchmarks/NOTES.md
  * "The served decoder step"): memcpy per row on 14 threads, each prefetching the rows 16 ids
  * ahead, 1.71 ms (31 GB/s), against 2.4 ms without the prefetch and torch's index_select 2.2 ms.
+ * A barrier per wave (every thread idle until the wave's slowest chunk of 512 rows is in) cost about
+ * 60 us a wave there ("Host path, stage by stage").
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -26,7 +30,8 @@
 #include <time.h>
 
 #define MAX_THREADS 256
-#define CHUNK_ROWS 512
+#define MAX_WAVES 64
+#define CHUNK_ROWS 128
 #define PREFETCH_DISTANCE 16
 #define TIMED_WAVES 16
 
@@ -61,12 +66,19 @@ typedef struct Service {
     Job *head, *tail;
     int threads, started, stop;
     pthread_t tids[MAX_THREADS];
-    /* the wave being copied: the leader posts it, every team thread takes chunks of it */
-    const Job *wave_job;
-    int64_t wave_begin, wave_end;
-    uint64_t wave_generation;
-    int wave_open;                 /* helpers may join the posted wave (under lock) */
-    int64_t next_chunk, chunks, chunks_done, active;  /* atomics; active: helpers inside the wave */
+    /* the job being copied: the leader posts it once, every team thread takes chunks of it; chunks never
+     * straddle a wave, and the thread finishing a wave's last chunk publishes it (in wave order) */
+    const Job *post_job;
+    uint64_t post_generation;
+    int post_open;                 /* helpers may join the posted job (under lock) */
+    int32_t post_waves;
+    int64_t wave_begin[MAX_WAVES], wave_end[MAX_WAVES], wave_first_chunk[MAX_WAVES + 1];
+    int64_t wave_chunks_done[MAX_WAVES];  /* atomics */
+    int wave_complete[MAX_WAVES];  /* under publish_lock */
+    int32_t waves_published;       /* under publish_lock */
+    int64_t wave_published_ns[TIMED_WAVES];  /* under publish_lock */
+    pthread_mutex_t publish_lock;
+    int64_t next_chunk, chunks, chunks_done, active;  /* atomics; active: helpers inside the job */
     /* test hook: the next job holds after its ids are ready until *hold_latch != 0 or the timeout */
     const volatile uint32_t *hold_latch;
     int64_t hold_timeout_ns;
@@ -113,62 +125,93 @@ static int wait_flag(Service *s, const volatile uint32_t *flag, uint32_t target)
     return 0;
 }
 
+static const uint8_t *row_of(const Job *job, int64_t i) {
+    uint64_t last = (uint64_t)job->table_rows - 1, row = (uint32_t)job->ids[i];
+    return job->table + (int64_t)(row > last ? last : row) * job->row_bytes;
+}
+
+static void prefetch_row(const Job *job, int64_t i) {
+    const uint8_t *row = row_of(job, i);
+    for (int64_t line = 0; line < job->row_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
+}
+
+/* staging[i] = table[ids[i]] for i in [begin, end), the rows PREFETCH_DISTANCE ids ahead prefetched. */
 static void copy_rows(const Job *job, int64_t begin, int64_t end) {
-    const uint8_t *table = job->table;
-    const int32_t *ids = job->ids;
     uint8_t *staging = job->staging;
     int64_t row_bytes = job->row_bytes;
-    uint64_t last = (uint64_t)job->table_rows - 1;
+    for (int64_t i = begin; i < end && i < begin + PREFETCH_DISTANCE; i++) prefetch_row(job, i);
     for (int64_t i = begin; i < end; i++) {
-        if (i + PREFETCH_DISTANCE < end) {
-            uint64_t ahead = (uint32_t)ids[i + PREFETCH_DISTANCE];
-            ahead = ahead > last ? last : ahead;
-            const uint8_t *row = table + (int64_t)ahead * row_bytes;
-            for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
-        }
-        uint64_t row = (uint32_t)ids[i];
-        row = row > last ? last : row;
-        const uint8_t *source = table + (int64_t)row * row_bytes;
+        if (i + PREFETCH_DISTANCE < end) prefetch_row(job, i + PREFETCH_DISTANCE);
+        const uint8_t *source = row_of(job, i);
         uint8_t *target = staging + i * row_bytes;
         if (row_bytes == 272) memcpy(target, source, 272);  /* D = 256: a fixed size the compiler inlines */
         else memcpy(target, source, (size_t)row_bytes);
     }
 }
 
-/* Take chunks of the posted wave until none is left; returns how many this thread copied. */
-static int64_t copy_chunks(Service *s, const Job *job, int64_t begin, int64_t end, int64_t chunks) {
+/* Store waves_done for every wave complete in order from the first unpublished one. */
+static void publish_waves(Service *s, const Job *job, int32_t wave) {
+    pthread_mutex_lock(&s->publish_lock);
+    s->wave_complete[wave] = 1;
+    while (s->waves_published < s->post_waves && s->wave_complete[s->waves_published]) {
+        s->waves_published++;
+        __atomic_store_n(job->waves_done, job->waves_base + (uint32_t)s->waves_published, __ATOMIC_RELEASE);
+        if (s->waves_published <= TIMED_WAVES) s->wave_published_ns[s->waves_published - 1] = now_ns();
+    }
+    pthread_mutex_unlock(&s->publish_lock);
+}
+
+/* Take chunks of the posted job until none is left; returns how many this thread copied. */
+static int64_t copy_chunks(Service *s, const Job *job, int64_t chunks) {
+    int32_t wave = 0;
     for (int64_t copied = 0;; copied++) {
         int64_t chunk = __atomic_fetch_add(&s->next_chunk, 1, __ATOMIC_RELAXED);
         if (chunk >= chunks) return copied;
-        int64_t a = begin + chunk * CHUNK_ROWS, b = a + CHUNK_ROWS < end ? a + CHUNK_ROWS : end;
+        while (chunk >= s->wave_first_chunk[wave + 1]) wave++;  /* chunks are taken in increasing order */
+        int64_t a = s->wave_begin[wave] + (chunk - s->wave_first_chunk[wave]) * CHUNK_ROWS;
+        int64_t b = a + CHUNK_ROWS < s->wave_end[wave] ? a + CHUNK_ROWS : s->wave_end[wave];
         copy_rows(job, a, b);
+        int64_t wave_chunks = s->wave_first_chunk[wave + 1] - s->wave_first_chunk[wave];
+        if (__atomic_add_fetch(&s->wave_chunks_done[wave], 1, __ATOMIC_ACQ_REL) == wave_chunks)
+            publish_waves(s, job, wave);
         __atomic_fetch_add(&s->chunks_done, 1, __ATOMIC_RELEASE);
     }
 }
 
-/* Leader: post rows [begin, end) of job to the team, copy beside it, return once every chunk is in.
- * Adds the wave's chunks and the leader's own to timeline. */
-static void copy_wave(Service *s, const Job *job, int64_t begin, int64_t end, int64_t *timeline) {
-    int64_t chunks = (end - begin + CHUNK_ROWS - 1) / CHUNK_ROWS;
+/* Leader: cut the job's rows [0, count) into its waves and chunks, post it to the team, copy beside it,
+ * return once every chunk is in and every helper has left (only then may the next job reuse the state). */
+static void copy_job(Service *s, const Job *job, int64_t count, int64_t *timeline) {
+    int32_t waves = job->num_waves;
+    int64_t chunks = 0;
+    for (int32_t wave = 0; wave < waves; wave++) {
+        int64_t begin = job->num_ids * wave / waves, end = job->num_ids * (wave + 1) / waves;
+        begin = begin < count ? begin : count;  /* rows past the count are not needed (nor written) */
+        end = end < count ? end : count;
+        s->wave_begin[wave] = begin;
+        s->wave_end[wave] = end;
+        s->wave_first_chunk[wave] = chunks;
+        s->wave_chunks_done[wave] = 0;
+        s->wave_complete[wave] = end <= begin;  /* empty waves (past the count) publish with the one before */
+        chunks += (end - begin + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    }
+    s->wave_first_chunk[waves] = chunks;
+    s->waves_published = 0;
+    s->post_waves = waves;
     pthread_mutex_lock(&s->lock);
-    s->wave_job = job;
-    s->wave_begin = begin;
-    s->wave_end = end;
+    s->post_job = job;
     __atomic_store_n(&s->chunks, chunks, __ATOMIC_RELAXED);
     __atomic_store_n(&s->chunks_done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&s->next_chunk, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&s->wave_generation, s->wave_generation + 1, __ATOMIC_RELEASE);
-    s->wave_open = 1;
+    __atomic_store_n(&s->post_generation, s->post_generation + 1, __ATOMIC_RELEASE);
+    s->post_open = 1;
     pthread_cond_broadcast(&s->wake);
     pthread_mutex_unlock(&s->lock);
-    timeline[T_LEADER_CHUNKS] += copy_chunks(s, job, begin, end, chunks);
-    timeline[T_CHUNKS] += chunks;
+    timeline[T_LEADER_CHUNKS] = copy_chunks(s, job, chunks);
+    timeline[T_CHUNKS] = chunks;
     /* every chunk taken; wait for the ones other threads are still copying (microseconds each) */
     while (__atomic_load_n(&s->chunks_done, __ATOMIC_ACQUIRE) < chunks) pause_briefly();
-    /* close the wave, then wait until every helper that joined it has left: only then may the
-     * counters be reset for the next wave */
     pthread_mutex_lock(&s->lock);
-    s->wave_open = 0;
+    s->post_open = 0;
     pthread_mutex_unlock(&s->lock);
     while (__atomic_load_n(&s->active, __ATOMIC_ACQUIRE) > 0) pause_briefly();
 }
@@ -198,15 +241,10 @@ static void run_job(Service *s, Job *job) {
     hold_if_asked(s);
     int64_t count = job->ids[job->num_ids];
     count = count < 1 ? 1 : count > job->num_ids ? job->num_ids : count;
-    for (int32_t wave = 0; wave < job->num_waves; wave++) {
-        int64_t begin = job->num_ids * wave / job->num_waves, end = job->num_ids * (wave + 1) / job->num_waves;
-        begin = begin < count ? begin : count;  /* rows past the count are not needed (nor written) */
-        end = end < count ? end : count;
-        if (end > begin) copy_wave(s, job, begin, end, timeline);
-        __atomic_store_n(job->waves_done, job->waves_base + (uint32_t)wave + 1, __ATOMIC_RELEASE);
-        if (wave < TIMED_WAVES) timeline[T_WAVES + wave] = now_ns();
-    }
+    copy_job(s, job, count, timeline);
     timeline[T_DONE] = now_ns();
+    for (int32_t wave = 0; wave < job->num_waves && wave < TIMED_WAVES; wave++)
+        timeline[T_WAVES + wave] = s->wave_published_ns[wave];
     for (int i = 0; i < TIMELINE_WORDS; i++) __atomic_store_n(&s->timeline[i], timeline[i], __ATOMIC_RELAXED);
     __atomic_store_n(job->job_done, job->job_done_value, __ATOMIC_RELEASE);
     __atomic_fetch_add(&s->stats[0], 1, __ATOMIC_RELAXED);
@@ -234,23 +272,23 @@ static void *helper_main(void *arg) {
     Service *s = arg;
     uint64_t seen = 0;
     for (;;) {
-        /* spin ~20 us for the next wave of a job (waves follow each other closely), then sleep */
+        /* spin ~20 us for the next job (jobs of one step's tables follow each other closely), then sleep */
         int64_t spin_until = now_ns() + 20000;
-        while (__atomic_load_n(&s->wave_generation, __ATOMIC_ACQUIRE) == seen && !stopping(s)
+        while (__atomic_load_n(&s->post_generation, __ATOMIC_ACQUIRE) == seen && !stopping(s)
                && now_ns() < spin_until)
             pause_briefly();
         pthread_mutex_lock(&s->lock);
-        while (!(s->wave_open && s->wave_generation != seen) && !s->stop) pthread_cond_wait(&s->wake, &s->lock);
+        while (!(s->post_open && s->post_generation != seen) && !s->stop) pthread_cond_wait(&s->wake, &s->lock);
         if (s->stop) {
             pthread_mutex_unlock(&s->lock);
             return NULL;
         }
-        seen = s->wave_generation;
-        const Job *job = s->wave_job;
-        int64_t begin = s->wave_begin, end = s->wave_end, chunks = s->chunks;
+        seen = s->post_generation;
+        const Job *job = s->post_job;
+        int64_t chunks = s->chunks;
         __atomic_fetch_add(&s->active, 1, __ATOMIC_RELAXED);  /* joined under the lock, while open */
         pthread_mutex_unlock(&s->lock);
-        copy_chunks(s, job, begin, end, chunks);
+        copy_chunks(s, job, chunks);
         __atomic_fetch_sub(&s->active, 1, __ATOMIC_RELEASE);
     }
 }
@@ -263,6 +301,7 @@ Service *engram_gather_create(int threads) {
     Service *s = calloc(1, sizeof(Service));
     if (s == NULL) return NULL;
     pthread_mutex_init(&s->lock, NULL);
+    pthread_mutex_init(&s->publish_lock, NULL);
     pthread_cond_init(&s->wake, NULL);
     s->threads = threads;
     for (int i = 0; i < threads; i++) {
@@ -284,7 +323,7 @@ int engram_gather_submit(Service *s, const uint8_t *table, int64_t table_rows, i
                          volatile uint32_t *job_done, uint32_t job_done_value) {
     if (s == NULL || table == NULL || table_rows < 1 || row_bytes < 1 || ids == NULL || num_ids < 1
         || staging == NULL || ids_ready == NULL || staging_free == NULL || waves_done == NULL || num_waves < 1
-        || job_done == NULL)
+        || num_waves > MAX_WAVES || num_waves > num_ids || job_done == NULL)
         return -1;
     Job *job = calloc(1, sizeof(Job));
     if (job == NULL) return -1;
@@ -333,6 +372,7 @@ void engram_gather_stop(Service *s) {
         job = next;
     }
     pthread_cond_destroy(&s->wake);
+    pthread_mutex_destroy(&s->publish_lock);
     pthread_mutex_destroy(&s->lock);
     free(s);
 }

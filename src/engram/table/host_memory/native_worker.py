@@ -39,6 +39,7 @@ _SOURCE = Path(__file__).with_name("native_gather.c")
 
 # Word offsets in a flags tensor (int32 [FLAG_WORDS], pinned): one 64-byte line per writer's word.
 FLAG_WORDS = 64
+MAX_WAVES = 64  # as native_gather.c's MAX_WAVES
 IDS_READY = 0       # free for a caller's "ids ready" word (the host gather keeps one per id buffer instead)
 STAGING_FREE = 16   # written by the GPU after the copies of the previous job of this staging
 WAVES_DONE = 32     # stored by the worker after each wave
@@ -147,8 +148,9 @@ class NativeGatherService:
         if ready.dtype != torch.int32 or ready.numel() < 1 or ready.device.type != "cpu":
             raise ValueError(f"ready: expected an int32 CPU tensor of at least one word, found {ready.dtype} "
                              f"{list(ready.shape)} on {ready.device}")
-        if not 1 <= num_waves <= num_ids:
-            raise ValueError(f"num_waves: expected 1 <= num_waves <= {num_ids} (the ids), found {num_waves}")
+        if not 1 <= num_waves <= min(num_ids, MAX_WAVES):
+            raise ValueError(f"num_waves: expected 1 <= num_waves <= {min(num_ids, MAX_WAVES)} (the ids, at most "
+                             f"{MAX_WAVES}), found {num_waves}")
         with self._lock:
             if self._handle is None:
                 raise RuntimeError("the host gather's native worker was stopped")
