@@ -14,7 +14,8 @@ import torch
 import engram
 from conftest import assert_layers_equal, assert_lookups_equal, capture_cuda_graph, memory_on_cuda, replay_poisoned
 from engram.table.fp8 import quantize_rows
-from engram.table.kernels.dedup import distinct_rows
+from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
+from engram.table.kernels.reference import rows_in_lookup_order_reference
 from engram.table.host_memory.gather import gather_packed_rows_host
 from engram.table.host_memory.rows import PackedRows, pack_rows, packed_row_bytes
 
@@ -115,6 +116,35 @@ def test_distinct_rows_kernels_match_the_reference(count, columns, rng):
     _check_distinct_rows(_lookup_ids(rng, count, columns, num_rows, row_start, torch.int64), row_start, num_rows)
 
 
+def _check_rows_in_lookup_order(ids, row_start, num_rows):
+    rows_and_count = rows_in_lookup_order(ids, row_start, num_rows)
+    local = ids.reshape(-1).long() - row_start
+    local = torch.where((local >= 0) & (local < num_rows), local, torch.full_like(local, num_rows))
+    assert rows_and_count.dtype == torch.int32 and rows_and_count.shape == (local.numel() + 1,)
+    assert int(rows_and_count[-1]) == local.numel()
+    assert torch.equal(rows_and_count[:-1].long(), local)
+
+
+@pytest.mark.parametrize("count", [1, 2, 63, 1000])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_rows_in_lookup_order_keep_every_lookup_and_count_them(count, dtype, rng):
+    num_rows = int(rng.integers(1, 300))
+    row_start = int(rng.integers(0, 2**20 if dtype == torch.int32 else 2**33))
+    _check_rows_in_lookup_order(_lookup_ids(rng, count, 3, num_rows, row_start, dtype), row_start, num_rows)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("count,columns", [(1, 1), (63, 3), (700, 3)])
+def test_rows_in_lookup_order_kernel_matches_the_reference(count, columns, rng):
+    """The one-launch form under the interpreter: 1 to 3 blocks, strided ids, ids outside the table."""
+    num_rows = int(rng.integers(1, 1500))
+    row_start = int(rng.integers(0, 2**33))
+    ids = _lookup_ids(rng, count, columns, num_rows, row_start, torch.int64)
+    assert torch.equal(rows_in_lookup_order(ids, row_start, num_rows),
+                       rows_in_lookup_order_reference(ids, row_start, num_rows))
+    _check_rows_in_lookup_order(ids, row_start, num_rows)
+
+
 def test_distinct_rows_refuse_tables_past_int32():
     with pytest.raises(ValueError, match="num_rows"):
         distinct_rows(torch.zeros(3, 1, dtype=torch.int64), 0, 2**31)
@@ -160,6 +190,59 @@ def test_gpu_host_paths_equal_device_placement(tokens, direct_max_rows, worker, 
     host.storage.direct_max_rows = direct_max_rows
     for _ in range(3):  # the persistent staging reused
         assert_lookups_equal(host, device, _ids(rng, tokens, 24, 5000, row_start=777))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 63, 700])
+@pytest.mark.parametrize("dedup", ["always", "never", "auto"])
+def test_gpu_host_gather_forms_equal_device_placement(tokens, dedup, rng):
+    """Sorted (each distinct row once) and lookup-order gathers return the device placement's rows."""
+    values, scales = _table(5000, 256, int(rng.integers(2**31)))
+    device = engram.EngramTable(values, scales, placement="device", device="cuda", row_start=777, validate=False)
+    host = engram.EngramTable(values, scales, placement="host", device="cuda", row_start=777, validate=False,
+                              placement_options={"host_gather_worker": "native", "host_gather_dedup": dedup,
+                                                 "direct_max_rows": 0})
+    for _ in range(4):
+        assert_lookups_equal(host, device, _ids(rng, tokens, 24, 5000, row_start=777))
+    gathers = host.storage.host_gather.native_gathers
+    if dedup == "always":
+        assert gathers["lookup_order"] == 0 and gathers["sorted"] > 0
+    elif dedup == "never":
+        assert gathers["sorted"] == 0 and gathers["lookup_order"] > 0
+    else:
+        assert gathers["sorted"] > 0  # the first gather sorts to measure
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_host_gather_sorts_while_measured_repeats_pay(rng):
+    """``host_gather_dedup="auto"``: the first gather sorts and measures; few repeats -> lookup order,
+    with a sorted gather every _DEDUP_REMEASURE-th to measure again; many repeats -> sorted again."""
+    from engram.table.host_memory import gather as host_gather
+
+    rows = 200_000
+    values, scales = _table(rows, 256, int(rng.integers(2**31)))
+    device = engram.EngramTable(values, scales, placement="device", device="cuda", validate=False)
+    host = engram.EngramTable(values, scales, placement="host", device="cuda", validate=False,
+                              placement_options={"host_gather_worker": "native", "direct_max_rows": 0})
+    gather = host.storage.host_gather
+    every = host_gather._DEDUP_REMEASURE
+    lookups = every + 4
+    for _ in range(lookups):  # 1,536 ids over 200,000 rows: under 1% repeats
+        ids = torch.from_numpy(rng.integers(0, rows, (64, 24)).astype(np.int32)).cuda()
+        assert torch.equal(host.lookup(ids).view(torch.int16), device.lookup(ids).view(torch.int16))
+        gather.wait_idle()  # its count readable at the next start
+    assert gather.repeat_share < host_gather._DEDUP_MIN_REPEATS
+    assert gather.native_gathers == {"sorted": 2, "lookup_order": lookups - 2}  # gathers 1 and every + 1
+    for _ in range(lookups):  # the same 50 rows over and over
+        ids = torch.from_numpy(rng.integers(0, 50, (64, 24)).astype(np.int32)).cuda()
+        assert torch.equal(host.lookup(ids).view(torch.int16), device.lookup(ids).view(torch.int16))
+        gather.wait_idle()
+    assert gather.repeat_share > 0.9
+    # gather 2 * every + 1 measures the repeats, every later one sorts
+    sorted_after = 2 * lookups - 2 * every
+    assert gather.native_gathers == {"sorted": 2 + sorted_after, "lookup_order": 2 * lookups - 2 - sorted_after}
 
 
 @pytest.mark.gpu

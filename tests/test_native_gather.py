@@ -184,7 +184,7 @@ def test_native_worker_keeps_a_dropped_jobs_buffers_until_it_is_done(rng):
         address = staging.data_ptr()
         del staging                        # the owner lets go while the job is queued
         assert service.pending == 1        # the service holds the buffers
-        assert service._retained[0][2][2].data_ptr() == address
+        assert service._retained[0][2][0].staging.data_ptr() == address
         flags[IDS_READY] = 1
         _wait_word(flags, JOB_DONE, 1)
         assert service.pending == 0        # released once the worker is done with them

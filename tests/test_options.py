@@ -13,12 +13,13 @@ def test_defaults_and_placement_options():
     options = ServingOptions()
     assert options.placement_options("device") == {}
     assert options.placement_options("host") == {"direct_max_rows": 4096 * 24, "gather_threads": None,
-                                                 "host_gather_worker": "auto", "prefetch_direct_max_rows": 1024 * 24}
+                                                 "host_gather_worker": "auto", "host_gather_dedup": "auto",
+                                                 "prefetch_direct_max_rows": 1024 * 24}
     cached = ServingOptions(cache_fraction=0.05, cache_policy="static", cache_ways=4, direct_max_rows=0,
                             extra_placement_options={"aging_interval": 32}).placement_options("cached")
     assert cached == {"direct_max_rows": 0, "gather_threads": None, "host_gather_worker": "auto",
-                      "cache_fraction": 0.05, "policy": "static",
-                      "ways": 4, "aging_interval": 32}
+                      "host_gather_dedup": "auto", "cache_fraction": 0.05, "policy": "static", "ways": 4,
+                      "aging_interval": 32}
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.backend = "torch"
 
@@ -31,6 +32,8 @@ def test_defaults_and_placement_options():
     ("prefetch_direct_max_rows", -2, "prefetch_direct_max_rows: expected an integer >= 0, found -2"),
     ("gather_threads", 0, "gather_threads: expected an integer >= 1 or None, found 0"),
     ("host_gather_worker", "c", "host_gather_worker: expected one of 'auto', 'native', 'python', found 'c'"),
+    ("host_gather_dedup", "sometimes",
+     "host_gather_dedup: expected one of 'auto', 'always', 'never', found 'sometimes'"),
     ("cache_fraction", 1.5, r"cache_fraction: expected a number in \(0, 1\], found 1.5"),
     ("cache_policy", "lfu", "cache_policy: expected one of"),
     ("cache_ways", 6, "cache_ways: expected a power of two up to 64, found 6"),

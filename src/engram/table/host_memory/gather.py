@@ -14,7 +14,9 @@ Two workers (``worker=``):
   write of "ids ready" (:mod:`~engram.table.host_memory.stream_memory_ops`); on the copy stream, per
   wave, a wait for the worker's "wave done" word and the wave's copy (sized for every id, as the
   distinct count is known only on the device). No thread ever waits for a gather: ``finish`` only
-  makes the stream wait.
+  makes the stream wait. With ``dedup`` ``"never"`` (or ``"auto"`` while the table's lookups repeat
+  few rows) the sort is skipped: one launch writes every lookup's row in lookup order, the worker
+  copies them all and the inverse is the identity.
 * ``"python"``: a Python worker thread waits for the ids' event, copies rows with ``index_select``
   (:mod:`~engram.table.host_memory.row_copy`) and enqueues each wave's copy; ``finish`` blocks the
   caller until the worker has enqueued them (not until they ran). A stream waiting on a word that
@@ -42,23 +44,33 @@ import torch
 
 from engram.common import next_power_of_2
 from engram.environment import local_world_size
-from engram.table.kernels.dedup import distinct_rows
+from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
 from engram.table.host_memory import native_worker, openmp_team, stream_memory_ops
 from engram.table.host_memory.native_worker import JOB_DONE, STAGING_FREE, WAVES_DONE
 from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
 
 __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads", "WORKERS",
-           "check_gather_worker"]
+           "DEDUP_CHOICES", "check_gather_worker", "check_gather_dedup"]
 
 WORKERS = ("auto", "native", "python")
+DEDUP_CHOICES = ("auto", "always", "never")
 
 # The gather runs in waves (each wave's copy overlaps the next wave's gather) over the
 # distinct rows, ascending. H200 host (16 cores, KVM), 196,608 distinct rows of 272 B from
 # DRAM (NOTES "Host tables v2"): one index_select 2.4 ms (22 GB/s, DRAM-latency bound),
-# 4 waves 0.75-0.85 ms each; the copy of all rows 1.0 ms.
+# 4 waves 0.75-0.85 ms each; the copy of all rows 1.0 ms. The native worker has no barrier
+# between waves, so more of them only shorten the last copy: at T = 8192 on the H200 the path
+# alone took 3.39 ms with 4 waves, 3.24 with 8, 3.25 with 16 (NOTES "Host path, stage by stage").
 _MIN_WAVE_ROWS = 16384
 _MAX_WAVES = 4
+_MAX_WAVES_NATIVE = 8
 _ID_BUFFERS = 4  # pinned id buffers per table for the native worker, each reused once its job is done
+# host_gather_dedup="auto": sort while the share of repeated rows, measured on every _DEDUP_REMEASURE-th
+# gather of the table, is at least _DEDUP_MIN_REPEATS. H200, T = 8192 (196,608 ids): the sort and its
+# four launches cost ~0.25 ms of GPU and ~0.3 ms of host time before the worker can start, against
+# ~2.3 ms for copying every row ("Host path, stage by stage"): worth it from about a tenth of repeats.
+_DEDUP_MIN_REPEATS = 0.1
+_DEDUP_REMEASURE = 16
 
 
 def _usable_cores() -> int:
@@ -71,6 +83,13 @@ def default_gather_threads(processes_per_node: int | None = None) -> int:
     Eight ranks on one node then split its cores instead of each taking all of them."""
     sharing = processes_per_node if processes_per_node is not None else (local_world_size() or 1)
     return max(1, _usable_cores() // max(1, sharing))
+
+
+def check_gather_dedup(value) -> str:
+    """``host_gather_dedup`` as given by a caller: one of :data:`DEDUP_CHOICES`."""
+    if value not in DEDUP_CHOICES:
+        raise ValueError(f"host_gather_dedup: expected one of {', '.join(map(repr, DEDUP_CHOICES))}, found {value!r}")
+    return value
 
 
 def check_gather_worker(value) -> str:
@@ -103,8 +122,8 @@ def _resolve_worker(worker: str, device: torch.device) -> str:
     return "python"
 
 
-def _num_waves(num_rows: int) -> int:
-    return max(1, min(_MAX_WAVES, num_rows // _MIN_WAVE_ROWS))
+def _num_waves(num_rows: int, most: int = _MAX_WAVES) -> int:
+    return max(1, min(most, num_rows // _MIN_WAVE_ROWS))
 
 
 def check_gather_threads(value) -> int:
@@ -170,16 +189,24 @@ class HostGather:
 
     ``packed``: pinned CPU ``uint8 [rows + 1, row_bytes]`` (last row zero); ``device``:
     where the rows land; ``gather_threads``: threads copying rows on the host; ``worker``: one of
-    :data:`WORKERS` (see the module docstring; :attr:`worker` is the one chosen).
+    :data:`WORKERS` (see the module docstring; :attr:`worker` is the one chosen); ``dedup``: one of
+    :data:`DEDUP_CHOICES`, whether a native gather copies each distinct row once (sorted) or every
+    lookup's row in lookup order (the Python worker always dedups); :attr:`repeat_share` is the share
+    of repeated rows last measured.
     """
 
     def __init__(self, packed: torch.Tensor, device: torch.device, gather_threads: int | None = None,
-                 worker: str = "auto"):
+                 worker: str = "auto", dedup: str = "auto"):
         self.packed = packed
         self.device = device
         self.gather_threads = default_gather_threads() if gather_threads is None else check_gather_threads(
             gather_threads)
         self.worker = _resolve_worker(check_gather_worker(worker), device)
+        self.dedup = check_gather_dedup(dedup)
+        self.repeat_share: float | None = None  # of the last measured gather (1 - distinct rows / ids)
+        self._since_measured = 0                # native gathers since the last one that sorted
+        self._measuring: tuple | None = None    # (id buffer slot, job number, ids) of a sorted gather to read
+        self.native_gathers = {"sorted": 0, "lookup_order": 0}  # how the native gathers ran
         self.row_bytes = packed.shape[1]
         self.capacity = 0
         self.copy_stream = torch.cuda.Stream(device)
@@ -222,6 +249,11 @@ class HostGather:
         if self.worker == "native":  # id buffers reused once the worker is done with them (no pinned allocation per call)
             self._id_buffers = [self._id_buffer(capacity) for _ in range(_ID_BUFFERS)]
             self._id_buffer_jobs = [self._started] * _ID_BUFFERS
+            self._measuring = None  # its count was in a buffer just replaced
+            self._job_buffers = self.native_service.prepare(table=self.packed, staging=self.staging_host,
+                                                            flags=self._flags)
+            # the inverse of a gather in lookup order (row i of the staging is lookup i's)
+            self._identity = torch.arange(capacity, dtype=torch.int32, device=self.device)
         self.capacity = capacity
 
     def _raise_failure(self) -> None:
@@ -283,32 +315,44 @@ class HostGather:
                 raise RuntimeError(f"this table's host gather is unusable after an earlier failure: {self._broken}")
             self._ensure_capacity(num_ids)
             number = self._started + 1
+            sort = self._sort_next(number)
             slot = number % _ID_BUFFERS
             if native_worker.flags_reached(self._flags_view, JOB_DONE, self._id_buffer_jobs[slot]):
                 buffer, ready, ready_address = self._id_buffers[slot]
                 self._id_buffer_jobs[slot] = number
+                if sort and self.dedup == "auto" and self._measuring is None:
+                    self._measuring = (slot, number, num_ids)  # read at a later start
             else:  # the worker is _ID_BUFFERS gathers behind: a buffer of its own (the service holds it)
                 buffer, ready, ready_address = self._id_buffer(num_ids)
             ids_host = buffer[:num_ids + 1]
             with torch.cuda.stream(stream):
-                distinct = distinct_rows(global_ids, row_start, self.packed.shape[0] - 1)
-                ids_host.copy_(distinct.rows_and_count, non_blocking=True)
-            num_waves = _num_waves(num_ids)
+                if sort:
+                    distinct = distinct_rows(global_ids, row_start, self.packed.shape[0] - 1)
+                    rows_and_count, inverse = distinct.rows_and_count, distinct.inverse
+                else:
+                    rows_and_count = rows_in_lookup_order(global_ids, row_start, self.packed.shape[0] - 1)
+                    inverse = self._identity[:num_ids]
+                ids_host.copy_(rows_and_count, non_blocking=True)
+            num_waves = _num_waves(num_ids, _MAX_WAVES_NATIVE)
             bounds = [num_ids * k // num_waves for k in range(num_waves + 1)]
             try:
                 with _NATIVE_ENQUEUE_LOCK:  # the worker's job order = the order the jobs' ids were enqueued
                     stream_memory_ops.write_value(stream, ready_address, number)
-                    self.native_service.submit(table=self.packed, ids=ids_host, staging=self.staging_host,
-                                               flags=self._flags, ready=ready, ids_ready=number,
-                                               staging_free=number - 1,
-                                               waves_base=self._waves, num_waves=num_waves, job_done=number)
+                    self.native_service.submit_prepared(self._job_buffers, ids=ids_host, ready=ready, ids_ready=number,
+                                                        staging_free=number - 1, waves_base=self._waves,
+                                                        num_waves=num_waves, job_done=number)
                 if self._consumed is not None:  # the device staging's last reader runs first
                     self.copy_stream.wait_event(self._consumed)
-                with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+                # Raw driver copies between the staging buffers (both persistent, guarded by the events
+                # above): 5 us of host time each on the H200's host, against 15-20 for a slice's copy_.
+                waves_done = self._flags_device + 4 * WAVES_DONE
+                host_address, device_address = self.staging_host.data_ptr(), self.staging_device.data_ptr()
+                with torch.cuda.device(self.device):
                     for wave, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-                        stream_memory_ops.wait_value(self.copy_stream, self._flags_device + 4 * WAVES_DONE,
-                                                     self._waves + wave + 1)
-                        self.staging_device[begin:end].copy_(self.staging_host[begin:end], non_blocking=True)
+                        stream_memory_ops.wait_value(self.copy_stream, waves_done, self._waves + wave + 1)
+                        offset = begin * self.row_bytes
+                        stream_memory_ops.copy_to_device(self.copy_stream, device_address + offset,
+                                                         host_address + offset, (end - begin) * self.row_bytes)
                     stream_memory_ops.write_value(self.copy_stream, self._flags_device + 4 * STAGING_FREE, number)
                     done = torch.cuda.Event()
                     done.record(self.copy_stream)
@@ -318,7 +362,28 @@ class HostGather:
             self._started = number
             self._waves += num_waves
             self._copies_done = done
-            return GatherTicket(number, None, distinct.inverse.view(global_ids.shape), done)
+            self.native_gathers["sorted" if sort else "lookup_order"] += 1
+            return GatherTicket(number, None, inverse.view(global_ids.shape), done)
+
+    def _sort_next(self, number: int) -> bool:
+        """Whether native gather ``number`` sorts and dedups: by :attr:`dedup`; for ``"auto"``, first reads
+        the repeat share of the last sorted gather if it is done (its count is still in its id buffer: a
+        slot is reused only once its job is done, and this runs before the reuse), then sorts on every
+        ``_DEDUP_REMEASURE``-th gather and while the share is at least ``_DEDUP_MIN_REPEATS``."""
+        if self.dedup != "auto":
+            return self.dedup == "always"
+        if self._measuring is not None and native_worker.flags_reached(self._flags_view, JOB_DONE, self._measuring[1]):
+            slot, _, num_ids = self._measuring
+            self._measuring = None
+            count = int(self._id_buffers[slot][0][num_ids])
+            if 1 <= count <= num_ids:
+                self.repeat_share = 1.0 - count / num_ids
+        self._since_measured += 1
+        sort = (self.repeat_share is None or self._since_measured >= _DEDUP_REMEASURE
+                or self.repeat_share >= _DEDUP_MIN_REPEATS)
+        if sort:
+            self._since_measured = 0
+        return sort
 
     def _gather(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event, number: int) -> torch.cuda.Event:
         """Worker thread (one; tasks run in order): wait for the ids and for the previous task's

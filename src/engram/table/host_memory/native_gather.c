@@ -28,6 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #define MAX_THREADS 256
 #define MAX_WAVES 64
@@ -252,6 +255,9 @@ static void run_job(Service *s, Job *job) {
 
 static void *leader_main(void *arg) {
     Service *s = arg;
+#ifdef PR_SET_TIMERSLACK
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);  /* 1 us: a 20 us poll sleeps ~20 us, not the default ~70 */
+#endif
     for (;;) {
         pthread_mutex_lock(&s->lock);
         while (s->head == NULL && !s->stop) pthread_cond_wait(&s->wake, &s->lock);

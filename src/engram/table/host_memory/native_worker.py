@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import dataclasses
 import functools
 import os
 import shutil
@@ -105,6 +106,21 @@ def _reached(value: int, target: int) -> bool:
     return ((int(value) - target) & 0xFFFFFFFF) < 0x80000000  # wrap-aware, as the worker and the GPU compare
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class JobBuffers:
+    """What :meth:`NativeGatherService.prepare` checked once: the tensors (kept alive by every job that
+    uses them) and their addresses."""
+
+    table: torch.Tensor
+    staging: torch.Tensor
+    flags: torch.Tensor
+    flags_view: np.ndarray
+    table_args: tuple[int, int, int]  # address, rows, row bytes
+    staging_address: int
+    staging_rows: int
+    words: tuple[int, int, int]       # addresses of STAGING_FREE, WAVES_DONE, JOB_DONE
+
+
 class NativeGatherService:
     """``threads`` native copying threads running submitted jobs in order (see the module docstring)."""
 
@@ -132,25 +148,42 @@ class NativeGatherService:
         ``waves_base + k + 1`` in ``flags[WAVES_DONE]`` after wave ``k`` of ``num_waves`` and ``job_done`` in
         ``flags[JOB_DONE]`` at the end. ``table`` uint8 ``[rows, row_bytes]`` (last row the zero row), ``ids``
         int32 ``[N + 1]``, ``staging`` uint8 ``[>= N, row_bytes]``, ``flags`` int32 ``[FLAG_WORDS]``: contiguous
-        CPU tensors, kept alive here until the job is done."""
-        num_ids = ids.numel() - 1
+        CPU tensors, kept alive here until the job is done. :meth:`prepare` + :meth:`submit_prepared`."""
+        self.submit_prepared(self.prepare(table=table, staging=staging, flags=flags), ids=ids, ready=ready,
+                             ids_ready=ids_ready, staging_free=staging_free, waves_base=waves_base,
+                             num_waves=num_waves, job_done=job_done)
+
+    @staticmethod
+    def prepare(*, table: torch.Tensor, staging: torch.Tensor, flags: torch.Tensor) -> "JobBuffers":
+        """The buffers every job of one table and staging shares, checked once (see :meth:`submit`)."""
         if table.dtype != torch.uint8 or table.dim() != 2 or not table.is_contiguous():
             raise ValueError(f"table: expected contiguous uint8 [rows, row_bytes], found {table.dtype} "
                              f"{list(table.shape)}")
-        if ids.dtype != torch.int32 or ids.dim() != 1 or num_ids < 1 or not ids.is_contiguous():
-            raise ValueError(f"ids: expected contiguous int32 [N + 1] with N >= 1, found {ids.dtype} {list(ids.shape)}")
-        if (staging.dtype != torch.uint8 or staging.dim() != 2 or staging.shape[0] < num_ids
-                or staging.shape[1] != table.shape[1] or not staging.is_contiguous()):
-            raise ValueError(f"staging: expected contiguous uint8 [>= {num_ids}, {table.shape[1]}], found "
+        if (staging.dtype != torch.uint8 or staging.dim() != 2 or staging.shape[1] != table.shape[1]
+                or not staging.is_contiguous()):
+            raise ValueError(f"staging: expected contiguous uint8 [N, {table.shape[1]}], found "
                              f"{staging.dtype} {list(staging.shape)}")
         if flags.dtype != torch.int32 or flags.shape != (FLAG_WORDS,) or not flags.is_contiguous():
             raise ValueError(f"flags: expected contiguous int32 [{FLAG_WORDS}], found {flags.dtype} {list(flags.shape)}")
+        return JobBuffers(table, staging, flags, flags.numpy(),
+                          (table.data_ptr(), table.shape[0], table.shape[1]), staging.data_ptr(), staging.shape[0],
+                          (_word(flags, STAGING_FREE), _word(flags, WAVES_DONE), _word(flags, JOB_DONE)))
+
+    def submit_prepared(self, buffers: "JobBuffers", *, ids: torch.Tensor, ready: torch.Tensor, ids_ready: int,
+                        staging_free: int, waves_base: int, num_waves: int, job_done: int) -> None:
+        """:meth:`submit` over buffers from :meth:`prepare`: only the job's own ids and word are checked."""
+        num_ids = ids.numel() - 1
+        if ids.dtype != torch.int32 or ids.dim() != 1 or num_ids < 1 or not ids.is_contiguous():
+            raise ValueError(f"ids: expected contiguous int32 [N + 1] with N >= 1, found {ids.dtype} {list(ids.shape)}")
+        if num_ids > buffers.staging_rows:
+            raise ValueError(f"staging: expected at least {num_ids} rows (one per id), found {buffers.staging_rows}")
         if ready.dtype != torch.int32 or ready.numel() < 1 or ready.device.type != "cpu":
             raise ValueError(f"ready: expected an int32 CPU tensor of at least one word, found {ready.dtype} "
                              f"{list(ready.shape)} on {ready.device}")
         if not 1 <= num_waves <= min(num_ids, MAX_WAVES):
             raise ValueError(f"num_waves: expected 1 <= num_waves <= {min(num_ids, MAX_WAVES)} (the ids, at most "
                              f"{MAX_WAVES}), found {num_waves}")
+        staging_free_word, waves_done_word, job_done_word = buffers.words
         with self._lock:
             if self._handle is None:
                 raise RuntimeError("the host gather's native worker was stopped")
@@ -159,13 +192,12 @@ class NativeGatherService:
                                    "in this process")
             self.prune()
             status = self._lib.engram_gather_submit(
-                self._handle, table.data_ptr(), table.shape[0], table.shape[1], ids.data_ptr(), num_ids,
-                staging.data_ptr(), ready.data_ptr(), ids_ready & 0xFFFFFFFF, _word(flags, STAGING_FREE),
-                staging_free & 0xFFFFFFFF, _word(flags, WAVES_DONE), waves_base & 0xFFFFFFFF, num_waves,
-                _word(flags, JOB_DONE), job_done & 0xFFFFFFFF)
+                self._handle, *buffers.table_args, ids.data_ptr(), num_ids, buffers.staging_address,
+                ready.data_ptr(), ids_ready & 0xFFFFFFFF, staging_free_word, staging_free & 0xFFFFFFFF,
+                waves_done_word, waves_base & 0xFFFFFFFF, num_waves, job_done_word, job_done & 0xFFFFFFFF)
             if status != 0:
                 raise RuntimeError("the host gather's native worker refused a job (out of memory?)")
-            self._retained.append((flags.numpy(), job_done & 0xFFFFFFFF, (table, ids, staging, flags, ready)))
+            self._retained.append((buffers.flags_view, job_done & 0xFFFFFFFF, (buffers, ids, ready)))
 
     def prune(self) -> None:
         """Drop the buffers of the jobs done (in order: jobs finish in the order submitted)."""

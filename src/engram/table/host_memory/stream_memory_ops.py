@@ -4,7 +4,9 @@
 stream's earlier work has run, its writes visible first); ``wait_value(stream, address, value)``
 enqueues ``cuStreamWaitValue32`` with the wrap-aware greater-or-equal test (later work on the stream
 waits until ``(int32)(*word - value) >= 0``). Both only enqueue: no host sync. ``address`` is the
-device address of a word of pinned host memory (:func:`device_address`).
+device address of a word of pinned host memory (:func:`device_address`). ``copy_to_device(stream,
+target, source, nbytes)`` enqueues ``cuMemcpyHtoDAsync`` between raw addresses: on the H200's host
+about 5 us of host time against 15-20 us for a slice and ``Tensor.copy_``.
 
 The host gather uses them with its native worker (:mod:`engram.table.host_memory.native_worker`):
 the stream waits for a word the worker stores, and the worker polls words the stream writes, so
@@ -19,7 +21,7 @@ import functools
 
 import torch
 
-__all__ = ["available", "device_address", "write_value", "wait_value"]
+__all__ = ["available", "device_address", "write_value", "wait_value", "copy_to_device"]
 
 _WAIT_GEQ = 0x0        # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-aware
 _WRITE_DEFAULT = 0x0   # CU_STREAM_WRITE_VALUE_DEFAULT: after the stream's earlier writes are visible
@@ -27,7 +29,7 @@ _WRITE_DEFAULT = 0x0   # CU_STREAM_WRITE_VALUE_DEFAULT: after the stream's earli
 
 @functools.lru_cache(maxsize=1)
 def _driver():
-    """``(wait, write, device_pointer)`` of the CUDA driver, or None where it is not reachable."""
+    """``(wait, write, device_pointer, copy)`` of the CUDA driver, or None where it is not reachable."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -43,14 +45,17 @@ def _driver():
     wait = function("cuStreamWaitValue32_v2", "cuStreamWaitValue32")
     write = function("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
     pointer = function("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
-    if wait is None or write is None or pointer is None:
+    copy = function("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync")
+    if wait is None or write is None or pointer is None or copy is None:
         return None
     for operation in (wait, write):
         operation.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         operation.restype = ctypes.c_int
     pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     pointer.restype = ctypes.c_int
-    return wait, write, pointer
+    copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    copy.restype = ctypes.c_int
+    return wait, write, pointer, copy
 
 
 def _checked(status: int, what: str) -> None:
@@ -82,6 +87,13 @@ def wait_value(stream: torch.cuda.Stream, address: int, value: int) -> None:
     """Enqueue on ``stream``: later work waits until the word at ``address`` has reached ``value`` (wrap-aware)."""
     _checked(_driver()[0](ctypes.c_void_p(stream.cuda_stream), address, value & 0xFFFFFFFF, _WAIT_GEQ),
              "cuStreamWaitValue32")
+
+
+def copy_to_device(stream: torch.cuda.Stream, target: int, source: int, nbytes: int) -> None:
+    """Enqueue on ``stream`` (its device current): copy ``nbytes`` from host address ``source`` (pinned
+    memory) to device address ``target``. The caller keeps both buffers alive until the copy has run."""
+    _checked(_driver()[3](target, ctypes.c_void_p(source), nbytes, ctypes.c_void_p(stream.cuda_stream)),
+             "cuMemcpyHtoDAsync")
 
 
 _AVAILABLE: dict[int, bool] = {}

@@ -20,9 +20,9 @@ import torch
 
 from engram.triton_launch import CompiledLaunch, interpreting
 from engram.table.kernels.dedup_kernels import count_firsts_kernel, local_rows_kernel, scatter_distinct_kernel
-from engram.table.kernels.reference import distinct_rows_reference
+from engram.table.kernels.reference import distinct_rows_reference, rows_in_lookup_order_reference
 
-__all__ = ["DistinctRows", "distinct_rows"]
+__all__ = ["DistinctRows", "distinct_rows", "rows_in_lookup_order"]
 
 _BLOCK = 1024
 _LOCAL_ROWS = CompiledLaunch(local_rows_kernel)
@@ -63,7 +63,7 @@ def distinct_rows(global_ids: torch.Tensor, row_start: int, num_rows: int) -> Di
     blocks = -(-total // _BLOCK)
     local = torch.empty(total, dtype=torch.int32, device=device)
     ints = (total, global_ids.shape[1], global_ids.stride(0), global_ids.stride(1), row_start, num_rows)
-    _LOCAL_ROWS(blocks, (global_ids, local, *ints, _BLOCK), num_warps=4, device_index=device_index)
+    _LOCAL_ROWS(blocks, (global_ids, local, *ints, _BLOCK, False), num_warps=4, device_index=device_index)
     ordered, order = torch.sort(local)
     rank = torch.empty(total, dtype=torch.int32, device=device)
     block_count = torch.empty(blocks, dtype=torch.int32, device=device)
@@ -74,3 +74,24 @@ def distinct_rows(global_ids: torch.Tensor, row_start: int, num_rows: int) -> Di
     _SCATTER_DISTINCT(blocks, (ordered, order, rank, block_count, block_end, rows_and_count, inverse, total, blocks,
                                _BLOCK), num_warps=4, device_index=device_index)
     return DistinctRows(rows_and_count, inverse)
+
+
+def rows_in_lookup_order(global_ids: torch.Tensor, row_start: int, num_rows: int) -> torch.Tensor:
+    """Every lookup's local row, in lookup order, with their number: ``rows_and_count int32 [N + 1]``,
+    ``local`` as in :func:`distinct_rows` in ``[:N]`` and ``N`` at ``[N]``. The host gather's form for
+    lookups with few repeats: one launch (the sort and four launches of :func:`distinct_rows` skipped),
+    every id's row copied; the inverse is the identity. ``global_ids`` int32/int64 ``[T, C]``."""
+    if not 0 < num_rows < 2**31 - 1:
+        raise ValueError(f"num_rows: expected 0 < num_rows < 2**31 - 1 (int32 row ids), found {num_rows}")
+    if global_ids.dim() != 2:
+        raise ValueError(f"global_ids: expected [T, C], found shape {list(global_ids.shape)}")
+    total = global_ids.numel()
+    if total == 0 or not (global_ids.is_cuda or interpreting()):
+        return rows_in_lookup_order_reference(global_ids, row_start, num_rows)
+    if total >= 2**31 - _BLOCK:
+        raise ValueError(f"global_ids: {total} ids; expected fewer than 2**31")
+    rows_and_count = torch.empty(total + 1, dtype=torch.int32, device=global_ids.device)
+    ints = (total, global_ids.shape[1], global_ids.stride(0), global_ids.stride(1), row_start, num_rows)
+    _LOCAL_ROWS(-(-total // _BLOCK), (global_ids, rows_and_count, *ints, _BLOCK, True), num_warps=4,
+                device_index=global_ids.device.index if global_ids.is_cuda else 0)
+    return rows_and_count

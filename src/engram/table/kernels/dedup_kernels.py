@@ -15,16 +15,21 @@ import triton.language as tl
 
 @triton.jit
 def local_rows_kernel(ids_ptr, local_ptr, total, columns, stride_token, stride_column, row_start, num_rows,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, WRITE_COUNT: tl.constexpr):
     """``local[i] = id - row_start`` if ``0 <= id - row_start < num_rows`` else ``num_rows`` (int32),
-    ``id = ids[i // columns, i % columns]`` through the ids' strides."""
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ``id = ids[i // columns, i % columns]`` through the ids' strides; with ``WRITE_COUNT`` program 0
+    also stores ``total`` at ``local[total]`` (every id its own row: the count of a lookup-order gather)."""
+    block = tl.program_id(0).to(tl.int64)
+    offsets = block * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < total
     token, column = offsets // columns, offsets % columns
     ids = tl.load(ids_ptr + token * stride_token + column * stride_column, mask=mask, other=0).to(tl.int64)
     local = ids - row_start
     local = tl.where((local >= 0) & (local < num_rows), local, num_rows)
     tl.store(local_ptr + offsets, local.to(tl.int32), mask=mask)
+    if WRITE_COUNT:
+        count = (tl.zeros([BLOCK], dtype=tl.int64) + total).to(tl.int32)
+        tl.store(local_ptr + total + tl.arange(0, BLOCK), count, mask=offsets == 0)  # lane 0 of program 0
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 
 from engram.table.fp8 import as_scale_bytes, as_value_bytes, dequantize_rows
 
-__all__ = ["lookup_reference", "peer_lookup_reference", "distinct_rows_reference"]
+__all__ = ["lookup_reference", "peer_lookup_reference", "distinct_rows_reference", "rows_in_lookup_order_reference"]
 
 
 def lookup_reference(
@@ -100,3 +100,14 @@ def distinct_rows_reference(global_ids: torch.Tensor, row_start: int, num_rows: 
     rows_and_count[: rows.numel()] = rows.to(torch.int32)
     rows_and_count[-1] = rows.numel()
     return rows_and_count, inverse.to(torch.int32)
+
+
+def rows_in_lookup_order_reference(global_ids: torch.Tensor, row_start: int, num_rows: int) -> torch.Tensor:
+    """Every lookup's local row and their number (:func:`engram.table.kernels.dedup.rows_in_lookup_order`):
+    ``rows_and_count int32 [N + 1]``, ``local`` (as in :func:`distinct_rows_reference`) in ``[:N]``, ``N`` at ``[N]``."""
+    local = global_ids.reshape(-1).to(torch.int64) - row_start
+    local = torch.where((local >= 0) & (local < num_rows), local, torch.full_like(local, num_rows))
+    rows_and_count = torch.empty(local.numel() + 1, dtype=torch.int32, device=local.device)
+    rows_and_count[:-1] = local.to(torch.int32)
+    rows_and_count[-1] = local.numel()
+    return rows_and_count

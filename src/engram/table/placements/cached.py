@@ -62,7 +62,8 @@ import torch
 
 from engram.triton_launch import interpreting, triton_available
 from engram.table.placements.host import DIRECT_MAX_ROWS, HostPlacement, check_direct_max_rows
-from engram.table.host_memory.gather import GatherTicket, check_gather_threads, check_gather_worker, gather_packed_rows_host
+from engram.table.host_memory.gather import (GatherTicket, check_gather_dedup, check_gather_threads, check_gather_worker,
+                                             gather_packed_rows_host)
 from engram.table.host_memory.rows import PackedRows, pack_rows
 from engram.table.table import TablePlacement, register_placement
 
@@ -89,6 +90,7 @@ class CachedPlacement(TablePlacement):
             their misses through the host gather (0: every lookup outside CUDA-graph capture does).
         gather_threads: host threads of the host gather (as placement ``"host"``'s option).
         host_gather_worker: who copies the host gather's rows (as placement ``"host"``'s option).
+        host_gather_dedup: whether the host gather copies each distinct row once (as placement ``"host"``'s option).
     """
 
     name = "cached"
@@ -98,7 +100,7 @@ class CachedPlacement(TablePlacement):
                  cache_fraction: float = DEFAULT_CACHE_FRACTION, ways: int = 8, aging_interval: int = 16,
                  policy: str = "set-lru", hot_rows: torch.Tensor | None = None,
                  direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
-                 host_gather_worker: str = "auto"):
+                 host_gather_worker: str = "auto", host_gather_dedup: str = "auto"):
         if isinstance(cache_fraction, bool) or not isinstance(cache_fraction, (int, float)) or not (
                 0 < cache_fraction <= 1):
             raise ValueError(f"cache_fraction: expected a number in (0, 1], found {cache_fraction!r}")
@@ -108,9 +110,10 @@ class CachedPlacement(TablePlacement):
         if gather_threads is not None:
             check_gather_threads(gather_threads)
         check_gather_worker(host_gather_worker)
+        check_gather_dedup(host_gather_dedup)
         if torch.cuda.is_available():
             self.host = HostPlacement(value_bytes, scale_bytes, device, gather_threads=gather_threads,
-                                      host_gather_worker=host_gather_worker)
+                                      host_gather_worker=host_gather_worker, host_gather_dedup=host_gather_dedup)
             target = self.host.device
             self._back_values, self._back_scales = self.host.direct_values, self.host.direct_scales
             self._packed = self.host.rows.packed

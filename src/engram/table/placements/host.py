@@ -26,8 +26,8 @@ import torch
 
 from engram.common import resolve_cuda_device
 from engram.options import DEFAULT_DIRECT_MAX_ROWS, DEFAULT_PREFETCH_DIRECT_MAX_ROWS
-from engram.table.host_memory.gather import (GatherTicket, HostGather, check_gather_threads, check_gather_worker,
-                                             gather_packed_rows_host)
+from engram.table.host_memory.gather import (GatherTicket, HostGather, check_gather_dedup, check_gather_threads,
+                                             check_gather_worker, gather_packed_rows_host)
 from engram.table.host_memory.rows import (PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, packed_row_bytes,
                         register_with_cuda)
 from engram.table.table import TablePlacement, register_placement
@@ -82,6 +82,8 @@ class HostPlacement(TablePlacement):
             the processes sharing the node, :func:`~engram.table.host_memory.gather.default_gather_threads`).
         host_gather_worker: ``"auto"``, ``"native"`` or ``"python"``: who copies path (b)'s rows
             (:mod:`engram.table.host_memory.gather`).
+        host_gather_dedup: ``"auto"``, ``"always"`` or ``"never"``: whether path (b) copies each distinct
+            row once (:mod:`engram.table.host_memory.gather`).
     """
 
     name = "host"
@@ -89,12 +91,14 @@ class HostPlacement(TablePlacement):
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
                  direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
-                 host_gather_worker: str = "auto", prefetch_direct_max_rows: int = DEFAULT_PREFETCH_DIRECT_MAX_ROWS):
+                 host_gather_worker: str = "auto", prefetch_direct_max_rows: int = DEFAULT_PREFETCH_DIRECT_MAX_ROWS,
+                 host_gather_dedup: str = "auto"):
         direct_max_rows = check_direct_max_rows(direct_max_rows)
         prefetch_direct_max_rows = check_direct_max_rows(prefetch_direct_max_rows, "prefetch_direct_max_rows")
         if gather_threads is not None:
             check_gather_threads(gather_threads)
         check_gather_worker(host_gather_worker)
+        check_gather_dedup(host_gather_dedup)
         if not torch.cuda.is_available():
             raise ValueError("placement 'host' keeps the table in host memory for a CUDA device to read, and this "
                              "machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
@@ -114,7 +118,7 @@ class HostPlacement(TablePlacement):
         # uint8 [rows, D] / [rows, D / 32]: CUDA views of the host rows' values and scales (direct reads over PCIe)
         self.direct_values = alias[:-1, :head_dim]
         self.direct_scales = alias[:-1, head_dim: head_dim + head_dim // 32]
-        self._host_gather = HostGather(rows.packed, target, gather_threads, host_gather_worker)
+        self._host_gather = HostGather(rows.packed, target, gather_threads, host_gather_worker, host_gather_dedup)
 
     # ---- loading from a checkpoint ---------------------------------------------------
     @classmethod
