@@ -124,6 +124,30 @@ def test_native_worker_publishes_waves_in_order_without_a_barrier(rng, threads, 
         service.stop()
 
 
+@pytest.mark.parametrize("table_offset, staging_offset, row_bytes", [(0, 0, 272), (8, 0, 272), (0, 4, 272),
+                                                                   (0, 0, 20), (0, 0, 80)])
+def test_native_worker_copies_unaligned_and_odd_rows(rng, table_offset, staging_offset, row_bytes):
+    # streaming 16-byte stores where table, staging and row size allow them, memcpy elsewhere
+    rows, num_ids = 3000, 700
+    raw = torch.from_numpy(rng.integers(0, 256, ((rows + 1) * row_bytes + 64,), dtype=np.uint8))
+    table = raw[table_offset:table_offset + (rows + 1) * row_bytes].view(rows + 1, row_bytes)
+    staging_raw = torch.full((num_ids * row_bytes + 64,), 0xA5, dtype=torch.uint8)
+    staging = staging_raw[staging_offset:staging_offset + num_ids * row_bytes].view(num_ids, row_bytes)
+    ids = _ids(rng.integers(0, rows + 1, num_ids), num_ids)
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    service = native_worker.NativeGatherService(2)
+    try:
+        service.submit(table=table, ids=ids, staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=1,
+                       staging_free=0, waves_base=0, num_waves=3, job_done=1)
+        flags[IDS_READY] = 1
+        _wait_word(flags, JOB_DONE, 1)
+        assert torch.equal(staging, _expected(table, ids, num_ids))
+        assert bool((staging_raw[:staging_offset] == 0xA5).all())  # nothing written outside the staging
+        assert bool((staging_raw[staging_offset + num_ids * row_bytes:] == 0xA5).all())
+    finally:
+        service.stop()
+
+
 def test_native_worker_clamps_ids_and_count_into_its_buffers(rng):
     table = _table(rng, 100)
     values = [-1, 0, 99, 100, 2**31 - 1, -(2**31), 57]
