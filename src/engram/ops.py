@@ -35,10 +35,12 @@ _TICKETS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary(
 _TICKET_NUMBERS = itertools.count(1)
 
 
+_IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+
+
 def compiling() -> bool:
     """Whether torch.compile is tracing this call (False on torch without ``torch.compiler``)."""
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling())
+    return _IS_COMPILING is not None and bool(_IS_COMPILING())
 
 
 def register(obj: Any) -> int:

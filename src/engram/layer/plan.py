@@ -56,13 +56,14 @@ class LayerPlan:
     without per-call checks) or ``"checked"`` (every check on every call: a token mask on another
     device than the hidden states, moved per call)."""
 
-    __slots__ = ("layer", "key", "step", "path")
+    __slots__ = ("layer", "key", "step", "path", "table", "collective")
 
     def __init__(self, layer, hidden_states, hash_ids, token_mask=None, *, key: tuple | None = None):
         if layer.mode != "single":
             raise ValueError(f"plan: layers of mode {layer.mode!r} (tensor or sequence parallel) run through "
                              "Engram.forward; plans are made for single-process layers")
         self.layer = layer
+        self.table, self.collective = layer.table, layer.collective  # Engram.forward's fast path checks both
         self.key = plan_key(layer, hidden_states, hash_ids, token_mask) if key is None else key
         layer.forward_checked(hidden_states, hash_ids, token_mask, None, check_only=True)  # every check, once
         self.step = None
