@@ -40,6 +40,18 @@ class DistinctRows:
     inverse: torch.Tensor
 
 
+def _checked_total(global_ids: torch.Tensor, num_rows: int) -> int:
+    """The number of ids, after checking the table size (int32 row ids) and the ids' shape and count."""
+    if not 0 < num_rows < 2**31 - 1:
+        raise ValueError(f"num_rows: expected 0 < num_rows < 2**31 - 1 (int32 row ids), found {num_rows}")
+    if global_ids.dim() != 2:
+        raise ValueError(f"global_ids: expected [T, C], found shape {list(global_ids.shape)}")
+    total = global_ids.numel()
+    if total >= 2**31 - _BLOCK:
+        raise ValueError(f"global_ids: {total} ids; expected fewer than 2**31")
+    return total
+
+
 def distinct_rows(global_ids: torch.Tensor, row_start: int, num_rows: int) -> DistinctRows:
     """Distinct rows of ``global_ids`` (int32/int64 ``[T, C]``, any strides) in a table of
     ``num_rows`` rows starting at global row ``row_start``; ids outside the table become row
@@ -49,15 +61,9 @@ def distinct_rows(global_ids: torch.Tensor, row_start: int, num_rows: int) -> Di
     Triton kernels on CUDA tensors (and under the interpreter), else
     :func:`~engram.table.kernels.reference.distinct_rows_reference`. ``num_rows`` must be below 2**31 - 1.
     """
-    if not 0 < num_rows < 2**31 - 1:
-        raise ValueError(f"num_rows: expected 0 < num_rows < 2**31 - 1 (int32 row ids), found {num_rows}")
-    if global_ids.dim() != 2:
-        raise ValueError(f"global_ids: expected [T, C], found shape {list(global_ids.shape)}")
-    total = global_ids.numel()
+    total = _checked_total(global_ids, num_rows)
     if total == 0 or not (global_ids.is_cuda or interpreting()):
         return DistinctRows(*distinct_rows_reference(global_ids, row_start, num_rows))
-    if total >= 2**31 - _BLOCK:
-        raise ValueError(f"global_ids: {total} ids; expected fewer than 2**31")
     device = global_ids.device
     device_index = device.index if global_ids.is_cuda else 0
     blocks = -(-total // _BLOCK)
@@ -81,15 +87,9 @@ def rows_in_lookup_order(global_ids: torch.Tensor, row_start: int, num_rows: int
     ``local`` as in :func:`distinct_rows` in ``[:N]`` and ``N`` at ``[N]``. The host gather's form for
     lookups with few repeats: one launch (the sort and four launches of :func:`distinct_rows` skipped),
     every id's row copied; the inverse is the identity. ``global_ids`` int32/int64 ``[T, C]``."""
-    if not 0 < num_rows < 2**31 - 1:
-        raise ValueError(f"num_rows: expected 0 < num_rows < 2**31 - 1 (int32 row ids), found {num_rows}")
-    if global_ids.dim() != 2:
-        raise ValueError(f"global_ids: expected [T, C], found shape {list(global_ids.shape)}")
-    total = global_ids.numel()
+    total = _checked_total(global_ids, num_rows)
     if total == 0 or not (global_ids.is_cuda or interpreting()):
         return rows_in_lookup_order_reference(global_ids, row_start, num_rows)
-    if total >= 2**31 - _BLOCK:
-        raise ValueError(f"global_ids: {total} ids; expected fewer than 2**31")
     rows_and_count = torch.empty(total + 1, dtype=torch.int32, device=global_ids.device)
     ints = (total, global_ids.shape[1], global_ids.stride(0), global_ids.stride(1), row_start, num_rows)
     _LOCAL_ROWS(-(-total // _BLOCK), (global_ids, rows_and_count, *ints, _BLOCK, True), num_warps=4,
