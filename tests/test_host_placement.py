@@ -79,16 +79,32 @@ def test_host_gather_matches_the_reference_with_out_of_range_ids(count, rng):
     assert int(out[~inside].sum()) == 0
 
 
+def _expected_local(ids, row_start, num_rows):
+    local = ids.reshape(-1).long() - row_start
+    return torch.where((local >= 0) & (local < num_rows), local, torch.full_like(local, num_rows))
+
+
 def _check_distinct_rows(ids, row_start, num_rows):
     distinct = distinct_rows(ids, row_start, num_rows)
-    local = ids.reshape(-1).long() - row_start
-    local = torch.where((local >= 0) & (local < num_rows), local, torch.full_like(local, num_rows))
+    local = _expected_local(ids, row_start, num_rows)
     expected = torch.unique(local)
     found = int(distinct.rows_and_count[-1])
     assert found == expected.numel()
     assert distinct.rows_and_count.dtype == distinct.inverse.dtype == torch.int32
     assert torch.equal(distinct.rows_and_count[:found].long(), expected)
     assert torch.equal(distinct.rows_and_count[distinct.inverse.long()].long(), local)
+
+
+def _check_rows_in_lookup_order(ids, row_start, num_rows):
+    rows_and_count = rows_in_lookup_order(ids, row_start, num_rows)
+    local = _expected_local(ids, row_start, num_rows)
+    assert torch.equal(rows_and_count, rows_in_lookup_order_reference(ids, row_start, num_rows))
+    assert rows_and_count.dtype == torch.int32 and rows_and_count.shape == (local.numel() + 1,)
+    assert int(rows_and_count[-1]) == local.numel()
+    assert torch.equal(rows_and_count[:-1].long(), local)
+
+
+_GATHER_FORMS = {"sorted": _check_distinct_rows, "lookup_order": _check_rows_in_lookup_order}
 
 
 def _lookup_ids(rng, count, columns, num_rows, row_start, dtype):
@@ -100,54 +116,30 @@ def _lookup_ids(rng, count, columns, num_rows, row_start, dtype):
 
 @pytest.mark.parametrize("count", [1, 2, 63, 1000, 4099])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_distinct_rows_are_sorted_unique_and_invert_to_the_lookups(count, dtype, rng):
+@pytest.mark.parametrize("form", list(_GATHER_FORMS))
+def test_gather_rows_of_both_forms_invert_to_the_lookups(form, count, dtype, rng):
+    """Sorted: distinct rows ascending, their count, an inverse back to every lookup; lookup order:
+    every lookup's row and their number."""
     num_rows = int(rng.integers(1, 300))
     row_start = int(rng.integers(0, 2**20 if dtype == torch.int32 else 2**33))
-    _check_distinct_rows(_lookup_ids(rng, count, 3, num_rows, row_start, dtype), row_start, num_rows)
+    _GATHER_FORMS[form](_lookup_ids(rng, count, 3, num_rows, row_start, dtype), row_start, num_rows)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("count,columns", [(1, 1), (63, 3), (700, 3)])
-def test_distinct_rows_kernels_match_the_reference(count, columns, rng):
-    """The kernels under the interpreter: 1 to 3 blocks of 1024 sorted ids, runs of equal
-    rows across block edges, ids outside the table."""
+@pytest.mark.parametrize("form", list(_GATHER_FORMS))
+def test_gather_row_kernels_of_both_forms_match_the_reference(form, count, columns, rng):
+    """The kernels under the interpreter: 1 to 3 blocks of 1024 ids (sorted: runs of equal rows across
+    block edges), strided ids, ids outside the table."""
     num_rows = int(rng.integers(1, 1500))
     row_start = int(rng.integers(0, 2**33))
-    _check_distinct_rows(_lookup_ids(rng, count, columns, num_rows, row_start, torch.int64), row_start, num_rows)
+    _GATHER_FORMS[form](_lookup_ids(rng, count, columns, num_rows, row_start, torch.int64), row_start, num_rows)
 
 
-def _check_rows_in_lookup_order(ids, row_start, num_rows):
-    rows_and_count = rows_in_lookup_order(ids, row_start, num_rows)
-    local = ids.reshape(-1).long() - row_start
-    local = torch.where((local >= 0) & (local < num_rows), local, torch.full_like(local, num_rows))
-    assert rows_and_count.dtype == torch.int32 and rows_and_count.shape == (local.numel() + 1,)
-    assert int(rows_and_count[-1]) == local.numel()
-    assert torch.equal(rows_and_count[:-1].long(), local)
-
-
-@pytest.mark.parametrize("count", [1, 2, 63, 1000])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_rows_in_lookup_order_keep_every_lookup_and_count_them(count, dtype, rng):
-    num_rows = int(rng.integers(1, 300))
-    row_start = int(rng.integers(0, 2**20 if dtype == torch.int32 else 2**33))
-    _check_rows_in_lookup_order(_lookup_ids(rng, count, 3, num_rows, row_start, dtype), row_start, num_rows)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("count,columns", [(1, 1), (63, 3), (700, 3)])
-def test_rows_in_lookup_order_kernel_matches_the_reference(count, columns, rng):
-    """The one-launch form under the interpreter: 1 to 3 blocks, strided ids, ids outside the table."""
-    num_rows = int(rng.integers(1, 1500))
-    row_start = int(rng.integers(0, 2**33))
-    ids = _lookup_ids(rng, count, columns, num_rows, row_start, torch.int64)
-    assert torch.equal(rows_in_lookup_order(ids, row_start, num_rows),
-                       rows_in_lookup_order_reference(ids, row_start, num_rows))
-    _check_rows_in_lookup_order(ids, row_start, num_rows)
-
-
-def test_distinct_rows_refuse_tables_past_int32():
+@pytest.mark.parametrize("launch", [distinct_rows, rows_in_lookup_order])
+def test_gather_rows_refuse_tables_past_int32(launch):
     with pytest.raises(ValueError, match="num_rows"):
-        distinct_rows(torch.zeros(3, 1, dtype=torch.int64), 0, 2**31)
+        launch(torch.zeros(3, 1, dtype=torch.int64), 0, 2**31)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")
