@@ -239,6 +239,45 @@ def test_gpu_host_gather_sorts_while_measured_repeats_pay(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_auto_dedup_reads_the_count_of_its_own_gather_once_the_worker_is_done(rng):
+    """The measured gather's count is read from its id buffer only once its job is done, and that
+    buffer is not reused before: with the worker held on the measured gather, a gather landing on the
+    same buffer slot takes a fresh buffer, and the share read after the release is the measured one's."""
+    from engram.table.host_memory import gather as host_gather
+
+    rows, tokens = 4000, 700
+    values, scales = _table(rows, 256, int(rng.integers(2**31)))
+    options = {"host_gather_worker": "native", "direct_max_rows": 0}
+    device = engram.EngramTable(values, scales, placement="device", device="cuda", validate=False)
+    warm = engram.EngramTable(values, scales, placement="host", device="cuda", validate=False,
+                              placement_options={**options, "host_gather_dedup": "never"})
+    warm.lookup(_ids(rng, tokens, 24, rows))  # kernels loaded before the worker is held (a module load
+    torch.cuda.synchronize()                  # would wait for a stream that waits for the worker)
+    host = engram.EngramTable(values, scales, placement="host", device="cuda", validate=False,
+                              placement_options=options)
+    gather = host.storage.host_gather
+    measured = torch.from_numpy(rng.integers(0, 50, (tokens, 24)).astype(np.int32)).cuda()  # 50 rows, repeated
+    later = [_ids(rng, tokens, 24, rows) for _ in range(host_gather._ID_BUFFERS)]
+    # the fresh id buffer comes from torch's pinned-block cache, not a new host allocation, while held
+    cached_block = torch.empty(tokens * 24 + 17, dtype=torch.int32, pin_memory=True)
+    del cached_block
+    latch = torch.zeros(16, dtype=torch.int32)
+    gather.native_service.hold_next(latch, timeout_ms=60_000)
+    got = [host.lookup(ids) for ids in (measured, *later)]  # the last one lands on the measured gather's slot
+    held = not gather.idle
+    latch[0] = 1
+    torch.cuda.synchronize()
+    gather.wait_idle()
+    assert held and gather.native_service.stats()["holds_timed_out"] == 0
+    for ids, rows_got in zip((measured, *later), got):
+        assert torch.equal(rows_got.view(torch.int16), device.lookup(ids).view(torch.int16))
+    host.lookup(later[0])  # the next start reads the measured gather's count
+    distinct = torch.unique(measured).numel()
+    assert gather.repeat_share == 1.0 - distinct / measured.numel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_gpu_many_small_host_tables_register_side_by_side(rng):
     """Small host tables alive at once, as a test suite or a multi-layer model makes them: each
     registers with CUDA (no range shares a page with another) and reads its own rows."""
