@@ -13,16 +13,19 @@ included); prefill / mixed, T in {4096, 8192}, eager (chunks of 2048 tokens).
 Variants per T: ``none`` (no Engram); ``device`` (HBM tables); ``host`` and ``cached``, each inline,
 prefetched (``memory.prefetch(hash_ids)`` right after hashing; a returned handle goes to
 ``forward_layer(..., prefetch=handle)``) and with kv ahead (``memory.prefetch(hash_ids,
-kv_ahead=True)``, where this version has it); ``seed`` (the seed's design: placement ``host`` with
+kv_ahead=True)``, where this version has it); ``host_prefetch_late`` (the prefetch called once the
+decoder layers before the first Engram layer are enqueued, so its host time overlaps them); ``seed``
+(the seed's design: placement ``host`` with
 every row read over PCIe by the gather kernel, on the main stream). Placement ``cached`` calls
 ``memory.update_cache`` after each step, inside the timed step (an engine pays it per step).
 
 Measuring: before a prefill phase one prefetched pass of the Engram layers per host placement grows
 the host gathers' buffers (an engine's warm-up batch), then each variant's warm-up steps (on the same
 token ids: every variant's output is compared with ``device``'s), then the variants interleaved
-(rounds of one step each, the order rotated per round), each step timed with CUDA events, fresh
-random token ids per step from a seeded generator; medians and spreads (IQR, min-max), and each
-variant against ``none`` and ``device`` paired per round (the headline figures use these), and for
+(rounds of one step each, in an order drawn afresh per round from the seed, so that no variant always
+follows the same one), each step timed with CUDA events, fresh random token ids per step from a seeded
+generator; medians and spreads (IQR, min-max), and each variant against ``none`` and ``device`` paired
+per round with a 95% interval of that median (the headline figures use these), and for
 eager steps the time Engram's calls hold the main stream (``engram_stream_ms``: CUDA events around the
 hashing + prefetch and around each Engram layer, waits for prefetched rows included). A watchdog
 writes the report and ends the run when a warm-up or step stalls (``--stall-s``). In the same run: one decoder layer alone, the floor (the two Engram layers'
@@ -39,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import json
+import random
 import signal
 import statistics
 import subprocess
@@ -67,10 +72,11 @@ DECODE_TOKENS, PREFILL_TOKENS = (1, 64, 256), (4096, 8192)
 PRIORITY = (("decode", 64), ("decode", 1), ("decode", 256), ("prefill", 4096), ("prefill", 8192))
 VARIANTS = (("none", None, None), ("device", "device", "inline"),
             ("host_inline", "host", "inline"), ("host_prefetch", "host", "prefetch"),
-            ("host_kv_ahead", "host", "kv_ahead"),
+            ("host_prefetch_late", "host", "prefetch_late"), ("host_kv_ahead", "host", "kv_ahead"),
             ("cached_inline", "cached", "inline"), ("cached_prefetch", "cached", "prefetch"),
             ("cached_kv_ahead", "cached", "kv_ahead"), ("seed", "seed", "inline"),
             ("device_again", "device", "inline"))  # the same as "device": what two equal steps differ by here
+HOST_PREFETCHED = ("host_prefetch", "host_prefetch_late", "host_kv_ahead")  # the host key's best of these
 LEFT_OUT = ("the stand-in leaves out the attention core (and its KV cache) and the all-to-all of expert "
             "parallelism; both make a real step longer, so Engram's shares here are upper bounds")
 
@@ -148,6 +154,28 @@ def paired_pct(values: list[float], base: list[float]) -> float | None:
     return statistics.median(100 * (v - b) / b for v, b in pairs) if pairs else None
 
 
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of ``values`` (order statistics of the binomial
+    sign test): ``(values_(k), values_(n-k+1))`` sorted, with the largest k whose two tails each hold at
+    most ``(1 - level) / 2``; None below 6 values (no such k at 95%)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail, k, below = (1 - level) / 2, 0, 0.0
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n  # P(at most k values below the median)
+        if below > tail:
+            break
+        k += 1
+    if k == 0:
+        return None
+    return ordered[k - 1], ordered[n - k]
+
+
+def paired_pct_interval(values: list[float], base: list[float]) -> tuple[float, float] | None:
+    """:func:`median_interval` of the per-round % differences :func:`paired_pct` takes the median of."""
+    return median_interval([100 * (v - b) / b for v, b in zip(values, base) if b])
+
+
 def _vs(phase: dict | None, names: tuple[str, ...], base: str):
     """The best of ``names`` against ``base`` in %: paired per round where the phase has the
     per-round figures, else the ratio of medians."""
@@ -158,6 +186,13 @@ def _vs(phase: dict | None, names: tuple[str, ...], base: str):
     if any(p is not None for p in paired):
         return min(p for p in paired if p is not None)
     return _pct(_best(phase, names), _median(phase, base))
+
+
+def _interval(phase: dict | None, name: str, base: str):
+    """``name``'s 95% interval of its paired % against ``base`` (:func:`paired_pct_interval`), or None."""
+    if phase is None:
+        return None
+    return phase["variants"].get(name, {}).get(f"paired_vs_{base}_ci95_pct")
 
 
 def headline(report: dict) -> dict:
@@ -173,11 +208,14 @@ def headline(report: dict) -> dict:
     ceiling = (report.get("host_gather_ceiling") or {}).get("best_GBps")
     alone = report.get("host_path_T8192") or {}
     return {
-        "host_vs_device_prefill_T8192_pct": _vs(prefill, ("host_prefetch", "host_kv_ahead"), "device"),
-        "host_vs_device_decode_T64_pct": _vs(decode64, ("host_prefetch", "host_kv_ahead"), "device"),
+        "host_vs_device_prefill_T8192_pct": _vs(prefill, HOST_PREFETCHED, "device"),
+        "host_vs_device_decode_T64_pct": _vs(decode64, HOST_PREFETCHED, "device"),
+        **{f"{name}_vs_device_prefill_T8192_pct": _vs(prefill, (name,), "device") for name in HOST_PREFETCHED},
+        **{f"{name}_vs_device_prefill_T8192_ci95_pct": _interval(prefill, name, "device") for name in HOST_PREFETCHED},
         "cached_vs_device_prefill_T8192_pct": _vs(prefill, ("cached_prefetch", "cached_kv_ahead"), "device"),
         "common_vs_device_prefill_T8192_pct": _vs(prefill, ("seed",), "device"),
         "device_again_vs_device_prefill_T8192_pct": _vs(prefill, ("device_again",), "device"),
+        "device_again_vs_device_prefill_T8192_ci95_pct": _interval(prefill, "device_again", "device"),
         "device_again_vs_device_decode_T64_pct": _vs(decode64, ("device_again",), "device"),
         "device_over_floor_prefill_T8192_pct": over_floor,
         "host_gather_vs_ceiling_T8192": alone["GBps"] / ceiling if ceiling and alone.get("GBps") else None,
@@ -321,17 +359,22 @@ class StreamMarks:
 def engram_step(decoder, plan, inputs, memory, form: str | None, takes_prefetch: bool,
                 marks: StreamMarks | None = None):
     """The served step: hash once, prefetch (``form``), the decoder layers with Engram before its layers.
-    ``marks``: spans around the hashing + prefetch and each Engram layer (eager steps only).
-    Returns ``(h [T, hc, hidden], hash_ids or None)``."""
+    Form ``"prefetch_late"`` calls the prefetch once the decoder layers before the first Engram layer are
+    enqueued (right after hashing where that is layer 0). ``marks``: spans around the hashing + prefetch,
+    the late prefetch and each Engram layer (eager steps only). Returns ``(h [T, hc, hidden], hash_ids or
+    None)``."""
     h, hash_ids, handle = inputs.hidden, None, None
     begin, end = (marks.begin, marks.end) if marks is not None else (lambda: None, lambda: None)
+    late_after = None  # the decoder layer after which the late prefetch is called
     if memory is not None:
         begin()
         hash_ids = inputs.hash(memory)
-        if form == "prefetch":
+        if form == "prefetch" or (form == "prefetch_late" and min(memory.layer_ids) == 0):
             handle = memory.prefetch(hash_ids)
         elif form == "kv_ahead":
             handle = memory.prefetch(hash_ids, kv_ahead=True)
+        elif form == "prefetch_late":
+            late_after = min(memory.layer_ids) - 1
         end()
     handed = {"prefetch": handle} if handle is not None and takes_prefetch else {}
     for index in range(decoder.shape.layers):
@@ -340,6 +383,11 @@ def engram_step(decoder, plan, inputs, memory, form: str | None, takes_prefetch:
             h = memory.forward_layer(index, h, hash_ids, **handed)
             end()
         h = decoder.layer(h, plan)
+        if index == late_after:
+            begin()
+            handle = memory.prefetch(hash_ids)
+            end()
+            handed = {"prefetch": handle} if handle is not None and takes_prefetch else {}
     return h, hash_ids
 
 
@@ -432,6 +480,7 @@ class Setup:
     done: set = field(default_factory=set)
     path_threads: list = field(default_factory=list)  # gather_threads of the extra host-path-alone runs
     host_options_except_threads: dict = field(default_factory=dict)
+    order_rng: random.Random = field(default_factory=random.Random)  # each round's order of the variants
 
 
 def floor_call(memory, inputs, hash_ids):
@@ -530,8 +579,9 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
     phase["steps"] = steps
     try:
         for round_index in range(steps):
-            shift = round_index % max(len(runs), 1)
-            for run in runs[shift:] + runs[:shift]:
+            order = list(runs)
+            setup.order_rng.shuffle(order)
+            for run in order:
                 try:
                     guard(f"{mode} T={tokens}: {run.variant.name} step {round_index}")
                     samples[run.variant.name].append(run.timed())
@@ -619,6 +669,9 @@ def summarize(phase: dict, samples: dict[str, list[float]], setup: Setup) -> Non
             for base in ("none", "device"):
                 if name != base and samples.get(base):
                     stats[f"paired_vs_{base}_pct"] = paired_pct(values, samples[base])
+                    interval = paired_pct_interval(values, samples[base])
+                    if interval is not None:
+                        stats[f"paired_vs_{base}_ci95_pct"] = list(interval)
             phase["variants"][name] = stats
     if none_ms:
         phase["decoder_layer_share_of_none"] = phase["decoder_layer_us"] * setup.decoder.shape.layers / 1e3 / none_ms
@@ -699,10 +752,15 @@ def build(args, report: Report, watchdog: Watchdog | None) -> Setup:
     print(f"Engram: layers {list(spec.layer_ids)}, tables {[f'{g:.1f} GiB' for g in report['engram']['table_GiB']]} "
           f"({', '.join(kinds)}); prefetch API {api}; setup {time.perf_counter() - started:.1f} s", flush=True)
     variants = make_variants(memories, api, cuda)
+    if args.variants is not None:
+        for variant in variants:
+            if variant.status is None and variant.name not in args.variants:
+                variant.status = "not asked for (--variants)"
     return Setup(cuda, device, decoder, memories, variants, api, spec, generator, Clock(cuda), args.steps,
                  report.deadline, args.min_steps, 1 if args.smoke else 2, watchdog, keep,
                  path_threads=args.path_threads,
-                 host_options_except_threads={k: v for k, v in host_options.items() if k != "gather_threads"})
+                 host_options_except_threads={k: v for k, v in host_options.items() if k != "gather_threads"},
+                 order_rng=random.Random(args.seed))
 
 
 def token_counts(text: str) -> list[int]:
@@ -714,6 +772,17 @@ def token_counts(text: str) -> list[int]:
     if any(count < 1 for count in counts):
         raise argparse.ArgumentTypeError(f"expected token counts >= 1, found {text!r}")
     return counts
+
+
+def variant_names(text: str) -> set[str]:
+    """``--variants``: comma-separated names of :data:`VARIANTS`; ``none`` and ``device`` (the bases of every
+    comparison) always run."""
+    known = [name for name, _, _ in VARIANTS]
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}; expected names among {known}")
+    return names | {"none", "device"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -739,6 +808,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated gather_threads for extra runs of the host path alone at T=8192")
     parser.add_argument("--host-gather-worker", choices=("auto", "native", "python"), default=None,
                         help="placement option host_gather_worker of the host and cached tables")
+    parser.add_argument("--variants", type=variant_names, default=None,
+                        help="comma-separated variants to run (default all; none and device always run): more "
+                             "rounds of the ones a question is about in the same time")
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--stall-s", type=float, default=120.0,
                         help="a warm-up or step running longer ends the run, its report written")
@@ -810,6 +882,14 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if report.get("errors") else 0
 
 
+def _rounded(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(f"{part:.3f}" for part in value) + "]"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def _signed(value) -> str:
     return "" if value is None else f"{value:+.2f}%"
 
@@ -818,27 +898,29 @@ def print_table(report: dict) -> None:
     phases = sorted(report.get("phases", []), key=lambda p: (p["mode"] != "decode", p["T"]))
     print(f"\nEngram in a served decoder step: {report['device']} (torch {report['torch']}, Triton {report['triton']}), "
           f"commit {report['commit'][:12]}; step = {report.get('decoder', {}).get('layers')} stand-in layers")
-    print(f"{'step':>14} {'variant':>16} {'median ms':>10} {'IQR ms':>15} {'min-max ms':>17} {'vs none':>8} "
-          f"{'vs device':>9} {'paired vs none':>14} {'paired vs device':>16}")
+    print(f"{'step':>14} {'variant':>18} {'median ms':>10} {'IQR ms':>15} {'min-max ms':>17} {'vs none':>8} "
+          f"{'vs device':>9} {'paired vs none':>14} {'paired vs device':>16} {'its 95% interval':>17}")
     for phase in phases:
         label = f"{phase['mode']} T={phase['T']}"
         for name, stats in phase["variants"].items():
             if "median_ms" not in stats:
-                print(f"{label:>14} {name:>16} {stats.get('status', '')}")
+                print(f"{label:>14} {name:>18} {stats.get('status', '')}")
                 continue
             vs_none = "" if stats.get("vs_none_pct") is None else f"{stats['vs_none_pct']:+.2f}%"
             vs_device = "" if stats.get("vs_device_pct") is None else f"{stats['vs_device_pct']:+.2f}%"
-            print(f"{label:>14} {name:>16} {stats['median_ms']:10.3f} "
+            interval = stats.get("paired_vs_device_ci95_pct")
+            interval = "" if interval is None else f"[{interval[0]:+.2f}, {interval[1]:+.2f}]"
+            print(f"{label:>14} {name:>18} {stats['median_ms']:10.3f} "
                   f"{stats['p25_ms']:7.3f}-{stats['p75_ms']:<7.3f} {stats['min_ms']:8.3f}-{stats['max_ms']:<8.3f} "
                   f"{vs_none:>8} {vs_device:>9} {_signed(stats.get('paired_vs_none_pct')):>14} "
-                  f"{_signed(stats.get('paired_vs_device_pct')):>16}")
+                  f"{_signed(stats.get('paired_vs_device_pct')):>16} {interval:>17}")
         stream = {name: stats["engram_stream_ms"] for name, stats in phase["variants"].items()
                   if stats.get("engram_stream_ms") is not None}
         if stream:
-            print(f"{label:>14} {'':>16} Engram's spans of the main stream (hash + prefetch, each layer; median "
+            print(f"{label:>14} {'':>18} Engram's spans of the main stream (hash + prefetch, each layer; median "
                   "ms a step): " + ", ".join(f"{name} {ms:.3f}" for name, ms in stream.items()))
         floor = phase.get("floor_pct_of_none")
-        print(f"{label:>14} {'':>16} decoder layer alone {phase.get('decoder_layer_us', 0):.1f} us, floor (2 Engram "
+        print(f"{label:>14} {'':>18} decoder layer alone {phase.get('decoder_layer_us', 0):.1f} us, floor (2 Engram "
               f"layers' wkv + gate) {phase.get('floor_us', 0):.1f} us"
               + ("" if floor is None else f" = {floor:.2f}% of the step without Engram")
               + f", {phase.get('steps')} steps per variant" + (f" ({phase['steps_cut']})" if phase.get("steps_cut") else "")
@@ -851,7 +933,7 @@ def print_table(report: dict) -> None:
     for note in report.get("notes", []):
         print(f"note: {note}")
     keys = headline(report)
-    print("headline: " + ", ".join(f"{k} {'n/a' if v is None else round(v, 3)}" for k, v in keys.items()))
+    print("headline: " + ", ".join(f"{k} {_rounded(v)}" for k, v in keys.items()))
     if report.get("errors"):
         print(f"{len(report['errors'])} errors (see JSON): " + "; ".join(e["what"] for e in report["errors"]))
 

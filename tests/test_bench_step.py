@@ -7,6 +7,7 @@ error."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 from pathlib import Path
@@ -208,6 +209,16 @@ def test_prefetched_step_equals_the_inline_step(bench, seed):
     prefetched, ids_again = bench.engram_step(decoder, plan, inputs, memory, "prefetch",
                                               api["forward_layer_takes_prefetch"])
     assert torch.equal(ids, ids_again) and torch.equal(inline, prefetched)
+    calls = []  # the late prefetch: called once the decoder layers before the first Engram layer are enqueued
+    layer, prefetch = decoder.layer, memory.prefetch
+    decoder.layer = lambda h, plan: (calls.append("decoder"), layer(h, plan))[1]
+    memory.prefetch = lambda hash_ids, **kw: (calls.append("prefetch"), prefetch(hash_ids, **kw))[1]
+    late, ids_late = bench.engram_step(decoder, plan, inputs, memory, "prefetch_late",
+                                       api["forward_layer_takes_prefetch"])
+    del decoder.layer, memory.prefetch
+    first = min(memory.layer_ids)
+    assert calls.index("prefetch") == first and calls.count("prefetch") == 1, calls
+    assert torch.equal(ids, ids_late) and torch.equal(inline, late)
     none, no_ids = bench.engram_step(decoder, plan, inputs, None, None, False)
     assert no_ids is None and not torch.equal(none, inline)  # Engram's layers changed the stream
     assert list(inputs.query_start_loc) == [0, 10, 20, 24]
@@ -280,3 +291,34 @@ def test_paired_comparison_cancels_a_drift_that_medians_keep(bench):
     keys = bench.headline({"phases": [phase]})
     assert keys["host_vs_device_prefill_T8192_pct"] == pytest.approx(0.2)  # paired, not from the medians
     assert keys["device_over_floor_prefill_T8192_pct"] == pytest.approx(3.0 - 100 * 2.0 / 120.0)
+
+
+def test_median_interval_takes_the_sign_test_order_statistics(bench, rng):
+    """The 95% interval of a median from n values: (x_(k), x_(n-k+1)) with the binomial tails below 2.5%
+    (n = 20: the 6th and 15th; n = 6: min and max; n = 5: none); it always holds the median."""
+    for n, k in ((6, 1), (10, 2), (20, 6), (27, 8), (40, 14)):
+        values = list(rng.normal(size=n))
+        ordered = sorted(values)
+        low, high = bench.median_interval(values)
+        assert (low, high) == (ordered[k - 1], ordered[n - k]), n
+        assert low <= statistics.median(values) <= high
+        below = sum(math.comb(n, i) for i in range(k)) / 2**n  # the tail the interval leaves out
+        assert below <= 0.025 < below + math.comb(n, k) / 2**n, n
+    assert bench.median_interval(list(rng.normal(size=5))) is None
+    base = [100.0] * 8
+    assert bench.paired_pct_interval([101.0] * 8, base) == pytest.approx((1.0, 1.0))
+
+
+def test_variants_option_keeps_the_bases_and_names_unknown_ones(bench, tmp_path, capsys):
+    assert bench.variant_names("host_prefetch, host_prefetch_late") == {"none", "device", "host_prefetch",
+                                                                        "host_prefetch_late"}
+    path = tmp_path / "step.json"
+    assert bench.main(["--smoke", "--json", str(path), "--decode-tokens", "", "--prefill-tokens", "16",
+                       "--variants", "device_again"]) == 0
+    variants = json.loads(path.read_text())["phases"][0]["variants"]
+    assert {name for name, stats in variants.items() if "median_ms" in stats} == {"none", "device", "device_again"}
+    assert variants["seed"]["status"].startswith("skipped")  # what could not run anyway says why
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--smoke", "--variants", "host_prefetched"])
+    assert stopped.value.code == 2
+    assert "unknown variants ['host_prefetched']" in capsys.readouterr().err

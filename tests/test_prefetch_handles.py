@@ -193,3 +193,17 @@ def test_step_handle_serves_its_step_only(synthetic_model_dir, rng):
     assert cached.table(layer_ids[0]).prefetches["served"] == 1
     with pytest.raises(ValueError, match="prefetch: expected the handle this EngramMemory's prefetch"):
         plain.forward_layer(layer_ids[0], hidden, hash_ids, prefetch=stale)
+
+
+def test_cpu_step_prefetch_runs_on_the_callers_stream(synthetic_model_dir, rng):
+    """On the CPU nothing runs on a stream of the memory's own: the hasher marks nothing, the handle has no
+    event to wait for, and the ids of a hasher call are not claimed as marked."""
+    plain, cached = _cached_memory(synthetic_model_dir)
+    assert not cached.hasher.marks_ready
+    hash_ids, hidden = _step(cached, rng, 5)
+    assert cached.hasher.ready_event(hash_ids) is None
+    handle = cached.prefetch(hash_ids)
+    assert handle.prepared is None and all(handle.started.values())
+    for layer_id in cached.layer_ids:
+        got = cached.forward_layer(layer_id, hidden, hash_ids, prefetch=handle)
+        assert torch.equal(got.view(torch.int16), plain.forward_layer(layer_id, hidden, hash_ids).view(torch.int16))

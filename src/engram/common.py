@@ -1,15 +1,19 @@
 """Small helpers every stage uses, each written once: integer arithmetic of splits and
-launch shapes, the dtypes hash ids come in, and resolving the device a caller names.
+launch shapes, the dtypes hash ids come in, resolving the device a caller names, and what
+identifies one ids tensor as read at one moment.
 
 (The UE8M0 dtype lives with the FP8 codec: :data:`engram.table.fp8.E8M0_DTYPE`.)
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 
 __all__ = ["HASH_ID_DTYPES", "ceil_div", "next_power_of_2", "as_device", "resolve_cuda_device", "resolve_device",
-           "cuda_capturing"]
+           "cuda_capturing", "IdsIdentity"]
 
 HASH_ID_DTYPES = (torch.int32, torch.int64)
 """Dtypes a table lookup accepts for hash ids (the hasher returns int32)."""
@@ -80,3 +84,31 @@ def resolve_device(device: torch.device | str | int | None, purpose: str) -> tor
 def cuda_capturing() -> bool:
     """Whether this thread's current CUDA stream is capturing a graph (False without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # inference tensors track no version
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class IdsIdentity:
+    """What identifies one ids tensor as read at one moment: its base tensor (weakly), its version
+    and its view's geometry."""
+
+    base: weakref.ref
+    version: int | None
+    geometry: tuple
+
+    @staticmethod
+    def of(ids: torch.Tensor) -> "IdsIdentity":
+        base = ids._base if ids._base is not None else ids
+        return IdsIdentity(weakref.ref(base), _version(ids),
+                           (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device))
+
+    def matches(self, ids: torch.Tensor) -> bool:
+        base = ids._base if ids._base is not None else ids
+        return (self.base() is base and _version(ids) == self.version
+                and (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device) == self.geometry)

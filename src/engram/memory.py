@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from engram.checkpoint import (SafetensorsCheckpoint, expected_layer_tensors,
                          load_engram_layer_weights, load_engram_table, table_progress)
-from engram.common import as_device, resolve_cuda_device
+from engram.common import IdsIdentity, as_device, cuda_capturing, resolve_cuda_device
 from engram.hashing import NgramHasher
 from engram.layer import Engram
 from engram.layout import ColumnShard, EngramLayout
@@ -28,7 +28,7 @@ from engram.ops import compiling
 from engram.options import ServingOptions
 from engram.spec import EngramSpec
 from engram.table import EngramTable, available_placements
-from engram.table.prefetch import IdsIdentity, TablePrefetch
+from engram.table.prefetch import TablePrefetch
 from engram.vocab import TokenCompressor
 
 __all__ = ["EngramMemory", "StepPrefetch", "StepPlan", "resolve_placement"]
@@ -82,15 +82,24 @@ class StepPrefetch:
     """One step's prefetch of every Engram layer (what :meth:`EngramMemory.prefetch` returns).
 
     It holds the step's ids tensor (weakly, with its version), the hasher's call count at the
-    prefetch, and each layer's :class:`~engram.table.prefetch.TablePrefetch`. :meth:`take` hands a
-    layer its table handle once, and only for the same ids in the same step; a refilled or reused
+    prefetch, each layer's :class:`~engram.table.prefetch.TablePrefetch`, and ``prepared``: the event
+    after the prefetch's device work where it ran on the memory's prefetch stream (None: on the
+    caller's stream). :meth:`take` hands a layer its table handle once, and only for the same ids in
+    the same step, after making the current stream wait for ``prepared``; a refilled or reused
     buffer, a later hashing call or a second use gets None (the layer then reads its own rows)."""
 
     def __init__(self, memory: "EngramMemory", hasher_calls: int, ids: IdsIdentity,
-                 tables: dict[int, TablePrefetch | None], kv: dict | None = None):
+                 tables: dict[int, TablePrefetch | None], kv: dict | None = None,
+                 prepared: "torch.cuda.Event | None" = None):
         self.memory, self.hasher_calls, self.ids = memory, hasher_calls, ids
         self._tables = dict(tables)
         self._kv = dict(kv or {})  # layer id -> KvAhead (prefetch(kv_ahead=True))
+        self.prepared = prepared
+
+    def _after_prepared(self) -> None:
+        """Order the current stream after the prefetch's device work (its probes, dedups, id copies)."""
+        if self.prepared is not None:
+            torch.cuda.current_stream(self.memory.device).wait_event(self.prepared)
 
     def take_kv(self, layer_id: int, hash_ids: torch.Tensor, hasher_calls: int):
         """Layer ``layer_id``'s kv computed ahead, for the gate of exactly this step's ``hash_ids`` (the
@@ -98,6 +107,7 @@ class StepPrefetch:
         kv = self._kv.pop(layer_id, None)
         if kv is None or hasher_calls != self.hasher_calls or not self.ids.matches(hash_ids):
             return None
+        self._after_prepared()
         return kv
 
     def take(self, layer_id: int, hash_ids: torch.Tensor, hasher_calls: int) -> TablePrefetch | None:
@@ -108,6 +118,7 @@ class StepPrefetch:
             if handle is not None:
                 handle.drop()
             return None
+        self._after_prepared()
         return handle
 
     @property
@@ -204,6 +215,11 @@ class EngramMemory:
         self.model_dir = model_dir
         self.options: ServingOptions | None = None  # what from_pretrained served these layers with
         self.op_key = ops.register(self)  # names this memory in engram::prefetch and engram::layer
+        self._prefetch_stream: torch.cuda.Stream | None = None  # made at the first prefetch that starts reads
+        # The hasher marks when its ids are ready, so that a prefetch called later than right after it
+        # waits for the hashing only (prefetch_eagerly).
+        if device.type == "cuda" and self._starts_reads():
+            hasher.marks_ready = True
 
     # ---- loading -------------------------------------------------------------
     @classmethod
@@ -363,11 +379,20 @@ class EngramMemory:
     def prefetch(self, hash_ids: torch.Tensor, *, sp_token_counts: Sequence[int] | None = None,
                  kv_ahead: bool = False):
         """Start reading every layer's rows of ``hash_ids [T, L, C]`` now, in layer order, and return
-        the step's handle for ``forward_layer(..., prefetch=handle)``. Call it right after hashing, on
-        the stream that runs the layers. With placement ``"host"`` large batches are gathered on the
-        host and copied by the copy engine while the decoder runs (``"cached"``: only the rows its HBM
-        cache misses; call :meth:`update_cache` after the step's layers, not between this and them);
-        each :meth:`forward_layer` given the handle waits, on the GPU, for its own layer's rows only.
+        the step's handle for ``forward_layer(..., prefetch=handle)``. Call it after hashing and before
+        the first Engram layer, with the stream that runs the layers current. With placement ``"host"``
+        large batches are gathered on the host and copied by the copy engine while the decoder runs
+        (``"cached"``: only the rows its HBM cache misses; call :meth:`update_cache` after the step's
+        layers, not between this and them); each :meth:`forward_layer` given the handle waits, on the
+        GPU, for its own layer's rows only.
+
+        Where a table starts reads (``"host"``, ``"cached"``, on CUDA, outside graph capture) the
+        prefetch's device work runs on the memory's own stream, after the hashing of ``hash_ids`` when
+        they are :attr:`hasher`'s latest output, unchanged (:meth:`NgramHasher.ready_event`), else after
+        the current stream's work so far. So an engine may call it once it has enqueued the decoder
+        layers before the first Engram layer: its host time (0.25-0.6 ms a host table at T = 8192 on the
+        H200's hosts) then overlaps their GPU work instead of delaying their launch, and the rows still
+        start as soon as the hashing is done.
         Under sequence parallelism each rank fetches exactly the rows it looks up (give the same
         ``sp_token_counts`` as to :meth:`forward_layer`).
 
@@ -405,6 +430,46 @@ class EngramMemory:
         if kv_ahead and any(getattr(table, "collective", False) for table in self.tables.values()):
             raise ValueError(f"kv_ahead: placement {self.placement!r} serves lookups as collectives; expected "
                              "kv_ahead=False (a layer that could not use its kv ahead would look up alone)")
+        stream = self._prefetch_stream_after(hash_ids)
+        if stream is None:
+            tables, kv = self._start_prefetches(hash_ids, sp_token_counts, kv_ahead)
+            prepared = None
+        else:
+            with torch.cuda.stream(stream):
+                tables, kv = self._start_prefetches(hash_ids, sp_token_counts, kv_ahead)
+            hash_ids.record_stream(stream)  # read there: not reused before that work has run
+            prepared = torch.cuda.Event()
+            prepared.record(stream)
+        handle = StepPrefetch(self, self.hasher.calls, IdsIdentity.of(hash_ids), tables, kv, prepared)
+        self._op_ticket = handle  # the custom op names it by a ticket tensor: kept until the next prefetch
+        return handle
+
+    def _starts_reads(self) -> bool:
+        """Whether some layer's table may start reads at a prefetch (placements ``"host"``, ``"cached"``)."""
+        return any(table.storage.starts_reads for table in self.tables.values())
+
+    def _prefetch_stream_after(self, hash_ids: torch.Tensor) -> "torch.cuda.Stream | None":
+        """The stream a prefetch of ``hash_ids`` runs its device work on, already ordered after the point
+        where the ids hold their values, or None (the current stream, as it is: on the CPU, under CUDA-graph
+        capture, or where no table starts reads). That point is the hasher's own mark when ``hash_ids``
+        is its latest output, unchanged (:meth:`NgramHasher.ready_event`), so a prefetch called after the
+        engine has enqueued more work (its first decoder layers) does not wait for that work; else it is
+        the current stream now."""
+        if self.device.type != "cuda" or not hash_ids.is_cuda or cuda_capturing() or not self._starts_reads():
+            return None
+        if self._prefetch_stream is None:
+            self._prefetch_stream = torch.cuda.Stream(self.device)
+        stream = self._prefetch_stream
+        ready = self.hasher.ready_event(hash_ids)
+        if ready is not None:
+            stream.wait_event(ready)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        return stream
+
+    def _start_prefetches(self, hash_ids: torch.Tensor, sp_token_counts, kv_ahead: bool) -> tuple[dict, dict]:
+        """Each layer's table prefetch of ``hash_ids [T, L, C]`` and, with ``kv_ahead``, its kv, started on
+        the current stream: ``({layer id: TablePrefetch or None}, {layer id: KvAhead})``."""
         tables = {layer_id: self._layers[layer_id].prefetch(hash_ids[:, index, :], sp_token_counts=sp_token_counts)
                   for index, layer_id in enumerate(self.spec.layer_ids)}
         kv = {}
@@ -418,9 +483,7 @@ class EngramMemory:
                     # The native worker's gathers only make the side stream wait.
                     continue
                 kv[layer_id] = self._layers[layer_id].kv_ahead(hash_ids[:, index, :], tables.pop(layer_id))
-        handle = StepPrefetch(self, self.hasher.calls, IdsIdentity.of(hash_ids), tables, kv)
-        self._op_ticket = handle  # the custom op names it by a ticket tensor: kept until the next prefetch
-        return handle
+        return tables, kv
 
     def update_cache(self, hash_ids: torch.Tensor) -> None:
         """Between engine steps, with the step's ``hash_ids [T, L, C]``: placement ``"cached"`` admits

@@ -17,7 +17,7 @@ from engram.layout import EngramLayout
 from engram.vocab import TokenCompressor
 from engram.backends import resolve_backend
 from engram.call_cache import CallCache, structure
-from engram.common import resolve_device
+from engram.common import IdsIdentity, cuda_capturing, resolve_device
 from engram import ops
 from engram.ops import compiling
 from engram.hashing.launch import (LAUNCH_OVERRIDE, HashConstants, launch_hash_kernels, plan_hash_launch, prepare_hash_launch,
@@ -94,6 +94,12 @@ class NgramHasher:
         self._plans = CallCache()
         self.calls = 0
         """Calls made (batches hashed); :class:`~engram.memory.EngramMemory` keys its prefetches by it."""
+        self.marks_ready = False
+        """Whether eager CUDA calls record when their ids are ready (:meth:`ready_event`; about one event
+        record of host time a call): :class:`~engram.memory.EngramMemory` turns it on for tables whose
+        prefetch starts reads."""
+        self._ready_event: torch.cuda.Event | None = None
+        self._ready: tuple | None = None  # (call count, IdsIdentity) of the call _ready_event marks
         self.op_key = ops.register(self)  # names this hasher in engram::hash_batch
         self.empty_stores = (torch.empty(0, dtype=torch.int32, device=self.device),
                           torch.empty(0, dtype=torch.int64, device=self.device))  # the op's stand-in for no store
@@ -201,6 +207,31 @@ class NgramHasher:
             request_rows: int ``[R]`` rows of the bound request history
                 (see :meth:`request_rows`); read before, written after hashing.
         """
+        ids = self._hash_eagerly(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
+                                 lookback_dead_mask, slot_mapping, block_table, request_rows)
+        if self.marks_ready and ids.is_cuda and not cuda_capturing():
+            self._mark_ready(ids)
+        return ids
+
+    def _mark_ready(self, ids: torch.Tensor) -> None:
+        """Record, on the current stream, the point at which this call's ``ids`` hold their values."""
+        if self._ready_event is None:
+            self._ready_event = torch.cuda.Event()
+        self._ready_event.record(torch.cuda.current_stream(ids.device))
+        self._ready = (self.calls, IdsIdentity.of(ids))
+
+    def ready_event(self, ids: torch.Tensor) -> "torch.cuda.Event | None":
+        """The event after which ``ids`` hold their values, when ``ids`` is the unchanged output of this
+        hasher's latest eager call on CUDA outside graph capture (and :attr:`marks_ready` was on then),
+        else None. Waiting on it orders work after that hashing only, not after whatever the caller
+        enqueued since (:meth:`EngramMemory.prefetch <engram.memory.EngramMemory.prefetch>`)."""
+        ready = self._ready
+        if ready is None or ready[0] != self.calls or not ready[1].matches(ids):
+            return None
+        return self._ready_event
+
+    def _hash_eagerly(self, input_ids, positions, query_start_loc, dead_mask, lookback_token_ids,
+                      lookback_dead_mask, slot_mapping, block_table, request_rows) -> torch.Tensor:
         self.calls += 1  # a step counter: prefetches made before this call are of another step
         if self._triton and not self._validating and not LAUNCH_OVERRIDE:
             # An eager step's path: checks and launch decisions made once per batch structure.

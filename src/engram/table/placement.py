@@ -36,6 +36,10 @@ class TablePlacement(abc.ABC):
     has_triton_lookup: ClassVar[bool] = False
     collective: ClassVar[bool] = False
     """True where every lookup is a collective that every rank of a group must call, in the same order."""
+    starts_reads: ClassVar[bool] = False
+    """True where :meth:`prefetch` may start a read (device work on the stream it is called on, then host
+    work) that a lookup finishes; :class:`~engram.memory.EngramMemory` then runs its prefetches on a stream
+    of its own."""
     backend: str = "torch"
     """``"triton"`` or ``"torch"``: set once by :class:`EngramTable` from its ``backend`` argument."""
 

@@ -22,42 +22,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from engram.common import cuda_capturing
+from engram.common import IdsIdentity, cuda_capturing
 
 __all__ = ["TablePrefetch", "IdsIdentity", "capturing"]
 
 
 capturing = cuda_capturing
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor._version
-    except RuntimeError:  # inference tensors track no version
-        return None
-
-
-@dataclass(frozen=True, eq=False)
-class IdsIdentity:
-    """What identifies one ids tensor as read at one moment: its base tensor (weakly), its version
-    and its view's geometry."""
-
-    base: weakref.ref
-    version: int | None
-    geometry: tuple
-
-    @staticmethod
-    def of(ids: torch.Tensor) -> "IdsIdentity":
-        base = ids._base if ids._base is not None else ids
-        return IdsIdentity(weakref.ref(base), _version(ids),
-                           (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device))
-
-    def matches(self, ids: torch.Tensor) -> bool:
-        base = ids._base if ids._base is not None else ids
-        return (self.base() is base and _version(ids) == self.version
-                and (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device) == self.geometry)
 
 
 @dataclass(eq=False)

@@ -95,6 +95,7 @@ class CachedPlacement(TablePlacement):
 
     name = "cached"
     has_triton_lookup = True
+    starts_reads = True
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
                  cache_fraction: float = DEFAULT_CACHE_FRACTION, ways: int = 8, aging_interval: int = 16,
@@ -129,6 +130,9 @@ class CachedPlacement(TablePlacement):
                              "this machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
         from engram.table.placements.row_cache import RowCache
 
+        # The last change of the cache's content (load_hot, update), on the stream it ran on: a probe on
+        # another stream (a memory's prefetch stream) waits for it.
+        self._content_changed: torch.cuda.Event | None = None
         num_rows = self.num_rows
         self.policy = policy
         self.cache_fraction = float(cache_fraction)
@@ -174,7 +178,15 @@ class CachedPlacement(TablePlacement):
         if not isinstance(local_row_ids, torch.Tensor) or local_row_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"hot_rows: expected an int32/int64 tensor of local row ids, found "
                              f"{getattr(local_row_ids, 'dtype', type(local_row_ids).__name__)}")
-        return self.cache.load_hot(local_row_ids, *self.backing)
+        held = self.cache.load_hot(local_row_ids, *self.backing)
+        self._mark_content_changed()
+        return held
+
+    def _mark_content_changed(self) -> None:
+        if self.host is not None:
+            if self._content_changed is None:
+                self._content_changed = torch.cuda.Event()
+            self._content_changed.record(torch.cuda.current_stream(self.device))
 
     def update(self, global_ids: torch.Tensor, row_start: int) -> None:
         """The policy's step for the reads ``global_ids int [T, C_local]`` (on :attr:`device`);
@@ -182,6 +194,7 @@ class CachedPlacement(TablePlacement):
         graph; a prefetch started before it is discarded (its probe may name replaced slots)."""
         if self.policy in UPDATED_POLICIES:
             self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing)
+            self._mark_content_changed()
 
     # ---- lookups ------------------------------------------------------------------
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,6 +215,8 @@ class CachedPlacement(TablePlacement):
         from engram.table.kernels.cache_gather import cached_direct_reads, cached_probe
 
         share = self.direct_share
+        if self._content_changed is not None:  # the probe reads the content as the last change left it
+            torch.cuda.current_stream(self.device).wait_event(self._content_changed)
         slot, miss = cached_probe(self.cache, self.num_rows, global_ids, row_start, direct_share=share)
         if self.host is None:
             direct = cached_direct_reads(slot, *self.backing) if share > 0 else None

@@ -88,6 +88,7 @@ class HostPlacement(TablePlacement):
 
     name = "host"
     has_triton_lookup = True
+    starts_reads = True
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
                  direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
