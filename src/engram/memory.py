@@ -98,7 +98,7 @@ class StepPrefetch:
 
     def _after_prepared(self) -> None:
         """Order the current stream after the prefetch's device work (its probes, dedups, id copies)."""
-        if self.prepared is not None:
+        if self.prepared is not None and not cuda_capturing():  # under capture no prefetch is served
             torch.cuda.current_stream(self.memory.device).wait_event(self.prepared)
 
     def take_kv(self, layer_id: int, hash_ids: torch.Tensor, hasher_calls: int):
@@ -459,6 +459,7 @@ class EngramMemory:
             return None
         if self._prefetch_stream is None:
             self._prefetch_stream = torch.cuda.Stream(self.device)
+            self.hasher.marks_ready = True  # also where tables that start reads were put in after construction
         stream = self._prefetch_stream
         ready = self.hasher.ready_event(hash_ids)
         if ready is not None:
