@@ -12,10 +12,12 @@
 #   host      bench_host.py: placement "host" on a 34 GiB table (carry .bench-data for real-text ids)
 #   cache     bench_cache.py: placements host / cached / device on held-out text (carry .bench-data)
 #   step      bench_step.py: what Engram adds to a whole served decoder step
+#   step-keys bench_step.py on the host keys' variants only (none, device, its control, host prefetched
+#             right after hashing and after layer 0) at decode T = 64 and prefill T = 8192, 100 rounds
 #   parallel  bench_parallel.py: tensor-parallel ranks over NCCL, one per visible GPU
 #   node      bench_parallel.py --mode node: placement "node" (peer, exchange) against device and
 #             host on one table over every visible GPU, with the peer copy ceiling
-#   all       suite, then every benchmark above
+#   all       suite, then every benchmark above but step-keys
 # Logs (and the benchmarks' JSON) go to $OUT if set, else benchmarks/results/. --print prints the
 # commands instead of running them. The device copy of the tree has no .git: pass ENGRAM_COMMIT.
 # Exit status: 0 when every command passed, 1 when one failed, 2 on a bad command line.
@@ -35,7 +37,7 @@ while (( $# )); do
       [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run_h200.sh: --runs: expected a positive integer, got '${2:-}'" >&2; usage; }
       runs=$2; shift 2 ;;
     --print) print_only=1; shift ;;
-    suite|kernels|layer|host|cache|step|parallel|node) commands+=("$1"); shift ;;
+    suite|kernels|layer|host|cache|step|step-keys|parallel|node) commands+=("$1"); shift ;;
     all) commands+=(suite kernels layer host cache step parallel node); shift ;;
     *) echo "run_h200.sh: unknown subcommand or option '$1'" >&2; usage ;;
   esac
@@ -108,6 +110,9 @@ for command in "${commands[@]}"; do
     cache) run bench-cache-h200.log timeout 300 python benchmarks/bench_cache.py ;;
     step) run step-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \
             --json "$OUT/step-h200.json" ;;
+    step-keys) run step-keys-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \
+            --decode-tokens 64 --prefill-tokens 8192 --steps 100 \
+            --variants device_again,host_prefetch,host_prefetch_late --json "$OUT/step-keys-h200.json" ;;
     parallel) run "bench-parallel-tp$(gpus)-h200.log" timeout 400 python benchmarks/bench_parallel.py ;;
     node) run "bench-parallel-node$(gpus)-h200.log" timeout 500 python benchmarks/bench_parallel.py --mode node ;;
   esac

@@ -141,3 +141,22 @@ def test_gpu_cached_probe_waits_for_an_update_on_another_stream(synthetic_model_
         _assert_layers(cached, on_device, hidden, hash_ids, handle, f"step {step}")
         assert [cached.table(i).prefetches["served"] for i in cached.layer_ids] == [n + 1 for n in served]
         previous = hash_ids
+
+
+def test_gpu_aborted_step_prefetch_is_never_served_behind_a_later_one(synthetic_model_dir, rng):
+    """A step hashed and prefetched on the memory's stream but never run (aborted), then the next step's
+    late prefetch: the next step's layers take their own rows, and the aborted handle, given later with its
+    own ids, is not served (the hasher ran since); every output equals the device's."""
+    on_device = memory_on_cuda(synthetic_model_dir, "device")
+    on_host = memory_on_cuda(synthetic_model_dir, "host", placement_options=HOST_OPTIONS)
+    batch, hidden = _batch(on_host, rng, 300)
+    aborted_ids = on_host.hasher(*batch)
+    aborted = on_host.prefetch(aborted_ids)
+    batch, hidden = _batch(on_host, rng, 300)
+    hash_ids = on_host.hasher(*batch)
+    with MainStreamGate():
+        handle = on_host.prefetch(hash_ids)
+    served = [on_host.table(i).prefetches["served"] for i in on_host.layer_ids]
+    _assert_layers(on_host, on_device, hidden, hash_ids, handle, "the step after an aborted one")
+    _assert_layers(on_host, on_device, hidden, aborted_ids, aborted, "the aborted step's handle, given late")
+    assert [on_host.table(i).prefetches["served"] for i in on_host.layer_ids] == [n + 1 for n in served]
