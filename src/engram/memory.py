@@ -458,7 +458,9 @@ class EngramMemory:
         if self.device.type != "cuda" or not hash_ids.is_cuda or cuda_capturing() or not self._starts_reads():
             return None
         if self._prefetch_stream is None:
-            self._prefetch_stream = torch.cuda.Stream(self.device)
+            # High priority: its few small launches (the row list or dedup, the ids' copy) go ahead of the
+            # CTAs of decoder GEMMs waiting beside them, so the host gather starts as soon as it can.
+            self._prefetch_stream = torch.cuda.Stream(self.device, priority=-1)
             self.hasher.marks_ready = True  # also where tables that start reads were put in after construction
         stream = self._prefetch_stream
         ready = self.hasher.ready_event(hash_ids)
