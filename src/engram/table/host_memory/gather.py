@@ -252,8 +252,12 @@ class HostGather:
             self._measuring = None  # its count was in a buffer just replaced
             self._job_buffers = self.native_service.prepare(table=self.packed, staging=self.staging_host,
                                                             flags=self._flags)
-            # the inverse of a gather in lookup order (row i of the staging is lookup i's)
+            # the inverse of a gather in lookup order (row i of the staging is lookup i's); filled on the calling
+            # stream and read on others (a memory's prefetch stream, the layers' stream): filled before either
             self._identity = torch.arange(capacity, dtype=torch.int32, device=self.device)
+            filled = torch.cuda.Event()
+            filled.record(torch.cuda.current_stream(self.device))
+            filled.synchronize()
         self.capacity = capacity
 
     def _raise_failure(self) -> None:
