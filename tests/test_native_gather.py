@@ -92,10 +92,11 @@ def test_native_worker_reports_the_last_jobs_timeline(rng):
     assert service.last_job() is None  # stopped
 
 
-@pytest.mark.parametrize("threads, waves", [(1, 64), (4, 7), (4, 64)])
-def test_native_worker_publishes_waves_in_order_without_a_barrier(rng, threads, waves):
+@pytest.mark.parametrize("threads, waves, shape", [(1, 64, "even"), (4, 7, "even"), (4, 64, "even"),
+                                                 (4, 8, "shrinking"), (3, 64, "shrinking")])
+def test_native_worker_publishes_waves_in_order_without_a_barrier(rng, threads, waves, shape):
     # Many small waves over several threads: a later wave can finish first, yet "waves done" only ever
-    # names waves whose rows are all in (checked at every store the poller sees).
+    # names waves whose rows are all in (checked at every store the poller sees); waves of any sizes.
     num_ids = 20000
     table = _table(rng, 50000)
     ids = _ids(np.sort(rng.choice(50000, num_ids, replace=False)), num_ids)
@@ -103,11 +104,14 @@ def test_native_worker_publishes_waves_in_order_without_a_barrier(rng, threads, 
     flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
     flags[WAVES_DONE] = 100  # the waves of earlier jobs
     expected = _expected(table, ids, num_ids)
-    bounds = [num_ids * k // waves for k in range(waves + 1)]
+    ends = (native_worker.even_wave_ends(num_ids, waves) if shape == "even"
+            else host_gather.shrinking_wave_ends(num_ids, waves))
+    bounds = [0, *ends]
     service = native_worker.NativeGatherService(threads)
     try:
         service.submit(table=table, ids=ids, staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=1,
-                       staging_free=0, waves_base=100, num_waves=waves, job_done=1)
+                       staging_free=0, waves_base=100, num_waves=waves, job_done=1,
+                       wave_ends=None if shape == "even" else ends)
         flags[IDS_READY] = 1
         seen = 100
         deadline = time.monotonic() + 20
@@ -287,6 +291,9 @@ def test_native_worker_refuses_malformed_jobs_by_name(rng):
                                     ("num_waves", 3, "num_waves: expected")]:
             with pytest.raises(ValueError, match=message):
                 service.submit(**{**good, field: bad})
+        for ends in ([1], [2, 2], [1, 3], [0, 2], [2, 1]):  # not increasing, or not ending at the 2 ids
+            with pytest.raises(ValueError, match=r"wave_ends: expected \d+ increasing row counts ending at 2"):
+                service.submit(**{**good, "num_waves": 2, "wave_ends": ends})
         assert service.pending == 0
         with pytest.raises(ValueError, match="threads: expected"):
             native_worker.NativeGatherService(0)
@@ -356,3 +363,43 @@ def test_native_worker_of_the_parent_refuses_a_forked_childs_jobs(rng):
         assert "belongs to the parent process" in said and "own service: True" in said, said
     finally:
         service.stop()
+
+
+def test_native_worker_itself_refuses_malformed_wave_ends(rng):
+    """Wave ends that skip the checks above (the C entry point called directly) are refused there too: a wave
+    past the ids or out of order would copy outside the staging or never publish."""
+    import ctypes
+
+    lib, _ = native_worker._library()
+    service = native_worker.NativeGatherService(1)
+    table = _table(rng, 20)
+    ids = _ids([1, 2, 3], 3)
+    staging = torch.zeros(3, ROW_BYTES, dtype=torch.uint8)
+    flags = torch.zeros(FLAG_WORDS, dtype=torch.int32)
+    word = flags.data_ptr()  # every word of the job; its ids are never marked ready: dropped with the service
+    try:
+        for ends, accepted in (([3, 3], False), ([2, 1], False), ([1, 4], False), ([0, 3], False), ([1, 2], False),
+                               ([1, 3], True)):
+            array = (ctypes.c_int64 * 2)(*ends)
+            status = lib.engram_gather_submit(service._handle, table.data_ptr(), table.shape[0], ROW_BYTES,
+                                              ids.data_ptr(), 3, staging.data_ptr(), word, 1, word, 0, word, 0, 2,
+                                              array, word, 0)
+            assert (status == 0) == accepted, ends
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("num_rows, num_waves", [(1, 1), (8, 8), (9, 8), (1000, 3), (196_608, 8), (20_000, 64)])
+def test_shrinking_waves_cover_every_row_and_end_small(num_rows, num_waves):
+    ends = host_gather.shrinking_wave_ends(num_rows, num_waves)
+    sizes = np.diff([0, *ends])
+    assert len(ends) == num_waves and ends[-1] == num_rows and (sizes >= 1).all()
+    if num_rows >= 100 * num_waves:  # away from rounding: sizes fall by the ratio, the last share as designed
+        assert (np.diff(sizes) <= 1).all()
+        shrink = host_gather._WAVE_SHRINK
+        share = (1 - shrink) * shrink ** (num_waves - 1) / (1 - shrink**num_waves)
+        assert abs(sizes[-1] / num_rows - share) < 2 / num_rows * num_waves
+    assert host_gather.shrinking_wave_ends(num_rows, num_waves, shrink=1) == native_worker.even_wave_ends(num_rows,
+                                                                                                          num_waves)
+    with pytest.raises(ValueError, match="shrink: expected a number in"):
+        host_gather.shrinking_wave_ends(num_rows, num_waves, shrink=0)

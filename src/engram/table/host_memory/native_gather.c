@@ -60,10 +60,11 @@ typedef struct Job {
     uint32_t staging_free_value;
     volatile uint32_t *waves_done;
     uint32_t waves_base;
-    int32_t num_waves;             /* wave k covers staging rows [num_ids*k/W, num_ids*(k+1)/W) */
+    int32_t num_waves;
     volatile uint32_t *job_done;
     uint32_t job_done_value;
     struct Job *next;
+    int64_t wave_ends[MAX_WAVES];  /* wave k covers staging rows [wave_ends[k-1] (0 for k = 0), wave_ends[k]) */
 } Job;
 
 typedef struct Service {
@@ -206,7 +207,7 @@ static void copy_job(Service *s, const Job *job, int64_t count, int64_t *timelin
     int32_t waves = job->num_waves;
     int64_t chunks = 0;
     for (int32_t wave = 0; wave < waves; wave++) {
-        int64_t begin = job->num_ids * wave / waves, end = job->num_ids * (wave + 1) / waves;
+        int64_t begin = wave ? job->wave_ends[wave - 1] : 0, end = job->wave_ends[wave];
         begin = begin < count ? begin : count;  /* rows past the count are not needed (nor written) */
         end = end < count ? end : count;
         s->wave_begin[wave] = begin;
@@ -339,22 +340,27 @@ Service *engram_gather_create(int threads) {
     return s;
 }
 
-/* Queue one job (copied); 0, or -1 when out of memory or the arguments are malformed. */
+/* Queue one job (copied, its wave ends too: increasing, the last num_ids); 0, or -1 when out of memory or
+ * the arguments are malformed. */
 int engram_gather_submit(Service *s, const uint8_t *table, int64_t table_rows, int64_t row_bytes,
                          const int32_t *ids, int64_t num_ids, uint8_t *staging,
                          const volatile uint32_t *ids_ready, uint32_t ids_ready_value,
                          const volatile uint32_t *staging_free, uint32_t staging_free_value,
                          volatile uint32_t *waves_done, uint32_t waves_base, int32_t num_waves,
-                         volatile uint32_t *job_done, uint32_t job_done_value) {
+                         const int64_t *wave_ends, volatile uint32_t *job_done, uint32_t job_done_value) {
     if (s == NULL || table == NULL || table_rows < 1 || row_bytes < 1 || ids == NULL || num_ids < 1
         || staging == NULL || ids_ready == NULL || staging_free == NULL || waves_done == NULL || num_waves < 1
-        || num_waves > MAX_WAVES || num_waves > num_ids || job_done == NULL)
+        || num_waves > MAX_WAVES || num_waves > num_ids || wave_ends == NULL || job_done == NULL)
         return -1;
+    for (int32_t wave = 0; wave < num_waves; wave++)
+        if (wave_ends[wave] <= (wave ? wave_ends[wave - 1] : 0)) return -1;
+    if (wave_ends[num_waves - 1] != num_ids) return -1;
     Job *job = calloc(1, sizeof(Job));
     if (job == NULL) return -1;
     *job = (Job){table, table_rows, row_bytes, ids, num_ids, staging, ids_ready, ids_ready_value,
                  staging_free, staging_free_value, waves_done, waves_base, num_waves, job_done,
-                 job_done_value, NULL};
+                 job_done_value, NULL, {0}};
+    for (int32_t wave = 0; wave < num_waves; wave++) job->wave_ends[wave] = wave_ends[wave];
     pthread_mutex_lock(&s->lock);
     if (s->tail) s->tail->next = job;
     else s->head = job;

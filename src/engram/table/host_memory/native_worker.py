@@ -27,14 +27,15 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from engram.environment import c_compiler
 
-__all__ = ["NativeGatherService", "shared_service", "unavailable_reason", "FLAG_WORDS", "IDS_READY", "STAGING_FREE",
-           "WAVES_DONE", "JOB_DONE"]
+__all__ = ["NativeGatherService", "shared_service", "unavailable_reason", "even_wave_ends", "FLAG_WORDS", "IDS_READY",
+           "STAGING_FREE", "WAVES_DONE", "JOB_DONE"]
 
 _SOURCE = Path(__file__).with_name("native_gather.c")
 
@@ -75,7 +76,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.engram_gather_submit.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
         ctypes.c_void_p, _u32p, ctypes.c_uint32, _u32p, ctypes.c_uint32, _u32p, ctypes.c_uint32, ctypes.c_int32,
-        _u32p, ctypes.c_uint32]
+        ctypes.POINTER(ctypes.c_int64), _u32p, ctypes.c_uint32]
     lib.engram_gather_submit.restype = ctypes.c_int
     lib.engram_gather_hold_next.argtypes = [ctypes.c_void_p, _u32p, ctypes.c_int64]
     lib.engram_gather_hold_next.restype = None
@@ -92,6 +93,11 @@ def unavailable_reason() -> str | None:
     """None when the native worker can run in this process, else why not (one line)."""
     lib, reason = _library()
     return None if lib is not None else reason
+
+
+def even_wave_ends(num_rows: int, num_waves: int) -> list[int]:
+    """The ends ``[e_1, ..., e_W = num_rows]`` of ``num_waves`` waves of (nearly) equal size."""
+    return [num_rows * (wave + 1) // num_waves for wave in range(num_waves)]
 
 
 def _word(tensor: torch.Tensor, index: int) -> int:
@@ -141,17 +147,19 @@ class NativeGatherService:
 
     def submit(self, *, table: torch.Tensor, ids: torch.Tensor, staging: torch.Tensor, flags: torch.Tensor,
                ready: torch.Tensor, ids_ready: int, staging_free: int, waves_base: int, num_waves: int,
-               job_done: int) -> None:
+               job_done: int, wave_ends: Sequence[int] | None = None) -> None:
         """Queue one job: ``staging[i] = table[ids[i]]`` for ``i < ids[-1]`` (the count), once the word
         ``ready[0]`` (int32, the job's own: the GPU writes it after this job's ids) has reached ``ids_ready``
         and ``flags[STAGING_FREE]`` ``staging_free``; stores
         ``waves_base + k + 1`` in ``flags[WAVES_DONE]`` after wave ``k`` of ``num_waves`` and ``job_done`` in
-        ``flags[JOB_DONE]`` at the end. ``table`` uint8 ``[rows, row_bytes]`` (last row the zero row), ``ids``
+        ``flags[JOB_DONE]`` at the end. Wave ``k`` covers staging rows ``[wave_ends[k - 1], wave_ends[k])``
+        (``wave_ends``: ``num_waves`` increasing ints, the last ``N``; default :func:`even_wave_ends`).
+        ``table`` uint8 ``[rows, row_bytes]`` (last row the zero row), ``ids``
         int32 ``[N + 1]``, ``staging`` uint8 ``[>= N, row_bytes]``, ``flags`` int32 ``[FLAG_WORDS]``: contiguous
         CPU tensors, kept alive here until the job is done. :meth:`prepare` + :meth:`submit_prepared`."""
         self.submit_prepared(self.prepare(table=table, staging=staging, flags=flags), ids=ids, ready=ready,
                              ids_ready=ids_ready, staging_free=staging_free, waves_base=waves_base,
-                             num_waves=num_waves, job_done=job_done)
+                             num_waves=num_waves, job_done=job_done, wave_ends=wave_ends)
 
     @staticmethod
     def prepare(*, table: torch.Tensor, staging: torch.Tensor, flags: torch.Tensor) -> "JobBuffers":
@@ -170,7 +178,8 @@ class NativeGatherService:
                           (_word(flags, STAGING_FREE), _word(flags, WAVES_DONE), _word(flags, JOB_DONE)))
 
     def submit_prepared(self, buffers: "JobBuffers", *, ids: torch.Tensor, ready: torch.Tensor, ids_ready: int,
-                        staging_free: int, waves_base: int, num_waves: int, job_done: int) -> None:
+                        staging_free: int, waves_base: int, num_waves: int, job_done: int,
+                        wave_ends: Sequence[int] | None = None) -> None:
         """:meth:`submit` over buffers from :meth:`prepare`: only the job's own ids and word are checked."""
         num_ids = ids.numel() - 1
         if ids.dtype != torch.int32 or ids.dim() != 1 or num_ids < 1 or not ids.is_contiguous():
@@ -183,6 +192,13 @@ class NativeGatherService:
         if not 1 <= num_waves <= min(num_ids, MAX_WAVES):
             raise ValueError(f"num_waves: expected 1 <= num_waves <= {min(num_ids, MAX_WAVES)} (the ids, at most "
                              f"{MAX_WAVES}), found {num_waves}")
+        if wave_ends is None:
+            wave_ends = even_wave_ends(num_ids, num_waves)
+        elif (len(wave_ends) != num_waves or wave_ends[-1] != num_ids
+              or any(not b > a for a, b in zip([0, *wave_ends[:-1]], wave_ends))):
+            raise ValueError(f"wave_ends: expected {num_waves} increasing row counts ending at {num_ids} (the ids), "
+                             f"found {list(wave_ends)}")
+        ends = (ctypes.c_int64 * num_waves)(*wave_ends)
         staging_free_word, waves_done_word, job_done_word = buffers.words
         with self._lock:
             if self._handle is None:
@@ -194,7 +210,7 @@ class NativeGatherService:
             status = self._lib.engram_gather_submit(
                 self._handle, *buffers.table_args, ids.data_ptr(), num_ids, buffers.staging_address,
                 ready.data_ptr(), ids_ready & 0xFFFFFFFF, staging_free_word, staging_free & 0xFFFFFFFF,
-                waves_done_word, waves_base & 0xFFFFFFFF, num_waves, job_done_word, job_done & 0xFFFFFFFF)
+                waves_done_word, waves_base & 0xFFFFFFFF, num_waves, ends, job_done_word, job_done & 0xFFFFFFFF)
             if status != 0:
                 raise RuntimeError("the host gather's native worker refused a job (out of memory?)")
             self._retained.append((buffers.flags_view, job_done & 0xFFFFFFFF, (buffers, ids, ready)))
