@@ -26,6 +26,14 @@ def bench(monkeypatch):
     return bench_step
 
 
+@pytest.fixture
+def figures(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_figures
+
+    return step_figures
+
+
 def test_smoke_runs_end_to_end(bench, tmp_path, seed, capsys):
     path = tmp_path / "step.json"
     assert bench.main(["--smoke", "--json", str(path), "--decode-tokens", "1,8", "--prefill-tokens", "16",
@@ -75,7 +83,7 @@ def test_variant_statuses_follow_the_prefetch_api(bench):
     assert on_cpu["host_prefetch"].status.startswith("skipped")
 
 
-def test_headline_figures_follow_their_definitions(bench):
+def test_headline_figures_follow_their_definitions(figures):
     def variants(**medians):
         return {name: {"median_ms": value} for name, value in medians.items()}
 
@@ -90,7 +98,7 @@ def test_headline_figures_follow_their_definitions(bench):
         "host_path_T8192": {"GBps": 10.0},
         "layer_us": {"64": 60.0, "8192": 2600.0},
     }
-    keys = bench.headline(report)
+    keys = figures.headline(report)
     assert keys["host_vs_device_prefill_T8192_pct"] == pytest.approx(100 * (214 - 208) / 208)  # best prefetched
     assert keys["host_vs_device_decode_T64_pct"] == pytest.approx(100 * (20.9 - 20.5) / 20.5)
     assert keys["cached_vs_device_prefill_T8192_pct"] == pytest.approx(100 * (212 - 208) / 208)
@@ -98,12 +106,22 @@ def test_headline_figures_follow_their_definitions(bench):
     assert keys["device_over_floor_prefill_T8192_pct"] == pytest.approx(100 * (208 - 200 - 4.0) / 200)
     assert keys["host_gather_vs_ceiling_T8192"] == pytest.approx(0.4)
     assert keys["layer_us_T64"] == 60.0 and keys["layer_us_T8192"] == 2600.0
-    assert all(value is None for value in bench.headline({}).values())
+    assert all(value is None for value in figures.headline({}).values())
+    # The late prefetch is one of the host key's forms, and each form is reported on its own with its interval.
+    prefill = report["phases"][0]["variants"]
+    prefill["host_prefetch_late"] = {"median_ms": 210.0}
+    prefill["host_prefetch"]["paired_vs_device_ci95_pct"] = [1.5, 4.0]
+    keys = figures.headline(report)
+    assert keys["host_vs_device_prefill_T8192_pct"] == pytest.approx(100 * (210 - 208) / 208)
+    assert keys["host_prefetch_vs_device_prefill_T8192_pct"] == pytest.approx(100 * (214 - 208) / 208)
+    assert keys["host_prefetch_late_vs_device_prefill_T8192_pct"] == pytest.approx(100 * (210 - 208) / 208)
+    assert keys["host_prefetch_vs_device_prefill_T8192_ci95_pct"] == [1.5, 4.0]
+    assert keys["host_prefetch_late_vs_device_prefill_T8192_ci95_pct"] is None  # no per-round figures here
 
 
-def test_spread_reports_quartiles(bench, rng):
+def test_spread_reports_quartiles(figures, rng):
     samples = list(rng.uniform(1.0, 2.0, size=21))
-    stats = bench.spread(samples)
+    stats = figures.spread(samples)
     assert stats["median_ms"] == statistics.median(samples) and stats["n"] == 21
     assert stats["min_ms"] <= stats["p25_ms"] <= stats["median_ms"] <= stats["p75_ms"] <= stats["max_ms"]
 
@@ -277,36 +295,36 @@ def test_bad_token_counts_are_one_clear_error(bench, capsys):
         bench.main(["--smoke", "--prefill-tokens", "0"])
 
 
-def test_paired_comparison_cancels_a_drift_that_medians_keep(bench):
+def test_paired_comparison_cancels_a_drift_that_medians_keep(figures):
     # A clock drift over the run: round r's steps all take 1 + r/10 of the first round's; "host"
     # costs 1% over "device" in every round, but its steps fall late in half the rounds.
     device = [100.0 * (1 + r / 10) for r in range(10)]
     host = [d * 1.01 for d in device]
-    assert bench.paired_pct(host, device) == pytest.approx(1.0)
-    assert bench.paired_pct([], []) is None
+    assert figures.paired_pct(host, device) == pytest.approx(1.0)
+    assert figures.paired_pct([], []) is None
     phase = {"mode": "prefill", "T": 8192, "floor_us": 2000.0,
              "variants": {"none": {"median_ms": 120.0}, "device": {"median_ms": 140.0, "paired_vs_none_pct": 3.0},
                           "host_prefetch": {"median_ms": 150.0, "paired_vs_device_pct": 0.2},
                           "host_kv_ahead": {"median_ms": 141.0, "paired_vs_device_pct": 0.5}}}
-    keys = bench.headline({"phases": [phase]})
+    keys = figures.headline({"phases": [phase]})
     assert keys["host_vs_device_prefill_T8192_pct"] == pytest.approx(0.2)  # paired, not from the medians
     assert keys["device_over_floor_prefill_T8192_pct"] == pytest.approx(3.0 - 100 * 2.0 / 120.0)
 
 
-def test_median_interval_takes_the_sign_test_order_statistics(bench, rng):
+def test_median_interval_takes_the_sign_test_order_statistics(figures, rng):
     """The 95% interval of a median from n values: (x_(k), x_(n-k+1)) with the binomial tails below 2.5%
     (n = 20: the 6th and 15th; n = 6: min and max; n = 5: none); it always holds the median."""
     for n, k in ((6, 1), (10, 2), (20, 6), (27, 8), (40, 14)):
         values = list(rng.normal(size=n))
         ordered = sorted(values)
-        low, high = bench.median_interval(values)
+        low, high = figures.median_interval(values)
         assert (low, high) == (ordered[k - 1], ordered[n - k]), n
         assert low <= statistics.median(values) <= high
         below = sum(math.comb(n, i) for i in range(k)) / 2**n  # the tail the interval leaves out
         assert below <= 0.025 < below + math.comb(n, k) / 2**n, n
-    assert bench.median_interval(list(rng.normal(size=5))) is None
+    assert figures.median_interval(list(rng.normal(size=5))) is None
     base = [100.0] * 8
-    assert bench.paired_pct_interval([101.0] * 8, base) == pytest.approx((1.0, 1.0))
+    assert figures.paired_pct_interval([101.0] * 8, base) == pytest.approx((1.0, 1.0))
 
 
 def test_variants_option_keeps_the_bases_and_names_unknown_ones(bench, tmp_path, capsys):
