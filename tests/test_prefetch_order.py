@@ -160,3 +160,16 @@ def test_gpu_aborted_step_prefetch_is_never_served_behind_a_later_one(synthetic_
     _assert_layers(on_host, on_device, hidden, hash_ids, handle, "the step after an aborted one")
     _assert_layers(on_host, on_device, hidden, aborted_ids, aborted, "the aborted step's handle, given late")
     assert [on_host.table(i).prefetches["served"] for i in on_host.layer_ids] == [n + 1 for n in served]
+
+
+def test_gpu_decode_sized_prefetch_stays_on_the_callers_stream(synthetic_model_dir, rng):
+    """Lookups read directly (decode sizes, default options) start nothing at the prefetch: it takes no stream
+    of its own and adds no wait to the layers; a prefill-sized one does."""
+    on_device = memory_on_cuda(synthetic_model_dir, "device")
+    on_host = memory_on_cuda(synthetic_model_dir, "host")
+    for tokens, own_stream in ((4, False), (1100, True)):  # 96 ids a layer, and 26,400 above 1024 x 24
+        batch, hidden = _batch(on_host, rng, tokens)
+        hash_ids = on_host.hasher(*batch)
+        handle = on_host.prefetch(hash_ids)
+        assert (handle.prepared is not None) == own_stream, tokens
+        _assert_layers(on_host, on_device, hidden, hash_ids, handle, f"T = {tokens}")

@@ -444,18 +444,22 @@ class EngramMemory:
         self._op_ticket = handle  # the custom op names it by a ticket tensor: kept until the next prefetch
         return handle
 
-    def _starts_reads(self) -> bool:
-        """Whether some layer's table may start reads at a prefetch (placements ``"host"``, ``"cached"``)."""
-        return any(table.storage.starts_reads for table in self.tables.values())
+    def _starts_reads(self, num_ids: int | None = None) -> bool:
+        """Whether some layer's table may start reads at a prefetch (placements ``"host"``, ``"cached"``), of
+        ``num_ids`` ids a layer (at most; None: of any size)."""
+        if num_ids is None:
+            return any(table.storage.starts_reads for table in self.tables.values())
+        return any(table.storage.prefetch_starts(num_ids) for table in self.tables.values())
 
     def _prefetch_stream_after(self, hash_ids: torch.Tensor) -> "torch.cuda.Stream | None":
         """The stream a prefetch of ``hash_ids`` runs its device work on, already ordered after the point
         where the ids hold their values, or None (the current stream, as it is: on the CPU, under CUDA-graph
-        capture, or where no table starts reads). That point is the hasher's own mark when ``hash_ids``
+        capture, or where no table may start a read of this many ids). That point is the hasher's own mark when ``hash_ids``
         is its latest output, unchanged (:meth:`NgramHasher.ready_event`), so a prefetch called after the
         engine has enqueued more work (its first decoder layers) does not wait for that work; else it is
         the current stream now."""
-        if self.device.type != "cuda" or not hash_ids.is_cuda or cuda_capturing() or not self._starts_reads():
+        if (self.device.type != "cuda" or not hash_ids.is_cuda or cuda_capturing()
+                or not self._starts_reads(hash_ids.shape[0] * hash_ids.shape[2])):
             return None
         if self._prefetch_stream is None:
             # High priority: its few small launches (the row list or dedup, the ids' copy) go ahead of the

@@ -132,6 +132,11 @@ class TablePlacement(abc.ABC):
         :meth:`gather_fused` finishes, or None (the default: nothing to start, rows are at hand)."""
         return None
 
+    def prefetch_starts(self, num_ids: int) -> bool:
+        """Whether :meth:`prefetch` of ``num_ids`` ids (outside graph capture) may start a read (True where
+        unsure). Default: :attr:`starts_reads`."""
+        return self.starts_reads
+
     def prefetch_usable(self, pending: Any) -> bool:
         """Whether ``pending`` (from :meth:`prefetch`) still holds the rows it was started for."""
         return True

@@ -271,6 +271,9 @@ class CachedPlacement(TablePlacement):
             return None
         return self._start_misses(global_ids, row_start)
 
+    def prefetch_starts(self, num_ids: int) -> bool:
+        return self.backend == "triton" and num_ids > self.direct_max_rows
+
     def finish_waits(self, pending: "_Pending") -> bool:
         """Whether the merge of the prefetch blocks the caller (a host gather of the Python worker)."""
         return isinstance(pending.ticket, GatherTicket) and pending.ticket.future is not None

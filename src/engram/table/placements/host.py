@@ -186,6 +186,9 @@ class HostPlacement(TablePlacement):
             return None
         return self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
 
+    def prefetch_starts(self, num_ids: int) -> bool:
+        return self.backend == "triton" and num_ids > min(self.prefetch_direct_max_rows, self.direct_max_rows)
+
     def finish_waits(self, pending: GatherTicket) -> bool:
         """Whether finishing the prefetch blocks the caller: with the Python worker, until its copies are enqueued."""
         return pending.future is not None
