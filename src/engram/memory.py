@@ -454,10 +454,10 @@ class EngramMemory:
     def _prefetch_stream_after(self, hash_ids: torch.Tensor) -> "torch.cuda.Stream | None":
         """The stream a prefetch of ``hash_ids`` runs its device work on, already ordered after the point
         where the ids hold their values, or None (the current stream, as it is: on the CPU, under CUDA-graph
-        capture, or where no table may start a read of this many ids). That point is the hasher's own mark when ``hash_ids``
-        is its latest output, unchanged (:meth:`NgramHasher.ready_event`), so a prefetch called after the
-        engine has enqueued more work (its first decoder layers) does not wait for that work; else it is
-        the current stream now."""
+        capture, or where no table may start a read of this many ids). That point is the hasher's own mark
+        when ``hash_ids`` is its latest output, unchanged (:meth:`NgramHasher.ready_event`), so a prefetch
+        called after the engine has enqueued more work (its first decoder layers) does not wait for that
+        work; else it is the current stream now."""
         if (self.device.type != "cuda" or not hash_ids.is_cuda or cuda_capturing()
                 or not self._starts_reads(hash_ids.shape[0] * hash_ids.shape[2])):
             return None
