@@ -86,7 +86,7 @@ def _interval(phase: dict | None, name: str, base: str):
 
 
 def headline(report: dict) -> dict:
-    """The keys the task asks for, from what has finished (None where its phase did not run); each
+    """The report's headline keys, from what has finished (None where its phase did not run); each
     comparison paired per round (:func:`paired_pct`) where the phase has per-round figures."""
     decode64, prefill = _phase(report, "decode", 64), _phase(report, "prefill", 8192)
     none_prefill = _median(prefill, "none")
