@@ -31,7 +31,9 @@ hashing + prefetch and around each Engram layer, waits for prefetched rows inclu
 writes the report and ends the run when a warm-up or step stalls (``--stall-s``). In the same run: one decoder layer alone, the floor (the two Engram layers'
 wkv + gate with their rows already on the device), one Engram layer alone (``device``, graph), the
 copy engine's rate, the host's random-row gather ceiling (``host_gather_ceiling.c``) and the host
-path's own end-to-end rate at T = 8192. Writes ``results/step-h200.json`` (and a copy to ``$OUT``)
+path's own end-to-end rate at T = 8192; with ``--trace``, one more step of a few variants at the largest
+prefill T under ``torch.profiler`` (``step_trace.py``: how long the main stream was busy and idle in
+it). Writes ``results/step-h200.json`` (and a copy to ``$OUT``)
 after every phase, so a cut-off run keeps what finished.
 
     PYTHONPATH=src python benchmarks/bench_step.py             # GPU
@@ -63,6 +65,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 import step_decoder  # noqa: E402
 import step_engram  # noqa: E402
+import step_trace  # noqa: E402
 import common  # noqa: E402
 from step_figures import headline, paired_pct, paired_pct_interval, spread, _pct  # noqa: E402
 
@@ -76,6 +79,7 @@ VARIANTS = (("none", None, None), ("device", "device", "inline"),
             ("cached_inline", "cached", "inline"), ("cached_prefetch", "cached", "prefetch"),
             ("cached_kv_ahead", "cached", "kv_ahead"), ("seed", "seed", "inline"),
             ("device_again", "device", "inline"))  # the same as "device": what two equal steps differ by here
+TRACED = ("none", "device", "host_prefetch", "host_prefetch_late")  # the variants --trace profiles one step of
 LEFT_OUT = ("the stand-in leaves out the attention core (and its KV cache) and the all-to-all of expert "
             "parallelism; both make a real step longer, so Engram's shares here are upper bounds")
 
@@ -375,6 +379,7 @@ class Setup:
     path_threads: list = field(default_factory=list)  # gather_threads of the extra host-path-alone runs
     host_options_except_threads: dict = field(default_factory=dict)
     order_rng: random.Random = field(default_factory=random.Random)  # each round's order of the variants
+    trace: bool = False  # one profiled step per TRACED variant at the largest prefill T (--trace)
 
 
 def floor_call(memory, inputs, hash_ids):
@@ -469,7 +474,7 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
         phase["steps_cut"] = f"cut to {steps} steps per variant by the time budget"
         print(f"  {phase['steps_cut']}", flush=True)
     samples = {run.variant.name: [] for run in runs}
-    counters_before = table_counters(setup.memories)
+    counters_before = counters_after = table_counters(setup.memories)
     phase["steps"] = steps
     try:
         for round_index in range(steps):
@@ -483,6 +488,9 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
                     report.error(f"{mode} T={tokens} {run.variant.name} step", error)
                     runs.remove(run)
                     run.release()
+        counters_after = table_counters(setup.memories)  # of the timed steps alone
+        if setup.trace and not decode and tokens == max(t for m, t in setup.plan_order if m == "prefill"):
+            phase["trace"] = trace_steps(setup, report, runs, f"{mode} T={tokens}", tokens)
     finally:  # what was measured is kept, also when the run is stopped mid-phase
         for run in runs:
             run.release()
@@ -491,7 +499,7 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
             stats = phase["variants"].get(run.variant.name)
             if run.engram_stream_ms and stats is not None and "median_ms" in stats:
                 stats["engram_stream_ms"] = statistics.median(run.engram_stream_ms)
-        phase["table_counters"] = counter_changes(counters_before, table_counters(setup.memories))
+        phase["table_counters"] = counter_changes(counters_before, counters_after)
     if "cached" in setup.memories:
         guard(f"{mode} T={tokens}: update_cache alone")
         phase["update_cache_ms"] = update_cache_ms(setup.memories["cached"], inputs, setup.clock)
@@ -523,6 +531,34 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
         setup.watchdog.disarm()
     phase["seconds"] = time.perf_counter() - started
     return phase
+
+
+def trace_steps(setup: Setup, report: Report, runs: list, label: str, tokens: int) -> dict:
+    """One more step of each variant of :data:`TRACED` under ``torch.profiler`` (``step_trace``): the main
+    stream's busy and idle ms, every stream's figures, and the gzipped trace's file name (next to the
+    report, or in ``$OUT``)."""
+    out = os.environ.get("OUT")
+    directory = Path(out) if out and Path(out).is_dir() else report.path.parent
+    guard = setup.watchdog.arm if setup.watchdog else (lambda what: None)
+    found = {}
+    for run in runs:
+        if run.variant.name not in TRACED:
+            continue
+        guard(f"{label}: {run.variant.name} traced step")
+        path = directory / f"step-trace-{run.variant.name}-T{tokens}.json.gz"
+        try:
+            run.inputs.refresh()
+            setup.clock.sync()
+            found[run.variant.name] = {**step_trace.profile_call(lambda: (run._eager(), run._after()), path),
+                                       "trace": path.name}
+        except Exception as error:  # noqa: BLE001 - a trace is a diagnostic: the figures stand without it
+            report.error(f"{label} {run.variant.name} traced step", error)
+            continue
+        figures = found[run.variant.name]
+        if figures["main_stream"] is not None:
+            print(f"  traced {run.variant.name}: main stream busy {figures['main_busy_ms']:.2f} ms, idle "
+                  f"{figures['main_idle_ms']:.2f} ms of {figures['main_span_ms']:.2f}", flush=True)
+    return found
 
 
 def prewarm(memory, inputs, api: dict) -> float:
@@ -654,7 +690,7 @@ def build(args, report: Report, watchdog: Watchdog | None) -> Setup:
                  report.deadline, args.min_steps, 1 if args.smoke else 2, watchdog, keep,
                  path_threads=args.path_threads,
                  host_options_except_threads={k: v for k, v in host_options.items() if k != "gather_threads"},
-                 order_rng=random.Random(args.seed))
+                 order_rng=random.Random(args.seed), trace=args.trace)
 
 
 def token_counts(text: str) -> list[int]:
@@ -705,6 +741,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", type=variant_names, default=None,
                         help="comma-separated variants to run (default all; none and device always run): more "
                              "rounds of the ones a question is about in the same time")
+    parser.add_argument("--trace", action="store_true",
+                        help="after the timed steps of the largest prefill T, one step of each of "
+                             f"{', '.join(TRACED)} under torch.profiler: the main stream's busy and idle time "
+                             "(traces gzipped next to the report)")
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--stall-s", type=float, default=120.0,
                         help="a warm-up or step running longer ends the run, its report written")
@@ -813,6 +853,11 @@ def print_table(report: dict) -> None:
         if stream:
             print(f"{label:>14} {'':>18} Engram's spans of the main stream (hash + prefetch, each layer; median "
                   "ms a step): " + ", ".join(f"{name} {ms:.3f}" for name, ms in stream.items()))
+        traced = {name: figures for name, figures in (phase.get("trace") or {}).items()
+                  if figures.get("main_stream") is not None}
+        if traced:
+            print(f"{label:>14} {'':>18} one traced step, main stream busy / idle ms: " + ", ".join(
+                f"{name} {f['main_busy_ms']:.2f} / {f['main_idle_ms']:.2f}" for name, f in traced.items()))
         floor = phase.get("floor_pct_of_none")
         print(f"{label:>14} {'':>18} decoder layer alone {phase.get('decoder_layer_us', 0):.1f} us, floor (2 Engram "
               f"layers' wkv + gate) {phase.get('floor_us', 0):.1f} us"

@@ -11,7 +11,8 @@
 #   layer     bench_layer.py --no-sweep: the whole layer for every wkv path
 #   host      bench_host.py: placement "host" on a 34 GiB table (carry .bench-data for real-text ids)
 #   cache     bench_cache.py: placements host / cached / device on held-out text (carry .bench-data)
-#   step      bench_step.py: what Engram adds to a whole served decoder step
+#   step      bench_step.py: what Engram adds to a whole served decoder step (and one traced step of
+#             a few variants at T = 8192)
 #   step-keys bench_step.py on the host keys' variants only (none, device, its control, host prefetched
 #             right after hashing and after layer 0) at decode T = 64 and prefill T = 8192, 100 rounds
 #   parallel  bench_parallel.py: tensor-parallel ranks over NCCL, one per visible GPU
@@ -108,7 +109,7 @@ for command in "${commands[@]}"; do
     layer) run bench-layer-h200.log timeout 400 python benchmarks/bench_layer.py --no-sweep ;;
     host) run bench-host-h200.log timeout 300 python benchmarks/bench_host.py ;;
     cache) run bench-cache-h200.log timeout 300 python benchmarks/bench_cache.py ;;
-    step) run step-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \
+    step) run step-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 --trace \
             --json "$OUT/step-h200.json" ;;
     step-keys) run step-keys-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \
             --decode-tokens 64 --prefill-tokens 8192 --steps 100 \

@@ -340,3 +340,41 @@ def test_variants_option_keeps_the_bases_and_names_unknown_ones(bench, tmp_path,
         bench.main(["--smoke", "--variants", "host_prefetched"])
     assert stopped.value.code == 2
     assert "unknown variants ['host_prefetched']" in capsys.readouterr().err
+
+
+def test_stream_occupancy_takes_the_union_of_each_streams_operations(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_trace
+
+    def op(stream, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    events = [op(7, 0, 10), op(7, 5, 10), op(7, 30, 5, "gpu_memcpy"), op(7, 34, 2, "gpu_memset"),  # busy 15 + 6
+              op(9, 100, 4), {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 500, "args": {}},
+              {"ph": "i", "cat": "kernel", "ts": 3, "args": {"stream": 7}}]
+    streams = step_trace.stream_occupancy(events)
+    assert set(streams) == {7, 9}
+    assert streams[7]["busy_us"] == 21 and streams[7]["span_us"] == 36 and streams[7]["idle_us"] == 15
+    assert streams[7]["ops"] == 4 and streams[9]["busy_us"] == 4 and streams[9]["idle_us"] == 0
+    main = step_trace.main_stream_figures(events)
+    assert main["main_stream"] == 7 and main["main_idle_ms"] == pytest.approx(0.015)
+    assert step_trace.main_stream_figures([])["main_stream"] is None
+
+
+def test_trace_option_profiles_one_step_per_traced_variant(bench, tmp_path, monkeypatch):
+    """On the CPU the profiler sees no CUDA stream: the figures say so, and each trace is kept, gzipped."""
+    import gzip
+
+    monkeypatch.delenv("OUT", raising=False)
+    path = tmp_path / "step.json"
+    assert bench.main(["--smoke", "--json", str(path), "--decode-tokens", "", "--prefill-tokens", "8,16",
+                       "--trace"]) == 0
+    phases = {p["T"]: p for p in json.loads(path.read_text())["phases"]}
+    assert "trace" not in phases[8]  # the largest prefill T only
+    traced = phases[16]["trace"]
+    assert set(traced) == {"none", "device"}  # the others need CUDA
+    for name, figures in traced.items():
+        assert figures["main_stream"] is None and figures["trace"] == f"step-trace-{name}-T16.json.gz"
+        with gzip.open(tmp_path / figures["trace"], "rt") as trace:
+            assert "traceEvents" in json.load(trace)
+    assert phases[16]["variants"]["device"]["n"] == 2  # the traced step is not a sample
