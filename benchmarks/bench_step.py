@@ -474,7 +474,7 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
         phase["steps_cut"] = f"cut to {steps} steps per variant by the time budget"
         print(f"  {phase['steps_cut']}", flush=True)
     samples = {run.variant.name: [] for run in runs}
-    counters_before = counters_after = table_counters(setup.memories)
+    counters_before, counters_after = table_counters(setup.memories), None
     phase["steps"] = steps
     try:
         for round_index in range(steps):
@@ -499,7 +499,7 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
             stats = phase["variants"].get(run.variant.name)
             if run.engram_stream_ms and stats is not None and "median_ms" in stats:
                 stats["engram_stream_ms"] = statistics.median(run.engram_stream_ms)
-        phase["table_counters"] = counter_changes(counters_before, counters_after)
+        phase["table_counters"] = counter_changes(counters_before, counters_after or table_counters(setup.memories))
     if "cached" in setup.memories:
         guard(f"{mode} T={tokens}: update_cache alone")
         phase["update_cache_ms"] = update_cache_ms(setup.memories["cached"], inputs, setup.clock)
