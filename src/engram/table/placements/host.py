@@ -11,7 +11,7 @@ Two read paths, chosen per lookup by its row count (``direct_max_rows``):
   back in token order from the device staging.
   Needs a host thread, so it is never used while a CUDA graph is being captured.
 
-:meth:`HostPlacement.prefetch` starts path (b) early (right after hashing) and returns its
+:meth:`HostPlacement.prefetch` starts path (b) early (at the step's prefetch) and returns its
 ticket; the lookup given that ticket (through :class:`~engram.table.table.TablePrefetch`) then
 waits on that layer's copies only, on the GPU. Every path returns the bytes the ``device``
 placement returns, bit for bit.
