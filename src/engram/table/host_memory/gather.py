@@ -425,7 +425,7 @@ class HostGather:
             num_rows = min(max(int(ids_host[num_ids]), 1), num_ids)  # clamped: the count came from the device
             rows = ids_host[:num_rows]
             num_waves = _num_waves(num_rows)
-            bounds = [num_rows * k // num_waves for k in range(num_waves + 1)]
+            bounds = [0, *native_worker.even_wave_ends(num_rows, num_waves)]
             gathered = self.gather_rows(self.packed, rows, self.staging_host[:num_rows], self.gather_threads,
                                         wave_ends=bounds[1:])
             with torch.cuda.device(self.device):
