@@ -167,7 +167,7 @@ def test_gpu_decode_sized_prefetch_stays_on_the_callers_stream(synthetic_model_d
     of its own and adds no wait to the layers; a prefill-sized one does."""
     on_device = memory_on_cuda(synthetic_model_dir, "device")
     on_host = memory_on_cuda(synthetic_model_dir, "host")
-    for tokens, own_stream in ((4, False), (1100, True)):  # 96 ids a layer, and 26,400 above 1024 x 24
+    for tokens, own_stream in ((4, False), (4200, True)):  # 24 ids a layer (6 columns), and 25,200 above 1024 x 24
         batch, hidden = _batch(on_host, rng, tokens)
         hash_ids = on_host.hasher(*batch)
         handle = on_host.prefetch(hash_ids)
