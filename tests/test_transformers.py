@@ -388,11 +388,16 @@ def test_demo_generates_from_real_text(checkpoint, deepseek_tokenizer_path, caps
 # prefetch and row-cache updates
 # ---------------------------------------------------------------------------
 def test_generate_prefetches_each_forward_and_updates_the_cache_after_it(model, monkeypatch):
-    """Each forward prefetches its rows once right after hashing, every Engram layer is given that
-    step's handle, and the row cache (placement "cached"; a no-op here) learns from the forward's ids
-    once it is over."""
+    """Each forward prefetches its rows once, after the decoder layer before the first Engram layer has
+    run (so its host time overlaps that layer's GPU work), every Engram layer is given that step's
+    handle, and the row cache (placement "cached"; a no-op here) learns from the forward's ids once it
+    is over."""
     memory = model.engram_handle.memory
     events: list = []
+    before_first = min(memory.layer_ids) - 1
+    assert before_first >= 0, memory.layer_ids
+    marker = model.engram_handle._stack.layers[before_first].register_forward_pre_hook(
+        lambda module, args: events.append(("decoder layer", None, None)))
     prefetch, forward_layer, update_cache = memory.prefetch, memory.forward_layer, memory.update_cache
 
     def spy_prefetch(hash_ids, **kwargs):
@@ -413,16 +418,19 @@ def test_generate_prefetches_each_forward_and_updates_the_cache_after_it(model, 
     monkeypatch.setattr(memory, "update_cache", spy_update_cache)
     rng = np.random.default_rng(_seed())
     ids = torch.stack(_prompts(rng, model.config.vocab_size, [6, 6]))
-    model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=PAD)
+    try:
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=PAD)
+    finally:
+        marker.remove()
     layers = len(memory.layer_ids)
-    forwards = [events[k:k + layers + 2] for k in range(0, len(events), layers + 2)]
-    assert len(forwards) == 3 and len(events) == 3 * (layers + 2)
+    forwards = [events[k:k + layers + 3] for k in range(0, len(events), layers + 3)]
+    assert len(forwards) == 3 and len(events) == 3 * (layers + 3)
     for forward in forwards:
         kinds = [kind for kind, _, _ in forward]
-        assert kinds == ["prefetch"] + ["layer"] * layers + ["update"]
-        hash_ids, handle = forward[0][1], forward[0][2]
-        assert all(step_ids is hash_ids for _, step_ids, _ in forward)
-        assert all(given is handle for _, _, given in forward[1:-1])
+        assert kinds == ["decoder layer", "prefetch"] + ["layer"] * layers + ["update"]
+        hash_ids, handle = forward[1][1], forward[1][2]
+        assert all(step_ids is hash_ids for _, step_ids, _ in forward[1:])
+        assert all(given is handle for _, _, given in forward[2:-1])
 
 
 @pytest.mark.gpu
