@@ -41,11 +41,8 @@ DIRECT_MAX_ROWS = DEFAULT_DIRECT_MAX_ROWS
 # Launch shape of direct reads of decode-sized lookups (at most DECODE_MAX_ROWS rows): one row
 # per one-warp program keeps more PCIe reads in flight. H200, T = 64 (bench_host.py
 # "direct_configs_T64", two runs): 17.7-18.0 us against 19.1-19.6 us for the gather's default
-# (8 rows, 2 warps). T = 256 on a 25 GiB table (benchmarks/NOTES.md "Direct reads beside the
-# decoder"): 56.6 us alone against 90.6 for the packed default (16 rows, 4 warps); two layers'
-# reads add 95 against 186 us to a decoder layer. At T = 1024 no shape wins clearly: larger
-# lookups keep the default.
-DECODE_MAX_ROWS = 256 * 24
+# (8 rows, 2 warps). Larger lookups keep the default (not measured with this shape).
+DECODE_MAX_ROWS = 128 * 24
 DECODE_DIRECT_SHAPE = {"block_rows": 1, "num_warps": 1, "vector": 16}
 
 
