@@ -433,6 +433,41 @@ def test_generate_prefetches_each_forward_and_updates_the_cache_after_it(model, 
         assert all(given is handle for _, _, given in forward[2:-1])
 
 
+def test_engram_at_layer_zero_prefetches_right_after_hashing(tmp_path, monkeypatch):
+    """With an Engram layer at decoder layer 0 no layer runs before it: the forward prefetches right after
+    hashing, before any decoder layer, and layer 0 is given that handle."""
+    if DeepseekV4ForCausalLM is None:
+        missing_dependency("transformers >= 5.23 with DeepseekV4ForCausalLM (pip install -e '.[transformers]')")
+    zero = write_transformers_checkpoint(tmp_path / "engram-at-0", seed=12, layer_ids=(0, 2))
+    model = load_model(zero.directory, progress=False).eval()
+    try:
+        memory, events = model.engram_handle.memory, []
+        prefetch, forward_layer = memory.prefetch, memory.forward_layer
+
+        def spy_prefetch(hash_ids, **kwargs):
+            handle = prefetch(hash_ids, **kwargs)
+            events.append(("prefetch", handle))
+            return handle
+
+        def spy_forward_layer(layer_id, hidden, hash_ids, token_mask=None, **kwargs):
+            events.append((f"layer {layer_id}", kwargs.get("prefetch")))
+            return forward_layer(layer_id, hidden, hash_ids, token_mask, **kwargs)
+
+        monkeypatch.setattr(memory, "prefetch", spy_prefetch)
+        monkeypatch.setattr(memory, "forward_layer", spy_forward_layer)
+        layers = model.engram_handle._stack.layers
+        marker = layers[1].register_forward_pre_hook(lambda module, args: events.append(("decoder layer 1", None)))
+        rng = np.random.default_rng(_seed())
+        try:
+            model(torch.stack(_prompts(rng, model.config.vocab_size, [5])))
+        finally:
+            marker.remove()
+        assert [kind for kind, _ in events] == ["prefetch", "layer 0", "decoder layer 1", "layer 2"]
+        assert events[1][1] is events[0][1] and events[3][1] is events[0][1]
+    finally:
+        model.engram_handle.remove()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_load_model_cached_serves_hits_during_generate(checkpoint):
