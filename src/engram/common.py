@@ -104,11 +104,15 @@ class IdsIdentity:
 
     @staticmethod
     def of(ids: torch.Tensor) -> "IdsIdentity":
-        base = ids._base if ids._base is not None else ids
-        return IdsIdentity(weakref.ref(base), _version(ids),
-                           (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device))
+        return IdsIdentity(weakref.ref(_base(ids)), _version(ids), _geometry(ids))
 
     def matches(self, ids: torch.Tensor) -> bool:
-        base = ids._base if ids._base is not None else ids
-        return (self.base() is base and _version(ids) == self.version
-                and (ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device) == self.geometry)
+        return self.base() is _base(ids) and _version(ids) == self.version and _geometry(ids) == self.geometry
+
+
+def _base(ids: torch.Tensor) -> torch.Tensor:
+    return ids._base if ids._base is not None else ids
+
+
+def _geometry(ids: torch.Tensor) -> tuple:
+    return ids.data_ptr(), tuple(ids.shape), tuple(ids.stride()), ids.dtype, ids.device

@@ -181,8 +181,7 @@ class HostPlacement(TablePlacement):
         its ticket, for the lookup of exactly these ids. Lookups of at most
         ``min(prefetch_direct_max_rows, direct_max_rows)`` rows (read directly) and lookups under
         CUDA-graph capture need no prefetch: nothing is started (None)."""
-        if (self.backend != "triton" or torch.cuda.is_current_stream_capturing()
-                or global_ids.numel() <= min(self.prefetch_direct_max_rows, self.direct_max_rows)):
+        if torch.cuda.is_current_stream_capturing() or not self.prefetch_starts(global_ids.numel()):
             return None
         return self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
 
