@@ -25,7 +25,7 @@ import torch
 import engram
 from conftest import POISON_BYTE, assert_layers_equal, assert_lookups_equal, capture_cuda_graph, replay_poisoned
 from engram.table.host_memory.rows import pack_rows, packed_row_bytes
-from engram.table.placements.row_cache import (RowCache, cached_direct_reference, cached_merge_reference, cached_probe_reference,
+from engram.table.placements.row_cache import (RowCache, cached_direct_reference, checked_merge_reference, cached_probe_reference,
                                     direct_class)
 from test_cached_placement import (CASES, _case_id, _check_invariants, _device_and_cached, _device_and_cached_memories,
                                    _expected_bf16, _ids, _kernel_device, _layer_inputs, _no_check, _on_cpu, _strided,
@@ -68,17 +68,21 @@ def test_probe_and_merge_references_on_a_small_cache():
     assert slot.tolist() == [[int(slot4), -1, int(slot7)], [-1, -1, int(slot4)]]
     assert miss.tolist() == [[-1, 5, -1], [-1, -1, -1]]
     assert slot.dtype == miss.dtype == torch.int32
-    # The merge: hits from their slots; row 5 from the staged rows; the others from the staged zero row.
+    # The merge: hits from their slots; row 5 from the staged rows; ids outside the table read zeros.
     staged = torch.cat([rows.packed[5:6], rows.packed[-1:]])
     inverse = torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.int32)
-    values, scales = cached_merge_reference(cache, slot, staged, inverse)
+    values, scales = checked_merge_reference(ids, 100, rows.values, rows.scales, staged, inverse, cache, slot)
     for (t, j), row in {(0, 0): 4, (0, 1): 5, (0, 2): 7, (1, 2): 4}.items():
         assert torch.equal(values[t, j], rows.values[row]) and torch.equal(scales[t, j], rows.scales[row])
     assert int(values[1, :2].sum()) == 0 and int(scales[1, :2].sum()) == 0
-    # Malformed slots read the staged row; malformed inverse entries read zeros.
-    values, _ = cached_merge_reference(cache, torch.tensor([[-5, 4]], dtype=torch.int32), staged,
-                                       torch.tensor([[0, 2]], dtype=torch.int32))
-    assert torch.equal(values[0, 0], rows.values[5]) and int(values[0, 1].sum()) == 0
+    # A copy read for another row is never served: a slot or staged row whose tag names another row (ids
+    # edited after the probe), a malformed slot or inverse entry: the lookup's own row, read from the backing.
+    edited = torch.tensor([[106, 104, 108]])  # slot4 now at row 6, staged row 5 at row 4, slot7 at row 8
+    values, scales = checked_merge_reference(edited, 100, rows.values, rows.scales, staged,
+                                             torch.tensor([[0, 0, 7]], dtype=torch.int32), cache,
+                                             torch.tensor([[int(slot4), -5, int(slot7)]], dtype=torch.int32))
+    for j, row in enumerate([6, 4, 8]):
+        assert torch.equal(values[0, j], rows.values[row]) and torch.equal(scales[0, j], rows.scales[row])
 
 
 def test_version_counts_content_changes():
@@ -119,21 +123,35 @@ def test_probe_and_merge_argument_errors():
         cache_gather.cached_direct_reads(slot, back_values, back_scales, out=torch.zeros(3, 2, 64, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"back_scales: expected uint8 \[rows, D\] / \[rows, D // 32\]"):
         cache_gather.cached_direct_reads(slot, back_values, back_values)
+    merge = cache_gather.checked_merge_rows
+    back = (back_values, back_scales)
     with pytest.raises(ValueError, match=r"direct: expected uint8 \[3, 2, >= 66\]"):
-        cache_gather.cached_merge_rows(cache, slot, staged, slot, direct=torch.zeros(3, 2, 65, dtype=torch.uint8))
+        merge(ids, 0, *back, staged, slot, cache=cache, slot=slot, direct=torch.zeros(3, 2, 65, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"slot: expected a contiguous int32 tensor \[T, C\]"):
-        cache_gather.cached_merge_rows(cache, slot.long(), staged, slot)
+        merge(ids, 0, *back, staged, slot, cache=cache, slot=slot.long())
+    with pytest.raises(ValueError, match=r"slot: expected the probe's contiguous int32 tensor"):
+        merge(ids, 0, *back, staged, slot, cache=cache)
+    with pytest.raises(ValueError, match=r"slot, direct: given without a cache"):
+        merge(ids, 0, *back, staged, slot, slot=slot)
     with pytest.raises(ValueError, match=r"inverse: expected a contiguous int32 tensor \[T, C\]"):
-        cache_gather.cached_merge_rows(cache, slot, staged, slot.t())
-    with pytest.raises(ValueError, match=r"inverse: expected the shape of slot \[3, 2\]"):
-        cache_gather.cached_merge_rows(cache, slot, staged, slot[:2])
-    with pytest.raises(ValueError, match=r"staged: expected uint8 packed rows \[rows, >= 66\]"):
-        cache_gather.cached_merge_rows(cache, slot, staged[:, :64], slot)
+        merge(ids, 0, *back, staged, slot.t())
+    with pytest.raises(ValueError, match=r"inverse: expected the shape of hash_ids \[3, 2\]"):
+        merge(ids, 0, *back, staged, slot[:2])
+    with pytest.raises(ValueError, match=r"staged: expected uint8 packed rows \[>= 1, 80\]"):
+        merge(ids, 0, *back, staged[:, :64], slot)
+    with pytest.raises(ValueError, match=r"staged: expected uint8 packed rows \[>= 1, 80\]"):
+        merge(ids, 0, *back, staged[:0], slot)
+    with pytest.raises(ValueError, match=r"hash_ids: expected an int32 or int64 tensor"):
+        merge(ids.float(), 0, *back, staged, slot)
+    with pytest.raises(ValueError, match=r"row_start: expected an integer >= 0, found -3"):
+        merge(ids, -3, *back, staged, slot)
+    with pytest.raises(ValueError, match=r"back_scales: expected shape \[10, 2\]"):
+        merge(ids, 0, back_values, back_scales[:, :1], staged, slot)
     with pytest.raises(ValueError, match=r"out: expected a contiguous bfloat16 tensor \[3, 2, 64\]"):
-        cache_gather.cached_merge_rows(cache, slot, staged, slot, out=torch.empty(3, 2, 64))
+        merge(ids, 0, *back, staged, slot, out=torch.empty(3, 2, 64))
     with pytest.raises(ValueError, match=r"out\[1\]: expected a contiguous uint8 tensor \[3, 2, 2\]"):
-        cache_gather.cached_merge_rows_packed(cache, slot, staged, slot,
-                                              out=(torch.empty(3, 2, 64, dtype=torch.uint8), None))
+        cache_gather.checked_merge_rows_packed(ids, 0, *back, staged, slot,
+                                               out=(torch.empty(3, 2, 64, dtype=torch.uint8), None))
 
 
 # ---------------------------------------------------------------------------
@@ -232,35 +250,73 @@ def _slots_and_inverse(tokens: int, columns: int, num_slots: int, staged_rows: i
     return slot.to(torch.int32), inverse.to(torch.int32)
 
 
+def _copies(hash_ids, row_start, rows, cache, num_rows, generator, lying: bool):
+    """The copies a merge may be given for ``hash_ids`` (CPU): ``(slot, staged, inverse)`` where about half the
+    positions point to a copy read for their own row (the slot holding it, a staged row of it) and the others to
+    copies of other rows, never-written staged rows (tag -1), malformed slots and inverse entries. With ``lying``
+    a few staged rows carry a tag that names a row their bytes are not (which only a broken worker could make):
+    the merge serves them, which shows it uses the copies."""
+    tokens, columns = hash_ids.shape
+    slot, _ = cached_probe_reference(cache, num_rows, hash_ids, row_start)
+    local = hash_ids.to(torch.int64) - row_start
+    inside = (local >= 0) & (local < num_rows)
+    wanted = torch.where(inside, local, 0).reshape(-1)
+    count = wanted.numel()
+    others = torch.randint(0, num_rows, (count,), generator=generator)
+    staged_of = torch.where(torch.rand(count, generator=generator) < 0.5, wanted, others)
+    staged = rows.packed[staged_of].clone()
+    unwritten = torch.rand(count, generator=generator) < 0.15
+    staged[unwritten] = POISON_BYTE
+    staged[unwritten, -4:] = 0xFF  # tag -1
+    inverse = torch.randperm(count, generator=generator).to(torch.int32)
+    inverse = torch.where(torch.rand(count, generator=generator) < 0.6, torch.arange(count, dtype=torch.int32), inverse)
+    bad_inverse = torch.tensor([count, count + 7, -1, 2**31 - 1, -(2**31)], dtype=torch.int32)
+    malformed = torch.rand(count, generator=generator) < 0.1
+    inverse = torch.where(malformed, bad_inverse[torch.randint(0, 5, (count,), generator=generator)], inverse)
+    bad_slot = torch.tensor([cache.num_slots, 2**31 - 1, -(2**31), 0, 1], dtype=torch.int32)
+    slot = torch.where(torch.rand(slot.shape, generator=generator) < 0.15,
+                       bad_slot[torch.randint(0, 5, slot.shape, generator=generator)], slot).reshape(-1)
+    if lying and bool(inside.any()):  # the first position inside the table: a lying staged row, no cache slot
+        liar = int(torch.nonzero(inside.reshape(-1))[0, 0])
+        staged[liar] = rows.packed[wanted[liar]]
+        staged[liar, :-4] = POISON_BYTE  # the tag still names the row
+        inverse[liar], slot[liar] = liar, -1
+    return slot.view(tokens, columns).contiguous(), staged, inverse.view(tokens, columns).contiguous()
+
+
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_merge_kernels_equal_the_reference(case, seed):
-    """The direct reads and both merge kernels (without and with direct reads) == the references (bytes;
-    bf16 through the plain gather kernel's decode of the reference's bytes), with malformed slots and
-    inverse entries, outputs poisoned."""
+    """The direct reads and both merge kernels (without a cache, with one, with direct reads) == the references
+    (bytes; bf16 through the plain gather kernel's decode), for ids whose copies are partly right, partly of other
+    rows, never written or malformed, outputs poisoned: with honest copies, the rows of a plain lookup of the
+    backing rows bit for bit, whatever the copies; with a lying staged row, its bytes (the copies are used)."""
     from engram.table.kernels import gather
     from interpreter_bounds import bounds_checked
 
     cache_gather = _launchers()
     device = _kernel_device()
-    tokens, columns, head_dim, num_rows, _, slots, ways = case
+    tokens, columns, head_dim, num_rows, row_start, slots, ways = case
     generator = torch.Generator().manual_seed(seed)
     rows = _table(num_rows, head_dim, generator)
-    cache = RowCache(slots, head_dim, device, ways=ways)
-    cache.load_hot(torch.randperm(num_rows, generator=generator)[:slots].to(device), rows.values.to(device),
-                   rows.scales.to(device))
-    staged_rows = int(torch.randint(1, 2 * tokens * columns, (1,), generator=generator))
-    staged = _table(staged_rows, head_dim, generator).packed[:-1].clone().to(device)  # its own storage
+    cache = RowCache(slots, head_dim, "cpu", ways=ways)
+    cache.load_hot(torch.randperm(num_rows, generator=generator)[:slots], rows.values, rows.scales)
     groups = head_dim // 32
     back_values, back_scales = rows.values.to(device), rows.scales.to(device)
     width = packed_row_bytes(head_dim)
+    device_cache = RowCache(slots, head_dim, device, ways=ways)
+    device_cache.load_hot(cache.tags[cache.tags >= 0].to(device), back_values, back_scales)
     with bounds_checked() if device == "cpu" else _no_check() as memory:
-        for step in range(4):
-            slot, inverse = (t.to(device) for t in _slots_and_inverse(tokens, columns, cache.num_slots, staged_rows,
-                                                                       num_rows, generator))
+        for step in range(6):
+            hash_ids = _malformed(_ids(tokens, columns, num_rows, row_start, generator), generator)
+            lying = step == 5 and bool(((hash_ids >= row_start) & (hash_ids < row_start + num_rows)).any())
+            slot, staged, inverse = _copies(hash_ids, row_start, rows, device_cache if device == "cpu" else cache,
+                                            num_rows, generator, lying)
+            hash_ids, slot, staged, inverse = (t.to(device) for t in (hash_ids, slot, staged, inverse))
+            with_cache = step >= 2
             direct = None
-            if step >= 2:
+            if step >= 4:
                 direct = torch.full((tokens, columns, width), POISON_BYTE, dtype=torch.uint8, device=device)
                 expected_direct = cached_direct_reference(slot, back_values, back_scales, direct)
                 assert cache_gather.cached_direct_reads(slot, back_values, back_scales, out=direct) is direct
@@ -268,15 +324,23 @@ def test_merge_kernels_equal_the_reference(case, seed):
                 fresh = cache_gather.cached_direct_reads(slot, back_values, back_scales)  # allocating form
                 used = head_dim + groups  # the padding after the scales is not written
                 assert torch.equal(fresh[slot <= -2][:, :used], direct[slot <= -2][:, :used])
-            expected_values, expected_scales = cached_merge_reference(cache, slot, staged, inverse, direct)
+            copies = dict(cache=device_cache, slot=slot, direct=direct) if with_cache else {}
+            expected_values, expected_scales = checked_merge_reference(
+                hash_ids, row_start, back_values, back_scales, staged, inverse, **copies)
+            plain_values, plain_scales = gather.gather_rows_packed(back_values, back_scales, hash_ids, row_start)
+            if lying:
+                assert not torch.equal(expected_values, plain_values)
+            else:
+                assert torch.equal(expected_values, plain_values) and torch.equal(expected_scales, plain_scales)
             values = torch.full((tokens, columns, head_dim), POISON_BYTE, dtype=torch.uint8, device=device)
             scales = torch.full((tokens, columns, groups), POISON_BYTE, dtype=torch.uint8, device=device)
-            returned = cache_gather.cached_merge_rows_packed(cache, slot, staged, inverse, direct=direct,
-                                                             out=(values, scales))
+            returned = cache_gather.checked_merge_rows_packed(hash_ids, row_start, back_values, back_scales, staged,
+                                                              inverse, **copies, out=(values, scales))
             assert returned[0] is values and returned[1] is scales
             assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales)
             out = torch.full((tokens, columns, head_dim), float("nan"), dtype=torch.bfloat16, device=device)
-            assert cache_gather.cached_merge_rows(cache, slot, staged, inverse, direct=direct, out=out) is out
+            assert cache_gather.checked_merge_rows(hash_ids, row_start, back_values, back_scales, staged, inverse,
+                                                   **copies, out=out) is out
             flat_ids = torch.arange(tokens * columns, device=device).view(tokens, columns)
             expected = gather.gather_rows(expected_values.view(-1, head_dim), expected_scales.view(-1, groups),
                                           flat_ids)
@@ -407,18 +471,23 @@ def test_kernels_compile_for_sm90():
              dict(slot_ptr="*i32", back_value_ptr="*u8", back_scale_ptr="*u8", direct_ptr="*u8", total_rows="i32",
                   num_rows="i32", back_value_stride="i32", back_scale_stride="i32", direct_stride="i32"),
              dict(HEAD_DIM=256, GROUPS_PADDED=8, BLOCK_ROWS=block), num_warps=4, num_stages=1)
-    merge_types = dict(slot_ptr="*i32", inverse_ptr="*i32", slot_value_ptr="*u8", slot_scale_ptr="*u8",
-                       staged_value_ptr="*u8", staged_scale_ptr="*u8", direct_ptr="*u8")
-    merge_ints = dict(total_rows="i32", num_slots="i32", staged_rows="i32", slot_value_stride="i32",
-                      slot_scale_stride="i32", staged_value_stride="i32", staged_scale_stride="i32",
-                      direct_stride="i32")
-    for has_direct in (False, True):
-        shape = dict(HEAD_DIM=256, GROUPS_PADDED=8, BLOCK_ROWS=block, HAS_DIRECT=has_direct)
-        _compile(kernels.cached_merge_bf16_kernel, dict(**merge_types, out_ptr="*bf16", **merge_ints),
-                 dict(**shape, DECODE=0), num_warps=4, num_stages=1)
-        _compile(kernels.cached_merge_packed_kernel,
-                 dict(**merge_types, out_value_ptr="*u8", out_scale_ptr="*u8", **merge_ints), shape, num_warps=4,
-                 num_stages=1)
+    merge_types = dict(inverse_ptr="*i32", staged_value_ptr="*u8", staged_scale_ptr="*u8", staged_tag_ptr="*i32",
+                       back_value_ptr="*u8", back_scale_ptr="*u8", slot_ptr="*i32", cache_tag_ptr="*i64",
+                       slot_value_ptr="*u8", slot_scale_ptr="*u8", direct_ptr="*u8")
+    merge_ints = {name: "i32" for name in (
+        "total_rows", "local_columns", "stride_token", "stride_column", "num_rows", "staged_rows",
+        "staged_value_stride", "staged_scale_stride", "staged_tag_stride", "back_value_stride", "back_scale_stride",
+        "num_slots", "slot_value_stride", "slot_scale_stride", "direct_stride")}
+    merge_ints["row_start"] = "i64"
+    for ids in ("*i32", "*i64"):
+        for has_cache, has_direct in ((False, False), (True, False), (True, True)):
+            shape = dict(HEAD_DIM=256, GROUPS_PADDED=8, BLOCK_ROWS=block, HAS_CACHE=has_cache, HAS_DIRECT=has_direct)
+            types = dict(hash_ids_ptr=ids, **merge_types)
+            _compile(kernels.checked_merge_bf16_kernel, dict(**types, out_ptr="*bf16", **merge_ints),
+                     dict(**shape, DECODE=0), num_warps=4, num_stages=1)
+            _compile(kernels.checked_merge_packed_kernel,
+                     dict(**types, out_value_ptr="*u8", out_scale_ptr="*u8", **merge_ints), shape, num_warps=4,
+                     num_stages=1)
 
 
 # ---------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from engram.environment import local_world_size
 from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
 from engram.table.host_memory import native_worker, openmp_team, stream_memory_ops
 from engram.table.host_memory.native_worker import JOB_DONE, STAGING_FREE, WAVES_DONE
+from engram.table.host_memory.rows import row_tags
 from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
 
 __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads", "WORKERS",
@@ -264,22 +265,33 @@ class HostGather:
         for event in (self._copies_done, self._consumed):
             if event is not None:
                 event.synchronize()
+        # Everything is allocated before anything is replaced: a growth that fails part-way (CUDA OOM, Ctrl-C)
+        # leaves the old buffers, the worker's view of them and the capacity as they were.
         capacity = next_power_of_2(num_rows)
-        self.staging_host = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, pin_memory=True)
-        self.staging_device = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self.device)
-        self.staging_device.record_stream(self.copy_stream)  # freed only once the copies into it have run
+        staging_host = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, pin_memory=True)
+        staging_device = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self.device)
+        # No staged row is ever served unless its tag names the lookup's row: a never-written row tags -1.
+        row_tags(staging_host).fill_(-1)
+        stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            row_tags(staging_device).fill_(-1)
+        id_buffers = identity = job_buffers = None
         if self.worker == "native":  # id buffers reused once the worker is done with them (no pinned allocation per call)
-            self._id_buffers = [self._id_buffer(capacity) for _ in range(_ID_BUFFERS)]
-            self._id_buffer_jobs = [self._started] * _ID_BUFFERS
-            self._measuring = None  # its count was in a buffer just replaced
-            self._job_buffers = self.native_service.prepare(table=self.packed, staging=self.staging_host,
-                                                            flags=self._flags)
+            id_buffers = [self._id_buffer(capacity) for _ in range(_ID_BUFFERS)]
             # the inverse of a gather in lookup order (row i of the staging is lookup i's); filled on the calling
             # stream and read on others (a memory's prefetch stream, the layers' stream): filled before either
-            self._identity = torch.arange(capacity, dtype=torch.int32, device=self.device)
-            filled = torch.cuda.Event()
-            filled.record(torch.cuda.current_stream(self.device))
-            filled.synchronize()
+            identity = torch.arange(capacity, dtype=torch.int32, device=self.device)
+        filled = torch.cuda.Event()
+        filled.record(stream)
+        filled.synchronize()
+        if self.worker == "native":
+            job_buffers = self.native_service.prepare(table=self.packed, staging=staging_host, flags=self._flags)
+        staging_device.record_stream(self.copy_stream)  # freed only once the copies into it have run
+        self.staging_host, self.staging_device = staging_host, staging_device
+        if self.worker == "native":
+            self._id_buffers, self._identity, self._job_buffers = id_buffers, identity, job_buffers
+            self._id_buffer_jobs = [self._started] * _ID_BUFFERS
+            self._measuring = None  # its count was in a buffer just replaced
         self.capacity = capacity
 
     def _raise_failure(self) -> None:

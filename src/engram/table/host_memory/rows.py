@@ -1,10 +1,13 @@
 """Host-memory row storage: one packed, pinned byte array per table, readable by the GPU.
 
-Each row is stored as ``[D E4M3 bytes | D / 32 UE8M0 bytes | zero padding]``, padded to
-16 bytes (272 B for D = 256) so that every row starts 16-byte aligned: the GPU's direct
-reads and the host's ``index_select`` each move one contiguous row. One extra all-zero
-row at the end (value +0, scale byte 0) stands in for ids outside the table, so both
-read paths return +0 there without a branch.
+Each row is stored as ``[D E4M3 bytes | D / 32 UE8M0 bytes | zero padding | int32 tag]``,
+padded to 16 bytes (272 B for D = 256) so that every row starts 16-byte aligned: the GPU's
+direct reads and the host's ``index_select`` each move one contiguous row. The tag, in the
+row's last 4 bytes, is the row's own index: a copy of the row (host staging, device staging,
+a cache slot) carries the id it was read for, and a consumer serves the copy only where
+that tag equals the lookup's id (docs/design.md, "Rows exact by construction"). One extra
+row at the end (value +0, scale byte 0, tag ``rows``) stands in for ids outside the table,
+so both read paths return +0 there without a branch.
 
 The bytes are registered with CUDA (``cudaHostRegister``: pinned, mapped), and a CUDA
 tensor aliasing them (unified addressing) lets Triton kernels read them directly.
@@ -22,7 +25,7 @@ import torch
 from engram.common import ceil_div, cuda_capturing
 from engram.table.fp8 import BLOCK_SIZE
 
-__all__ = ["packed_row_bytes", "PackedRows", "pack_rows", "pack_rows_in_own_pages", "owns_its_pages",
+__all__ = ["packed_row_bytes", "TAG_BYTES", "row_tags", "write_row_tags", "PackedRows", "pack_rows", "pack_rows_in_own_pages", "owns_its_pages",
            "register_with_cuda", "HostRegistration", "mapped_read_only", "release_deferred", "cuda_alias"]
 
 ROW_ALIGNMENT = 16
@@ -31,9 +34,34 @@ _CUDA_HOST_REGISTER_MAPPED = 2
 _CUDA_HOST_REGISTER_READ_ONLY = 8   # cudaHostRegisterReadOnly (CUDA 11.1+): the device only reads the range
 
 
+TAG_BYTES = 4  # the int32 tag at the end of each packed row
+_TAG_CHUNK_ROWS = 1 << 20  # tags written a million rows at a time (no arange of a 384M-row table)
+
+
 def packed_row_bytes(head_dim: int) -> int:
-    """Bytes per packed row: ``D + D / 32`` rounded up to 16 (272 for D = 256)."""
-    return ceil_div(head_dim + head_dim // BLOCK_SIZE, ROW_ALIGNMENT) * ROW_ALIGNMENT
+    """Bytes per packed row: ``D + D / 32`` plus the 4-byte tag, rounded up to 16 (272 for D = 256)."""
+    return ceil_div(head_dim + head_dim // BLOCK_SIZE + TAG_BYTES, ROW_ALIGNMENT) * ROW_ALIGNMENT
+
+
+def row_tags(packed: torch.Tensor) -> torch.Tensor:
+    """The tags of packed rows ``uint8 [N, row_bytes]`` (rows contiguous, ``row_bytes % 4 == 0``): an
+    ``int32 [N]`` view of each row's last 4 bytes (stride ``row_bytes / 4``), on the rows' device."""
+    row_bytes = packed.shape[1]
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.stride(1) != 1 or row_bytes % TAG_BYTES:
+        raise ValueError(f"packed: expected uint8 rows [N, row_bytes] with contiguous rows and row_bytes a multiple "
+                         f"of {TAG_BYTES}, found {packed.dtype} {list(packed.shape)} strides {packed.stride()}")
+    if packed.stride(0) % TAG_BYTES or (packed.data_ptr() + row_bytes - TAG_BYTES) % TAG_BYTES:
+        raise ValueError(f"packed: rows must start 4-byte aligned, found stride {packed.stride(0)} at address "
+                         f"{packed.data_ptr():#x}")
+    return packed[:, row_bytes - TAG_BYTES:].view(torch.int32)[:, 0]
+
+
+def write_row_tags(packed: torch.Tensor, first: int = 0) -> None:
+    """Tag every row of ``packed uint8 [N, row_bytes]`` with its index, ``first + i`` (int32)."""
+    tags = row_tags(packed)
+    for begin in range(0, tags.shape[0], _TAG_CHUNK_ROWS):
+        end = min(begin + _TAG_CHUNK_ROWS, tags.shape[0])
+        tags[begin:end] = torch.arange(first + begin, first + end, dtype=torch.int32, device=tags.device)
 
 
 @dataclass
@@ -41,7 +69,8 @@ class PackedRows:
     """``packed uint8 [rows + 1, row_bytes]`` (CPU) and its value / scale column views.
 
     ``values uint8 [rows, D]`` and ``scales uint8 [rows, D / 32]`` are strided views of
-    the first ``rows`` rows; row ``rows`` is all zeros."""
+    the first ``rows`` rows; row ``rows`` is all zeros but its tag; :attr:`tags` ``int32 [rows + 1]``
+    holds each row's index."""
 
     packed: torch.Tensor
     head_dim: int
@@ -58,10 +87,14 @@ class PackedRows:
     def scales(self) -> torch.Tensor:
         return self.packed[:-1, self.head_dim: self.head_dim + self.head_dim // BLOCK_SIZE]
 
+    @property
+    def tags(self) -> torch.Tensor:
+        return row_tags(self.packed)
+
     @staticmethod
     def view_of(buffer: torch.Tensor, num_rows: int, head_dim: int) -> "PackedRows":
         """Packed rows over the first bytes of ``buffer`` (uint8 ``[>= (rows + 1) * row_bytes]``);
-        the zero row and the padding are written here."""
+        the zero row, the padding and the tags are written here."""
         row_bytes = packed_row_bytes(head_dim)
         needed = (num_rows + 1) * row_bytes
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < needed:
@@ -70,6 +103,7 @@ class PackedRows:
         packed = buffer[:needed].view(num_rows + 1, row_bytes)
         packed[-1].zero_()
         packed[:-1, head_dim + head_dim // BLOCK_SIZE:].zero_()
+        write_row_tags(packed)
         return PackedRows(packed, head_dim)
 
     @staticmethod

@@ -10,9 +10,10 @@ their outputs, and can be captured in a CUDA graph (the index is updated in plac
 
 Large lookups of placement ``"cached"`` split that work around the host placement's host
 gather (:mod:`engram.table.placements.cached`): ``cached_probe`` writes each row's slot (-1 unless a hit)
-and the ids of its misses; ``cached_merge_rows`` (bf16) and ``cached_merge_rows_packed`` then
+and the ids of its misses; ``checked_merge_rows`` (bf16) and ``checked_merge_rows_packed`` then
 read each hit from its slot and everything else from the gathered rows through the dedup's
-``inverse``. With a ``direct_share`` the probe leaves a hash class of the misses out of the miss
+``inverse``, each copy only where the id it was read for is the lookup's (else the backing row,
+in the same launch); the host placement's staged lookups use the same merge without a cache. With a ``direct_share`` the probe leaves a hash class of the misses out of the miss
 ids (slot ``-2 - row``) and ``cached_direct_reads`` reads them from the backing rows (host memory)
 while the host gathers the others. Same bytes as the one-kernel lookup; same rules (no sync,
 outputs only).
@@ -25,16 +26,17 @@ import torch
 from engram.common import HASH_ID_DTYPES
 from engram.triton_launch import CompiledLaunch, interpreting
 from engram.table.kernels.cache_kernels import (cached_direct_kernel, cached_gather_bf16_kernel, cached_gather_packed_kernel,
-                            cached_merge_bf16_kernel, cached_merge_packed_kernel, cached_probe_kernel)
+                            checked_merge_bf16_kernel, checked_merge_packed_kernel, cached_probe_kernel)
 from engram.table.fp8 import BLOCK_SIZE
+from engram.table.host_memory.rows import packed_row_bytes, row_tags
 from engram.table.placements.row_cache import RowCache
 
 __all__ = ["cached_gather_rows", "cached_gather_rows_packed", "block_rows", "cached_probe", "cached_direct_reads",
-           "cached_merge_rows", "cached_merge_rows_packed", "direct_threshold"]
+           "checked_merge_rows", "checked_merge_rows_packed", "direct_threshold"]
 
 _LAUNCHERS = {kernel: CompiledLaunch(kernel) for kernel in (
     cached_gather_bf16_kernel, cached_gather_packed_kernel, cached_probe_kernel, cached_direct_kernel,
-    cached_merge_bf16_kernel, cached_merge_packed_kernel)}
+    checked_merge_bf16_kernel, checked_merge_packed_kernel)}
 _PROBE_BLOCK_ROWS = 128  # the probe reads 8 B of id and WAYS * 8 B of tags per row: a larger tile
 _DECODE_INTEGER = 0  # the gather kernels' integer E4M3 decode: exact on the GPU and the interpreter
 
@@ -275,95 +277,143 @@ def cached_direct_reads(slot: torch.Tensor, back_values: torch.Tensor, back_scal
     return out
 
 
-def _check_merge(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor,
-                 direct: torch.Tensor | None) -> None:
-    if not isinstance(cache, RowCache):
-        raise ValueError(f"cache: expected a RowCache, found {type(cache).__name__}")
-    for name, tensor in (("slot", slot), ("inverse", inverse)):
+def _check_merge(hash_ids, row_start, back_values, back_scales, staged, inverse, cache, slot, direct) -> int:
+    """The merge's arguments (no device sync); returns ``D``."""
+    if cache is not None and not isinstance(cache, RowCache):
+        raise ValueError(f"cache: expected a RowCache or None, found {type(cache).__name__}")
+    for name, tensor in (("back_values", back_values), ("back_scales", back_scales)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 2 or tensor.stride(1) != 1:
+            found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name}: expected uint8 [rows, D] / [rows, D // 32] with contiguous rows, found {found}")
+    num_rows, head_dim = back_values.shape
+    if head_dim == 0 or head_dim % BLOCK_SIZE or tuple(back_scales.shape) != (num_rows, head_dim // BLOCK_SIZE):
+        raise ValueError(f"back_scales: expected shape {[num_rows, head_dim // BLOCK_SIZE]} (those of back_values "
+                         f"{list(back_values.shape)}), found {list(back_scales.shape)}")
+    if cache is not None and cache.head_dim != head_dim:
+        raise ValueError(f"cache: expected rows of head_dim {head_dim} (back_values'), found {cache.head_dim}")
+    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
+        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
+                 else type(hash_ids).__name__)
+        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
+    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
+        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
+    shape = tuple(hash_ids.shape)
+    named = [("inverse", inverse)] + ([("slot", slot)] if cache is not None else [])
+    if cache is None and (slot is not None or direct is not None):
+        raise ValueError("slot, direct: given without a cache (they are a cached probe's)")
+    if cache is not None and slot is None:
+        raise ValueError("slot: expected the probe's contiguous int32 tensor [T, C] with a cache, found None")
+    for name, tensor in named:
         if (not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32 or tensor.dim() != 2
                 or not tensor.is_contiguous()):
             found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"{name}: expected a contiguous int32 tensor [T, C], found {found}")
-    if inverse.shape != slot.shape:
-        raise ValueError(f"inverse: expected the shape of slot {list(slot.shape)}, found {list(inverse.shape)}")
-    width = cache.head_dim + cache.head_dim // BLOCK_SIZE
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: expected the shape of hash_ids {list(shape)}, found {list(tensor.shape)}")
+    width = packed_row_bytes(head_dim)
     if (not isinstance(staged, torch.Tensor) or staged.dtype != torch.uint8 or staged.dim() != 2
-            or staged.shape[1] < width or staged.stride(1) != 1):
+            or staged.shape[0] < 1 or staged.shape[1] != width or staged.stride(1) != 1 or staged.stride(0) % 4):
         found = f"{staged.dtype} {list(staged.shape)}" if isinstance(staged, torch.Tensor) else type(staged).__name__
-        raise ValueError(f"staged: expected uint8 packed rows [rows, >= {width}] (values, then scales; rows "
+        raise ValueError(f"staged: expected uint8 packed rows [>= 1, {width}] (values, scales, padding, tag; rows "
                          f"contiguous), found {found}")
     if direct is not None and (
             not isinstance(direct, torch.Tensor) or direct.dtype != torch.uint8 or direct.dim() != 3
-            or tuple(direct.shape[:2]) != tuple(slot.shape) or direct.shape[2] < width or direct.stride(2) != 1
-            or direct.stride(0) != direct.shape[1] * direct.stride(1)):
+            or tuple(direct.shape[:2]) != shape or direct.shape[2] < head_dim + head_dim // BLOCK_SIZE
+            or direct.stride(2) != 1 or direct.stride(0) != direct.shape[1] * direct.stride(1)):
         found = f"{direct.dtype} {list(direct.shape)}" if isinstance(direct, torch.Tensor) else type(direct).__name__
-        raise ValueError(f"direct: expected uint8 [{slot.shape[0]}, {slot.shape[1]}, >= {width}] with rows at one "
-                         f"stride (cached_direct_reads' output), found {found}")
-    devices = {str(t.device) for t in (slot, inverse, staged, cache.tags, *(() if direct is None else (direct,)))}
+        raise ValueError(f"direct: expected uint8 [{shape[0]}, {shape[1]}, >= {head_dim + head_dim // BLOCK_SIZE}] "
+                         f"with rows at one stride (cached_direct_reads' output), found {found}")
+    tensors = (hash_ids, back_values, staged, inverse, *(() if cache is None else (cache.tags, slot)),
+               *(() if direct is None else (direct,)))
+    devices = {str(t.device) for t in tensors}
     if len(devices) != 1:
-        raise ValueError(f"slot, inverse, staged, cache, direct: expected one device, found {sorted(devices)}")
+        raise ValueError(f"hash_ids, back_values, staged, inverse, cache, slot, direct: expected one device, "
+                         f"found {sorted(devices)}")
+    return head_dim
 
 
-def _launch_merge(kernel, outputs, cache: RowCache, slot, staged, inverse, direct, extra: tuple) -> None:
-    total_rows = slot.numel()
+def _launch_merge(kernel, outputs, hash_ids, row_start, back_values, back_scales, staged, inverse, cache, slot,
+                  direct, extra: tuple) -> None:
+    tokens, local_columns = hash_ids.shape
+    total_rows = tokens * local_columns
     if total_rows == 0:
         return
-    if slot.is_cuda and slot.device.index != torch.cuda.current_device():
-        with torch.cuda.device(slot.device):
-            return _launch_merge(kernel, outputs, cache, slot, staged, inverse, direct, extra)
-    head_dim = cache.head_dim
-    groups = head_dim // BLOCK_SIZE
     rows_per_program = block_rows()
-    slot_values, slot_scales = cache.slot_values, cache.slot_scales
-    staged_values, staged_scales = staged[:, :head_dim], staged[:, head_dim: head_dim + groups]
-    has_direct = direct is not None
+    if total_rows >= 2**31 - rows_per_program:
+        raise ValueError(f"hash_ids: T * C = {total_rows} rows per launch; expected fewer than 2**31")
+    if hash_ids.is_cuda and hash_ids.device.index != torch.cuda.current_device():
+        with torch.cuda.device(hash_ids.device):
+            return _launch_merge(kernel, outputs, hash_ids, row_start, back_values, back_scales, staged, inverse,
+                                 cache, slot, direct, extra)
+    head_dim = back_values.shape[1]
+    groups = head_dim // BLOCK_SIZE
+    staged_values, staged_scales, staged_tags = staged[:, :head_dim], staged[:, head_dim: head_dim + groups], row_tags(staged)
+    has_cache, has_direct = cache is not None, direct is not None
+    if has_cache:
+        cache_tags, slot_values, slot_scales, num_slots = cache.tags, cache.slot_values, cache.slot_scales, cache.num_slots
+    else:  # not read without HAS_CACHE
+        cache_tags, slot_values, slot_scales, num_slots, slot = staged_tags, staged_values, staged_scales, 0, inverse
     direct_rows = direct if has_direct else staged  # not read without HAS_DIRECT
-    ints = (total_rows, cache.num_slots, staged.shape[0], slot_values.stride(0), slot_scales.stride(0),
-            staged_values.stride(0), staged_scales.stride(0), direct.stride(1) if has_direct else 0)
-    constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, has_direct, *extra)
-    tensors = (slot, inverse, slot_values, slot_scales, staged_values, staged_scales, direct_rows, *outputs)
+    ints = (total_rows, local_columns, hash_ids.stride(0), hash_ids.stride(1), row_start, back_values.shape[0],
+            staged.shape[0], staged_values.stride(0), staged_scales.stride(0), staged_tags.stride(0),
+            back_values.stride(0), back_scales.stride(0), num_slots, slot_values.stride(0), slot_scales.stride(0),
+            direct.stride(1) if has_direct else 0)
+    constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, has_cache, has_direct, *extra)
+    tensors = (hash_ids, inverse, staged_values, staged_scales, staged_tags, back_values, back_scales, slot,
+               cache_tags, slot_values, slot_scales, direct_rows, *outputs)
     _LAUNCHERS[kernel](-(-total_rows // rows_per_program), (*tensors, *ints, *constexprs), num_warps=4,
-                       num_stages=1, device_index=slot.device.index if slot.is_cuda else 0)
+                       num_stages=1, device_index=hash_ids.device.index if hash_ids.is_cuda else 0)
 
 
-def cached_merge_rows(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor, *,
-                      direct: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dequantized rows from the cache, the host gather's rows and the direct reads.
+def checked_merge_rows(hash_ids: torch.Tensor, row_start: int, back_values: torch.Tensor, back_scales: torch.Tensor,
+                       staged: torch.Tensor, inverse: torch.Tensor, *, cache: RowCache | None = None,
+                       slot: torch.Tensor | None = None, direct: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantized rows of ``hash_ids`` from copies checked row by row, else from the backing rows.
 
-    ``out[t, j] = bf16(e4m3(row[:D]) * 2**(row[D:D + D // 32] - 127))`` with ``row`` cache slot
-    ``slot[t, j]`` when ``0 <= slot[t, j] < slots``, else (with ``direct``) ``direct[t, j]`` when
-    ``slot[t, j] <= -2``, else ``staged[inverse[t, j]]`` when that row exists, else +0.
+    ``out[t, j] = bf16(e4m3(row[:D]) * 2**(row[D:D + D // 32] - 127))`` where ``row`` is local row
+    ``r = hash_ids[t, j] - row_start`` of the backing rows, taken from the first copy that was read for ``r``:
+    cache slot ``slot[t, j]`` whose tag is ``r``; ``direct[t, j]`` where ``slot[t, j] == -2 - r``;
+    ``staged[inverse[t, j]]`` whose tag (its last 4 bytes) is ``r``; else read from ``back_values`` /
+    ``back_scales`` in the same launch. +0 where ``r`` is outside ``[0, rows)``. Bit-equal to
+    :func:`engram.table.kernels.gather.gather_rows` on the backing rows, whatever the copies hold.
 
     Args:
-        cache: the slots (``slot`` as :func:`cached_probe` wrote it against the same content).
-        slot: contiguous int32 ``[T, C]``.
-        staged: ``uint8 [S, >= D + D // 32]`` packed rows (values, then scales), e.g. the host gather's
-            device staging.
-        inverse: contiguous int32 ``[T, C]``: the host gather's ``inverse`` of the miss ids.
+        hash_ids: int32/int64 ``[T, C]`` global row ids (any strides), the lookup's own.
+        row_start: global row id of ``back_values[0]``.
+        back_values, back_scales: ``uint8 [rows, D]`` / ``[rows, D // 32]`` (rows contiguous): the table
+            (host rows through their CUDA alias on the GPU).
+        staged: ``uint8 [S, packed_row_bytes(D)]`` packed tagged rows, e.g. the host gather's device staging.
+        inverse: contiguous int32 ``[T, C]``: each position's staged row (the host gather's ``inverse``).
+        cache, slot: optional :class:`RowCache` and its probe's contiguous int32 ``[T, C]`` slots.
         direct: optional ``uint8 [T, C, >= D + D // 32]``: :func:`cached_direct_reads` of ``slot``.
         out: optional contiguous ``bfloat16 [T, C, D]`` to write.
 
-    Returns: ``bfloat16 [T, C, D]``.
+    Returns: ``bfloat16 [T, C, D]``. No sync.
     """
-    _check_merge(cache, slot, staged, inverse, direct)
-    shape = (slot.shape[0], slot.shape[1], cache.head_dim)
-    out = _check_out(out, shape, torch.bfloat16, slot.device)
+    head_dim = _check_merge(hash_ids, row_start, back_values, back_scales, staged, inverse, cache, slot, direct)
+    shape = (hash_ids.shape[0], hash_ids.shape[1], head_dim)
+    out = _check_out(out, shape, torch.bfloat16, hash_ids.device)
     if out is None:
-        out = torch.empty(shape, dtype=torch.bfloat16, device=slot.device)
-    _launch_merge(cached_merge_bf16_kernel, (out,), cache, slot, staged, inverse, direct, (_DECODE_INTEGER,))
+        out = torch.empty(shape, dtype=torch.bfloat16, device=hash_ids.device)
+    _launch_merge(checked_merge_bf16_kernel, (out,), hash_ids, row_start, back_values, back_scales, staged, inverse,
+                  cache, slot, direct, (_DECODE_INTEGER,))
     return out
 
 
-def cached_merge_rows_packed(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor, *,
-                             direct: torch.Tensor | None = None,
-                             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw FP8 bytes of :func:`cached_merge_rows`'s rows (same arguments; ``out``: optional contiguous
+def checked_merge_rows_packed(hash_ids: torch.Tensor, row_start: int, back_values: torch.Tensor,
+                              back_scales: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor, *,
+                              cache: RowCache | None = None, slot: torch.Tensor | None = None,
+                              direct: torch.Tensor | None = None,
+                              out: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw FP8 bytes of :func:`checked_merge_rows`'s rows (same arguments; ``out``: optional contiguous
     ``(uint8 [T, C, D], uint8 [T, C, D // 32])``) -> ``(values uint8 [T, C, D], scales uint8 [T, C, D // 32])``,
-    all-zero bytes where no source applies."""
-    _check_merge(cache, slot, staged, inverse, direct)
-    tokens, columns = slot.shape
-    head_dim = cache.head_dim
+    all-zero bytes outside the table."""
+    head_dim = _check_merge(hash_ids, row_start, back_values, back_scales, staged, inverse, cache, slot, direct)
+    tokens, columns = hash_ids.shape
     shapes = ((tokens, columns, head_dim), (tokens, columns, head_dim // BLOCK_SIZE))
-    out_values, out_scales = _out_pair(out, shapes, torch.uint8, slot.device, "(values, scales)")
-    _launch_merge(cached_merge_packed_kernel, (out_values, out_scales), cache, slot, staged, inverse, direct, ())
+    out_values, out_scales = _out_pair(out, shapes, torch.uint8, hash_ids.device, "(values, scales)")
+    _launch_merge(checked_merge_packed_kernel, (out_values, out_scales), hash_ids, row_start, back_values, back_scales,
+                  staged, inverse, cache, slot, direct, ())
     return out_values, out_scales

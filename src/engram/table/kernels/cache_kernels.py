@@ -15,10 +15,18 @@ bit for bit.
 Large lookups split the same work in two launches around the host placement's host gather
 (path (b), :mod:`engram.table.placements.cached`): :func:`cached_probe_kernel` writes each row's slot
 (-1 on a miss) and the miss ids the host gather deduplicates and fetches;
-:func:`cached_merge_bf16_kernel` / :func:`cached_merge_packed_kernel` then read a hit from its
+:func:`checked_merge_bf16_kernel` / :func:`checked_merge_packed_kernel` then read a hit from its
 slot and anything else from the gathered rows through the dedup's ``inverse``. Optionally a
 share of the misses (a hash class of row ids) is read directly from host memory instead, by
 :func:`cached_direct_kernel` while the host gathers the rest (probe slot ``-2 - row``).
+
+The merge trusts no copy: it takes the lookup's ids again and serves a slot, a direct read or a
+staged row only where the id that copy was read for (the slot's tag, the probe's ``-2 - row``, the
+staged row's own tag: :mod:`engram.table.host_memory.rows`) equals the lookup's row at that
+position; every other position reads the backing row itself, in the same launch. The host
+placement's staged lookups run the same merge without a cache (``HAS_CACHE`` off). An edit of
+the ids after the prefetch, a stale or never-written staging, or a cache changed since the probe
+then costs reads, never rows (docs/design.md, "Rows exact by construction").
 """
 
 from __future__ import annotations
@@ -216,67 +224,91 @@ def cached_direct_kernel(
 
 
 @triton.jit
-def _merged_row_bytes(slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr,
-                      direct_ptr, total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride,
-                      staged_value_stride, staged_scale_stride, direct_stride,
+def _checked_source(ptr, row, stride, take, other):
+    """``ptr[row * stride]`` where ``take``, else ``other`` (those lanes load nothing); ``row int64 [BLOCK_ROWS]``."""
+    return tl.load(ptr + row * stride, mask=take, other=other).to(tl.int64)
+
+
+@triton.jit
+def _merged_row_bytes(hash_ids_ptr, inverse_ptr, staged_value_ptr, staged_scale_ptr, staged_tag_ptr,
+                      back_value_ptr, back_scale_ptr, slot_ptr, cache_tag_ptr, slot_value_ptr, slot_scale_ptr,
+                      direct_ptr, total_rows, local_columns, stride_token, stride_column, row_start, num_rows,
+                      staged_rows, staged_value_stride, staged_scale_stride, staged_tag_stride, back_value_stride,
+                      back_scale_stride, num_slots, slot_value_stride, slot_scale_stride, direct_stride,
                       HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                      HAS_DIRECT: tl.constexpr):
-    """This program's rows from up to three sources: ``(row_index, in_bounds, column, column_mask, group,
-    group_valid, value_bytes [BLOCK_ROWS, GROUPS_PADDED, 32], scale_bytes [BLOCK_ROWS, GROUPS_PADDED])``:
-    cache slot ``s = slot[i]`` when ``0 <= s < num_slots``; with ``HAS_DIRECT``, row ``i`` of the direct
-    reads when ``s <= -2``; else row ``inverse[i]`` of the staged rows when ``0 <= inverse[i] < staged_rows``;
-    else zeros (each lane makes at most one of the loads)."""
-    program = tl.program_id(0).to(tl.int64)
-    row_index = program * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    in_bounds = row_index < total_rows
-    slot = tl.load(slot_ptr + row_index, mask=in_bounds, other=-1).to(tl.int64)
-    staged = tl.load(inverse_ptr + row_index, mask=in_bounds, other=-1).to(tl.int64)
-    hit = in_bounds & (slot >= 0) & (slot < num_slots)
-    if HAS_DIRECT:
-        from_direct = in_bounds & (slot <= -2)
-    else:
-        from_direct = row_index < 0  # never
-    from_staging = in_bounds & ~hit & ~from_direct & (staged >= 0) & (staged < staged_rows)
-    slot = tl.where(hit, slot, 0)
-    staged = tl.where(from_staging, staged, 0)
+                      HAS_CACHE: tl.constexpr, HAS_DIRECT: tl.constexpr):
+    """This program's rows, each from the first source that holds the lookup's own row ``r = hash_ids[t, j] -
+    row_start`` (a copy is served only where the id it was read for equals ``r``, checked here):
+    ``(row_index, in_bounds, column, column_mask, group, group_valid, value_bytes [BLOCK_ROWS, GROUPS_PADDED, 32],
+    scale_bytes [BLOCK_ROWS, GROUPS_PADDED])``.
+
+    Sources, in order: with ``HAS_CACHE`` cache slot ``s = slot[i]`` when ``cache_tags[s] == r``; with
+    ``HAS_DIRECT`` row ``i`` of the direct reads when ``s == -2 - r``; row ``k = inverse[i]`` (clamped into
+    ``[0, staged_rows)``) of the staged rows when its tag ``staged_tag[k] == r``; else the backing row ``r``
+    itself. All-zero bytes when ``r`` is outside ``[0, num_rows)``. Each lane makes exactly one row load."""
+    program = tl.program_id(0)
+    row_index, in_bounds, inside, local_id = _tile_row_ids(
+        hash_ids_ptr, program, total_rows, local_columns, stride_token, stride_column,
+        row_start, num_rows, BLOCK_ROWS)
+    never = row_index < 0
+    hit = never
+    from_direct = never
+    slot = tl.zeros_like(local_id)
+    if HAS_CACHE:
+        probed = _checked_source(slot_ptr, row_index, 1, in_bounds, -1)
+        held = inside & (probed >= 0) & (probed < num_slots)
+        slot = tl.where(held, probed, 0)
+        hit = held & (_checked_source(cache_tag_ptr, slot, 1, held, -1) == local_id)
+        if HAS_DIRECT:
+            from_direct = inside & ~hit & (probed == -2 - local_id)
+    staged = tl.minimum(tl.maximum(_checked_source(inverse_ptr, row_index, 1, in_bounds, 0), 0), staged_rows - 1)
+    wanted = inside & ~hit & ~from_direct
+    from_staging = wanted & (_checked_source(staged_tag_ptr, staged, staged_tag_stride, wanted, -1) == local_id)
+    from_back = wanted & ~from_staging
 
     group, group_valid, column, column_mask = _row_layout(HEAD_DIM, GROUPS_PADDED)
-    hit_values, hit_scales = _load_row_bytes(slot_value_ptr, slot_scale_ptr, slot, slot_value_stride,
-                                             slot_scale_stride, hit, group, group_valid, column)
-    staged_values, staged_scales = _load_row_bytes(staged_value_ptr, staged_scale_ptr, staged, staged_value_stride,
-                                                   staged_scale_stride, from_staging, group, group_valid, column)
-    value_bytes = tl.where(hit[:, None, None], hit_values, staged_values)
-    scale_bytes = tl.where(hit[:, None], hit_scales, staged_scales)
-    if HAS_DIRECT:
-        # A direct row holds its values, then its scales: row i at direct + i * direct_stride.
-        direct_values, direct_scales = _load_row_bytes(direct_ptr, direct_ptr + HEAD_DIM, row_index, direct_stride,
-                                                       direct_stride, from_direct, group, group_valid, column)
-        value_bytes = tl.where(from_direct[:, None, None], direct_values, value_bytes)
-        scale_bytes = tl.where(from_direct[:, None], direct_scales, scale_bytes)
+    value_bytes, scale_bytes = _load_row_bytes(staged_value_ptr, staged_scale_ptr, staged, staged_value_stride,
+                                               staged_scale_stride, from_staging, group, group_valid, column)
+    back_values, back_scales = _load_row_bytes(back_value_ptr, back_scale_ptr, local_id, back_value_stride,
+                                               back_scale_stride, from_back, group, group_valid, column)
+    value_bytes = value_bytes | back_values  # masked loads give 0: at most one source is nonzero per lane
+    scale_bytes = scale_bytes | back_scales
+    if HAS_CACHE:
+        hit_values, hit_scales = _load_row_bytes(slot_value_ptr, slot_scale_ptr, slot, slot_value_stride,
+                                                 slot_scale_stride, hit, group, group_valid, column)
+        value_bytes = value_bytes | hit_values
+        scale_bytes = scale_bytes | hit_scales
+        if HAS_DIRECT:
+            # A direct row holds its values, then its scales: row i at direct + i * direct_stride.
+            direct_values, direct_scales = _load_row_bytes(direct_ptr, direct_ptr + HEAD_DIM, row_index,
+                                                           direct_stride, direct_stride, from_direct, group,
+                                                           group_valid, column)
+            value_bytes = value_bytes | direct_values
+            scale_bytes = scale_bytes | direct_scales
     return row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes
 
 
 @triton.jit
-def cached_merge_bf16_kernel(
-    slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr, out_ptr,
-    total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
-    staged_scale_stride, direct_stride,
-    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DIRECT: tl.constexpr,
-    DECODE: tl.constexpr,
+def checked_merge_bf16_kernel(
+    hash_ids_ptr, inverse_ptr, staged_value_ptr, staged_scale_ptr, staged_tag_ptr, back_value_ptr, back_scale_ptr,
+    slot_ptr, cache_tag_ptr, slot_value_ptr, slot_scale_ptr, direct_ptr, out_ptr,
+    total_rows, local_columns, stride_token, stride_column, row_start, num_rows, staged_rows, staged_value_stride,
+    staged_scale_stride, staged_tag_stride, back_value_stride, back_scale_stride, num_slots, slot_value_stride,
+    slot_scale_stride, direct_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_CACHE: tl.constexpr,
+    HAS_DIRECT: tl.constexpr, DECODE: tl.constexpr,
 ):
-    """``out bf16 [N, D]`` (contiguous; ``N = T * C_local``) from ``slot int32 [N]`` and ``inverse int32 [N]``:
-
-    ``out[i, d] = bf16(e4m3(v[d]) * 2**(s[d // 32] - 127))`` with ``(v, s)`` the bytes of cache slot
-    ``slot[i]`` (``slot_value [slots, D]``, ``slot_scale [slots, D // 32]``) when ``0 <= slot[i] < num_slots``;
-    with ``HAS_DIRECT`` of row ``i`` of ``direct uint8 [N, >= D + D // 32]`` (values, then scales) when
-    ``slot[i] <= -2``; else of row ``inverse[i]`` of the staged rows (``staged_value [staged_rows, D]``,
-    ``staged_scale [staged_rows, D // 32]``); +0 when that row does not exist. One program per
-    ``BLOCK_ROWS`` rows.
+    """``out bf16 [T, C_local, D]`` (contiguous) for ``hash_ids [T, C_local]`` from copies checked row by row
+    (:func:`_merged_row_bytes`): ``out[t, j, d] = bf16(e4m3(v[d]) * 2**(s[d // 32] - 127))`` with ``(v, s)`` the
+    bytes of row ``hash_ids[t, j] - row_start``, from a cache slot, a direct read or the staged rows where their
+    tag names that row, else from the backing rows; +0 outside the table. One program per ``BLOCK_ROWS`` rows.
     """
     row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _merged_row_bytes(
-        slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr,
-        total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
-        staged_scale_stride, direct_stride, HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, HAS_DIRECT)
+        hash_ids_ptr, inverse_ptr, staged_value_ptr, staged_scale_ptr, staged_tag_ptr, back_value_ptr,
+        back_scale_ptr, slot_ptr, cache_tag_ptr, slot_value_ptr, slot_scale_ptr, direct_ptr,
+        total_rows, local_columns, stride_token, stride_column, row_start, num_rows, staged_rows, staged_value_stride,
+        staged_scale_stride, staged_tag_stride, back_value_stride, back_scale_stride, num_slots, slot_value_stride,
+        slot_scale_stride, direct_stride, HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, HAS_CACHE, HAS_DIRECT)
     scale = _scale_factors(scale_bytes)[:, :, None]  # [BLOCK_ROWS, GROUPS_PADDED, 1]
     product = _decode_e4m3(value_bytes, DECODE) * scale  # exact in fp32; one rounding to bf16
     tl.store(out_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], product.to(tl.bfloat16),
@@ -284,19 +316,23 @@ def cached_merge_bf16_kernel(
 
 
 @triton.jit
-def cached_merge_packed_kernel(
-    slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr,
-    out_value_ptr, out_scale_ptr,
-    total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
-    staged_scale_stride, direct_stride,
-    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_DIRECT: tl.constexpr,
+def checked_merge_packed_kernel(
+    hash_ids_ptr, inverse_ptr, staged_value_ptr, staged_scale_ptr, staged_tag_ptr, back_value_ptr, back_scale_ptr,
+    slot_ptr, cache_tag_ptr, slot_value_ptr, slot_scale_ptr, direct_ptr, out_value_ptr, out_scale_ptr,
+    total_rows, local_columns, stride_token, stride_column, row_start, num_rows, staged_rows, staged_value_stride,
+    staged_scale_stride, staged_tag_stride, back_value_stride, back_scale_stride, num_slots, slot_value_stride,
+    slot_scale_stride, direct_stride,
+    HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_CACHE: tl.constexpr,
+    HAS_DIRECT: tl.constexpr,
 ):
-    """Raw FP8 bytes of :func:`cached_merge_bf16_kernel`'s rows: ``out_value uint8 [N, D]``,
-    ``out_scale uint8 [N, D // 32]`` (contiguous); all-zero bytes where no source applies."""
+    """Raw FP8 bytes of :func:`checked_merge_bf16_kernel`'s rows: ``out_value uint8 [T, C_local, D]``,
+    ``out_scale uint8 [T, C_local, D // 32]`` (contiguous); all-zero bytes outside the table."""
     row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _merged_row_bytes(
-        slot_ptr, inverse_ptr, slot_value_ptr, slot_scale_ptr, staged_value_ptr, staged_scale_ptr, direct_ptr,
-        total_rows, num_slots, staged_rows, slot_value_stride, slot_scale_stride, staged_value_stride,
-        staged_scale_stride, direct_stride, HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, HAS_DIRECT)
+        hash_ids_ptr, inverse_ptr, staged_value_ptr, staged_scale_ptr, staged_tag_ptr, back_value_ptr,
+        back_scale_ptr, slot_ptr, cache_tag_ptr, slot_value_ptr, slot_scale_ptr, direct_ptr,
+        total_rows, local_columns, stride_token, stride_column, row_start, num_rows, staged_rows, staged_value_stride,
+        staged_scale_stride, staged_tag_stride, back_value_stride, back_scale_stride, num_slots, slot_value_stride,
+        slot_scale_stride, direct_stride, HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, HAS_CACHE, HAS_DIRECT)
     tl.store(out_value_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], value_bytes,
              mask=in_bounds[:, None, None] & column_mask)
     tl.store(out_scale_ptr + row_index[:, None] * (HEAD_DIM // _SCALE_GROUP) + group[None, :], scale_bytes,

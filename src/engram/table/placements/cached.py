@@ -15,8 +15,9 @@ cache holds. Two read paths, chosen per lookup as the host placement chooses its
   table, which the host gather reads as its zero row: at most one extra distinct row); the host
   placement's :class:`~engram.table.host_memory.gather.HostGather` deduplicates the misses on the
   device and gathers them on the host into pinned staging for the copy engine; then
-  :func:`~engram.table.kernels.cache_gather.cached_merge_rows` reads each hit from its slot and every
-  other row from the device staging through the dedup's ``inverse``. Host bytes moved: the
+  :func:`~engram.table.kernels.cache_gather.checked_merge_rows` reads each hit from its slot and every
+  other row from the device staging through the dedup's ``inverse``, each only where its tag names the
+  lookup's row (any other row is read from host memory directly, in the same launch). Host bytes moved: the
   distinct missed rows (+1). No host sync on the caller's thread. Optionally
   (:attr:`CachedPlacement.direct_share`, default 0) a hash class of the missed rows is left out of
   the host gather and read directly from host memory (:func:`~engram.table.kernels.cache_gather.cached_direct_reads`,
@@ -238,10 +239,11 @@ class CachedPlacement(TablePlacement):
             direct_done.record(side)
         return _Pending(slot, ticket, stream, self.cache.version, direct, direct_done)
 
-    def _finish_misses(self, pending: "_Pending", packed: bool):
+    def _finish_misses(self, pending: "_Pending", global_ids: torch.Tensor, row_start: int, packed: bool):
         """Merge the hits (from the probe's slots) with the gathered and the directly read misses, on the
-        current stream."""
-        from engram.table.kernels.cache_gather import cached_merge_rows, cached_merge_rows_packed
+        current stream, for the lookup's own ``global_ids``: each copy is served only where it was read for
+        that position's row, every other row is read from the backing rows in the same launch."""
+        from engram.table.kernels.cache_gather import checked_merge_rows, checked_merge_rows_packed
 
         stream = None
         if self.host is None:
@@ -255,8 +257,9 @@ class CachedPlacement(TablePlacement):
                 for tensor in (pending.slot, inverse, pending.direct):
                     if tensor is not None:
                         tensor.record_stream(stream)
-        merge = cached_merge_rows_packed if packed else cached_merge_rows
-        out = merge(self.cache, pending.slot, staged, inverse, direct=pending.direct)
+        merge = checked_merge_rows_packed if packed else checked_merge_rows
+        out = merge(global_ids, row_start, *self.backing, staged, inverse, cache=self.cache, slot=pending.slot,
+                    direct=pending.direct)
         if stream is not None:
             self.host.host_gather.consumed(stream)
         self.lookups["host_gather"] += 1
@@ -298,7 +301,7 @@ class CachedPlacement(TablePlacement):
                     return cached_gather_rows_packed(self.cache, *self.backing, global_ids, row_start)
                 return cached_gather_rows(self.cache, *self.backing, global_ids, row_start)
             pending = self._start_misses(global_ids, row_start)
-        return self._finish_misses(pending, packed)
+        return self._finish_misses(pending, global_ids, row_start, packed)
 
     def __repr__(self) -> str:
         return (f"CachedPlacement(rows={self.num_rows}, head_dim={self.head_dim}, device={self.device}, "

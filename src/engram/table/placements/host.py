@@ -52,6 +52,12 @@ def _gather_launchers():
     return gather
 
 
+def _merge_launchers():
+    from engram.table.kernels import cache_gather  # imports Triton: only where a Triton path runs
+
+    return cache_gather
+
+
 @functools.lru_cache(maxsize=1)
 def _decode_direct_config():
     return _gather_launchers().GatherConfig(**DECODE_DIRECT_SHAPE)
@@ -217,11 +223,11 @@ class HostPlacement(TablePlacement):
         staged, inverse = self._host_gather.finish(ticket, stream)
         if pending is not None:
             inverse.record_stream(stream)  # made on the prefetch's stream
-        head_dim = self.rows.head_dim
-        values, scales = staged[:, :head_dim], staged[:, head_dim: head_dim + head_dim // 32]
-        if packed:
-            out = gather.gather_rows_packed(values, scales, inverse, 0)
-        else:
-            out = gather.gather_rows(values, scales, inverse, 0)
+        # Each staged row serves only the position whose id it was read for (its tag); any other position reads
+        # its row from host memory directly in the same launch: ids edited since the prefetch, a stale or
+        # never-written staging cost reads, never rows.
+        merge = _merge_launchers()
+        merge_rows = merge.checked_merge_rows_packed if packed else merge.checked_merge_rows
+        out = merge_rows(global_ids, row_start, self.direct_values, self.direct_scales, staged, inverse)
         self._host_gather.consumed(stream)
         return out

@@ -40,9 +40,9 @@ whose masked loads skip the others: on the GPU those rows are in host memory).
 
 References of the split lookup: :func:`cached_probe_reference` (slot per row, -1 unless a
 hit or ``-2 - row`` for a miss of the direct class, and the miss ids),
-:func:`cached_direct_reference` (the direct class's rows) and :func:`cached_merge_reference` (a
+:func:`cached_direct_reference` (the direct class's rows) and :func:`checked_merge_reference` (a
 hit from its slot, a direct miss from the direct reads, anything else from the host gather's
-rows through ``inverse``).
+rows through ``inverse``, each only where it was read for the lookup's row, else the backing row).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from engram.table.fp8 import BLOCK_SIZE
 from engram.table.host_memory.rows import packed_row_bytes
 
 __all__ = ["RowCache", "cached_lookup_reference", "cached_probe_reference", "cached_direct_reference",
-           "cached_merge_reference", "direct_class"]
+           "checked_merge_reference", "direct_class"]
 
 COUNTER_MAX = 2**30
 
@@ -339,29 +339,43 @@ def cached_direct_reference(slot: torch.Tensor, back_values: torch.Tensor, back_
     return result
 
 
-def cached_merge_reference(cache: RowCache, slot: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor,
-                           direct: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of :func:`engram.table.kernels.cache_gather.cached_merge_rows_packed`: ``slot int [T, C]``,
-    ``staged uint8 [S, >= D + D // 32]`` (packed rows), ``inverse int [T, C]``, optional ``direct uint8
-    [T, C, >= D + D // 32]`` -> ``(values uint8 [T, C, D], scales uint8 [T, C, D // 32])``: cache slot ``slot``
-    when ``0 <= slot < slots``, else (with ``direct``) ``direct[t, j]`` when ``slot <= -2``, else
-    ``staged[inverse]`` when ``0 <= inverse < S``, else zeros."""
-    tokens, columns = slot.shape
-    head_dim, groups = cache.head_dim, cache.head_dim // BLOCK_SIZE
-    slot = slot.reshape(-1).to(torch.int64)
-    inverse = inverse.reshape(-1).to(torch.int64)
-    hit = (slot >= 0) & (slot < cache.num_slots)
-    from_direct = (slot <= -2) if direct is not None else torch.zeros_like(hit)
-    from_staging = ~hit & ~from_direct & (inverse >= 0) & (inverse < staged.shape[0])
-    safe_slot = torch.where(hit, slot, 0)
-    safe_inverse = torch.where(from_staging, inverse, 0)
-    staged_rows = staged[safe_inverse] if staged.shape[0] else torch.zeros(slot.numel(), staged.shape[1],
-                                                                          dtype=torch.uint8, device=slot.device)
-    values = torch.where(hit[:, None], cache.slot_values[safe_slot], staged_rows[:, :head_dim])
-    scales = torch.where(hit[:, None], cache.slot_scales[safe_slot], staged_rows[:, head_dim: head_dim + groups])
-    if direct is not None:
-        direct_rows = direct.reshape(-1, direct.shape[2])
-        values = torch.where(from_direct[:, None], direct_rows[:, :head_dim], values)
-        scales = torch.where(from_direct[:, None], direct_rows[:, head_dim: head_dim + groups], scales)
-    keep = (hit | from_direct | from_staging)[:, None]
+def checked_merge_reference(hash_ids: torch.Tensor, row_start: int, back_values: torch.Tensor,
+                            back_scales: torch.Tensor, staged: torch.Tensor, inverse: torch.Tensor,
+                            cache: RowCache | None = None, slot: torch.Tensor | None = None,
+                            direct: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of :func:`engram.table.kernels.cache_gather.checked_merge_rows_packed`: ``hash_ids int
+    [T, C]``, backing ``uint8 [rows, D]`` / ``[rows, D // 32]``, ``staged uint8 [S, packed_row_bytes(D)]`` (tagged
+    packed rows), ``inverse int [T, C]``, optional ``cache`` with its probe's ``slot int [T, C]`` and ``direct uint8
+    [T, C, >= D + D // 32]`` -> ``(values uint8 [T, C, D], scales uint8 [T, C, D // 32])``: with ``r = hash_ids -
+    row_start``, the bytes of slot ``slot`` if its tag is ``r``, else of ``direct[t, j]`` if ``slot == -2 - r``,
+    else of ``staged[clamp(inverse, 0, S - 1)]`` if its tag is ``r``, else of backing row ``r``; zeros where ``r``
+    is outside ``[0, rows)``. Whatever the copies hold, the bytes equal backing row ``r``'s."""
+    tokens, columns = hash_ids.shape
+    head_dim, groups = back_values.shape[1], back_values.shape[1] // BLOCK_SIZE
+    local = hash_ids.reshape(-1).to(torch.int64) - row_start
+    inside = (local >= 0) & (local < back_values.shape[0])
+    local = torch.where(inside, local, 0)
+    hit = torch.zeros_like(inside)
+    from_direct = torch.zeros_like(inside)
+    if cache is not None:
+        probed = slot.reshape(-1).to(torch.int64)
+        held = inside & (probed >= 0) & (probed < cache.num_slots)
+        safe_slot = torch.where(held, probed, 0)
+        hit = held & (cache.tags.reshape(-1)[safe_slot] == local)
+        if direct is not None:
+            from_direct = inside & ~hit & (probed == -2 - local)
+    position = inverse.reshape(-1).to(torch.int64).clamp(0, staged.shape[0] - 1)
+    staged_rows = staged[position]
+    staged_tags = staged_rows[:, -4:].contiguous().view(torch.int32)[:, 0].to(torch.int64)
+    from_staging = inside & ~hit & ~from_direct & (staged_tags == local)
+    values = torch.where(from_staging[:, None], staged_rows[:, :head_dim], back_values[local])
+    scales = torch.where(from_staging[:, None], staged_rows[:, head_dim: head_dim + groups], back_scales[local])
+    if cache is not None:
+        values = torch.where(hit[:, None], cache.slot_values[safe_slot], values)
+        scales = torch.where(hit[:, None], cache.slot_scales[safe_slot], scales)
+        if direct is not None:
+            direct_rows = direct.reshape(-1, direct.shape[2])
+            values = torch.where(from_direct[:, None], direct_rows[:, :head_dim], values)
+            scales = torch.where(from_direct[:, None], direct_rows[:, head_dim: head_dim + groups], scales)
+    keep = inside[:, None]
     return (values * keep).view(tokens, columns, head_dim), (scales * keep).view(tokens, columns, groups)
