@@ -17,7 +17,7 @@ from engram.table.fp8 import quantize_rows
 from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
 from engram.table.kernels.reference import rows_in_lookup_order_reference
 from engram.table.host_memory.gather import gather_packed_rows_host
-from engram.table.host_memory.rows import PackedRows, pack_rows, packed_row_bytes
+from engram.table.host_memory.rows import PackedRows, pack_rows, packed_row_bytes, row_tags
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -35,7 +35,12 @@ def test_packed_rows_hold_values_scales_and_a_zero_row(head_dim, seed):
     rows = pack_rows(values, scales)
     assert rows.packed.shape == (38, packed_row_bytes(head_dim)) and packed_row_bytes(head_dim) % 16 == 0
     assert torch.equal(rows.values, values) and torch.equal(rows.scales, scales)
-    assert int(rows.packed[-1].abs().sum()) == 0 and int(rows.packed[:, head_dim + head_dim // 32:].sum()) == 0
+    # The zero row and the padding are zero but for each row's tag, its own index (the zero row's: 37).
+    row_bytes = packed_row_bytes(head_dim)
+    assert int(rows.packed[-1, :row_bytes - 4].sum()) == 0
+    assert int(rows.packed[:, head_dim + head_dim // 32: row_bytes - 4].sum()) == 0
+    assert rows.tags.tolist() == list(range(38))
+    assert torch.equal(rows.packed[:, -4:].contiguous().view(torch.int32)[:, 0], torch.arange(38, dtype=torch.int32))
     # The loader's views are recognized as packed (no second copy).
     again = PackedRows.matching(rows.values, rows.scales)
     assert again is not None and again.packed.data_ptr() == rows.packed.data_ptr()
@@ -57,7 +62,7 @@ def test_rows_packed_in_own_pages_share_no_page(seed):
         packed = pack_rows_in_own_pages(values, scales)
         assert owns_its_pages(packed) and packed.packed.data_ptr() % page == 0
         assert torch.equal(packed.values, values) and torch.equal(packed.scales, scales)
-        assert int(packed.packed[-1].abs().sum()) == 0
+        assert int(packed.packed[-1, :-4].sum()) == 0 and int(packed.tags[-1]) == packed.num_rows
         first = packed.packed.data_ptr() // page
         spans.append((first, (packed.packed.data_ptr() + packed.packed.numel() - 1) // page, packed))
     spans.sort(key=lambda span: span[0])
@@ -76,7 +81,7 @@ def test_host_gather_matches_the_reference_with_out_of_range_ids(count, rng):
     inside = (local >= 0) & (local < 101)
     assert torch.equal(out[inside, :64], values[local[inside]])
     assert torch.equal(out[inside, 64:66], scales[local[inside]])
-    assert int(out[~inside].sum()) == 0
+    assert int(out[~inside, :-4].sum()) == 0 and bool((row_tags(out)[~inside] == 101).all())  # the zero row
 
 
 def _expected_local(ids, row_start, num_rows):
@@ -466,7 +471,7 @@ def test_host_fill_copies_rows_into_packed_rows_and_names_a_nan(tmp_path, chunk_
     copy_checked_rows(infos[0], rows.values, row_start, row_end, chunk_bytes, None, "e4m3")
     copy_checked_rows(infos[1], rows.scales, row_start, row_end, chunk_bytes, None, "ue8m0")
     assert torch.equal(rows.values, values[row_start:row_end]) and torch.equal(rows.scales, scales[row_start:row_end])
-    assert int(rows.packed[-1].sum()) == 0
+    assert int(rows.packed[-1, :-4].sum()) == 0 and int(rows.tags[-1]) == rows.num_rows
 
     bad = values.clone()
     bad[bad & 0x7F == 0x7F] = 0

@@ -241,11 +241,18 @@ def test_native_worker_hold_and_stop(rng):
     flags[IDS_READY] = 2
     _wait_word(flags, JOB_DONE, 2)
     assert service.stats()["holds_timed_out"] == 1
-    # a job whose ids never come: stop returns, and the service refuses more work
+    # a job whose ids never come, and one queued behind it: stop returns, writes both jobs' words (no stream
+    # waits on them forever; their staging is not written), and the service refuses more work
+    staging[:] = 0xA5
     service.submit(table=table, ids=_ids([5], 1), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=3, staging_free=0,
                    waves_base=2, num_waves=1, job_done=3)
+    service.submit(table=table, ids=_ids([6, 7], 2), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=4,
+                   staging_free=0, waves_base=3, num_waves=2, job_done=4)
+    time.sleep(0.02)
+    assert int(flags[JOB_DONE]) == 2 and int(flags[WAVES_DONE]) == 2  # waiting for ids that never come
     service.stop()
-    assert service.stopped and int(flags[JOB_DONE]) == 2
+    assert service.stopped and int(flags[JOB_DONE]) == 4 and int(flags[WAVES_DONE]) == 5
+    assert bool((staging == 0xA5).all())
     with pytest.raises(RuntimeError, match="stopped"):
         service.submit(table=table, ids=_ids([5], 1), staging=staging, flags=flags, ready=flags[IDS_READY:], ids_ready=4, staging_free=0,
                        waves_base=3, num_waves=1, job_done=4)

@@ -171,6 +171,15 @@ def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_
         torch.index_select(packed, 0, local, out=out)
 
 
+def _as_int32(value: int) -> int:
+    """``value`` as the int32 whose bits are ``value mod 2**32`` (job numbers grow past 2**31; the words hold
+    their low 32 bits and compare wrap-aware)."""
+    return ((value + 2**31) % 2**32) - 2**31
+
+
+# A wait on the worker or the GPU that has not ended after this long is an error, not a hang.
+WAIT_IDLE_TIMEOUT_S = 120.0
+
 _NATIVE_ENQUEUE_LOCK = threading.Lock()
 _FLAG_WORDS_KEPT: list[torch.Tensor] = []
 _WORKER: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # (worker, process id)
@@ -342,7 +351,7 @@ class HostGather:
         GPU after the ids, so a job never depends on another job's stream) and that word's device address."""
         buffer = torch.empty(num_ids + 2 + 15, dtype=torch.int32, pin_memory=True)
         ready = buffer[-16:-15]  # after the ids and the count
-        ready.fill_(self._started)  # below every later job's number
+        ready.fill_(_as_int32(self._started))  # below every later job's number (words compare wrap-aware)
         return buffer, ready, stream_memory_ops.device_address(buffer, self.device) + 4 * (buffer.numel() - 16)
 
     def _start_native(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream) -> GatherTicket:
@@ -358,6 +367,8 @@ class HostGather:
             if native_worker.flags_reached(self._flags_view, JOB_DONE, self._id_buffer_jobs[slot]):
                 buffer, ready, ready_address = self._id_buffers[slot]
                 self._id_buffer_jobs[slot] = number
+                if self._measuring is not None and self._measuring[0] == slot:
+                    self._measuring = None  # its job finished after _sort_next looked: its count is overwritten now
                 if sort and self.dedup == "auto" and self._measuring is None:
                     self._measuring = (slot, number, num_ids)  # read at a later start
             else:  # the worker is _ID_BUFFERS gathers behind: a buffer of its own (the service holds it)
@@ -375,7 +386,9 @@ class HostGather:
             wave_ends = shrinking_wave_ends(num_ids, num_waves)
             bounds = [0, *wave_ends]
             try:
-                with _NATIVE_ENQUEUE_LOCK:  # the worker's job order = the order the jobs' ids were enqueued
+                # Every stream operation on the table's device context, whatever device is current (a write on
+                # the default stream's handle 0 under another current device would go to that device's stream).
+                with _NATIVE_ENQUEUE_LOCK, torch.cuda.device(self.device):  # job order = order of the ids' enqueue
                     stream_memory_ops.write_value(stream, ready_address, number)
                     self.native_service.submit_prepared(self._job_buffers, ids=ids_host, ready=ready, ids_ready=number,
                                                         staging_free=number - 1, waves_base=self._waves,
@@ -397,6 +410,7 @@ class HostGather:
                     done.record(self.copy_stream)
             except BaseException as failure:
                 self._broken = repr(failure)
+                self._started = number  # no earlier ticket is current: some of this job's copies may be queued
                 raise
             self._started = number
             self._waves += num_waves
@@ -460,15 +474,22 @@ class HostGather:
         device, ordered after the copies on ``stream``, and the lookup's ``inverse`` into them.
         Blocks the calling thread until the worker has enqueued the copies (never until they run).
         Call :meth:`consumed` once their reader is enqueued. ``ticket`` must be :meth:`current`."""
-        if not self.current(ticket):
-            raise ValueError(f"ticket: gather {ticket.number} is stale (gather {self._started} started since, or "
-                             "it was finished already): its rows are no longer in the staging")
-        ticket.finished = True
-        if ticket.done is not None:  # native worker: everything is enqueued already
-            stream.wait_event(ticket.done)
-            return self.staging_device, ticket.inverse
+        with self._lock:  # a start on another thread cannot reuse the staging between the check and the wait
+            if not self.current(ticket):
+                raise ValueError(f"ticket: gather {ticket.number} is stale (gather {self._started} started since, "
+                                 "or it was finished already): its rows are no longer in the staging")
+            ticket.finished = True
+            if ticket.done is not None:  # native worker: everything is enqueued already
+                stream.wait_event(ticket.done)
+                return self.staging_device, ticket.inverse
+        return self._finish_python(ticket, stream)
+
+    def _finish_python(self, ticket: GatherTicket, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor]:
         try:
-            done = ticket.future.result()
+            done = ticket.future.result(timeout=WAIT_IDLE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"host gather: the Python worker did not enqueue gather {ticket.number}'s copies within "
+                               f"{WAIT_IDLE_TIMEOUT_S:g} s (its ids' event never completed)") from None
         except BaseException as failure:
             self._failure = None
             raise RuntimeError(f"the host gather failed on its worker thread: {failure!r}") from failure
@@ -479,7 +500,8 @@ class HostGather:
         """Mark the device staging free once ``stream``'s work so far has run."""
         event = torch.cuda.Event()
         event.record(stream)
-        self._consumed = event
+        with self._lock:
+            self._consumed = event
 
     @property
     def idle(self) -> bool:
@@ -489,12 +511,23 @@ class HostGather:
             return native_worker.flags_reached(self._flags_view, JOB_DONE, self._started)
         return self._last_future is None or self._last_future.done()
 
-    def wait_idle(self) -> None:
+    def wait_idle(self, timeout_s: float = WAIT_IDLE_TIMEOUT_S) -> None:
         """Block until the worker is done with every started gather: its copies enqueued (Python
-        worker), its rows copied to the host staging (native worker; the GPU's part runs meanwhile)."""
+        worker), its rows copied to the host staging (native worker; the GPU's part runs meanwhile).
+        Raises RuntimeError after ``timeout_s`` seconds (a worker or a GPU that never gets there: a sticky
+        CUDA error, a stream held forever), naming the gather it waited for."""
+        deadline = time.monotonic() + timeout_s
         if self.worker == "native":
             while not (native_worker.flags_reached(self._flags_view, JOB_DONE, self._started)
                        or self.native_service.stopped):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"host gather: gather {self._started} of this table was not done after {timeout_s:g} s "
+                        f"(job-done word {int(self._flags_view[JOB_DONE])}): its ids never reached the worker "
+                        "(a CUDA error, or the stream that writes them is held)")
                 time.sleep(0.0002)
         elif self._last_future is not None:
-            concurrent.futures.wait([self._last_future])
+            done, _ = concurrent.futures.wait([self._last_future], timeout=timeout_s)
+            if not done:
+                raise RuntimeError(f"host gather: the Python worker's gather {self._started} of this table was not "
+                                   f"done after {timeout_s:g} s (its ids' event never completed)")

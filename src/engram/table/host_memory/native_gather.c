@@ -254,12 +254,26 @@ static void hold_if_asked(Service *s) {
     __atomic_fetch_add(&s->stats[1], 1, __ATOMIC_RELAXED);
 }
 
+/* A job the service will not copy (it stops first): write its words anyway, so no stream waits on them
+ * forever. Its staging rows are whatever the staging held; the consumer's per-row id check reads every row
+ * whose staged copy is not its own from the table itself. */
+static void release_job(const Job *job) {
+    __atomic_store_n(job->waves_done, job->waves_base + (uint32_t)job->num_waves, __ATOMIC_RELEASE);
+    __atomic_store_n(job->job_done, job->job_done_value, __ATOMIC_RELEASE);
+}
+
 static void run_job(Service *s, Job *job) {
     int64_t timeline[TIMELINE_WORDS] = {0};
     timeline[T_JOB] = job->job_done_value;
-    if (wait_flag(s, job->ids_ready, job->ids_ready_value)) return;
+    if (wait_flag(s, job->ids_ready, job->ids_ready_value)) {
+        release_job(job);
+        return;
+    }
     timeline[T_IDS_READY] = now_ns();
-    if (wait_flag(s, job->staging_free, job->staging_free_value)) return;
+    if (wait_flag(s, job->staging_free, job->staging_free_value)) {
+        release_job(job);
+        return;
+    }
     timeline[T_STAGING_FREE] = now_ns();
     hold_if_asked(s);
     int64_t count = job->ids[job->num_ids];
@@ -389,7 +403,8 @@ int engram_gather_last_job(Service *s, int64_t *out, int words) {
 
 int engram_gather_threads(Service *s) { return s->threads; }
 
-/* Stop every thread (jobs not yet done are dropped, their flags left unwritten) and free the service. */
+/* Stop every thread and free the service. Jobs not yet done are dropped, their words written (release_job):
+ * a stream waiting on one of them goes on, and teardown's device synchronization cannot hang. */
 void engram_gather_stop(Service *s) {
     if (s == NULL) return;
     pthread_mutex_lock(&s->lock);
@@ -399,6 +414,7 @@ void engram_gather_stop(Service *s) {
     for (int i = 0; i < s->started; i++) pthread_join(s->tids[i], NULL);
     for (Job *job = s->head; job != NULL;) {
         Job *next = job->next;
+        release_job(job);
         free(job);
         job = next;
     }

@@ -262,8 +262,9 @@ class NativeGatherService:
                 "chunks": words[5 + _TIMED_WAVES]}
 
     def stop(self) -> None:
-        """Stop the threads (jobs not done are dropped; their buffers stay referenced here) and free the
-        service. Only at shutdown: a stream waiting on a dropped job's wave would wait forever."""
+        """Stop the threads and free the service. Jobs not done are dropped with their words written (a
+        stream waiting on one goes on, its staging unwritten: the consumers' per-row id check reads those
+        rows from the table); their buffers stay referenced here."""
         with self._lock:
             handle, self._handle = self._handle, None
         if handle is not None and self._pid == os.getpid():
