@@ -369,7 +369,7 @@ def stage_breakdown(tables, ids: torch.Tensor, rows: int) -> dict:
     host, worker's gather, copies) and of ``host``'s host gather of all the ids."""
     from common import gpu_us, median_wall_us
 
-    from engram.table.kernels.cache_gather import cached_merge_rows, cached_merge_rows_packed, cached_probe
+    from engram.table.kernels.cache_gather import checked_merge_rows, checked_merge_rows_packed, cached_probe
     from engram.table.kernels.dedup import distinct_rows
 
     storage = tables["cached"].storage
@@ -388,8 +388,11 @@ def stage_breakdown(tables, ids: torch.Tensor, rows: int) -> dict:
               "dedup_misses_device_us": gpu_us(lambda: distinct_rows(miss, 0, rows)),
               "host_gather_misses_wall_us": median_wall_us(gather(host_gather, miss), repeats=20)}
     staged, inverse = gather(host_gather, miss)()
-    stages["merge_bf16_device_us"] = gpu_us(lambda: cached_merge_rows(cache, slot, staged, inverse))
-    stages["merge_packed_device_us"] = gpu_us(lambda: cached_merge_rows_packed(cache, slot, staged, inverse))
+    back = storage.backing
+    stages["merge_bf16_device_us"] = gpu_us(lambda: checked_merge_rows(ids, 0, *back, staged, inverse, cache=cache,
+                                                                       slot=slot))
+    stages["merge_packed_device_us"] = gpu_us(lambda: checked_merge_rows_packed(ids, 0, *back, staged, inverse,
+                                                                                cache=cache, slot=slot))
     host_gather.consumed(torch.cuda.current_stream())
     if "host" in tables:
         stages["host_gather_all_ids_wall_us"] = median_wall_us(gather(tables["host"].storage.host_gather, ids),

@@ -277,6 +277,10 @@ class HostGather:
         # Everything is allocated before anything is replaced: a growth that fails part-way (CUDA OOM, Ctrl-C)
         # leaves the old buffers, the worker's view of them and the capacity as they were.
         capacity = next_power_of_2(num_rows)
+        with torch.inference_mode(False):  # persistent buffers: never inference tensors, whatever mode grows them
+            self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
         staging_host = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, pin_memory=True)
         staging_device = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self.device)
         # No staged row is ever served unless its tag names the lookup's row: a never-written row tags -1.
@@ -442,6 +446,10 @@ class HostGather:
         """Worker thread (one; tasks run in order): wait for the ids and for the previous task's
         copies (the host staging is then free), start the gather of every wave, enqueue each wave's
         copy as soon as it is gathered. A failure is raised by the consumer's :meth:`finish`."""
+        with torch.inference_mode():  # grad mode is per thread: the caller's tensors may be inference tensors
+            return self._gather_rows(ids_host, ids_ready)
+
+    def _gather_rows(self, ids_host: torch.Tensor, ids_ready: torch.cuda.Event) -> torch.cuda.Event:
         gathered = None
         try:
             ids_ready.synchronize()

@@ -133,7 +133,10 @@ class RowGather:
         """One ``index_select`` of the wave on an OpenMP team of ``threads`` (a library thread's own)."""
         if not openmp_team.use(self._threads):
             raise RuntimeError(f"the host row copy could not set its thread's OpenMP team to {self._threads}")
-        torch.index_select(self._table, 0, self._ids[begin:end], out=self._out[begin:end])
+        # Grad mode is per thread: a caller under torch.inference_mode() may hand this thread inference tensors,
+        # which only inference mode may write.
+        with torch.inference_mode():
+            torch.index_select(self._table, 0, self._ids[begin:end], out=self._out[begin:end])
 
     def _copy(self, begin: int, end: int) -> None:
         # The bounds check in numpy, on this thread: torch's min/max of a wave (> 32k ids) run on its
