@@ -517,8 +517,8 @@ def rewrite_header(path, **changes) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize("damage", ["version", "checksum", "magic", "fingerprint", "key", "layout", "filled",
-                                    "truncated", "source changed"])
+@pytest.mark.parametrize("damage", ["version", "older version", "checksum", "magic", "fingerprint", "key", "layout",
+                                    "filled", "truncated", "source changed"])
 def test_header_mismatch_is_refused(shm_dir, seed, tmp_path, damage):
     nbytes = 16 * 512
     key = f"header {seed}"
@@ -530,7 +530,11 @@ def test_header_mismatch_is_refused(shm_dir, seed, tmp_path, damage):
     fd = os.open(path, os.O_RDWR)
     if damage == "version":
         os.pwrite(fd, (99).to_bytes(4, "little"), 8)   # the u32 after the 8-byte magic
-        reason = "its header is format version 99, this engram reads version 1 only"
+        reason = re.escape("its header is format version 99, this engram reads version 2 only (written by a newer engram)")
+    elif damage == "older version":
+        rewrite_header(path, version=1)   # a valid header of the format before rows carried their tag
+        reason = re.escape("its header is format version 1, this engram reads version 2 only (written by an older "
+                           "engram, whose packed rows carry no row tag: it is stale)")
     elif damage == "checksum":
         byte = os.pread(fd, 1, 100)
         os.pwrite(fd, bytes([byte[0] ^ 0x01]), 100)   # inside the key data

@@ -146,23 +146,37 @@ def test_peer_kernel_lookups_equal_cpu_table(seed, small_checkpoint, tmp_path):
     assert all(mine["kernel"] for mine in results)  # the peer gather kernel served the lookups
 
 
-def test_a_peer_refuses_a_file_its_owner_did_not_create(tmp_path):
-    from engram.table.peer_memory import _open_peer_file
+def test_a_peer_refuses_a_file_its_owner_did_not_create(tmp_path, seed):
+    from engram.table.peer_memory import _open_peer_file, allocate_shard
 
-    path = tmp_path / "planted"
-    path.write_bytes(b"\0" * 160)
-    info = os.stat(path)
+    shard, shared = allocate_shard(2, 80, torch.device("cpu"), tmp_path)
+    content = torch.randint(0, 256, (2, 80), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    shard.copy_(content)
+    path, identity = str(shared.path), shared.identity
+    assert sorted(os.listdir(tmp_path)) == sorted([shared.path.name, shared.path.name + ".lock"])
+    with pytest.raises(ValueError, match=r"is not the one that rank sent: .* = \(.*'peer', False, 2, 80\)"):
+        _open_peer_file(path, identity, 2, 80, 1)   # not published yet (filled flag 0)
+    shared.publish()
     with pytest.raises(ValueError, match="is not the file that rank created"):
-        _open_peer_file(str(path), (info.st_dev, info.st_ino + 1, 160), 2, 80, 1)
+        _open_peer_file(path, (identity[0], identity[1] + 1, identity[2]), 2, 80, 1)
     with pytest.raises(ValueError, match="is not the file that rank created"):
-        _open_peer_file(str(path), (info.st_dev, info.st_ino, 320), 4, 80, 1)
+        _open_peer_file(path, (identity[0], identity[1], identity[2] + 80), 2, 80, 1)
+    with pytest.raises(ValueError, match=r"expected \('engram-peer-.*', 'peer', True, 4, 40\)"):
+        _open_peer_file(path, identity, 4, 40, 1)
     link = tmp_path / "link"
     link.symlink_to(path)
     with pytest.raises(OSError):
-        _open_peer_file(str(link), (info.st_dev, info.st_ino, 160), 2, 80, 1)
-    mapped = _open_peer_file(str(path), (info.st_dev, info.st_ino, 160), 2, 80, 1)
-    assert len(mapped.mapping) == 160
-    mapped.mapping.close()
+        _open_peer_file(str(link), identity, 2, 80, 1)
+    planted = tmp_path / "planted"
+    planted.write_bytes(bytes(identity[2]))
+    info = os.stat(planted)
+    with pytest.raises(ValueError, match="is refused: it does not start with the magic"):
+        _open_peer_file(str(planted), (info.st_dev, info.st_ino, info.st_size), 2, 80, 1)
+    mapped = _open_peer_file(path, identity, 2, 80, 1)
+    assert bytes(mapped.mapping) == content.numpy().tobytes()
+    shared.release()
+    assert sorted(os.listdir(tmp_path)) == ["link", "planted"]   # the shard's name and lock went
+    assert bytes(mapped.mapping) == content.numpy().tobytes()   # a mapping keeps its bytes
 
 
 def _info(host="node-a", device="GPU-0", visible=("GPU-0", "GPU-1"), access=(True, True)) -> RankInfo:

@@ -9,33 +9,51 @@ Setup only (collectives of the group, once per table); a lookup then reads peers
   enabled explicitly. Every rank must see the same GPUs in the same order, and
   every pair of the group's GPUs must have peer access: both are checked at setup, on every rank,
   and every rank raises the same error naming what is missing.
-* CPU shards (gloo groups: tests, and hosts without GPUs) live in a shared-memory file the owner
-  creates under a random name (``O_EXCL``, mode 0600); the others open it by the name and inode the
-  owner sent, refuse a file of another owner, map it read-only, and the owner unlinks the name as
-  soon as every rank has it mapped (nothing is left in ``/dev/shm``, a planted file is never mapped).
+* CPU shards (gloo groups: tests, and hosts without GPUs) are files of the one tmpfs file scheme
+  (:mod:`engram.table.host_memory.shm_files`, kind ``"peer"``): ``engram-peer-<pid>-<hex>`` in
+  ``/dev/shm``, created exclusively (mode 0600) with a header and a lock file that the owner holds
+  while the name exists (so ``engram shm remove --all-stale`` knows the shard is live), its bytes
+  reserved (``posix_fallocate``: a full tmpfs is one clear error, never a SIGBUS). The others open
+  it by the name and inode the owner sent, refuse a file of another owner or whose header is not
+  the shard's, map it read-only, and the owner unlinks the name (and its lock) as soon as every
+  rank has it mapped: nothing is left in ``/dev/shm``, a planted file is never mapped, a rank that
+  dies mid-setup leaves a shard that the next clean-up removes.
 
-:meth:`PeerMapping.close` releases in order: every rank drops its mappings of the others' shards,
-the group waits for all, then each drops its own.
+Setup failures are told: every collective of the setup carries each rank's failure, and a failure
+on one rank makes every rank raise (the failing rank its own error, the others one naming it),
+instead of the others waiting for the group's timeout (:func:`tell_group`).
+
+:meth:`PeerMapping.close` releases in order: every rank waits for the work of every device that
+reads a shard, drops its mappings of the others' shards, the group waits for all, then each drops
+its own. A mapping is never unmapped under a tensor: it goes when its last view does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import mmap
 import os
 import pickle
-import secrets
 import socket
 import stat
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["shard_rows", "RankInfo", "describe_ranks", "check_node_local", "check_peer_access", "allocate_shard", "PeerMapping",
-           "enable_peer_access", "map_peer_shards"]
+from engram.table.host_memory.shm_files import (HeaderProblem, TableHeader, check_directory,
+                                                check_room, create_exclusive, header_page_bytes, peer_shard_path,
+                                                reserve_file, table_paths, try_lock)
+
+__all__ = ["shard_rows", "RankInfo", "describe_ranks", "check_node_local", "check_peer_access", "allocate_shard",
+           "ShardFile", "PeerMapping", "enable_peer_access", "map_peer_shards", "tell_group", "shm_directory"]
+
+_LOCK_WAIT_S = 5.0  # a fresh lock file is held by nobody; only `engram shm` probes it for an instant
 
 
 def shard_rows(num_rows: int, num_shards: int, shard: int) -> tuple[int, int]:
@@ -60,19 +78,55 @@ def _uuid(index: int) -> str:
     return str(getattr(properties, "uuid", None) or getattr(properties, "pci_bus_id", index))
 
 
-def describe_ranks(group, device: torch.device) -> list[RankInfo]:
-    """Collective: every rank's :class:`RankInfo`, in group rank order."""
+def _failure_text(failure: BaseException) -> str:
+    return f"{type(failure).__name__}: {failure}"
+
+
+def _raise_failures(messages: list, failure: BaseException | None, what: str) -> None:
+    """After every rank's failure (or None) was gathered: raise on every rank when one failed."""
+    if failure is not None:
+        raise failure  # this rank's own error; the others were told
+    failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+    if failed:
+        told = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
+        raise RuntimeError(f"group: {what} failed on rank{'s' if len(failed) > 1 else ''} "
+                           f"{', '.join(str(rank) for rank, _ in failed)} of the group ({told}); this rank released "
+                           f"its part: no rank has the table")
+
+
+def tell_group(group, failure: BaseException | None, what: str) -> None:
+    """Collective: each rank says whether its part of ``what`` failed (``failure``, or None). When one
+    did, every rank raises: the failing rank ``failure`` itself, the others a RuntimeError naming the
+    failed ranks and their errors. Every rank of ``group`` calls it at the same point of the setup."""
+    messages: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, None if failure is None else _failure_text(failure), group=group)
+    _raise_failures(messages, failure, what)
+
+
+def _rank_info(device: torch.device) -> RankInfo:
     if device.type == "cuda":
         count = torch.cuda.device_count()
         mine = device.index if device.index is not None else torch.cuda.current_device()
         visible = tuple(_uuid(i) for i in range(count))
         access = tuple(i == mine or torch.cuda.can_device_access_peer(mine, i) for i in range(count))
-        info = RankInfo(socket.gethostname(), visible[mine], visible, access)
-    else:
-        info = RankInfo(socket.gethostname(), None, (), ())
-    infos: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(infos, info, group=group)
-    return infos
+        return RankInfo(socket.gethostname(), visible[mine], visible, access)
+    return RankInfo(socket.gethostname(), None, (), ())
+
+
+def describe_ranks(group, device: torch.device | None, failure: BaseException | None = None) -> list[RankInfo]:
+    """Collective: every rank's :class:`RankInfo`, in group rank order. ``failure``: this rank's setup
+    failed before (``device`` may then be None); as in :func:`tell_group`, every rank raises when one
+    rank's setup failed, before or here."""
+    info = None
+    if failure is None:
+        try:
+            info = _rank_info(device)
+        except Exception as error:
+            failure = error
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (info, None if failure is None else _failure_text(failure)), group=group)
+    _raise_failures([message for _, message in gathered], failure, "setting up placement 'node'")
+    return [info for info, _ in gathered]
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -116,71 +170,143 @@ def check_peer_access(infos: list[RankInfo]) -> None:
                          f"these pairs lack: {'; '.join(missing)}. Use lookup='exchange' (collectives) instead")
 
 
-@dataclass
-class _SharedFile:
-    """A CPU shard's shared-memory file: the owner's (``path`` set until unlinked) or a peer's mapping."""
+def shm_directory(directory=None) -> Path:
+    """Where CPU shards' files go: ``directory`` (checked), else ``/dev/shm`` (the system's temporary
+    directory where there is none)."""
+    if directory is None:
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return check_directory(directory)
 
-    mapping: mmap.mmap
-    path: str | None = None
+
+@dataclass(eq=False)
+class ShardFile:
+    """A CPU shard's file: the owner's (``path`` and its lock held until :meth:`unlink`) or a peer's
+    read-only mapping of it (``path`` None). ``mapping`` is dropped, never closed, on release: it is
+    unmapped when the last tensor viewing it goes."""
+
+    mapping: mmap.mmap | None
+    path: Path | None = None
     identity: tuple[int, int, int] = (0, 0, 0)  # (st_dev, st_ino, size)
+    header: TableHeader | None = None
+    _fd: int | None = field(default=None, repr=False)
+    _lock_path: Path | None = field(default=None, repr=False)
+    _lock_fd: int | None = field(default=None, repr=False)
 
     def __del__(self):
         self.unlink()  # a shard whose setup never finished leaves no name behind
 
+    def publish(self) -> None:
+        """The owner, once its rows are written: set the header's filled flag (what a peer checks)."""
+        self.header = dataclasses.replace(self.header, filled=True)
+        os.pwrite(self._fd, self.header.encode(), 0)
+
     def unlink(self) -> None:
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = None
+        """The owner: remove the name and then the lock file (nothing of the shard left in the
+        directory; the mappings stay)."""
+        for attribute in ("path", "_lock_path"):  # the file first, then its lock (held until it is gone)
+            name = getattr(self, attribute)
+            if name is not None:
+                setattr(self, attribute, None)
+                try:
+                    os.unlink(name)
+                except FileNotFoundError:
+                    pass
+        for attribute in ("_fd", "_lock_fd"):
+            fd = getattr(self, attribute)
+            if fd is not None:
+                setattr(self, attribute, None)
+                os.close(fd)
+
+    def release(self) -> None:
+        """Unlink (the owner's) and drop this object's reference to the mapping."""
+        self.unlink()
+        self.mapping = None
 
 
-def _shm_directory() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _as_tensor(mapping: mmap.mmap, rows: int, row_bytes: int) -> torch.Tensor:
+def _as_tensor(mapping: mmap.mmap | None, rows: int, row_bytes: int, writable: bool = False) -> torch.Tensor:
+    if not rows:
+        return torch.empty(0, row_bytes, dtype=torch.uint8)
     with warnings.catch_warnings():  # a read-only mapping: torch warns that writes would fail
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=rows * row_bytes) if rows else \
-            torch.empty(0, dtype=torch.uint8)
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=rows * row_bytes)
     return flat.view(rows, row_bytes)
 
 
-def allocate_shard(rows: int, row_bytes: int, device: torch.device) -> tuple[torch.Tensor, _SharedFile | None]:
+def _take_lock(lock_path: Path) -> int:
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        fd = try_lock(lock_path)
+        if fd is not None:
+            return fd
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"lock file {str(lock_path)!r} of a new peer shard stayed held by another process for "
+                               f"{_LOCK_WAIT_S} s")
+        time.sleep(0.01)
+
+
+def _create_shard_file(rows: int, row_bytes: int, directory: Path) -> ShardFile:
+    path = peer_shard_path(directory)
+    lock_path = table_paths(path)[2]
+    header = TableHeader(path.name, os.urandom(32), row_bytes, rows, rows * row_bytes, filled=False,
+                         filler_pid=os.getpid(), fill_time_s=time.time(), kind="peer")
+    what = "the peer shard"
+    check_room(directory, header_page_bytes(header) + header.nbytes, what)  # at once; the reservation guarantees it
+    shard = ShardFile(None, header=header)
+    try:
+        shard._lock_fd = _take_lock(lock_path)  # held before the file exists: the shard is never "stale"
+        shard._lock_path = lock_path
+        os.pwrite(shard._lock_fd, str(os.getpid()).encode(), 0)
+        shard._fd = create_exclusive(path, 0o600)
+        shard.path = path
+        os.ftruncate(shard._fd, header.total_bytes)
+        reserve_file(shard._fd, header, directory, what)  # a full tmpfs: one clear error, never SIGBUS
+        os.pwrite(shard._fd, header.encode(), 0)
+        info = os.fstat(shard._fd)
+        shard.identity = (info.st_dev, info.st_ino, header.total_bytes)
+        shard.mapping = mmap.mmap(shard._fd, header.nbytes, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=header.data_offset)
+    except BaseException:
+        shard.release()
+        raise
+    return shard
+
+
+def allocate_shard(rows: int, row_bytes: int, device: torch.device, directory=None
+                   ) -> tuple[torch.Tensor, ShardFile | None]:
     """An uninitialized shard ``uint8 [rows, row_bytes]`` other ranks can map: on a CUDA device a plain
-    tensor; on the CPU a shared-memory file of this process (see the module docstring)."""
+    tensor; on the CPU a shared-memory file of this process in ``directory`` (:func:`shm_directory`; see
+    the module docstring), none for an empty shard."""
     if device.type == "cuda":
         return torch.empty(rows, row_bytes, dtype=torch.uint8, device=device), None
-    size = max(1, rows * row_bytes)
-    path = os.path.join(_shm_directory(), f"engram-peer-{os.getpid()}-{secrets.token_hex(12)}")
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        os.ftruncate(descriptor, size)
-        info = os.fstat(descriptor)
-        mapping = mmap.mmap(descriptor, size)
-    except BaseException:
-        os.close(descriptor)
-        os.unlink(path)
-        raise
-    os.close(descriptor)
-    shared = _SharedFile(mapping, path, (info.st_dev, info.st_ino, size))
-    return _as_tensor(mapping, rows, row_bytes), shared
+    directory = shm_directory(directory)
+    if rows == 0:
+        return torch.empty(0, row_bytes, dtype=torch.uint8), None
+    shard = _create_shard_file(rows, row_bytes, directory)
+    return _as_tensor(shard.mapping, rows, row_bytes), shard
 
 
-def _open_peer_file(path: str, identity: tuple[int, int, int], rows: int, row_bytes: int, rank: int) -> _SharedFile:
-    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+def _open_peer_file(path: str, identity: tuple[int, int, int], rows: int, row_bytes: int, rank: int) -> ShardFile:
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         info = os.fstat(descriptor)
         if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or
-                (info.st_dev, info.st_ino, info.st_size) != identity):
+                (info.st_dev, info.st_ino, info.st_size) != tuple(identity)):
             raise ValueError(f"group: the shared shard of rank {rank} at {path} is not the file that rank created "
                              f"(owner uid {info.st_uid}, inode {info.st_ino}, {info.st_size} bytes): refusing to map it")
-        mapping = mmap.mmap(descriptor, identity[2], access=mmap.ACCESS_READ)
+        try:
+            header = TableHeader.read(descriptor, info.st_size)
+        except HeaderProblem as problem:
+            raise ValueError(f"group: the shared shard of rank {rank} at {path} is refused: {problem}") from None
+        expected = (Path(path).name, "peer", True, rows, row_bytes)
+        found = (header.share_key, header.kind, header.filled, header.rows, header.row_bytes)
+        if found != expected:
+            raise ValueError(f"group: the shared shard of rank {rank} at {path} is not the one that rank sent: its "
+                             f"header says (name, kind, filled, rows, row bytes) = {found}, expected {expected}")
+        mapping = mmap.mmap(descriptor, header.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
+                            offset=header.data_offset)
     finally:
         os.close(descriptor)
-    return _SharedFile(mapping)
+    return ShardFile(mapping)
 
 
 @dataclass
@@ -195,31 +321,26 @@ class PeerMapping:
     closed: bool = False
 
     def close(self) -> None:
-        """Collective: drop the mappings of the others' shards, wait for every rank, drop our own."""
+        """Collective: wait for every device that reads a shard (all its streams: no kernel still reads
+        one), drop the mappings of the others' shards, wait for every rank, drop our own. A mapping
+        goes when its last view does: a view still held elsewhere keeps its bytes, never dangles."""
         if self.closed:
             return
-        own = self.shards[self.rank]
-        self.shards = [own]
+        self.closed = True
+        own = self.shards[self.rank] if self.shards else None
+        for device in {shard.device for shard in self.shards if shard.is_cuda}:
+            torch.cuda.synchronize(device)  # lookups on any stream, the torch path's reads on the peers' GPUs
         own_file = self._files[self.rank] if self._files else None
         for index, shared in enumerate(self._files):
             if index != self.rank and shared is not None:
-                try:
-                    shared.mapping.close()
-                except BufferError:  # a view is still held elsewhere: the mapping goes with it
-                    pass
+                shared.release()
         self._files = []
-        if own.is_cuda:
-            torch.cuda.synchronize(own.device)  # no kernel of ours still reads a peer's rows
-        dist.barrier(group=self.group)
+        self.shards = [] if own is None else [own]  # the IPC handles of the others' memory close here
+        dist.barrier(group=self.group)  # no rank reads our shard any more
         self.shards = []
         del own
         if own_file is not None:
-            own_file.unlink()
-            try:
-                own_file.mapping.close()
-            except BufferError:  # a view of the shard is still held elsewhere: the mapping goes with it
-                pass
-        self.closed = True
+            own_file.release()
 
 
 def enable_peer_access(device: torch.device, peers: list[torch.device]) -> None:
@@ -234,50 +355,68 @@ def enable_peer_access(device: torch.device, peers: list[torch.device]) -> None:
     torch.cuda.synchronize(device)
 
 
-def map_peer_shards(local: torch.Tensor, shared: _SharedFile | None, group, rank: int,
+def map_peer_shards(local: torch.Tensor, shared: ShardFile | None, group, rank: int,
                     shapes: list[tuple[int, int]]) -> PeerMapping:
     """Collective: map every rank's shard (``shapes[r]`` = its ``[rows, row_bytes]``) next to ``local``
-    (this rank's, from :func:`allocate_shard`, filled). The owner's shared file is unlinked on return."""
+    (this rank's, from :func:`allocate_shard`, filled). The owner's shared file is unlinked on return.
+    A failure on any rank (sending its shard, opening another's) makes every rank raise, each having
+    released what it mapped (:func:`tell_group`)."""
     world = dist.get_world_size(group)
-    if local.is_cuda:
-        if local.numel():
-            from multiprocessing.reduction import ForkingPickler
-            import torch.multiprocessing  # noqa: F401  (registers torch's CUDA IPC reductions)
+    failure, payload = None, None
+    try:
+        if local.is_cuda:
+            if local.numel():
+                from multiprocessing.reduction import ForkingPickler
+                import torch.multiprocessing as _registers_ipc  # noqa: F401  (torch's CUDA IPC reductions)
 
-            buffer = io.BytesIO()
-            ForkingPickler(buffer).dump(local)
-            payload = buffer.getvalue()
-        else:
-            payload = None
-    else:
-        payload = None if shared is None else (shared.path, shared.identity)
+                buffer = io.BytesIO()
+                ForkingPickler(buffer).dump(local)
+                payload = buffer.getvalue()
+        elif shared is not None:
+            shared.publish()
+            payload = (str(shared.path), shared.identity)
+    except Exception as error:
+        failure = error
     payloads: list = [None] * world
-    dist.all_gather_object(payloads, payload, group=group)
+    dist.all_gather_object(payloads, (payload, None if failure is None else _failure_text(failure)), group=group)
+    try:
+        _raise_failures([message for _, message in payloads], failure, "sending the ranks' shards")
+    except BaseException:
+        if shared is not None:
+            shared.release()
+        raise
     shards: list[torch.Tensor] = []
     files: list = []
-    error = None
     try:
-        for owner, (sent, shape) in enumerate(zip(payloads, shapes)):
+        for owner, ((sent, _), shape) in enumerate(zip(payloads, shapes)):
             if owner == rank:
                 shards.append(local)
                 files.append(shared)
+            elif sent is None:  # an empty shard
+                shards.append(torch.empty(shape, dtype=torch.uint8, device=local.device))
+                files.append(None)
             elif local.is_cuda:
-                shards.append(pickle.loads(sent) if sent is not None else
-                              torch.empty(shape, dtype=torch.uint8, device=local.device))
+                shards.append(pickle.loads(sent))
                 files.append(None)
             else:
                 peer_file = _open_peer_file(sent[0], tuple(sent[1]), shape[0], shape[1], owner)
                 files.append(peer_file)
                 shards.append(_as_tensor(peer_file.mapping, shape[0], shape[1]))
-    except (OSError, ValueError, RuntimeError) as failure:
-        error = f"rank {rank}: {failure}"
-    errors: list = [None] * world
-    dist.all_gather_object(errors, error, group=group)  # every rank has opened every shard, or failed
-    if shared is not None:
-        shared.unlink()
-    failed = [message for message in errors if message is not None]
-    if failed:
-        raise ValueError(f"group: mapping the ranks' shards failed: {'; '.join(failed)}")
-    if local.is_cuda:
-        enable_peer_access(local.device, [shard.device for shard in shards])
+        if local.is_cuda:
+            enable_peer_access(local.device, [shard.device for shard in shards])
+    except Exception as error:
+        failure = error
+    try:
+        tell_group(group, failure, "mapping the ranks' shards")  # every rank has opened every shard, or failed
+    except BaseException:
+        for index, peer_file in enumerate(files):
+            if index != rank and peer_file is not None:
+                peer_file.release()
+        shards.clear()
+        if shared is not None:
+            shared.release()
+        raise
+    finally:
+        if shared is not None:
+            shared.unlink()
     return PeerMapping(shards, rank, group, files)

@@ -53,10 +53,12 @@ from typing import Callable, Iterable
 
 import torch
 
-from engram.table.host_memory.shm_admin import SharedTableInfo, list_shared_tables, remove_shared_table, remove_superseded_tables
-from engram.table.host_memory.shm_files import (DEFAULT_SHARE_MODE, HeaderProblem, TableHeader, check_room,
-                        check_share_mode, content_fingerprint, create_exclusive, file_problem, open_checked, refusal,
-                        reserve, shared_buffer_path, source_stamps, table_paths, try_lock, lock_holder)
+from engram.table.host_memory.shm_admin import SharedTableInfo, list_shared_tables, remove_leftovers, remove_shared_table
+from engram.table.host_memory.shm_files import (DEFAULT_SHARE_MODE, HeaderProblem, TableHeader, check_directory,
+                                                check_room, check_share_mode, content_fingerprint, create_exclusive,
+                                                file_problem, header_page_bytes, lock_holder, open_checked, refusal,
+                                                reserve_file, shared_buffer_path, source_stamps, table_paths,
+                                                try_lock)
 
 __all__ = ["HUGE_PAGE_BYTES", "HostBuffer", "allocate_host_buffer", "remove_shared_buffer", "memory_report",
            "shared_buffer_path", "list_shared_tables", "remove_shared_table", "SharedTableInfo"]
@@ -125,18 +127,7 @@ def _check_arguments(nbytes, fill, share_key, huge_pages, wait_timeout_s, direct
             or not math.isfinite(wait_timeout_s) or wait_timeout_s <= 0):
         raise ValueError(f"wait_timeout_s: expected a positive finite number of seconds, found {wait_timeout_s!r}")
     if share_key is not None:
-        _check_directory(directory)
-
-
-def _check_directory(directory) -> Path:
-    if not isinstance(directory, (str, os.PathLike)):
-        raise ValueError(f"directory: expected a path, found {directory!r}")
-    path = Path(directory)
-    if not path.is_dir():
-        raise ValueError(f"directory: {str(path)!r} does not exist or is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"directory: {str(path)!r} is not writable by this process")
-    return path
+        check_directory(directory)
 
 
 # ---------------------------------------------------------------------------
@@ -339,7 +330,7 @@ def _fill_shared(table: _SharedTable, lock_fd: int, fill) -> HostBuffer:
     os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
     _remove_leftover(table.temporary)
     header = replace(table.expected, filled=False, filler_pid=os.getpid(), fill_time_s=time.time())
-    header_bytes = _round_up(len(header.encode()), _PAGE_BYTES)   # the filled header has the same length
+    header_bytes = header_page_bytes(header)   # the filled header has the same length
     nbytes, needed = header.nbytes, header.nbytes + header_bytes
     check_room(table.directory, needed)   # at once; the reservation below is what guarantees it
     try:
@@ -355,8 +346,7 @@ def _fill_shared(table: _SharedTable, lock_fd: int, fill) -> HostBuffer:
         if table.huge_pages:
             _advise_huge(mapping)
             _populate(mapping)
-        reserve(fd, 0, header_bytes, table.directory, needed)
-        reserve(fd, header.data_offset, nbytes, table.directory, needed)
+        reserve_file(fd, header, table.directory)
         os.pwrite(fd, header.encode(), 0)
         tensor = _fill_mapping(mapping, nbytes, fill)
         _make_read_only(tensor.data_ptr(), _round_up(nbytes, _PAGE_BYTES))   # before anyone can attach it
@@ -371,11 +361,14 @@ def _fill_shared(table: _SharedTable, lock_fd: int, fill) -> HostBuffer:
         os.close(fd)
     buffer = _finish(mapping, tensor, nbytes, huge_pages=table.huge_pages, shared_path=table.path,
                      filled_here=True, read_only=False)   # made read-only above
-    if table.remove_superseded and header.sources:
-        try:
-            remove_superseded_tables(table.directory, tuple(s[0] for s in header.sources), keep=table.path)
-        except (OSError, ValueError):   # cleanup only: the table is published either way
-            pass
+    sources = tuple(s[0] for s in header.sources) if table.remove_superseded else ()
+    try:
+        remove_leftovers(table.directory, sources, keep=table.path)
+    except Exception as error:   # clean-up only: the table is published and mapped either way
+        warnings.warn(f"engram host memory: the clean-up of {str(table.directory)!r} after filling "
+                      f"{str(table.path)!r} failed ({type(error).__name__}: {error}); the table is in place. "
+                      f"`engram shm list --dir {table.directory}` shows what is left", RuntimeWarning,
+                      stacklevel=_caller_stacklevel())
     return buffer
 
 
@@ -452,7 +445,9 @@ def allocate_host_buffer(nbytes: int, *, fill: Callable[[torch.Tensor], None], s
             table whose sources changed is refused and listed as stale.
         remove_superseded: after a fill, remove this user's tables in ``directory`` filled from
             the same source files that changed since (an older checkpoint's; no load can
-            attach them again). Processes that map them keep their copy.
+            attach them again). Processes that map them keep their copy. Leftovers of dead
+            processes (fillers' temporary files, peer shards) are removed after every fill
+            (:func:`~engram.table.host_memory.shm_admin.remove_leftovers`).
 
     Raises:
         ValueError: a bad argument; a shared file that is not the table asked for (the message
@@ -481,7 +476,7 @@ def remove_shared_buffer(share_key: str, directory: str = "/dev/shm") -> None:
     :func:`allocate_host_buffer` of the key fills a new one. Refused (ValueError naming the
     pid) while a process is filling it, or when the files are another user's. Nothing there
     is not an error. (:func:`remove_shared_table` also takes paths and removes stale files.)"""
-    directory = _check_directory(directory)
+    directory = check_directory(directory)
     removal = remove_shared_table(shared_buffer_path(share_key, directory))
     if removal.refused:
         raise ValueError(f"share_key {share_key!r}: " + "; ".join(removal.refused))

@@ -1,8 +1,20 @@
-"""Files of node-shared host tables: names, the header, exclusive creation, the checks made
-before a file is attached, lock files and the space reservation.
+"""Engram's files in a tmpfs directory (``/dev/shm``): names, the header, exclusive creation,
+the checks made before a file is attached, lock files, the space reservation and the one
+directory check. Two kinds of file share this one scheme:
 
-A shared table is one regular file in a tmpfs directory (``/dev/shm``), owned by the user
-that filled it and writable by nobody else::
+* a node-shared host table (``kind "table"``, :mod:`engram.table.host_memory.buffers`), named
+  after its share key, published by rename once filled and kept for later processes;
+* a CPU peer shard of placement ``"node"`` (``kind "peer"``, :mod:`engram.table.peer_memory`),
+  ``engram-peer-<pid>-<16 hex digits>``: one rank's rows, opened by the group's other ranks by
+  name and inode while its owner sets the group up, then unlinked.
+
+Each file ``engram-<name>`` may have a lock file ``engram-<name>.lock`` beside it, created
+exclusively like the file; the process that writes the file (a table's filler, a shard's owner)
+holds its ``flock`` from before the file exists until it is done, so a file whose lock no live
+process holds is a leftover (:mod:`engram.table.host_memory.shm_admin`). A table's filler
+writes a temporary file ``engram-<name>.tmp`` first.
+
+Every file is a regular file owned by the user that wrote it and writable by nobody else::
 
     [ header region: HEADER_REGION_BYTES = 2 MiB ][ rows: nbytes ]
 
@@ -17,9 +29,17 @@ page of the region is written (tmpfs allocates on write; a ``huge=always`` mount
 Header, little-endian: magic ``ENGRAMHT``, format version, filled flag, rows offset, bytes per
 row, rows, row bytes in all, length of a JSON part, a reserved word, the 32-byte content
 fingerprint (BLAKE2b of the share key and the caller's fingerprint bytes); then the JSON part
-(share key, source files with size and mtime, filler pid, fill time); then a 32-byte BLAKE2b
+(kind, share key, source files with size and mtime, filler pid, fill time); then a 32-byte BLAKE2b
 checksum of everything before it. The filler writes it with filled 0, fills the rows, then
 rewrites it with filled 1 before publishing the file under its name.
+
+The checksum is not keyed: it finds damage, not forgery, so a header is parsed as untrusted
+input wherever it is read (a listing reads other users' files too): the JSON part is at most
+:data:`MAX_JSON_BYTES` long and nests at most :data:`MAX_JSON_DEPTH` levels, checked before it is
+parsed, and every field's type is checked after; whatever is wrong is one :class:`HeaderProblem`.
+
+Format version 2 (this one) came with packed host rows that end in their 4-byte row tag; files of
+version 1 hold rows without it and are refused on attach (and listed as stale).
 """
 
 from __future__ import annotations
@@ -30,30 +50,42 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HEADER_REGION_BYTES", "FORMAT_VERSION", "MAGIC", "DEFAULT_SHARE_MODE", "TableHeader", "HeaderProblem",
-           "shared_buffer_path", "table_paths", "content_fingerprint", "source_stamps", "changed_sources",
-           "check_share_mode", "file_problem", "refusal", "create_exclusive", "open_checked", "open_lock", "try_lock",
-           "lock_holder", "probe_lock", "check_room", "reserve", "no_room_error"]
+__all__ = ["HEADER_REGION_BYTES", "FORMAT_VERSION", "MAGIC", "DEFAULT_SHARE_MODE", "KINDS", "MAX_JSON_BYTES",
+           "MAX_JSON_DEPTH", "TableHeader", "HeaderProblem", "shared_buffer_path", "peer_shard_path", "table_paths",
+           "content_fingerprint", "source_stamps", "changed_sources", "check_directory", "check_share_mode",
+           "file_problem", "refusal", "create_exclusive", "open_checked", "open_lock", "try_lock", "lock_holder",
+           "probe_lock", "check_room", "reserve", "reserve_file", "header_page_bytes", "no_room_error"]
 
 HEADER_REGION_BYTES = 2 * 2**20
 """Bytes before the rows: one 2 MiB huge page holding the header."""
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2: packed host rows end in their 4-byte row tag (version 1 rows had none)."""
 MAGIC = b"ENGRAMHT"
 DEFAULT_SHARE_MODE = 0o600
 LOCK_MODE = 0o600
 FILE_PREFIX = "engram-"
+PEER_PREFIX = FILE_PREFIX + "peer-"
 TEMPORARY_SUFFIX = ".tmp"
 LOCK_SUFFIX = ".lock"
+KINDS = ("table", "peer")
+"""What a file holds: a node-shared host table, or one rank's CPU peer shard of placement ``"node"``."""
+MAX_JSON_BYTES = 64 * 2**10
+"""Longest JSON part a header may have (share keys and source paths need far less)."""
+MAX_JSON_DEPTH = 4
+"""Deepest nesting of the JSON part (what is written nests 3 levels: object, sources, one source)."""
+_MAX_SOURCES = 4096
 
 _FIXED = struct.Struct("<8sIIQQQQII32s")   # magic, version, filled, offset, row bytes, rows, nbytes, json, 0, fp
 _CHECKSUM_BYTES = 32
-_MAX_JSON_BYTES = 2**20   # share keys and source paths: far below; refuses garbage lengths
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK   # NONBLOCK: a planted FIFO must not hang open()
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 # ---------------------------------------------------------------------------
@@ -68,6 +100,12 @@ def shared_buffer_path(share_key: str, directory: str | os.PathLike = "/dev/shm"
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", share_key).strip("._")[:80]
     digest = hashlib.sha256(share_key.encode("utf-8")).hexdigest()[:16]
     return Path(directory) / f"{FILE_PREFIX}{readable}-{digest}"
+
+
+def peer_shard_path(directory: str | os.PathLike) -> Path:
+    """A fresh name for a CPU peer shard of this process in ``directory``:
+    ``engram-peer-<pid>-<16 random hex digits>``."""
+    return Path(directory) / f"{PEER_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def table_paths(path: Path) -> tuple[Path, Path, Path]:
@@ -98,9 +136,54 @@ def _checksum(data: bytes) -> bytes:
 Stamp = tuple[str, int, int]   # (real path, size in bytes, mtime in ns)
 
 
+def _json_depth(meta: bytes) -> int:
+    """How deep the brackets of the JSON text ``meta`` nest (outside its strings), found without
+    parsing it (a parser recurses once per level)."""
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub(b'""', meta)):
+        depth += 1 if bracket in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_meta(meta: bytes) -> dict:
+    """The JSON part of a header as checked fields; HeaderProblem when it is not what
+    :meth:`TableHeader.encode` writes."""
+    depth = _json_depth(meta)
+    if depth > MAX_JSON_DEPTH:
+        raise HeaderProblem(f"its header's key data nests {depth} levels deep (at most {MAX_JSON_DEPTH}): it is not "
+                            f"what engram writes (planted or damaged)")
+    try:
+        fields = json.loads(meta.decode("utf-8"))
+    except (ValueError, RecursionError) as error:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise HeaderProblem(f"its header's key data is not JSON ({type(error).__name__}: {str(error)[:200]})") from None
+    if not isinstance(fields, dict):
+        raise HeaderProblem(f"its header's key data is a JSON {type(fields).__name__}, not an object")
+    kind, key, sources = fields.get("kind"), fields.get("share_key"), fields.get("sources")
+    pid, fill_time = fields.get("filler_pid"), fields.get("fill_time_s")
+    if kind not in KINDS:
+        raise HeaderProblem(f"its header's kind is {str(kind)[:80]!r}, expected one of {', '.join(KINDS)}")
+    if not isinstance(key, str) or not key:
+        raise HeaderProblem("its header's share key is not a non-empty string")
+    if not isinstance(sources, list) or len(sources) > _MAX_SOURCES:
+        raise HeaderProblem(f"its header's sources are not a list of at most {_MAX_SOURCES} files")
+    for source in sources:
+        if (not isinstance(source, list) or len(source) != 3 or not isinstance(source[0], str)
+                or not _is_int(source[1]) or not _is_int(source[2])):
+            raise HeaderProblem("its header's sources are not [path, size, mtime] entries")
+    if not _is_int(pid) or not isinstance(fill_time, (int, float)) or isinstance(fill_time, bool):
+        raise HeaderProblem("its header's filler pid or fill time is not a number")
+    return {"kind": kind, "share_key": key, "sources": tuple((p, s, m) for p, s, m in sources),
+            "filler_pid": pid, "fill_time_s": float(fill_time)}
+
+
 @dataclass(frozen=True)
 class TableHeader:
-    """The header of a shared table file (see the module docstring for the bytes)."""
+    """The header of a shared table file or a peer shard (see the module docstring for the bytes)."""
 
     share_key: str
     fingerprint: bytes
@@ -113,6 +196,7 @@ class TableHeader:
     fill_time_s: float = 0.0
     data_offset: int = HEADER_REGION_BYTES
     version: int = FORMAT_VERSION
+    kind: str = "table"
 
     @property
     def total_bytes(self) -> int:
@@ -120,12 +204,14 @@ class TableHeader:
         return self.data_offset + self.nbytes
 
     def encode(self) -> bytes:
-        meta = json.dumps({"share_key": self.share_key, "sources": [list(s) for s in self.sources],
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, found {self.kind!r}")
+        meta = json.dumps({"kind": self.kind, "share_key": self.share_key, "sources": [list(s) for s in self.sources],
                            "filler_pid": self.filler_pid, "fill_time_s": self.fill_time_s},
                           separators=(",", ":")).encode("utf-8")
-        if len(meta) > _MAX_JSON_BYTES or _FIXED.size + len(meta) + _CHECKSUM_BYTES > self.data_offset:
+        if len(meta) > MAX_JSON_BYTES or _FIXED.size + len(meta) + _CHECKSUM_BYTES > self.data_offset:
             raise ValueError(f"share_key: {len(meta)} bytes of key and source paths do not fit the "
-                             f"{_MAX_JSON_BYTES}-byte header; use a shorter key")
+                             f"{MAX_JSON_BYTES}-byte header; use a shorter key")
         body = _FIXED.pack(MAGIC, self.version, int(self.filled), self.data_offset, self.row_bytes, self.rows,
                            self.nbytes, len(meta), 0, self.fingerprint) + meta
         return body + _checksum(body)
@@ -133,33 +219,41 @@ class TableHeader:
     @classmethod
     def read(cls, fd: int, file_bytes: int) -> "TableHeader":
         """The header of the open file ``fd`` of ``file_bytes`` bytes; :class:`HeaderProblem`
-        says what is wrong when it is not a valid one."""
+        says what is wrong when it is not a valid one (whatever the bytes: reads are bounded, the
+        JSON part's length and depth are checked before it is parsed)."""
         not_ours = "it is not an engram table file (planted, damaged, or written by an engram older than its header)"
-        fixed = os.pread(fd, _FIXED.size, 0)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise HeaderProblem(f"it is not a regular file ({stat.filemode(info.st_mode)})")
+            fixed = os.pread(fd, _FIXED.size, 0)
+        except OSError as error:
+            raise HeaderProblem(f"its header cannot be read ({error.strerror})") from None
         if len(fixed) < _FIXED.size:
             raise HeaderProblem(f"it holds only {file_bytes} bytes, too few for a header: {not_ours}")
         magic, version, filled, offset, row_bytes, rows, nbytes, meta_bytes, _, fingerprint = _FIXED.unpack(fixed)
         if magic != MAGIC:
             raise HeaderProblem(f"it does not start with the magic {MAGIC!r} (found {magic!r}): {not_ours}")
         if version != FORMAT_VERSION:
+            written = ("an older engram, whose packed rows carry no row tag: it is stale" if version < FORMAT_VERSION
+                       else "a newer engram")
             raise HeaderProblem(f"its header is format version {version}, this engram reads version "
-                                f"{FORMAT_VERSION} only")
-        if meta_bytes > _MAX_JSON_BYTES:
+                                f"{FORMAT_VERSION} only (written by {written})")
+        if meta_bytes > MAX_JSON_BYTES:
             raise HeaderProblem(f"its header claims {meta_bytes} bytes of key data, more than the limit "
-                                f"{_MAX_JSON_BYTES}: the header is damaged")
-        rest = os.pread(fd, meta_bytes + _CHECKSUM_BYTES, _FIXED.size)
+                                f"{MAX_JSON_BYTES}: the header is damaged")
+        try:
+            rest = os.pread(fd, meta_bytes + _CHECKSUM_BYTES, _FIXED.size)
+        except OSError as error:
+            raise HeaderProblem(f"its header cannot be read ({error.strerror})") from None
         if len(rest) < meta_bytes + _CHECKSUM_BYTES:
             raise HeaderProblem(f"it holds only {file_bytes} bytes, its header is cut short: the file is truncated")
         meta, checksum = rest[:meta_bytes], rest[meta_bytes:]
         if _checksum(fixed + meta) != checksum:
             raise HeaderProblem("its header checksum does not match the header's fields (damaged or edited)")
-        try:
-            fields = json.loads(meta.decode("utf-8"))
-            sources = tuple((str(p), int(s), int(m)) for p, s, m in fields["sources"])
-            header = cls(str(fields["share_key"]), fingerprint, row_bytes, rows, nbytes, bool(filled), sources,
-                         int(fields["filler_pid"]), float(fields["fill_time_s"]), offset, version)
-        except (ValueError, KeyError, TypeError) as error:
-            raise HeaderProblem(f"its header's key data is unreadable ({error})") from None
+        fields = _parse_meta(meta)
+        header = cls(fields["share_key"], fingerprint, row_bytes, rows, nbytes, bool(filled), fields["sources"],
+                     fields["filler_pid"], fields["fill_time_s"], offset, version, fields["kind"])
         if offset != HEADER_REGION_BYTES or row_bytes < 1 or rows * row_bytes != nbytes:
             raise HeaderProblem(f"its header's layout is inconsistent (rows at byte {offset}, {rows} rows x "
                                 f"{row_bytes} B != {nbytes} B)")
@@ -170,6 +264,8 @@ class TableHeader:
 
     def mismatch(self, expected: "TableHeader") -> str | None:
         """Why this (valid) header is not the table ``expected`` describes, or None."""
+        if self.kind != expected.kind:
+            return f"it holds a {self.kind!r} file's rows, not a {expected.kind!r} file's"
         if self.share_key != expected.share_key:
             return f"it was filled for share key {self.share_key!r}, not {expected.share_key!r}"
         if self.fingerprint != expected.fingerprint:
@@ -401,34 +497,64 @@ def probe_lock(lock_path: Path, *, hold: bool = False) -> tuple[bool, int | None
 # ---------------------------------------------------------------------------
 # space
 # ---------------------------------------------------------------------------
-def no_room_error(directory: Path, needed: int) -> ValueError:
-    """The one error of a table that does not fit ``directory`` (its size, free bytes, how to grow it)."""
+def check_directory(directory, *, writable: bool = True) -> Path:
+    """``directory`` as a Path: one ValueError unless it names an existing directory (that this
+    process may create files in, when ``writable``). Every engram file in a tmpfs is made, listed
+    and removed through this one check."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"directory: expected a path, found {directory!r}")
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"directory: {str(path)!r} does not exist or is not a directory")
+    if writable and not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"directory: {str(path)!r} is not writable by this process")
+    return path
+
+
+def no_room_error(directory: Path, needed: int, what: str = "the shared table") -> ValueError:
+    """The one error of a file that does not fit ``directory`` (its size, free bytes, how to grow it)."""
     try:
         stats = os.statvfs(directory)
         size, free = stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
         room = f"has {free} bytes free of {size}"
     except OSError:
         room = "has too few bytes free"
-    return ValueError(f"directory: {str(directory)!r} {room}, the shared table needs {needed} bytes: a tmpfs is "
+    return ValueError(f"directory: {str(directory)!r} {room}, {what} needs {needed} bytes: a tmpfs is "
                       f"sized when it is mounted; raise it with `mount -o remount,size=<bytes> {directory}` (as root), "
                       f"or start the container with a larger shared memory (`docker run --shm-size=<bytes>`; "
                       f"Docker's default /dev/shm is 64 MiB), or pass another directory")
 
 
-def check_room(directory: Path, needed: int) -> None:
-    """Refuse at once a table larger than the free space (before any work); the reservation
+def check_room(directory: Path, needed: int, what: str = "the shared table") -> None:
+    """Refuse at once a file larger than the free space (before any work); the reservation
     (:func:`reserve`) is what guarantees the space."""
     stats = os.statvfs(directory)
     if stats.f_bavail * stats.f_frsize < needed:
-        raise no_room_error(directory, needed)
+        raise no_room_error(directory, needed, what)
 
 
-def reserve(fd: int, offset: int, length: int, directory: Path, needed: int) -> None:
+def reserve(fd: int, offset: int, length: int, directory: Path, needed: int, what: str = "the shared table") -> None:
     """Allocate ``[offset, offset + length)`` of the file now (``posix_fallocate``), so that
     writing its mapped pages can never hit a full tmpfs (which kills with SIGBUS)."""
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT):
-            raise no_room_error(directory, needed) from None
+            raise no_room_error(directory, needed, what) from None
         raise
+
+
+def header_page_bytes(header: TableHeader) -> int:
+    """Bytes of the header region that are written (and reserved): the encoded header rounded up
+    to whole pages (the filled header has the same length)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return -(-len(header.encode()) // page) * page
+
+
+def reserve_file(fd: int, header: TableHeader, directory: Path, what: str = "the shared table") -> None:
+    """Reserve the file's written header pages and its rows (the file is sized already)."""
+    header_bytes = header_page_bytes(header)
+    needed = header_bytes + header.nbytes
+    reserve(fd, 0, header_bytes, directory, needed, what)
+    if header.nbytes:
+        reserve(fd, header.data_offset, header.nbytes, directory, needed, what)

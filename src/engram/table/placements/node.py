@@ -7,13 +7,22 @@ and keeps only those rows. Setup checks that the group runs on one host. Two way
 * ``lookup="peer"``: each rank maps the others' shards (:mod:`engram.table.peer_memory`; CUDA IPC,
   every pair of GPUs checked for peer access at setup) and the peer gather kernel
   (:mod:`engram.table.kernels.peer_gather`) reads every row from its owner through a pointer table:
-  no collective in a lookup, capturable in a CUDA graph. :meth:`NodePlacement.close` (a collective)
-  releases the mappings in order. On gloo groups the shards are shared-memory files (CPU tests).
+  no collective in a lookup, capturable in a CUDA graph. On gloo groups the shards are
+  shared-memory files (CPU tests; ``shm_directory``, default ``/dev/shm``).
+  :meth:`NodePlacement.close` (a collective) releases the mappings in order: after the work of every
+  device that reads them, and never under a tensor (a view still held keeps its bytes); every
+  prepared lookup and plan made over them is refused afterwards, by name. A CUDA graph captured over
+  a peer lookup reads the mapped addresses on every replay: release it before closing the table.
 * ``lookup="exchange"``: every lookup is a collective: the ranks all-gather how many ids each asks of
   each owner, one ``all_to_all_single`` sends every owner the ids it serves, and one more brings each
   rank exactly its rows. Every rank of the
   group must call every lookup, in the same order (its own number of ids, zero included). Runs over
   gloo (CPU tensors) and NCCL (CUDA tensors).
+
+Building the table is a collective; a rank whose part of it fails (a bad option, no room for its
+shard, a checkpoint read) tells the others at the setup's next collective, and every rank raises
+(the failing rank its own error, the others one naming it) instead of waiting for the group's
+timeout. Failures before the placement's setup starts (the caller's, the loader's) are not seen.
 """
 
 from __future__ import annotations
@@ -24,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from engram.table.fp8 import BLOCK_SIZE
-from engram.table.host_memory.rows import packed_row_bytes
+from engram.table.host_memory.rows import TAG_BYTES, packed_row_bytes, write_row_tags
 from engram.table.peer_memory import (allocate_shard, check_node_local, check_peer_access, describe_ranks,
-                                      map_peer_shards, shard_rows)
+                                      map_peer_shards, shard_rows, shm_directory, tell_group)
 from engram.table.table import TablePlacement, register_placement
 from engram.triton_launch import interpreting as _interpreting
 
@@ -39,10 +48,14 @@ owned_rows = shard_rows
 """Rows ``[start, end)`` of ``num_rows`` that group rank ``rank`` of ``world_size`` owns (:func:`shard_rows`)."""
 
 
-def _check_group(group, lookup) -> tuple[int, int]:
-    """This rank's ``(rank, world_size)`` in ``group``; one ValueError per bad option."""
+def _check_lookup(lookup) -> None:
     if lookup not in LOOKUPS:
         raise ValueError(f"lookup: expected 'peer' or 'exchange', found {lookup!r}")
+
+
+def _check_group(group) -> tuple[int, int]:
+    """This rank's ``(rank, world_size)`` in ``group``; one ValueError per bad option. (Raised on this
+    rank alone: without a group there is nobody to tell.)"""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: placement 'node' needs torch.distributed initialized "
                          "(dist.init_process_group) before the table is built")
@@ -67,12 +80,41 @@ def _row_width(head_dim: int, lookup: str) -> int:
     return packed_row_bytes(head_dim) if lookup == "peer" else head_dim + head_dim // BLOCK_SIZE
 
 
-def _allocate_owned(rows: int, head_dim: int, lookup: str, device: torch.device):
+def _allocate_owned(rows: int, head_dim: int, lookup: str, device: torch.device, directory=None):
     """``(uint8 [rows, width] uninitialized, shared file or None)``: peers' shards are mappable."""
     width = _row_width(head_dim, lookup)
     if lookup == "peer":
-        return allocate_shard(rows, width, device)
+        return allocate_shard(rows, width, device, directory)
     return torch.empty(rows, width, dtype=torch.uint8, device=device), None
+
+
+def _finish_rows(packed: torch.Tensor, head_dim: int, lookup: str, first: int) -> None:
+    """Lookup ``"peer"``'s packed rows (host_memory.rows' layout): zero padding, and each row's tag, its
+    index ``first + i`` in the table."""
+    if lookup != "peer" or not packed.numel():
+        return
+    packed[:, head_dim + head_dim // BLOCK_SIZE:packed.shape[1] - TAG_BYTES].zero_()
+    write_row_tags(packed, first)
+
+
+def _check_shm_directory(shm_directory_option, lookup: str, device: torch.device):
+    """The directory of CPU peer shards (checked), or None where no file is made."""
+    if lookup != "peer" or device.type == "cuda":
+        return None
+    return shm_directory(shm_directory_option)
+
+
+class _Lease:
+    """What a prepared lookup reads through: the peer pointer table while the mapping is open, None
+    once :meth:`NodePlacement.close` released it (the prepared call is then refused)."""
+
+    __slots__ = ("peer", "closed_by")
+
+    def __init__(self, peer):
+        self.peer, self.closed_by = peer, None
+
+    def revoke(self, reason: str) -> None:
+        self.peer, self.closed_by = None, reason
 
 
 def _storage_device(group, device) -> torch.device:
@@ -111,33 +153,52 @@ class NodePlacement(TablePlacement):
     collective = True
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, group=None,
-                 lookup: str = "exchange"):
-        self._rank, self._world_size = _check_group(group, lookup)
+                 lookup: str = "exchange", shm_directory=None):
+        self._rank, self._world_size = _check_group(group)
         self._group = group
-        self.lookup = lookup
-        self.collective = lookup == "exchange"
-        self.has_triton_lookup = lookup == "peer"
-        target = _storage_device(group, device)
-        infos = describe_ranks(group, target)
+        self._mapping = None
+        self._peer = None
+        self._lease = None
+        self._closed = False
+        failure, target, directory = None, None, None
+        try:  # this rank's options: a failure is told to the group at its first collective
+            _check_lookup(lookup)
+            target = _storage_device(group, device)
+            directory = _check_shm_directory(shm_directory, lookup, target)
+        except Exception as error:
+            failure = error
+        infos = describe_ranks(group, target, failure)  # every rank raises when one failed
         check_node_local(infos)
         if lookup == "peer" and target.type == "cuda":
             check_peer_access(infos)
+        self.lookup = lookup
+        self.collective = lookup == "exchange"
+        self.has_triton_lookup = lookup == "peer"
+        self._shm_directory = directory
         rows, head_dim = value_bytes.shape
         start, end = owned_rows(rows, self._world_size, self._rank)
         self._total_rows = rows
         self._own_start, self._own_end = start, end
         self._block = max(1, -(-rows // self._world_size))
-        self._mapping = None
-        self._peer = None
-        self._closed = False
         # The loader's zero-stride placeholders: the owned rows come with adopt(), read once.
         placeholder = rows > 1 and value_bytes.stride(0) == 0
-        if placeholder:
-            packed, shared = torch.empty(0, _row_width(head_dim, lookup), dtype=torch.uint8, device=target), None
-        else:
-            packed, shared = _allocate_owned(end - start, head_dim, lookup, target)
-            packed[:, :head_dim].copy_(value_bytes[start:end])
-            packed[:, head_dim:head_dim + head_dim // BLOCK_SIZE].copy_(scale_bytes[start:end])
+        packed = shared = None
+        try:
+            if placeholder:
+                packed = torch.empty(0, _row_width(head_dim, lookup), dtype=torch.uint8, device=target)
+            else:
+                packed, shared = _allocate_owned(end - start, head_dim, lookup, target, directory)
+                packed[:, :head_dim].copy_(value_bytes[start:end])
+                packed[:, head_dim:head_dim + head_dim // BLOCK_SIZE].copy_(scale_bytes[start:end])
+                _finish_rows(packed, head_dim, lookup, start)
+        except Exception as error:
+            failure = error
+        try:
+            tell_group(group, failure, "placing this rank's rows of the table")
+        except BaseException:
+            if shared is not None:
+                shared.release()
+            raise
         self._set_packed(packed, head_dim)
         super().__init__(self._value_bytes, self._scale_bytes, target)
         if lookup == "peer" and not placeholder:
@@ -155,22 +216,45 @@ class NodePlacement(TablePlacement):
         shapes = [(end - start, width) for start, end in
                   (owned_rows(self._total_rows, self._world_size, r) for r in range(self._world_size))]
         if self._mapping is not None:
-            self._peer = None
-            self._mapping.close()
-        self._mapping = map_peer_shards(packed, shared, self._group, self._rank, shapes)
-        if self._device.type == "cuda" or _interpreting():
-            from engram.table.kernels.peer_gather import PeerShards
+            self._release_mapping("its rows were replaced (adopt)")
+        mapping = map_peer_shards(packed, shared, self._group, self._rank, shapes)
+        failure, peer = None, None
+        try:
+            if self._device.type == "cuda" or _interpreting():
+                from engram.table.kernels.peer_gather import PeerShards
 
-            self._peer = PeerShards(self._mapping.shards, self._total_rows, self.head_dim, self._device)
+                peer = PeerShards(mapping.shards, self._total_rows, self.head_dim, self._device)
+        except Exception as error:
+            failure = error
+        try:
+            tell_group(self._group, failure, "building the table's pointer table of the ranks' shards")
+        except BaseException:
+            mapping.close()  # every rank knows: every rank closes (a collective)
+            raise
+        self._mapping, self._peer, self._lease = mapping, peer, _Lease(peer)
+
+    def _release_mapping(self, reason: str) -> None:
+        """Revoke every prepared lookup, drop this placement's views of the mapped rows, close the mapping."""
+        if self._lease is not None:
+            self._lease.revoke(reason)
+        self._lease = None
+        self._peer = None
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            mapping.close()
 
     def close(self) -> None:
-        """Collective of ``group`` (lookup ``"peer"``): every rank drops its mappings of the others'
-        rows, then its own; lookups are refused afterwards. A no-op for ``"exchange"``."""
-        if self._mapping is not None:
-            self._peer = None
-            self._mapping.close()
-            self._mapping = None
-            self._closed = True
+        """Collective of ``group`` (lookup ``"peer"``): every rank waits for the work that may read the
+        mapped rows (every stream of every device holding a shard), drops its mappings of the others'
+        rows, then its own. Lookups are refused afterwards, prepared lookups (layer plans) too, each
+        naming this placement; a view of the rows still held elsewhere keeps its bytes (never unmapped
+        under it). A no-op for ``"exchange"``."""
+        if self._mapping is None:
+            return
+        self._closed = True
+        head_dim = self.head_dim
+        self._set_packed(torch.empty(0, self._packed.shape[1], dtype=torch.uint8, device=self._packed.device), head_dim)
+        self._release_mapping(f"{self!r} was closed (NodePlacement.close released its rows)")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -206,17 +290,32 @@ class NodePlacement(TablePlacement):
     def load_storage(cls, source, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Read only this rank's rows of ``source`` (the group comes from ``source.placement_options``);
         returns zero-stride placeholders of the whole table's shape (what the table checks) and the
-        owned rows packed, which :meth:`adopt` installs."""
+        owned rows packed, which :meth:`adopt` installs. A collective: a rank whose read fails tells the
+        group, and every rank raises."""
         options = source.placement_options or {}
-        lookup = options.get("lookup", "exchange")
-        rank, world_size = _check_group(options.get("group"), lookup)
-        target = _storage_device(options["group"], device)
+        group = options.get("group")
+        rank, world_size = _check_group(group)
+        failure, packed, shared = None, None, None
         start, end = owned_rows(source.num_rows, world_size, rank)
         head_dim = source.head_dim
-        packed, shared = _allocate_owned(end - start, head_dim, lookup, target)
-        if end > start:
-            owned = dataclasses.replace(source, row_start=source.row_start + start, row_end=source.row_start + end)
-            owned.read_into(packed[:, :head_dim], packed[:, head_dim:head_dim + head_dim // BLOCK_SIZE])
+        try:
+            lookup = options.get("lookup", "exchange")
+            _check_lookup(lookup)
+            target = _storage_device(group, device)
+            directory = _check_shm_directory(options.get("shm_directory"), lookup, target)
+            packed, shared = _allocate_owned(end - start, head_dim, lookup, target, directory)
+            if end > start:
+                owned = dataclasses.replace(source, row_start=source.row_start + start, row_end=source.row_start + end)
+                owned.read_into(packed[:, :head_dim], packed[:, head_dim:head_dim + head_dim // BLOCK_SIZE])
+                _finish_rows(packed, head_dim, lookup, start)
+        except Exception as error:
+            failure = error
+        try:
+            tell_group(group, failure, "reading this rank's rows of the checkpoint")
+        except BaseException:
+            if shared is not None:
+                shared.release()
+            raise
         placeholder_values = torch.zeros(1, head_dim, dtype=torch.uint8, device=target).expand(source.num_rows, -1)
         placeholder_scales = torch.zeros(1, head_dim // BLOCK_SIZE, dtype=torch.uint8,
                                          device=target).expand(source.num_rows, -1)
@@ -319,10 +418,14 @@ class NodePlacement(TablePlacement):
             return None
         from engram.table.kernels import peer_gather
 
-        peer = self._peer
-        peer_gather.peer_gather_rows(peer, global_ids[:0], row_start, column_start, column_end)  # checked once
+        peer_gather.peer_gather_rows(self._peer, global_ids[:0], row_start, column_start, column_end)  # checked once
+        lease = self._lease  # no reference to the mapped rows of its own: close() revokes it
 
         def prepared(hash_ids: torch.Tensor) -> torch.Tensor:
+            peer = lease.peer
+            if peer is None:
+                raise RuntimeError(f"prepared lookup of placement 'node': {lease.closed_by}; this prepared lookup "
+                                   f"(a layer's plan) cannot run: build the table again and plan again")
             rows = peer_gather.peer_gather_rows(peer, hash_ids, row_start, column_start, column_end)
             return rows.view(rows.shape[0], -1) if flat else rows
 
