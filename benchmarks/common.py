@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import engram
 from engram.layout import EngramLayout
-from engram.table.host_memory.rows import PackedRows, packed_row_bytes
+from engram.table.host_memory.rows import PackedRows, packed_row_bytes, write_row_tags
 
 HEAD_DIM, COLUMNS = 256, 24  # V4.1-Flash: 256 E4M3 values + 8 UE8M0 scales per row, 24 columns per token
 ROW_BYTES_ON_DISK = HEAD_DIM + HEAD_DIM // 32  # 264
@@ -112,6 +112,7 @@ def host_table(rows: int, head_dim: int = HEAD_DIM, seed: int = 0,
             last = min(rows, first + piece)
             packed[first:last].copy_(random_rows(last - first).cpu() if pattern is None else pattern[:last - first])
         packed[:-1, head_dim + head_dim // 32:].zero_()
+        write_row_tags(packed)  # the copies above overwrote each row's tag (its index, in its last 4 bytes)
 
     nbytes = (rows + 1) * row_bytes
     buffer = allocate_host_buffer(nbytes, fill=fill, read_only=False)

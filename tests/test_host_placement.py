@@ -516,3 +516,18 @@ def test_gpu_update_cache_is_refused_under_capture(rng):
             cached.lookup(static_ids)
             with pytest.raises(RuntimeError, match="update_cache: .*outside the capture"):
                 cached.update_cache(static_ids)
+
+
+def test_row_tags_written_tells_rows_whose_tags_a_whole_row_copy_erased(seed):
+    """The host placement warns when its rows carry no tags (exact, but every staged row is read again):
+    packed rows carry them; a copy of whole rows over them (as a benchmark's random fill did) erases them."""
+    from engram.table.host_memory.rows import row_tags_written, write_row_tags
+
+    values, scales = _table(300, 64, seed)
+    rows = pack_rows(values, scales)
+    assert row_tags_written(rows.packed)
+    rows.packed[:-1] = torch.randint(0, 256, rows.packed[:-1].shape, dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(seed))
+    assert not row_tags_written(rows.packed)
+    write_row_tags(rows.packed)
+    assert row_tags_written(rows.packed) and rows.tags.tolist() == list(range(301))

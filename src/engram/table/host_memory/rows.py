@@ -25,7 +25,7 @@ import torch
 from engram.common import ceil_div, cuda_capturing
 from engram.table.fp8 import BLOCK_SIZE
 
-__all__ = ["packed_row_bytes", "TAG_BYTES", "row_tags", "write_row_tags", "PackedRows", "pack_rows", "pack_rows_in_own_pages", "owns_its_pages",
+__all__ = ["packed_row_bytes", "TAG_BYTES", "row_tags", "row_tags_written", "write_row_tags", "PackedRows", "pack_rows", "pack_rows_in_own_pages", "owns_its_pages",
            "register_with_cuda", "HostRegistration", "mapped_read_only", "release_deferred", "cuda_alias"]
 
 ROW_ALIGNMENT = 16
@@ -54,6 +54,15 @@ def row_tags(packed: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"packed: rows must start 4-byte aligned, found stride {packed.stride(0)} at address "
                          f"{packed.data_ptr():#x}")
     return packed[:, row_bytes - TAG_BYTES:].view(torch.int32)[:, 0]
+
+
+def row_tags_written(packed: torch.Tensor, samples: int = 64) -> bool:
+    """Whether ``packed uint8 [N, row_bytes]`` rows carry their tags, on a sample: the first and last rows and
+    ``samples`` spread between (a few reads, not a pass over a 100 GB table)."""
+    tags = row_tags(packed)
+    count = tags.shape[0]
+    picks = torch.unique(torch.linspace(0, count - 1, min(count, samples + 2)).round().to(torch.int64))
+    return bool((tags[picks].to(torch.int64) == picks).all())
 
 
 def write_row_tags(packed: torch.Tensor, first: int = 0) -> None:

@@ -20,6 +20,7 @@ placement returns, bit for bit.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 
 import torch
@@ -29,7 +30,7 @@ from engram.options import DEFAULT_DIRECT_MAX_ROWS, DEFAULT_PREFETCH_DIRECT_MAX_
 from engram.table.host_memory.gather import (GatherTicket, HostGather, check_gather_dedup, check_gather_threads,
                                              check_gather_worker, gather_packed_rows_host)
 from engram.table.host_memory.rows import (PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, packed_row_bytes,
-                        register_with_cuda)
+                        register_with_cuda, row_tags_written)
 from engram.table.table import TablePlacement, register_placement
 
 __all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
@@ -113,6 +114,11 @@ class HostPlacement(TablePlacement):
         rows = PackedRows.matching(value_bytes, scale_bytes)
         if rows is None or not owns_its_pages(rows):  # registered ranges may not share a page
             rows = pack_rows_in_own_pages(value_bytes.cpu(), scale_bytes.cpu())
+        if not row_tags_written(rows.packed):
+            warnings.warn("placement 'host': the packed rows carry no tags (each row's own index in its last 4 bytes, "
+                          "written by PackedRows.view_of or write_row_tags; a copy of whole rows over them erases "
+                          "them): rows stay exact, but every staged row is then read again from host memory "
+                          "directly, at a fraction of the host gather's speed", RuntimeWarning, stacklevel=3)
         registration = self.registration = register_with_cuda(rows.packed, target)  # .close(): unregister now
         weakref.finalize(self, registration.close)  # else when the placement goes (before its rows are freed)
         super().__init__(rows.values, rows.scales, target)
