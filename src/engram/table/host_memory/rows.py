@@ -61,7 +61,7 @@ def row_tags_written(packed: torch.Tensor, samples: int = 64) -> bool:
     ``samples`` spread between (a few reads, not a pass over a 100 GB table)."""
     tags = row_tags(packed)
     count = tags.shape[0]
-    picks = torch.unique(torch.linspace(0, count - 1, min(count, samples + 2)).round().to(torch.int64))
+    picks = torch.unique(torch.linspace(0, count - 1, min(count, samples + 2), dtype=torch.float64).round().to(torch.int64))
     return bool((tags[picks].to(torch.int64) == picks).all())
 
 
