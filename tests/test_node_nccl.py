@@ -5,7 +5,8 @@ all-to-all) against a ``"device"`` table of the whole rows on each rank, bit for
 Each rank looks up its own ids (uneven counts, a step where rank 0 has none, the edges of every rank's
 rows, ids outside a row-sharded table): ``lookup`` and ``lookup_packed`` of both lookups; the peer
 lookup also captured in a CUDA graph and replayed on refilled ids, and prepared (``prepare_lookup``);
-then ``close()`` in order and a refused lookup after it. The GPU tests skip without enough GPUs
+then ``close()`` in order while a lookup still runs on a side stream (its rows must be exact), and a
+refused lookup and prepared lookup after it. The GPU tests skip without enough GPUs
 (``tests/test_node_peer.py`` runs the same logic over gloo on the CPU). ``NCCL_NVLS_ENABLE=0`` is set
 before the ranks start. The seed is in every failure message (``ENGRAM_TEST_SEED`` replays it).
 """
@@ -84,12 +85,30 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, seed: int)
                         if not _same(prepared(ids), reference.lookup(ids)):
                             failures.append(f"{table_name}/peer prepared rank {rank}: differs, seed {seed}")
                     del graph, out
+                    # A lookup still running on another stream when close() is called: close() waits for
+                    # every stream of the devices holding shards before the IPC handles close.
+                    many = request(rows, row_start, total, 8192, own, edges, COLUMNS).to(device)
+                    side = torch.cuda.Stream(device)
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(side):
+                        in_flight = table.lookup(many)
                     table.close()
+                    torch.cuda.synchronize()
+                    checked += 1
+                    if not _same(in_flight, reference.lookup(many)):
+                        failures.append(f"{table_name}/peer lookup in flight at close() rank {rank}: differs, seed {seed}")
                     try:
                         table.lookup(ids)
                         failures.append(f"{table_name}/peer: a lookup after close() was served")
                     except RuntimeError:
                         pass
+                    if prepared is not None:
+                        try:
+                            prepared(ids)
+                            failures.append(f"{table_name}/peer: a prepared lookup after close() was served")
+                        except RuntimeError as error:
+                            if "was closed" not in str(error):
+                                failures.append(f"{table_name}/peer: prepared lookup refused with {error}")
                 del table
             torch.cuda.empty_cache()
         torch.save({"failures": failures, "checked": checked}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -235,7 +235,8 @@ def test_a_live_peer_shard_is_never_stale(shm_dir, seed):
     assert os.listdir(shm_dir) == []
 
 
-def test_a_dead_ranks_peer_shard_is_a_leftover(shm_dir, seed):
+@pytest.mark.parametrize("cleanup", ["fill", "peer shard"])
+def test_a_dead_ranks_peer_shard_is_a_leftover(shm_dir, seed, cleanup):
     ready_file = os.path.join(shm_dir, "ready")
     context = multiprocessing.get_context("spawn")
     owner = context.Process(target=shard_worker, args=(shm_dir, ready_file))
@@ -255,9 +256,16 @@ def test_a_dead_ranks_peer_shard_is_a_leftover(shm_dir, seed):
     (entry,) = list_shared_tables(shm_dir)
     assert (entry.path, entry.kind, entry.live_filler, entry.stale) == (str(shard_path), "peer", False, True)
     assert f"its owner (pid {owner.pid}) is gone" in entry.problem
-    # the clean-up after a fill removes it (and its lock)
-    allocate_host_buffer(4096, fill=functools.partial(fill_pattern, seed), share_key=f"after {seed}",
-                         directory=shm_dir, huge_pages=False)
+    # the one clean-up, after a fill or before a new shard, removes it (and its lock)
+    if cleanup == "fill":
+        allocate_host_buffer(4096, fill=functools.partial(fill_pattern, seed), share_key=f"after {seed}",
+                             directory=shm_dir, huge_pages=False)
+        kept = shared_buffer_path(f"after {seed}", shm_dir)
+    else:
+        from engram.table.peer_memory import allocate_shard
+
+        _, shared = allocate_shard(2, 80, torch.device("cpu"), shm_dir)
+        kept = shared.path
     names = sorted(os.listdir(shm_dir))
     assert shard_path.name not in names and shard_path.name + ".lock" not in names
-    assert shared_buffer_path(f"after {seed}", shm_dir).name in names
+    assert kept.name in names

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engram.table.host_memory.shm_admin import remove_leftovers
 from engram.table.host_memory.shm_files import (HeaderProblem, TableHeader, check_directory,
                                                 check_room, create_exclusive, header_page_bytes, peer_shard_path,
                                                 reserve_file, table_paths, try_lock)
@@ -244,7 +245,19 @@ def _take_lock(lock_path: Path) -> int:
         time.sleep(0.01)
 
 
+def _remove_leftovers(directory: Path) -> None:
+    """The tmpfs files' one clean-up (shards of ranks that died mid-setup, dead fillers' temporary files),
+    before this shard takes room. Best effort: it never fails a setup."""
+    try:
+        remove_leftovers(directory)
+    except Exception as error:
+        warnings.warn(f"engram placement 'node': the clean-up of {str(directory)!r} before a peer shard failed "
+                      f"({type(error).__name__}: {error}); `engram shm list --dir {directory}` shows what is left",
+                      RuntimeWarning, stacklevel=3)
+
+
 def _create_shard_file(rows: int, row_bytes: int, directory: Path) -> ShardFile:
+    _remove_leftovers(directory)
     path = peer_shard_path(directory)
     lock_path = table_paths(path)[2]
     header = TableHeader(path.name, os.urandom(32), row_bytes, rows, rows * row_bytes, filled=False,
