@@ -56,6 +56,27 @@ def test_kv_ahead_is_never_served_to_another_step(synthetic_model_dir, rng):
         memory.prefetch(hash_ids, kv_ahead="yes")
 
 
+def test_kv_ahead_under_inference_mode_never_serves_ids_edited_in_place(synthetic_model_dir, rng, monkeypatch):
+    """Inference tensors keep no version counter, so an in-place edit after the prefetch is invisible to the
+    handle, and a kv (a product of rows) cannot be checked row by row: under inference mode no kv is computed
+    ahead, and the layer's output is that of the edited ids."""
+    memory = engram.EngramMemory.from_pretrained(synthetic_model_dir, placement="cpu", progress=False)
+    with torch.inference_mode():
+        hash_ids, hidden, mask = _step(memory, rng, 9)
+        computed = []
+        for layer_id in memory.layer_ids:
+            layer = memory.layer(layer_id)
+            monkeypatch.setattr(layer, "kv_ahead", lambda *a, _inner=layer.kv_ahead, **k: computed.append(a) or
+                                _inner(*a, **k))
+        handle = memory.prefetch(hash_ids, kv_ahead=True)
+        assert computed == []
+        hash_ids[:, :, 0].add_(1)  # edited after the prefetch, invisibly to the handle
+        for layer_id in memory.layer_ids:
+            expected = memory.forward_layer(layer_id, hidden, hash_ids, mask)
+            got = memory.forward_layer(layer_id, hidden, hash_ids, mask, prefetch=handle)
+            assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("placement", ["device", "host"])

@@ -109,6 +109,11 @@ class IdsIdentity:
     def matches(self, ids: torch.Tensor) -> bool:
         return self.base() is _base(ids) and _version(ids) == self.version and _geometry(ids) == self.geometry
 
+    @property
+    def sees_edits(self) -> bool:
+        """Whether :meth:`matches` sees an in-place edit: False for inference tensors, which keep no version."""
+        return self.version is not None
+
 
 def _base(ids: torch.Tensor) -> torch.Tensor:
     return ids._base if ids._base is not None else ids

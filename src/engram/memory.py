@@ -105,7 +105,8 @@ class StepPrefetch:
         """Layer ``layer_id``'s kv computed ahead, for the gate of exactly this step's ``hash_ids`` (the
         same tensor, unrefilled, no hashing since), or None; it is taken either way."""
         kv = self._kv.pop(layer_id, None)
-        if kv is None or hasher_calls != self.hasher_calls or not self.ids.matches(hash_ids):
+        if (kv is None or hasher_calls != self.hasher_calls or not self.ids.sees_edits
+                or not self.ids.matches(hash_ids)):
             return None
         self._after_prepared()
         return kv
@@ -409,7 +410,9 @@ class EngramMemory:
         measures it faster (``benchmarks/bench_step.py``). A layer whose rows come through a host gather
         (placement ``"host"`` or ``"cached"``, large batches) keeps that gather's prefetch and computes
         its kv in ``forward_layer``, so this call never waits for a gather. Single-process layers, not
-        placement ``"node"``.
+        placement ``"node"``. Under ``torch.inference_mode()`` no kv is computed ahead: inference tensors
+        keep no version counter, so an in-place edit of ``hash_ids`` after this call could not be seen, and
+        a kv (unlike a row, which the lookup checks against its id) cannot be checked.
 
         Under ``torch.compile`` this is the custom op ``engram::prefetch`` (:mod:`engram.ops`) and the
         handle is an int64 ticket tensor, passed to ``forward_layer`` the same way."""
@@ -480,7 +483,9 @@ class EngramMemory:
         tables = {layer_id: self._layers[layer_id].prefetch(hash_ids[:, index, :], sp_token_counts=sp_token_counts)
                   for index, layer_id in enumerate(self.spec.layer_ids)}
         kv = {}
-        if kv_ahead:  # each layer's rows taken by its kv now, in layer order
+        # A kv computed ahead is a product of rows, not rows: no per-row id check can tell it stale. Only ids
+        # whose in-place edits the identity sees get one (not inference tensors: the layers compute kv there).
+        if kv_ahead and IdsIdentity.of(hash_ids).sees_edits:  # each layer's rows taken by its kv now, in layer order
             for index, layer_id in enumerate(self.spec.layer_ids):
                 table_prefetch = tables[layer_id]
                 if table_prefetch is not None and table_prefetch.finish_waits:
