@@ -250,3 +250,31 @@ def test_gpu_randomized_steps_with_edits_aborts_growth_and_failures(placement, m
     assert failing.calls > 0
     if failing.calls >= failing.when:
         assert failed, "the injected failure was swallowed"
+
+
+@pytest.mark.interpreter
+def test_prefetch_states_move_one_way(seed):
+    """EMPTY or STARTED, then exactly one of SERVED, STALE (superseded) or DROPPED (not worth trying)."""
+    from engram.table.prefetch import PrefetchState
+
+    generator = torch.Generator().manual_seed(seed)
+    plain, cached = _cpu_tables(generator)
+    ids = _ids(generator, 6, 3, 300, "cpu")
+    first = cached.prefetch(ids)
+    assert first.state is PrefetchState.STARTED
+    second = cached.prefetch(ids)
+    assert first.state is PrefetchState.STALE and second.state is PrefetchState.STARTED
+    assert _equal(cached.lookup(ids, prefetch=first), plain.lookup(ids))  # a stale handle: read again
+    assert first.state is PrefetchState.STALE
+    assert _equal(cached.lookup(ids, prefetch=second), plain.lookup(ids))
+    assert second.state is PrefetchState.SERVED
+    assert _equal(cached.lookup(ids, prefetch=second), plain.lookup(ids))  # used once only
+    assert second.state is PrefetchState.SERVED and cached.prefetches == {"served": 1, "dropped": 1}
+    other = _ids(generator, 7, 3, 300, "cpu")
+    third = cached.prefetch(ids)
+    assert _equal(cached.lookup(other, prefetch=third), plain.lookup(other))  # other ids: not worth trying
+    assert third.state is PrefetchState.DROPPED
+    plain_handle = plain.prefetch(ids)  # rows at hand: nothing started
+    assert plain_handle.state is PrefetchState.EMPTY
+    assert _equal(plain.lookup(ids, prefetch=plain_handle), plain.lookup(ids))
+    assert plain_handle.state is PrefetchState.DROPPED

@@ -29,7 +29,7 @@ from engram.layout import ColumnShard, EngramLayout
 from engram.table.fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, dequantize_rows
 from engram.table.placement import (TablePlacement, available_placements, make_placement, placement_class,
                                     register_placement)
-from engram.table.prefetch import IdsIdentity, TablePrefetch, capturing
+from engram.table.prefetch import IdsIdentity, PrefetchState, TablePrefetch, capturing, claim
 
 __all__ = [
     "EngramTable",
@@ -39,6 +39,7 @@ __all__ = [
     "make_placement",
     "placement_class",
     "TablePrefetch",
+    "PrefetchState",
 ]
 
 # ---------------------------------------------------------------------------
@@ -408,7 +409,7 @@ class EngramTable:
         nothing and the lookup runs as without it)."""
         global_ids = self._local_columns(hash_ids)
         if self._latest_prefetch is not None:
-            self._latest_prefetch.drop()  # no-op when a lookup took it
+            self._latest_prefetch.drop(PrefetchState.STALE)  # no-op when a lookup took it
         self._prefetch_serial += 1
         pending = None if capturing() else self._storage.prefetch(global_ids, self._row_start)
         self._latest_prefetch = TablePrefetch(weakref.ref(self), self._prefetch_serial, IdsIdentity.of(hash_ids),
@@ -416,24 +417,9 @@ class EngramTable:
         return self._latest_prefetch
 
     def _claim(self, prefetch: TablePrefetch | None, hash_ids: torch.Tensor):
-        """The placement's pending state of ``prefetch`` when it may serve the lookup of ``hash_ids``
-        (:mod:`engram.table.prefetch` lists the rules), else None; the handle is spent either way."""
-        if prefetch is None:
-            return None
-        if not isinstance(prefetch, TablePrefetch):
-            raise ValueError(f"prefetch: expected the TablePrefetch that EngramTable.prefetch returned, or None, "
-                             f"found {type(prefetch).__name__}")
-        if prefetch.table() is not self:
-            raise ValueError(f"prefetch: a handle of another table ({prefetch.table()!r}), given to {self!r}")
-        usable = (not prefetch.spent and prefetch.serial == self._prefetch_serial and prefetch.pending is not None
-                  and prefetch.ids.matches(hash_ids) and not capturing()
-                  and self._storage.prefetch_usable(prefetch.pending))
-        if not usable:
-            prefetch.drop()
-            return None
-        prefetch.spent = True
-        self.prefetches["served"] += 1
-        return prefetch.pending
+        """The placement's pending state of ``prefetch`` when the lookup of ``hash_ids`` should try it
+        (:func:`engram.table.prefetch.claim`), else None; the handle is closed either way."""
+        return claim(prefetch, self, self._prefetch_serial, hash_ids)
 
     @staticmethod
     def _refuse_under_capture(what: str) -> None:
