@@ -282,3 +282,115 @@ def test_prefetch_states_move_one_way(seed):
     assert plain_handle.state is PrefetchState.EMPTY
     assert _equal(plain.lookup(ids, prefetch=plain_handle), plain.lookup(ids))
     assert plain_handle.state is PrefetchState.DROPPED
+
+
+def test_job_numbers_past_two_to_the_31_keep_their_low_32_bits():
+    from engram.table.host_memory.gather import _as_int32
+    from engram.table.host_memory.native_worker import _reached
+
+    for value in (0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**31 + 7):
+        word = _as_int32(value)
+        assert -(2**31) <= word < 2**31 and word % 2**32 == value % 2**32
+        assert _reached(word, value & 0xFFFFFFFF) and not _reached(word, (value + 1) & 0xFFFFFFFF)
+    torch.zeros(1, dtype=torch.int32).fill_(_as_int32(2**31 + 3))  # an id buffer's word: no overflow error
+
+
+def _host_gather_of(table):
+    return (table.storage if table.placement == "host" else table.storage.host).host_gather
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("stage", ["device_staging", "worker_prepare"])
+def test_gpu_growth_that_fails_part_way_keeps_the_old_buffers(stage, seed, monkeypatch):
+    """A growth whose second allocation fails (CUDA OOM, Ctrl-C) replaces nothing: later gathers that fit the
+    old size serve exact rows from the old staging, and the next growth succeeds."""
+    generator = torch.Generator().manual_seed(seed)
+    device, table = _gpu_tables("host", generator, rows=50_000)
+    gather = _host_gather_of(table)
+    small = _ids(generator, 100, 24, 50_000, "cuda")
+    assert _equal(table.lookup(small), device.lookup(small))
+    capacity, staging = gather.capacity, gather.staging_host
+    if stage == "worker_prepare" and gather.worker != "native":
+        pytest.skip("the Python worker prepares no job buffers")
+    real_empty = torch.empty
+
+    def failing_empty(*args, **kwargs):
+        if kwargs.get("device") is not None and str(kwargs["device"]).startswith("cuda"):
+            raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+        return real_empty(*args, **kwargs)
+
+    large = _ids(generator, 3000, 24, 50_000, "cuda")
+    if stage == "device_staging":
+        monkeypatch.setattr(torch, "empty", failing_empty)
+    else:
+        monkeypatch.setattr(gather.native_service, "prepare",
+                            lambda **kwargs: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises((torch.cuda.OutOfMemoryError, KeyboardInterrupt)):
+        table.lookup(large)
+    monkeypatch.undo()
+    assert gather.capacity == capacity and gather.staging_host is staging
+    for _ in range(3):
+        small = _ids(generator, 100, 24, 50_000, "cuda")
+        handle = table.prefetch(small)
+        assert _equal(table.lookup(small, prefetch=handle), device.lookup(small))
+    assert _equal(table.lookup(large), device.lookup(large))
+    assert gather.capacity > capacity
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_failed_start_makes_the_earlier_ticket_stale(seed, monkeypatch):
+    from engram.table.host_memory import stream_memory_ops
+
+    generator = torch.Generator().manual_seed(seed)
+    device, table = _gpu_tables("host", generator, rows=50_000)
+    gather = _host_gather_of(table)
+    if gather.worker != "native":
+        pytest.skip("the native worker's start enqueues its copies itself")
+    first, second = _ids(generator, 2000, 24, 50_000, "cuda"), _ids(generator, 2000, 24, 50_000, "cuda")
+    table.lookup(first)  # the staging at its size
+    handle = table.prefetch(first)
+    real_copy = stream_memory_ops.copy_to_device
+    calls = []
+
+    def copy_then_fail(*args):
+        calls.append(args)
+        if len(calls) == 2:  # one wave's copy queued, then the start fails
+            raise RuntimeError("injected failure")
+        return real_copy(*args)
+
+    monkeypatch.setattr(stream_memory_ops, "copy_to_device", copy_then_fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        gather.start(second.view(-1), 0, torch.cuda.current_stream())
+    monkeypatch.undo()
+    assert not gather.current(handle.pending)  # its staging may be overwritten by the failed job's queued copy
+    for ids, prefetch in ((first, handle), (second, None)):  # refused by name, never served
+        with pytest.raises(RuntimeError, match="unusable after an earlier failure: RuntimeError.'injected failure"):
+            table.lookup(ids, prefetch=prefetch)
+    assert handle.spent
+    small = _ids(generator, 4, 24, 50_000, "cuda")  # decode-sized lookups read directly: still exact
+    table.storage.direct_max_rows = 1000
+    assert _equal(table.lookup(small), device.lookup(small))
+    torch.cuda.synchronize()  # nothing waits on a word no one writes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_wait_for_a_worker_that_never_finishes_is_bounded(seed):
+    """A worker held (its ids never seen done): wait_idle raises after its bound, naming the gather, instead
+    of hanging; released, the rows are exact."""
+    generator = torch.Generator().manual_seed(seed)
+    device, table = _gpu_tables("host", generator, rows=50_000)
+    gather = _host_gather_of(table)
+    if gather.worker != "native":
+        pytest.skip("the hold is the native worker's test hook")
+    ids = _ids(generator, 2000, 24, 50_000, "cuda")
+    table.lookup(ids)
+    latch = torch.zeros(16, dtype=torch.int32)
+    gather.native_service.hold_next(latch, timeout_ms=60_000)
+    handle = table.prefetch(ids)
+    with pytest.raises(RuntimeError, match=r"gather \d+ of this table was not done after 0.3 s"):
+        gather.wait_idle(timeout_s=0.3)
+    latch[0] = 1
+    assert _equal(table.lookup(ids, prefetch=handle), device.lookup(ids))
