@@ -410,3 +410,37 @@ def test_shrinking_waves_cover_every_row_and_end_small(num_rows, num_waves):
                                                                                                           num_waves)
     with pytest.raises(ValueError, match="shrink: expected a number in"):
         host_gather.shrinking_wave_ends(num_rows, num_waves, shrink=0)
+
+
+def test_dedup_auto_never_reads_a_count_from_a_reused_id_buffer():
+    """dedup "auto" measures the repeat share of a sorted gather from the count the GPU left in its id buffer.
+    When that gather's job finishes between _sort_next's look and the buffer's reuse (played here by the
+    job-done word changing between them), the buffer now holds the new gather's ids: the measurement is
+    forgotten, never read from the overwritten buffer."""
+    gather = host_gather.HostGather.__new__(host_gather.HostGather)
+    flags = np.zeros(FLAG_WORDS, dtype=np.int32)
+    buffers = [(torch.zeros(16, dtype=torch.int32), None, 0) for _ in range(host_gather._ID_BUFFERS)]
+    gather.dedup, gather.repeat_share, gather._since_measured = "auto", None, 0
+    gather._flags_view, gather._id_buffers = flags, buffers
+    gather._id_buffer_jobs = [0] * host_gather._ID_BUFFERS
+    gather._measuring = None
+    slots = host_gather._ID_BUFFERS
+    # gather 1 sorts (nothing measured yet) and is remembered for its count, in slot 1
+    assert gather._sort_next(1)
+    assert gather._reuse_id_buffer(1, True, 10) is buffers[1] and gather._measuring == (1, 1, 10)
+    buffers[1][0][10] = 4  # the GPU's count: 4 distinct rows of 10
+    flags[JOB_DONE] = 0    # gathers 2 .. slots: gather 1 not done when _sort_next looks
+    for number in range(2, slots + 2):
+        sort = gather._sort_next(number)
+        if number == slots + 1:  # slot 1 again: gather 1 finished just now, and its buffer is reused
+            flags[JOB_DONE] = 1
+        gather._reuse_id_buffer(number, sort, 10)
+        if number == slots + 1:
+            buffers[1][0][10] = 10  # the new gather's ids and count overwrite it
+    assert gather.repeat_share is None  # never measured from the overwritten buffer
+    assert gather._measuring is None or gather._measuring[1] == slots + 1
+    # the normal case: the measured job is done when _sort_next looks: its count is read
+    gather._measuring, flags[JOB_DONE] = (2, 7, 10), 7
+    buffers[2][0][10] = 4
+    gather._sort_next(8)
+    assert gather.repeat_share == pytest.approx(0.6)

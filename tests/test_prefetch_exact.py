@@ -394,3 +394,21 @@ def test_gpu_wait_for_a_worker_that_never_finishes_is_bounded(seed):
         gather.wait_idle(timeout_s=0.3)
     latch[0] = 1
     assert _equal(table.lookup(ids, prefetch=handle), device.lookup(ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("placement", ["host", "cached"])
+def test_gpu_another_current_device_while_a_table_of_device_0_prefetches(placement, seed):
+    """One process driving two GPUs (transformers' device_map="auto"): with GPU 1 current and the caller on
+    GPU 0's default stream (handle 0), the "ids ready" write and the copies are still ordered on GPU 0's stream,
+    so the worker never copies an earlier gather's ids: rows exact, prefetched or not."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.cuda.device(0):
+        device, table = _gpu_tables(placement, generator, rows=50_000)
+    for step in range(6):
+        ids = _ids(generator, 3000, 24, 50_000, "cuda:0")
+        with torch.cuda.device(1):
+            handle = table.prefetch(ids) if step % 2 else None
+            got = table.lookup(ids, prefetch=handle)
+        assert _equal(got, device.lookup(ids)), f"step {step}"

@@ -367,16 +367,9 @@ class HostGather:
             self._ensure_capacity(num_ids)
             number = self._started + 1
             sort = self._sort_next(number)
-            slot = number % _ID_BUFFERS
-            if native_worker.flags_reached(self._flags_view, JOB_DONE, self._id_buffer_jobs[slot]):
-                buffer, ready, ready_address = self._id_buffers[slot]
-                self._id_buffer_jobs[slot] = number
-                if self._measuring is not None and self._measuring[0] == slot:
-                    self._measuring = None  # its job finished after _sort_next looked: its count is overwritten now
-                if sort and self.dedup == "auto" and self._measuring is None:
-                    self._measuring = (slot, number, num_ids)  # read at a later start
-            else:  # the worker is _ID_BUFFERS gathers behind: a buffer of its own (the service holds it)
-                buffer, ready, ready_address = self._id_buffer(num_ids)
+            reused = self._reuse_id_buffer(number, sort, num_ids)
+            # None: the worker is _ID_BUFFERS gathers behind: a buffer of its own (the service holds it)
+            buffer, ready, ready_address = reused if reused is not None else self._id_buffer(num_ids)
             ids_host = buffer[:num_ids + 1]
             with torch.cuda.stream(stream):
                 if sort:
@@ -421,6 +414,21 @@ class HostGather:
             self._copies_done = done
             self.native_gathers["sorted" if sort else "lookup_order"] += 1
             return GatherTicket(number, None, inverse.view(global_ids.shape), done)
+
+    def _reuse_id_buffer(self, number: int, sort: bool, num_ids: int):
+        """The pinned id buffer of slot ``number % _ID_BUFFERS`` for gather ``number`` when the worker is done
+        with its last job, else None; with ``dedup="auto"`` a sorted gather's buffer is remembered for its
+        count (:meth:`_sort_next`). A measurement whose buffer is reused here is forgotten: its job may have
+        finished after :meth:`_sort_next` looked, and the new ids overwrite its count."""
+        slot = number % _ID_BUFFERS
+        if not native_worker.flags_reached(self._flags_view, JOB_DONE, self._id_buffer_jobs[slot]):
+            return None
+        self._id_buffer_jobs[slot] = number
+        if self._measuring is not None and self._measuring[0] == slot:
+            self._measuring = None
+        if sort and self.dedup == "auto" and self._measuring is None:
+            self._measuring = (slot, number, num_ids)  # read at a later start
+        return self._id_buffers[slot]
 
     def _sort_next(self, number: int) -> bool:
         """Whether native gather ``number`` sorts and dedups: by :attr:`dedup`; for ``"auto"``, first reads
