@@ -12,7 +12,6 @@ from functools import cached_property
 
 import numpy as np
 
-from engram.common import ceil_div
 from engram.primes import bucket_primes, is_prime
 from engram.spec import EngramSpec
 
@@ -104,7 +103,7 @@ class EngramLayout:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank: expected an integer in [0, {world_size}), found {rank!r}")
         columns = self.num_columns
-        per_rank = ceil_div(columns, world_size)
+        per_rank = -(-columns // world_size)  # ceil (engram.common.ceil_div, which imports torch)
         start, end = rank * per_rank, min(columns, (rank + 1) * per_rank)
         if start >= end:
             raise ValueError(

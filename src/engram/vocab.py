@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import torch
 from tokenizers import Regex, Tokenizer, normalizers
 
 from engram.spec import EngramSpec
@@ -164,6 +163,8 @@ class TokenCompressor:
 
     def device_map(self, device: torch.device | str) -> torch.Tensor:
         """The map as an int32 tensor on ``device`` (kept, one copy per device)."""
+        import torch  # here only: the token map itself (``engram hash``) needs no torch
+
         device = torch.device(device)
         if device not in self._device_maps:
             self._device_maps[device] = torch.from_numpy(self.token_map).to(device)
