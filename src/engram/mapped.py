@@ -25,7 +25,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -107,12 +107,15 @@ def map_tensor_rows(location: TensorLocation, row_start: int, row_end: int) -> t
 
 
 def check_table_rows(rows: torch.Tensor, where: str, row_start: int, *, chunk_bytes: int = CHECK_CHUNK_BYTES,
-                     progress: _Progress | None = None, check_ue8m0: bool = False, check_e4m3: bool = False) -> None:
+                     progress: _Progress | None = None, check_ue8m0: bool = False, check_e4m3: bool = False,
+                     check_chunk: Callable[[torch.Tensor, int], None] | None = None) -> None:
     """One read-only pass over ``rows`` (``uint8 [rows, width]``, row 0 = file row ``row_start``)
     in chunks of at most ``chunk_bytes`` (capped at :data:`CHECK_CHUNK_BYTES`): ValueError naming
     ``where``, the row and the column on scale byte 255 (UE8M0 NaN, ``check_ue8m0``) or value
-    bytes 0x7F/0xFF (E4M3 NaN, ``check_e4m3``). ``progress.update(bytes)`` after each chunk.
-    The scan (:func:`engram.table.fp8.first_nan_byte`) holds no table-sized temporary."""
+    bytes 0x7F/0xFF (E4M3 NaN, ``check_e4m3``); ``check_chunk(chunk [n, width], file row of its
+    row 0)`` is called on each chunk too (the scales' overflow check). ``progress.update(bytes)``
+    after each chunk. The scan (:func:`engram.table.fp8.first_nan_byte`) holds no table-sized
+    temporary."""
     num_rows, width = rows.shape
     chunk_rows = max(1, min(chunk_bytes, CHECK_CHUNK_BYTES) // width)
     for first in range(0, num_rows, chunk_rows):
@@ -124,6 +127,8 @@ def check_table_rows(rows: torch.Tensor, where: str, row_start: int, *, chunk_by
             flat = first_nan_byte(chunk, what)
             if flat is not None:
                 raise nan_byte_error(where, row_start + first + flat // width, flat % width, int(chunk[flat]), what)
+        if check_chunk is not None:
+            check_chunk(rows[first:first + chunk_rows], row_start + first)
         if progress is not None:
             progress.update(size)
 

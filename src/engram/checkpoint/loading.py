@@ -113,16 +113,19 @@ class TableSource:
 
     def read_into(self, values: torch.Tensor, scales: torch.Tensor) -> None:
         """``values[:]`` / ``scales[:]`` = the rows (any row stride, any device), each chunk checked for
-        NaN bytes (E4M3 values unless ``check_values`` is False; UE8M0 scales always)."""
+        NaN bytes (E4M3 values unless ``check_values`` is False; UE8M0 scales always) and the scales
+        for a byte that makes a finite value of its block infinite (always)."""
         for info, target, kind in ((self.values_info, values, "e4m3"), (self.scales_info, scales, "ue8m0")):
             check = kind if (kind == "ue8m0" or self.check_values) else None
+            overflow = self.values_info if kind == "ue8m0" else None
             if target.device.type == "cpu" and not target.is_contiguous():  # packed host rows: through a map
-                copy_checked_rows(info, target, self.row_start, self.row_end, self.chunk_bytes, self.progress, check)
+                copy_checked_rows(info, target, self.row_start, self.row_end, self.chunk_bytes, self.progress, check,
+                                  overflow_values=overflow)
             else:  # chunks read by the checkpoint's reader (staged on the host for device memory)
                 self.checkpoint.read_rows_into(info, target, self.row_start,
                                                chunk_rows=max(1, self.chunk_bytes // target.shape[1]),
                                                progress=self.progress, check_e4m3=check == "e4m3",
-                                               check_ue8m0=check == "ue8m0")
+                                               check_ue8m0=check == "ue8m0", overflow_values=overflow)
 
     def map_read_only(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """``(values, scales, files)``: the rows as views of private memory maps of the files (no copy),

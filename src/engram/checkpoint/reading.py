@@ -24,9 +24,10 @@ placement copies nothing: its rows are views of private memory maps of the files
 Every error is a ``ValueError`` naming the tensor and the file, and the expected
 and found dtype or shape. safetensors itself detects corrupt headers and
 truncated files when a file is opened; scale byte 255 (NaN in UE8M0, never in a
-table) and value bytes 0x7F/0xFF (NaN in E4M3, never in a table) are reported with
-their row while streaming (``check_values=False`` skips the value check on trusted
-checkpoints).
+table), a scale byte under which a finite value of its block decodes to infinity, and
+value bytes 0x7F/0xFF (NaN in E4M3, never in a table) are reported with their row while
+streaming (``check_values=False`` skips the value bytes' NaN scan on trusted checkpoints;
+the scales are always checked).
 
 One place reads the safetensors format by hand: a torch without
 ``float8_e8m0fnu`` cannot turn an ``F8_E8M0`` tensor into a torch tensor through
@@ -53,15 +54,15 @@ from engram import mapped
 from engram.common import ceil_div
 from engram.layout import EngramLayout
 from engram.spec import EngramSpec
+from engram.checkpoint.checks import TENSOR_KINDS, ScaleOverflowCheck, file_problem, unexpected_engram_tensors
 from engram.table.fp8 import BLOCK_SIZE, E8M0_DTYPE, first_nan_byte, nan_byte_error
 
 __all__ = ["INDEX_FILE", "TENSOR_KINDS", "DEFAULT_CHUNK_BYTES", "engram_tensor_name", "TensorInfo",
            "SafetensorsCheckpoint", "EngramLayerWeights", "expected_layer_tensors", "load_engram_layer_weights",
            "layer_weight_problems", "check_weight_values", "table_progress", "ByteProgress", "copy_checked_rows",
-           "map_table_rows"]
+           "map_table_rows", "ScaleOverflowCheck", "unexpected_engram_tensors", "file_problem"]
 
 INDEX_FILE = "model.safetensors.index.json"
-TENSOR_KINDS = ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale", "q_weight", "k_weight")
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 """Bytes of E4M3 values read per chunk while streaming a table."""
 
@@ -161,6 +162,10 @@ class SafetensorsCheckpoint:
                              f"and no {INDEX_FILE}")
         weight_map: dict[str, Path] = {}
         for path in files:
+            problem = file_problem(path, "file")
+            if problem is not None:
+                self._unreadable[path] = problem.removeprefix(f"file {str(path)!r} ")
+                continue
             try:
                 with safe_open(str(path), framework="pt") as handle:
                     names = list(handle.keys())
@@ -216,8 +221,9 @@ class SafetensorsCheckpoint:
     def info(self, name: str) -> TensorInfo:
         """dtype string and shape of ``name`` from its file's header."""
         path = self.file_of(name)
-        if not path.is_file():
-            raise ValueError(f"tensor {name!r}: its file {str(path)!r} (named by {str(self.index_file)!r}) does not exist")
+        problem = file_problem(path, "its file", f"(named by {str(self.index_file)!r})")
+        if problem is not None:
+            raise ValueError(f"tensor {name!r}: {problem}")
         with _open(path, f"tensor {name!r}") as handle:
             if name not in handle.keys():
                 raise ValueError(f"tensor {name!r} is missing from file {str(path)!r}, where the index file "
@@ -254,7 +260,7 @@ class SafetensorsCheckpoint:
 
     def read_rows_into(self, info: TensorInfo, out: torch.Tensor, row_start: int, *,
                        chunk_rows: int, progress: "ByteProgress | None" = None, check_ue8m0: bool = False,
-                       check_e4m3: bool = False) -> None:
+                       check_e4m3: bool = False, overflow_values: TensorInfo | None = None) -> None:
         """Copy rows ``[row_start, row_start + len(out))`` of a 2-D one-byte tensor into ``out``.
 
         Args:
@@ -265,11 +271,14 @@ class SafetensorsCheckpoint:
             progress: gets ``update(bytes)`` after each chunk.
             check_ue8m0: raise on byte 255 (UE8M0 NaN, never in a table), naming the row.
             check_e4m3: raise on bytes 0x7F/0xFF (E4M3 NaN, never in a table), naming the row.
+            overflow_values: for a scale tensor, its values tensor: raise on a scale byte that makes a
+                finite value of its block infinite (:class:`ScaleOverflowCheck`).
 
         The checks look at each chunk as it passes (one temporary of the chunk's size), never at
         a second copy of the table.
         """
         num_rows = out.shape[0]
+        overflow = None if overflow_values is None else ScaleOverflowCheck(overflow_values, info)
         raw = _raw_tensor_bytes(info).reshape(info.shape) if (info.dtype == "F8_E8M0" and E8M0_DTYPE is None) else None
         with _open(info.file, f"tensor {info.name!r}") as handle:
             tensor_slice = handle.get_slice(info.name) if raw is None else None
@@ -290,6 +299,8 @@ class SafetensorsCheckpoint:
                         row, column = divmod(flat, chunk.shape[1])
                         raise nan_byte_error(info.where(), row_start + first + row, column, int(chunk[row, column]),
                                              kind)
+                if overflow is not None:
+                    overflow(chunk, row_start + first)
                 out[first:last].copy_(chunk)
                 if progress is not None:
                     progress.update(chunk.numel())
@@ -323,12 +334,11 @@ class ByteProgress(Protocol):
 
 
 def table_progress(total_bytes: int, description: str, enabled: bool = True):
-    """A tqdm bar in bytes (scaled units, rate), disabled when ``enabled`` is False.
-    Writes to stderr; works when it is not a terminal (plain lines, no cursor tricks)."""
-    from tqdm.auto import tqdm
+    """A bar in bytes on stderr (scaled units, rate), disabled when ``enabled`` is False: tqdm's on a
+    terminal, whole lines elsewhere (:func:`engram.progress.progress_bar`)."""
+    from engram.progress import progress_bar
 
-    return tqdm(total=total_bytes, desc=description, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not enabled, dynamic_ncols=True, mininterval=0.5, leave=True)
+    return progress_bar(total_bytes, description, unit="B", unit_divisor=1024, enabled=enabled)
 
 
 # ---------------------------------------------------------------------------
@@ -439,7 +449,12 @@ def load_engram_layer_weights(checkpoint: SafetensorsCheckpoint, spec: EngramSpe
                               layer_index: int, *, check_values: bool = True) -> EngramLayerWeights:
     """Read and check ``wkv.weight`` (+ ``wkv.scale``), ``q_weight`` and ``k_weight`` of one layer:
     dtype and shape against the config, then (``check_values``) every value finite
-    (:func:`check_weight_values`). An FP8 ``wkv`` comes as read: E4M3 weight and UE8M0 scales."""
+    (:func:`check_weight_values`). An FP8 ``wkv`` comes as read: E4M3 weight and UE8M0 scales.
+    A tensor named as an Engram tensor that the config has no place for is refused
+    (:func:`unexpected_engram_tensors`)."""
+    unexpected = unexpected_engram_tensors(checkpoint, spec)
+    if unexpected:
+        raise ValueError(unexpected[0])
     layer_id = spec.layer_ids[layer_index]
     expected = expected_layer_tensors(spec, layout, layer_index)
 
@@ -486,12 +501,14 @@ _LOAD_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 def copy_checked_rows(info: TensorInfo, target: torch.Tensor, row_start: int, row_end: int, chunk_bytes: int,
-                       progress, check: str | None) -> None:
+                       progress, check: str | None, overflow_values: TensorInfo | None = None) -> None:
     """``target[:] = file rows [row_start, row_end)`` of ``info`` (a one-byte 2-D tensor), read
     through a memory map (no intermediate copy), each chunk scanned for NaN bytes (``check``:
     ``"e4m3"``, ``"ue8m0"`` or None) while it is in cache, then copied into ``target`` (any
-    row stride: the packed host rows)."""
+    row stride: the packed host rows). ``overflow_values``: for scales, their values tensor, whose
+    blocks a scale may not make infinite (:class:`ScaleOverflowCheck`)."""
     source = mapped.map_tensor_rows(mapped.tensor_location(info.file, info.name), row_start, row_end)
+    overflow = None if overflow_values is None else ScaleOverflowCheck(overflow_values, info)
     width = source.shape[1]
     chunk_rows = max(1, chunk_bytes // width)
 
@@ -502,6 +519,8 @@ def copy_checked_rows(info: TensorInfo, target: torch.Tensor, row_start: int, ro
             if flat is not None:
                 row, column = divmod(flat, width)
                 raise nan_byte_error(info.where(), row_start + first + row, column, int(chunk[row, column]), check)
+        if overflow is not None:
+            overflow(chunk, row_start + first)
         target[first:first + chunk.shape[0]].copy_(chunk)
         return chunk.numel()
 
@@ -519,7 +538,8 @@ def map_table_rows(values_info: TensorInfo, scales_info: TensorInfo, row_start: 
     """The ``cpu`` placement's storage: rows ``[row_start, row_end)`` of the value and scale
     tensors as ``uint8 [rows, D]`` and ``[rows, D // 32]`` views of private memory maps of
     their files (:mod:`engram.mapped`; zero copy, the page cache holds the bytes), after one
-    read-only pass that refuses NaN bytes as :meth:`SafetensorsCheckpoint.read_rows_into` does.
+    read-only pass that refuses NaN bytes and scales that make a value infinite as
+    :meth:`SafetensorsCheckpoint.read_rows_into` does.
     Every accepted format (``F8_E4M3``, ``F8_E8M0``, ``U8``) is the bytes as stored, so no
     format needs a copy."""
     own_bar = progress is True
@@ -528,8 +548,10 @@ def map_table_rows(values_info: TensorInfo, scales_info: TensorInfo, row_start: 
         tables = []
         for info, check in ((values_info, "e4m3"), (scales_info, "ue8m0")):
             rows = mapped.map_tensor_rows(mapped.tensor_location(info.file, info.name), row_start, row_end)
+            overflow = ScaleOverflowCheck(values_info, scales_info) if check == "ue8m0" else None
             mapped.check_table_rows(rows, info.where(), row_start, chunk_bytes=chunk_bytes, progress=bar,
-                                    check_ue8m0=check == "ue8m0", check_e4m3=check == "e4m3" and check_values)
+                                    check_ue8m0=check == "ue8m0", check_e4m3=check == "e4m3" and check_values,
+                                    check_chunk=overflow)
             tables.append(rows)
     finally:
         if own_bar:

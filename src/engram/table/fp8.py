@@ -25,6 +25,10 @@ import torch
 __all__ = [
     "first_nan_byte",
     "nan_byte_error",
+    "OVERFLOW_SCALE_BYTE",
+    "overflowing_blocks",
+    "overflow_error",
+    "check_table_values",
     "BLOCK_SIZE",
     "E4M3_MAX",
     "SCALE_BYTE_ONE",
@@ -103,6 +107,100 @@ def nan_byte_error(where: str, row: int, column: int, byte: int, kind: str) -> V
                           f"0..254, the file is corrupt")
     return ValueError(f"{where}: row {row} holds value byte {byte:#04x} (E4M3 NaN) at column {column}; a table holds "
                       f"no NaN, the file is corrupt (check_values=False skips this check on trusted checkpoints)")
+
+
+OVERFLOW_SCALE_BYTE = 247
+"""The least scale byte at which a finite E4M3 value decodes to infinity.
+
+A value ``v = m * 2**e`` (E4M3: 4 significant bits, ``e <= 8``, largest 448 = 1.75 * 2**8) times
+``2**(b - 127)`` is computed exactly in fp32 and rounded once to bf16; with 4 significant bits it
+is below ``2**128`` exactly when it is at most ``1.875 * 2**127``, which both fp32 and bf16 hold.
+So it overflows exactly when ``e + b - 127 >= 128``: for a normal value with exponent field ``E``
+(bits 6..3, ``e = E - 7``) when ``E + b >= 262``. Subnormals (``E = 0``, ``e <= -7``) never overflow
+under a finite scale (``b <= 254``), nor does any value under ``b <= 246``."""
+_OVERFLOW_EXPONENT_SUM = 262
+
+
+def overflowing_blocks(value_bytes: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
+    """Flat indices (into ``scale_bytes``) of the blocks of 32 values holding a finite value that
+    decodes to infinity under its scale (:data:`OVERFLOW_SCALE_BYTE`), for numpy ``uint8``
+    ``value_bytes [rows, D]`` and ``scale_bytes [rows, D // 32]``. Scales below 247 cost one max:
+    only blocks with a larger scale byte look at their values."""
+    if scale_bytes.size == 0 or int(scale_bytes.max()) < OVERFLOW_SCALE_BYTE:
+        return np.zeros(0, dtype=np.int64)
+    suspects = np.flatnonzero(scale_bytes.reshape(-1) >= OVERFLOW_SCALE_BYTE)
+    blocks = value_bytes.reshape(-1, BLOCK_SIZE)[suspects]            # [S, 32]
+    exponent = (blocks >> 3) & 0xF
+    scale = scale_bytes.reshape(-1)[suspects].astype(np.int32)[:, None]
+    finite_scale = scale <= SCALE_BYTE_MAX                            # byte 255 is NaN, reported as such
+    nan_value = (blocks | 0x80) == 0xFF
+    bad = ((exponent.astype(np.int32) + scale >= _OVERFLOW_EXPONENT_SUM) & ~nan_value & finite_scale).any(axis=1)
+    return suspects[bad]
+
+
+def check_table_values(value_bytes, scale_bytes, *, values_name: str = "values", scales_name: str = "scales",
+                       row_start: int = 0, chunk_rows: int = 1 << 16) -> None:
+    """Refuse table bytes that do not decode to finite values (docs/design.md §2 "FP8 table rows").
+
+    Args:
+        value_bytes: E4M3 values ``[rows, D]`` (``float8_e4m3fn`` or their ``uint8`` bytes), any device.
+        scale_bytes: UE8M0 scales ``[rows, D // 32]`` (``uint8`` or ``float8_e8m0fnu``), same rows.
+        values_name, scales_name: how the errors name the two tensors.
+        row_start: the table row of row 0 (for a slice of a table).
+        chunk_rows: rows looked at per step (a CUDA table is copied to the host a chunk at a time).
+
+    Raises ``ValueError`` naming the tensor, the row, the column and the byte, for the first row
+    (in row order) that holds one of: a value byte 0x7F or 0xFF (E4M3 NaN); a scale byte 255
+    (UE8M0 NaN); a finite value whose product with its scale ``2**(b - 127)`` is ``>= 2**128``, past
+    fp32 and bf16 (:data:`OVERFLOW_SCALE_BYTE`). Within one row, in that order.
+    """
+    values = as_value_bytes(value_bytes, values_name)
+    scales = as_scale_bytes(scale_bytes, scales_name)
+    head_dim = _check_head_dim(values, values_name)
+    if values.dim() != 2 or tuple(scales.shape) != (values.shape[0], head_dim // BLOCK_SIZE):
+        raise ValueError(f"{scales_name}: expected shape [{values.shape[0] if values.dim() == 2 else 'rows'}, "
+                         f"{head_dim // BLOCK_SIZE}] (one UE8M0 byte per {BLOCK_SIZE} values of {values_name} "
+                         f"{list(values.shape)}, 2-D), found {list(scales.shape)}")
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows: expected an integer >= 1, found {chunk_rows!r}")
+    for first in range(0, values.shape[0], chunk_rows):
+        chunk_values = values[first:first + chunk_rows].cpu().contiguous().numpy()
+        chunk_scales = scales[first:first + chunk_rows].cpu().contiguous().numpy()
+        found = []   # (row, order within a row, message)
+        nan = first_nan_byte(torch.from_numpy(chunk_values), "e4m3")
+        if nan is not None:
+            row, column = divmod(nan, head_dim)
+            found.append((row, 0, f"{values_name}: row {row_start + first + row} holds value byte "
+                                  f"{int(chunk_values[row, column]):#04x} (E4M3 NaN) at column {column}; a table "
+                                  f"holds no NaN"))
+        nan = first_nan_byte(torch.from_numpy(chunk_scales), "ue8m0")
+        if nan is not None:
+            row, column = divmod(nan, head_dim // BLOCK_SIZE)
+            found.append((row, 1, f"{scales_name}: row {row_start + first + row} holds scale byte 255 (UE8M0 NaN) "
+                                  f"at column {column}; expected bytes 0..{SCALE_BYTE_MAX}"))
+        blocks = overflowing_blocks(chunk_values, chunk_scales)
+        if blocks.size:
+            row, block = divmod(int(blocks[0]), head_dim // BLOCK_SIZE)
+            found.append((row, 2, str(overflow_error(values_name, scales_name, row_start + first + row, block,
+                                                     chunk_values[row], int(chunk_scales[row, block])))))
+        if found:
+            raise ValueError(min(found)[2])
+
+
+def overflow_error(values_name: str, scales_name: str, row: int, block: int, row_values: np.ndarray,
+                   scale_byte: int) -> ValueError:
+    """The error for block ``block`` of table row ``row`` (its values ``row_values``, ``uint8 [D]``)
+    whose scale byte makes a finite value infinite (:func:`overflowing_blocks` found it)."""
+    values = row_values[block * BLOCK_SIZE:(block + 1) * BLOCK_SIZE]
+    exponent = (values >> 3) & 0xF
+    offset = int(np.flatnonzero((exponent.astype(np.int32) + scale_byte >= _OVERFLOW_EXPONENT_SUM)
+                                & ((values | 0x80) != 0xFF))[0])
+    column, byte = block * BLOCK_SIZE + offset, int(values[offset])
+    value = float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+    return ValueError(f"{scales_name}: row {row} holds scale byte {scale_byte} (2**{scale_byte - 127}) at column "
+                      f"{block}, under which {values_name} byte {byte:#04x} ({value:g}) at column {column} decodes to "
+                      f"{value:g} * 2**{scale_byte - 127} >= 2**128, infinite in fp32 and bf16; a table decodes to "
+                      f"finite values, the file is corrupt")
 
 
 def _first_nan_in(data: np.ndarray, kind: str) -> int:
