@@ -25,7 +25,8 @@ def test_info(capsys):
 def test_info_reports_bad_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"engram_layer_ids": [1]}))
     assert main(["info", "--config", str(tmp_path)]) == 2
-    assert "engram_num_embeddings" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.out == "" and "engram_num_embeddings" in captured.err and str(tmp_path) in captured.err
 
 
 def test_hash_json_matches_reference(deepseek_tokenizer_path, capsys):
@@ -75,7 +76,7 @@ def test_hash_uses_the_tokenizer_beside_the_config(tmp_path, capsys):
     assert main(["hash", "--config", str(synthetic.directory / "config.json"), "the memory"]) == 0
     assert str(synthetic.directory / "tokenizer.json") in capsys.readouterr().out
     assert main(["hash", "--tokenizer", str(tmp_path / "nothing"), "x"]) == 2
-    assert "--tokenizer: expected a tokenizer.json or a directory holding one" in capsys.readouterr().out
+    assert "--tokenizer: expected a tokenizer.json or a directory holding one" in capsys.readouterr().err
 
 
 def test_demo_placement_host_without_cuda_exits_2():

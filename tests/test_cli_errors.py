@@ -37,10 +37,12 @@ def corpus(tmp_path):
 
 
 def _error(capsys) -> str:
+    """The one error line on stderr (stdout holds none of it)."""
     captured = capsys.readouterr()
     assert "Traceback" not in captured.out + captured.err
-    lines = [line for line in captured.out.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), captured.out
+    assert "error:" not in captured.out, captured.out
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
     return lines[0]
 
 

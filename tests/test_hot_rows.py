@@ -52,9 +52,10 @@ def test_a_bad_hot_file_is_refused_before_the_tokenizer(case, tmp_path, monkeypa
     monkeypatch.setattr(engram.vocab.TokenCompressor, "from_tokenizer", no_tokenizer)
     for command in (["eval", "--fraction", "0.01", "--policy", "static"], ["plot", "--out", str(tmp_path / "f.png")]):
         assert main(["profile", *command, "--corpus", str(text), "--hot", str(path)]) == 2
-        out = capsys.readouterr().out
-        assert "--hot" in out and out.count("\n") == 1, out
-        assert __import__("re").search(message, out), out
+        captured = capsys.readouterr()
+        err = captured.err
+        assert captured.out == "" and "--hot" in err and err.count("\n") == 1, err
+        assert __import__("re").search(message, err), err
 
 
 def test_a_sound_hot_file_loads(tmp_path):

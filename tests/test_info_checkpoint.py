@@ -21,8 +21,12 @@ def _problems(out: str) -> list[str]:
 
 
 def _info(directory, *flags, capsys) -> tuple[int, str]:
+    """Exit code and stdout (the report); an error line, never a traceback, goes to stderr (returned
+    appended after stdout when there is one, so a test sees the whole of what the user saw)."""
     code = main(["info", "--checkpoint", str(directory), *flags])
-    return code, capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    return code, captured.out + captured.err
 
 
 def _edit(directory, name: str, change) -> None:

@@ -108,7 +108,7 @@ def test_plot_without_matplotlib_names_the_extra(corpus, tmp_path, monkeypatch, 
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert main(["profile", "plot", "--corpus", str(corpus / "b.txt"), "--out", str(tmp_path / "f.png")]) == 2
-    assert "engram[profile]" in capsys.readouterr().out
+    assert "engram[profile]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fraction", ["0", "-0.5", "1.01", "nan", "half"])
@@ -123,8 +123,8 @@ def test_fraction_outside_range(corpus, fraction, capsys):
 def test_missing_corpus_path(tmp_path, deepseek_tokenizer_path, capsys):
     missing = str(tmp_path / "nowhere")
     assert main(["profile", "eval", "--corpus", missing, "--fraction", "0.01", *_tok(deepseek_tokenizer_path)]) == 2
-    out = capsys.readouterr().out
-    assert "--corpus" in out and "nowhere" in out
+    err = capsys.readouterr().err
+    assert "--corpus" in err and "nowhere" in err
 
 
 def test_no_text_files(tmp_path, deepseek_tokenizer_path, capsys):
@@ -132,31 +132,40 @@ def test_no_text_files(tmp_path, deepseek_tokenizer_path, capsys):
     (tmp_path / "empty" / "x.bin").write_bytes(b"\x00\xfe")
     assert main(["profile", "build", "--corpus", str(tmp_path / "empty"), "--fraction", "0.01",
                  "--out", str(tmp_path / "h.npz"), *_tok(deepseek_tokenizer_path)]) == 2
-    out = capsys.readouterr().out
-    assert "--corpus" in out and "no text files" in out and "empty" in out
+    err = capsys.readouterr().err
+    assert "--corpus" in err and "no text files" in err and "empty" in err
+    assert not (tmp_path / "h.npz").exists() and not list(tmp_path.glob(".h.npz*"))   # nothing left behind
 
 
 def test_static_needs_a_hot_set_and_a_matching_one(corpus, tmp_path, deepseek_tokenizer_path, capsys):
     assert main(["profile", "eval", "--corpus", str(corpus / "b.txt"), "--fraction", "0.01", "--policy", "static",
                  *_tok(deepseek_tokenizer_path)]) == 2
-    assert "--policy static" in capsys.readouterr().out
+    assert "--policy static" in capsys.readouterr().err
     bogus = tmp_path / "bogus.npz"
     np.savez(bogus, layer_ids=np.array([1, 14]), num_rows=np.array([5, 5]), fraction=np.array(0.1),
              tokens=np.array(1), step_tokens=np.array(1), rows_0=np.zeros(1), rows_1=np.zeros(1),
              counts_0=np.ones(1), counts_1=np.ones(1))
     assert main(["profile", "eval", "--corpus", str(corpus / "b.txt"), "--fraction", "0.01", "--hot", str(bogus),
                  *_tok(deepseek_tokenizer_path)]) == 2
-    out = capsys.readouterr().out
-    assert "--hot" in out and "[5, 5]" in out and "384,006,168".replace(",", "") in out
+    err = capsys.readouterr().err
+    assert "--hot" in err and "[5, 5]" in err and "384,006,168".replace(",", "") in err
 
 
-def test_bad_max_tokens_and_step_tokens(corpus, deepseek_tokenizer_path, capsys):
-    assert main(["profile", "eval", "--corpus", str(corpus / "b.txt"), "--fraction", "0.01", "--max-tokens", "0",
-                 *_tok(deepseek_tokenizer_path)]) == 2
-    assert "--max-tokens" in capsys.readouterr().out
-    assert main(["profile", "eval", "--corpus", str(corpus / "b.txt"), "--fraction", "0.01", "--step-tokens", "0",
-                 *_tok(deepseek_tokenizer_path)]) == 2
-    assert "--step-tokens" in capsys.readouterr().out
+@pytest.mark.parametrize("action", ["build", "eval", "plot"])
+@pytest.mark.parametrize("flag, value", [("--max-tokens", "0"), ("--step-tokens", "0"), ("--step-tokens", "99999999999"),
+                                         ("--step-tokens", "many")])
+def test_bad_max_tokens_and_step_tokens(action, flag, value, corpus, tmp_path, capsys):
+    """Refused by the argument parser, before the tokenizer loads or any text is hashed."""
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    extra = {"build": ["--fraction", "0.01", "--out", str(outputs / "h.npz")], "eval": ["--fraction", "0.01"],
+             "plot": ["--out", str(outputs / "f.png")]}[action]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", action, "--corpus", str(corpus / "b.txt"), *extra, flag, value])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and flag in captured.err and repr(value) in captured.err
+    assert list(outputs.iterdir()) == []
 
 
 def test_eval_and_plot_show_progress(corpus, tmp_path, deepseek_tokenizer_path, capsys):

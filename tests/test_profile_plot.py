@@ -106,4 +106,4 @@ def test_plot_of_a_tiny_corpus_warns(tmp_path, deepseek_tokenizer_path, capsys):
     assert main(["profile", "plot", "--corpus", str(corpus), "--out", str(tmp_path / "f.png"),
                  "--tokenizer", str(deepseek_tokenizer_path)]) == 0
     err = capsys.readouterr().err
-    assert "warning: corpus" in err and "fewer than 10" in err and "too small to compare them" in err
+    assert "warning: corpus" in err and "fewer than 10" in err and "too small to compare policies" in err

@@ -141,6 +141,15 @@ class EngramSpec:
         prime rule of docs/design.md §2.
         """
         config = _load_config(source)
+        if isinstance(source, Mapping):
+            return cls._from_config(config, check_rows)
+        try:
+            return cls._from_config(config, check_rows)
+        except ValueError as error:  # a field's error names the file it came from
+            raise ValueError(f"config file {str(_config_path(source))!r}: {error}") from None
+
+    @classmethod
+    def _from_config(cls, config: Mapping[str, Any], check_rows: bool) -> "EngramSpec":
         layer_ids = _as_int_list("engram_layer_ids", _require(config, "engram_layer_ids"), 0, _MAX_LAYER_ID,
                                  _MAX_LAYERS)
         if len(set(layer_ids)) != len(layer_ids):
@@ -267,20 +276,36 @@ def _weight_block_size(config: Mapping[str, Any]) -> tuple[int, int] | None:
     return (int(block[0]), int(block[1]))
 
 
+def _config_path(source: str | os.PathLike) -> Path:
+    """The config.json of a path: the file itself, or the one a model directory holds."""
+    path = Path(source)
+    return path / "config.json" if path.is_dir() else path
+
+
 def _load_config(source: str | os.PathLike | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(source, Mapping):
         return source
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
+    path = _config_path(source)
     if not path.exists():
         raise ValueError(f"config path {str(path)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(f"config path {str(path)!r} is a directory; expected a config.json file")
     if not path.is_file():
         raise ValueError(f"config path {str(path)!r} is not a regular file; expected a config.json or a model "
                          f"directory holding one")
     try:
-        with open(path, encoding="utf-8") as handle:
-            config = json.load(handle)
+        data = path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"config file {str(path)!r} cannot be read ({error.strerror or error})") from None
+    if not data.strip():
+        raise ValueError(f"config file {str(path)!r} is empty; expected a JSON object")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text (byte {data[error.start]:#04x} at offset "
+                         f"{error.start}); expected a JSON object") from None
+    try:
+        config = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"config file {str(path)!r} is not valid JSON: {error}") from None
     if not isinstance(config, Mapping):

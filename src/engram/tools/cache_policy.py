@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["POLICIES", "DEFAULT_POLICY", "DynamicParams", "CompactStream", "ReplayResult", "replay",
-           "capacity_for", "best_static_hits"]
+           "capacity_for", "best_static_hits", "sorted_unique"]
 
 POLICIES = ("static", "dynamic", "lru", "set-lru")
 DEFAULT_POLICY = "set-lru"
@@ -95,6 +95,18 @@ class DynamicParams:
                 raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
 
 
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """The distinct values of an int64 array, ascending: one sort (numpy's own ``unique`` takes a hash
+    table here, several times slower on millions of row ids)."""
+    ordered = np.sort(np.asarray(values).reshape(-1))
+    if ordered.size < 2:
+        return ordered
+    keep = np.empty(ordered.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
 def capacity_for(fraction: float, num_rows: int) -> int:
     """Rows a cache of ``fraction`` of a ``num_rows`` table holds: ``max(1, floor(fraction * num_rows))``."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
@@ -106,7 +118,8 @@ class CompactStream:
     """One layer's read stream, preprocessed once for any number of replays.
 
     ``reads``: int64 ``[N]`` row ids; ``step_reads``: reads per step; ``extra_rows``: rows that may
-    be cached without being read (an initial hot list), given compact ids too.
+    be cached without being read (an initial hot list), given compact ids too; ``progress``: told
+    ``update(1)`` after each step is prepared.
 
     Attributes: ``rows`` int64 ``[U]`` sorted distinct rows (compact id = index); ``read_counts``
     ``[U]`` reads of each; ``extra_ids`` ``[H]`` compact ids of ``extra_rows``; per step ``k`` the
@@ -114,7 +127,7 @@ class CompactStream:
     and ``step_last`` (stream position of each one's last read in the step).
     """
 
-    def __init__(self, reads: np.ndarray, step_reads: int, extra_rows: np.ndarray | None = None):
+    def __init__(self, reads: np.ndarray, step_reads: int, extra_rows: np.ndarray | None = None, progress=None):
         reads = np.asarray(reads, dtype=np.int64).reshape(-1)
         if isinstance(step_reads, bool) or not isinstance(step_reads, (int, np.integer)) or step_reads < 1:
             raise ValueError(f"step_reads: expected an integer >= 1, found {step_reads!r}")
@@ -130,8 +143,10 @@ class CompactStream:
             step_counts.append(counts)
             step_last.append(start + len(chunk) - 1 - reversed_first)
             sizes.append(len(rows))
+            if progress is not None:
+                progress.update(1)
         step_rows = np.concatenate(step_rows) if step_rows else np.zeros(0, dtype=np.int64)
-        self.rows = np.unique(np.concatenate([step_rows, extra]))
+        self.rows = sorted_unique(np.concatenate([step_rows, extra]))
         self.step_ids = np.searchsorted(self.rows, step_rows)
         self.step_counts = np.concatenate(step_counts) if step_counts else np.zeros(0, dtype=np.int64)
         self.step_last = np.concatenate(step_last) if step_last else np.zeros(0, dtype=np.int64)
@@ -140,6 +155,8 @@ class CompactStream:
         self.read_counts = np.bincount(self.step_ids, weights=self.step_counts,
                                        minlength=len(self.rows)).astype(np.int64)
         self.first_touches = int(np.count_nonzero(self.read_counts))
+        self.memo: dict = {}
+        """What replays of one capacity share (set layouts, best static hits), kept across replays."""
 
     def step(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo, hi = self.bounds[k], self.bounds[k + 1]
@@ -171,7 +188,10 @@ def best_static_hits(stream: CompactStream, capacity: int) -> int:
     counts = stream.read_counts
     if capacity >= len(counts):
         return int(counts.sum())
-    return int(np.partition(counts, len(counts) - capacity)[len(counts) - capacity:].sum())
+    key = ("best static", capacity)
+    if key not in stream.memo:
+        stream.memo[key] = int(np.partition(counts, len(counts) - capacity)[len(counts) - capacity:].sum())
+    return stream.memo[key]
 
 
 def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *, initial: bool = False,
@@ -262,20 +282,29 @@ def _replay_lru(stream: CompactStream, capacity: int, hot: np.ndarray, progress)
     return ReplayResult(stream.num_reads, hits, len(stream.step_ids), fetch_hits)
 
 
-def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_scores: np.ndarray,
-                    params: DynamicParams, progress) -> ReplayResult:
-    ways = min(params.ways, capacity)
-    num_sets = max(1, capacity // ways)
-    # Set of each compact id, numbered among the sets the stream's rows fall in (ascending, so the
-    # order of sets, which breaks no tie but groups candidates, is the table's own).
-    set_of = np.unique(stream.rows % num_sets, return_inverse=True)[1].reshape(-1)   # [U]
-    num_sets = int(set_of.max()) + 1 if len(set_of) else 1
-    slot_row = np.full(num_sets * ways, -1, dtype=np.int64)
-    slot_score = np.full(num_sets * ways, -1, dtype=np.int64)  # -1: empty way (below any score)
-    slot_epoch = np.zeros(num_sets * ways, dtype=np.int64)
-    slot_inserted = np.full(num_sets * ways, -1, dtype=np.int64)  # step of the last insertion
-    slot_of = np.full(len(stream.rows), -1, dtype=np.int64)
-    if len(hot):  # initial content: each set takes its hottest rows while it has ways
+def _set_layout(stream: CompactStream, num_sets: int, ways: int, hot: np.ndarray
+                ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """``(set_of [U], sets, keep, slots)`` of a set-associative cache of ``num_sets`` sets of ``ways``:
+    each compact id's set, numbered among the sets the stream's rows fall in (ascending, so the order
+    of sets, which breaks no tie but groups candidates, is the table's own), how many such sets, and
+    the initial content: the positions ``keep`` in ``hot`` of the rows each set takes (its hottest,
+    while it has ways) and their slots. Kept on the stream: every policy and replay of one capacity
+    shares it."""
+    key = ("sets", num_sets, ways, len(hot))   # hot: always a prefix of stream.extra_ids (replay)
+    cached = stream.memo.get(key)
+    if cached is not None:
+        return cached
+    table_sets = stream.rows % num_sets
+    if num_sets <= 8 * len(stream.rows) + (1 << 20):  # dense numbering by a presence map: no sort
+        present = np.zeros(num_sets, dtype=bool)
+        present[table_sets] = True
+        number = np.cumsum(present, dtype=np.int64) - 1
+        set_of = number[table_sets]
+    else:
+        set_of = np.unique(table_sets, return_inverse=True)[1].reshape(-1)   # [U]
+    used_sets = int(set_of.max()) + 1 if len(set_of) else 1
+    keep = slots = np.zeros(0, dtype=np.int64)
+    if len(hot):
         sets = set_of[hot]
         order = np.argsort(sets, kind="stable")
         sorted_sets = sets[order]
@@ -283,6 +312,20 @@ def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_s
         rank = np.arange(len(hot)) - np.repeat(starts, np.diff(np.r_[starts, len(hot)]))
         keep = order[rank < ways]
         slots = set_of[hot[keep]] * ways + rank[rank < ways]
+    stream.memo[key] = result = (set_of, used_sets, keep, slots)
+    return result
+
+
+def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_scores: np.ndarray,
+                    params: DynamicParams, progress) -> ReplayResult:
+    ways = min(params.ways, capacity)
+    set_of, num_sets, keep, slots = _set_layout(stream, max(1, capacity // ways), ways, hot)
+    slot_row = np.full(num_sets * ways, -1, dtype=np.int64)
+    slot_score = np.full(num_sets * ways, -1, dtype=np.int64)  # -1: empty way (below any score)
+    slot_epoch = np.zeros(num_sets * ways, dtype=np.int64)
+    slot_inserted = np.full(num_sets * ways, -1, dtype=np.int64)  # step of the last insertion
+    slot_of = np.full(len(stream.rows), -1, dtype=np.int64)
+    if len(keep):  # initial content: each set takes its hottest rows while it has ways
         slot_row[slots] = hot[keep]
         slot_score[slots] = hot_scores[keep]
         slot_of[hot[keep]] = slots

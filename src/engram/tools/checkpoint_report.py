@@ -41,10 +41,13 @@ class _Problems:
         return f"[red]problem {self.messages.index(message) + 1}[/]"
 
 
-def _unreadable_files(checkpoint, problems: _Problems) -> dict[Path, str]:
+def _unreadable_files(checkpoint, problems: _Problems, warn) -> dict[Path, str]:
     """Each file holding an Engram tensor that is missing or cannot be opened -> its problem's
-    pointer (one problem per file, listing the Engram tensors it should hold)."""
-    from engram.checkpoint import _open
+    pointer (one problem per file, listing the Engram tensors it should hold). A file found
+    without an index that cannot be read is only a warning, as the loader sees it: it is an
+    error there only when a tensor is looked for and found in no other file (then that tensor's
+    problem names the file)."""
+    from engram.checkpoint import _open, file_problem
 
     holders: dict[Path, list[str]] = {}
     for name, path in checkpoint.weight_map.items():
@@ -52,14 +55,14 @@ def _unreadable_files(checkpoint, problems: _Problems) -> dict[Path, str]:
             holders.setdefault(path, []).append(name)
     bad: dict[Path, str] = {}
     for path, error in checkpoint.unreadable_files.items():  # without an index: headers already read
-        bad[path] = problems.add(f"file {str(path)!r} is not a readable safetensors file, it may be truncated or "
-                                 f"corrupt ({error})")
+        warn([f"file {str(path)!r} is not a readable safetensors file ({error}); the loader reads no tensor from "
+              f"it"])
     for path in sorted(holders):
         names = sorted(holders[path])
         listed = f"{len(names)} Engram tensor(s): {', '.join(repr(n) for n in names)}"
-        if not path.is_file():
-            bad[path] = problems.add(f"file {str(path)!r}, named by the index file {str(checkpoint.index_file)!r}, "
-                                     f"does not exist; it should hold {listed}")
+        problem = file_problem(path, "file")
+        if problem is not None:
+            bad[path] = problems.add(f"{problem}; the index file {str(checkpoint.index_file)!r} names it for {listed}")
             continue
         try:
             with _open(path, "checkpoint"):
@@ -70,23 +73,31 @@ def _unreadable_files(checkpoint, problems: _Problems) -> dict[Path, str]:
 
 
 def checkpoint_report(directory: str, spec: EngramSpec, layout: EngramLayout, console: Console, *,
-                      scan_tables: bool = True, progress: bool = True) -> list[str]:
+                      scan_tables: bool = True, progress: bool = True, warn=None) -> list[str]:
     """Print the tables described in the module docstring and return every problem found, each a
-    whole message (the tables only point to it)."""
+    whole message (the tables only point to it). ``warn(messages)``: what is worth saying but no
+    problem (an unreadable stray file the loader never reads); default: printed with the tables."""
     from engram.checkpoint import (DEFAULT_CHUNK_BYTES, SafetensorsCheckpoint, map_table_rows, _wkv_scale_info,
-                             expected_layer_tensors, layer_weight_problems, table_progress)
+                             expected_layer_tensors, file_problem, layer_weight_problems, table_progress,
+                             unexpected_engram_tensors)
     from engram.memory import _read_vocab
     from engram.table import available_placements
 
-    checkpoint = SafetensorsCheckpoint(directory)
+    if warn is None:
+        def warn(messages):
+            for message in messages:
+                console.print(f"warning: {message}", markup=False, highlight=False)
+    try:
+        checkpoint = SafetensorsCheckpoint(directory)
+    except ValueError as error:  # no shard, a garbage index, a tensor in two files: nothing else can be read
+        return [str(error)]
     source = (f"index {checkpoint.index_file.name}" if checkpoint.index_file is not None
               else "no index: every *.safetensors header read")
     tensors = Table(title=f"Engram tensors of {directory} ({len(checkpoint.files)} files, {source})")
     for column in ("tensor", "file", "dtype", "shape", "bytes", "check"):
         tensors.add_column(column, justify="right" if column == "bytes" else "left")
-    per_file: dict[str, list[int]] = {}
     problems = _Problems()
-    unreadable = _unreadable_files(checkpoint, problems)
+    unreadable = _unreadable_files(checkpoint, problems, warn)
     sound_layers = []
     for index, layer_id in enumerate(spec.layer_ids):
         expected = expected_layer_tensors(spec, layout, index)
@@ -120,20 +131,20 @@ def checkpoint_report(directory: str, spec: EngramSpec, layout: EngramLayout, co
             if kind == "wkv.weight" and verdict.endswith("ok[/]"):
                 wkv_info = info
             tensors.add_row(name, info.file.name, info.dtype, str(list(info.shape)), f"{info.nbytes:,}", verdict)
-            counts = per_file.setdefault(info.file.name, [0, 0])
-            counts[0] += 1
-            counts[1] += info.nbytes
         if sound:
             sound_layers.append(index)
+    unknown = {}
+    for message in unexpected_engram_tensors(checkpoint, spec):
+        name = message.split("'", 2)[1]
+        unknown[name] = problems.add(message)
+    for name, pointer in unknown.items():
+        try:
+            info = checkpoint.info(name)
+            tensors.add_row(name, info.file.name, info.dtype, str(list(info.shape)), f"{info.nbytes:,}", pointer)
+        except ValueError:
+            tensors.add_row(name, checkpoint.weight_map[name].name, "", "", "", pointer)
     console.print(tensors)
-    files = Table(title="files")
-    for column in ("file", "Engram tensors", "Engram bytes", "other tensors"):
-        files.add_column(column, justify="left" if column == "file" else "right")
-    for path in checkpoint.files:
-        others = sum(1 for name, file in checkpoint.weight_map.items() if file == path and ".engram." not in name)
-        count, size = per_file.get(path.name, [0, 0])
-        files.add_row(path.name, str(count), format_bytes(size), str(others))
-    console.print(files)
+    _print_files(checkpoint, console)
 
     # The loader's checks beyond the headers, on the layers whose headers are sound.
     for index in sound_layers:
@@ -154,15 +165,42 @@ def checkpoint_report(directory: str, spec: EngramSpec, layout: EngramLayout, co
                     problems.add(str(error))
         finally:
             bar.close()
-    try:
-        _read_vocab(Path(directory), spec)
-    except ValueError as error:
-        problems.add(str(error))
+    tokenizer_problem = file_problem(Path(directory) / "tokenizer.json", "tokenizer file")
+    if tokenizer_problem is not None:
+        problems.add(tokenizer_problem)
+    else:
+        try:
+            _read_vocab(Path(directory), spec)
+        except ValueError as error:
+            problems.add(str(error))
 
     _print_placements(spec, layout, console, available_placements())
     if not scan_tables:
-        console.print("[dim]--no-value-scan: the table bytes were not scanned for NaN[/]")
+        console.print("[dim]--no-value-scan: the table bytes were not scanned[/]")
     return problems.messages
+
+
+def _print_files(checkpoint, console: Console) -> None:
+    """Per file: its Engram tensors (every tensor named ``...engram...``, known or not) and their
+    bytes, and its other tensors, from the index or the headers."""
+    files = Table(title="files")
+    for column in ("file", "Engram tensors", "Engram bytes", "other tensors"):
+        files.add_column(column, justify="left" if column == "file" else "right")
+    unreadable = checkpoint.unreadable_files
+    for path in checkpoint.files:
+        names = [name for name, file in checkpoint.weight_map.items() if file == path]
+        engram_names = [name for name in names if ".engram." in name]
+        size = 0
+        for name in engram_names:
+            try:
+                size += checkpoint.info(name).nbytes
+            except ValueError:
+                pass
+        if path in unreadable:
+            files.add_row(path.name, "", "", "[dim]unreadable: not read[/]")
+            continue
+        files.add_row(path.name, str(len(engram_names)), format_bytes(size), str(len(names) - len(engram_names)))
+    console.print(files)
 
 
 def _print_placements(spec: EngramSpec, layout: EngramLayout, console: Console, available) -> None:
@@ -187,8 +225,14 @@ def _print_placements(spec: EngramSpec, layout: EngramLayout, console: Console, 
     placements.add_row("cpu", "page cache (memory-mapped files), per node", *per_rank)
     placements.add_row("device", "HBM, per GPU", *per_rank)
     if "host" in available:
-        placements.add_row("host", "pinned host memory, all ranks' shards (one copy per node with "
-                           "share_host_tables; rows packed to 272 B there, +3%)", *per_node)
+        from engram.table.host_memory.rows import packed_row_bytes
+
+        packed = packed_row_bytes(spec.head_dim)
+        host_bytes = format_bytes(sum(layout.num_embeddings) * packed)
+        placements.add_row("host", f"pinned host memory, all ranks' shards (one copy per node with share_host_tables); "
+                           f"rows packed to {packed} B of {spec.row_bytes} "
+                           f"(+{packed / spec.row_bytes - 1:.0%}, counted)", *[host_bytes if cell != "no split" else cell
+                                                                           for cell in per_node])
     else:
         placements.add_row("host", "[dim]not available in this version[/]", *[""] * len(world_sizes))
     wkv_bytes = spec.num_layers * (spec.kv_dim * spec.num_columns * spec.head_dim + 2 * spec.hc_mult * spec.hidden_size) * 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-__all__ = ["english_texts", "TEXT_SOURCES"]
+__all__ = ["english_texts", "count_english_texts", "TEXT_SOURCES"]
 
 TEXT_SOURCES = {
     "fortunes": [Path("/usr/share/games/fortunes")],
@@ -52,6 +52,13 @@ def _root_label(root: Path) -> str:
     ``/usr/share/doc/<package>/html/_sources``, else the root's own name."""
     parts = root.parts
     return parts[parts.index("doc") + 1] if "doc" in parts[:-1] else root.name
+
+
+def count_english_texts() -> dict[str, int]:
+    """Per source present, how many texts :func:`english_texts` can take from it at most: its text
+    files (a listing, no file read; a file that turns out to hold only white space is skipped there)."""
+    counts = {source: len(_candidates(source)) for source in TEXT_SOURCES}
+    return {source: count for source, count in counts.items() if count}
 
 
 def english_texts(max_texts: int = 6, max_chars: int = 20_000, seed: int = 0) -> list[tuple[str, str]]:

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from engram.common import as_device, resolve_device
-from engram.tools.corpus import english_texts
+from engram.tools.corpus import count_english_texts, english_texts
+from engram.tools.outputs import CommandFailed, staged_directory, writable_directory
 from engram.tools.defaults import default_tokenizer_path, packaged_config
 from engram.layer.gate import engram_gate
 from engram.layer.wkv import split_kv
@@ -27,7 +28,7 @@ from engram.tools.simulation import HISTORY_SOURCES, StreamingEngine
 from engram.spec import EngramSpec
 from engram.vocab import TokenCompressor
 
-__all__ = ["run_demo", "run_layer_demo"]
+__all__ = ["run_demo", "run_layer_demo", "check_text_count"]
 
 LAYER_STAGES = ("hash", "lookup", "wkv", "gate")
 _REFERENCE_CHUNK_TOKENS = 4096
@@ -78,6 +79,7 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
     for flag, value in (("--texts", num_texts), ("--max-chars", max_chars)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag}: expected an integer >= 1, found {value!r}")
+    check_text_count(num_texts)
     check_seed(seed)
     resolve_device(device, "engram demo --device")
     if layers:
@@ -92,6 +94,9 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
                   f"{vocab.size} ({vocab_seconds:.2f} s, cached on disk)")
 
     texts = english_texts(max_texts=num_texts, max_chars=max_chars, seed=seed)
+    if len(texts) < num_texts:
+        console.print(f"note: {len(texts)} texts, not {num_texts}: the other files found hold only white space",
+                      highlight=False)
     requests = _tokenize_requests(texts, _tokenizer_file(tokenizer), seed)
     listing = Table(title="requests (real English text, DeepSeek-V4 tokenizer)")
     for column in ("request", "tokens", "dead tokens"):
@@ -129,11 +134,24 @@ def check_seed(seed) -> None:
         raise ValueError(f"--seed: expected an integer in [0, 2**63), found {seed!r}")
 
 
+def check_text_count(num_texts: int) -> None:
+    """``--texts``: at most the text files found on the machine (:func:`count_english_texts`)."""
+    counts = count_english_texts()
+    available = sum(counts.values())
+    if num_texts > available:
+        found = ", ".join(f"{count} of {source}" for source, count in counts.items())
+        raise ValueError(f"--texts: expected at most {available:,}, the text files found on this machine ({found}), "
+                         f"found {num_texts:,}")
+
+
 def check_layer_arguments(checkpoint: str | None, device: str, placement: str) -> None:
-    """``--checkpoint`` (a directory, or a path to create one at) and ``--placement`` against the device."""
+    """``--checkpoint`` (a directory, or a path to create one at: made and probed now, so that a path
+    that cannot be written is refused before any slow work) and ``--placement`` against the device."""
     if checkpoint is not None and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
         raise ValueError(f"--checkpoint: expected a checkpoint directory (or a path where a synthetic one is "
                          f"written), found a file at {checkpoint!r}")
+    if checkpoint is not None and not (Path(checkpoint) / "config.json").exists():
+        writable_directory("--checkpoint", checkpoint, keep=False)
     placements = ("auto", "device", "host", "cached")
     if placement not in placements:
         raise ValueError(f"--placement: expected one of {', '.join(placements)}, found {placement!r}")
@@ -224,21 +242,46 @@ class _LayerRunner:
 
 def _prepare_checkpoint(checkpoint: str | None, tokenizer: str | None, seed: int, workspace: Path,
                         console: Console) -> Path:
+    """The checkpoint directory to load: ``checkpoint`` as found when it holds a ``config.json``,
+    else a synthetic checkpoint written there (or in ``workspace``, a temporary directory), every
+    file staged first and ``config.json`` moved in last, so a failed write (a full disk) leaves no
+    partial checkpoint for the next run to take as one."""
     from engram.tools.testing import write_synthetic_checkpoint
 
     directory = Path(checkpoint) if checkpoint else workspace
-    if (directory / "config.json").is_file():
+    if (directory / "config.json").exists():
         console.print(f"checkpoint: {directory} (as found)")
         return directory
+    directory, made = writable_directory("--checkpoint", str(directory))
     started = time.perf_counter()
-    written = write_synthetic_checkpoint(directory, seed=seed, scale="small", tokenizer=_tokenizer_file(tokenizer),
-                                         num_shards=2)
+    with staged_directory("--checkpoint", directory, made, last="config.json") as staging:
+        written = write_synthetic_checkpoint(staging, seed=seed, scale="small", tokenizer=_tokenizer_file(tokenizer),
+                                             num_shards=2)
     spec = written.spec
-    console.print(f"checkpoint: wrote a synthetic one to {directory} in {time.perf_counter() - started:.2f} s: "
+    where = (f"to {directory}" if checkpoint else
+             "for this run (a temporary directory, removed at exit; --checkpoint DIR keeps one)")
+    console.print(f"checkpoint: wrote a synthetic one {where} in {time.perf_counter() - started:.2f} s: "
                   f"layers {list(spec.layer_ids)}, {spec.num_columns} hash columns of {spec.head_dim}, hidden "
                   f"{spec.hidden_size}, hc_mult {spec.hc_mult}, FP8 wkv {list(spec.weight_block_size or [])} blocks, "
-                  f"tables {[f'{r:,}' for r in EngramLayout(spec).num_embeddings]} rows")
+                  f"tables {[f'{r:,}' for r in EngramLayout(spec).num_embeddings]} rows", highlight=False)
     return directory
+
+
+def _load_memory(directory: Path, placement: str, device: str):
+    """``EngramMemory.from_pretrained`` of the demo's checkpoint; a checkpoint it refuses is a problem
+    found (:class:`CommandFailed`, exit 1) naming the directory and the loader's reason."""
+    from engram.checkpoint import file_problem
+    from engram.memory import EngramMemory
+
+    try:
+        for name, what in (("config.json", "config file"), ("tokenizer.json", "tokenizer file")):
+            problem = file_problem(directory / name, what)
+            if problem is not None:
+                raise ValueError(problem)
+        return EngramMemory.from_pretrained(directory, placement=placement,
+                                            device=None if device == "cpu" else device, progress=False)
+    except ValueError as error:
+        raise CommandFailed(f"--checkpoint: {str(directory)!r} cannot be loaded: {error}") from None
 
 
 def _check_layers(memory, runner: _LayerRunner, directory: Path) -> list[dict[str, Any]]:
@@ -296,8 +339,6 @@ def run_layer_demo(texts: list[tuple[str, str]], *, checkpoint: str | None = Non
     """Load a checkpoint with :class:`EngramMemory`, stream ``texts`` through its hasher
     and layers as an engine would, print a per-stage timing table and the reference
     check; True when every layer passed."""
-    from engram.memory import EngramMemory
-
     console = console or Console()
     check_seed(seed)
     check_layer_arguments(checkpoint, device, placement)
@@ -305,8 +346,7 @@ def run_layer_demo(texts: list[tuple[str, str]], *, checkpoint: str | None = Non
         directory = _prepare_checkpoint(checkpoint, tokenizer, seed, Path(workspace), console)
         started = time.perf_counter()
         chosen = "cpu" if device == "cpu" else ("device" if placement == "auto" else placement)
-        memory = EngramMemory.from_pretrained(directory, placement=chosen,
-                                              device=None if device == "cpu" else device, progress=False)
+        memory = _load_memory(directory, chosen, device)
         console.print(f"loaded {memory!r} in {time.perf_counter() - started:.2f} s")
         requests = _tokenize_requests(texts, directory / "tokenizer.json", seed)
         runner = _LayerRunner(memory, torch.Generator().manual_seed(seed))

@@ -97,13 +97,14 @@ def run_transformers_demo(*, tokenizer: str | None = None, device: str = "cpu", 
     from engram.tools.testing import write_transformers_checkpoint
 
     from engram.common import resolve_device
-    from engram.tools.demo import check_seed
+    from engram.tools.demo import check_seed, check_text_count
 
     console = console or Console()
     # The arguments first: no model is written for a run that cannot go ahead.
     for flag, value in (("--texts", num_texts), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{flag}: expected an integer >= 1, found {value!r}")
+    check_text_count(num_texts)
     check_seed(seed)
     resolve_device(device, "engram demo --transformers --device")
     tokenizer_file = _tokenizer_file(tokenizer)

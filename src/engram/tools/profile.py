@@ -94,11 +94,11 @@ class Trace:
 
 
 def _bar(total: int, description: str, unit: str, enabled: bool):
-    """A tqdm bar on stderr, as loading has (plain lines when stderr is not a terminal)."""
-    from tqdm.auto import tqdm
+    """A bar on stderr, as loading has (:func:`engram.progress.progress_bar`: whole lines when stderr is
+    not a terminal), cleared from a terminal when done."""
+    from engram.progress import progress_bar
 
-    return tqdm(total=total, desc=description, unit=unit, unit_scale=True, disable=not enabled,
-                dynamic_ncols=True, mininterval=0.5, leave=False)
+    return progress_bar(total, description, unit=unit, enabled=enabled, leave=False)
 
 
 def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_tokens: int | None = None,
@@ -107,18 +107,32 @@ def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_
     tokens; files that are not UTF-8 text are skipped (counted), a few invalid bytes in a text are
     read as U+FFFD (``Trace.replaced``). ``tokenizer``: a ``tokenizers.Tokenizer``.
     ``progress``: a bar of the files' bytes on stderr."""
-    from engram.hashing.reference import hash_ngrams
-
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise ValueError(f"--max-tokens: expected an integer >= 1, found {max_tokens!r}")
     started = time.perf_counter()
     files = corpus_files(paths)
     per_layer: list[list[np.ndarray]] = [[] for _ in range(layout.spec.num_layers)]
-    tokens = used = skipped = 0
     replaced: list[tuple[Path, int]] = []
     bar = _bar(sum(p.stat().st_size for p in files), "hashing text", "B", progress)
+    try:
+        tokens, used, skipped = _hash_files(files, layout, vocab, tokenizer, max_tokens, per_layer, replaced, bar)
+    finally:
+        bar.close()
+    if used == 0:
+        raise ValueError(f"--corpus: no text files found in {list(paths)!r} ({len(files)} files, {skipped} not "
+                         "plain UTF-8)")
+    reads = [np.concatenate(chunks) for chunks in per_layer]
+    return Trace(reads, tokens, used, skipped, time.perf_counter() - started, replaced)
+
+
+def _hash_files(files, layout, vocab, tokenizer, max_tokens, per_layer, replaced, bar) -> tuple[int, int, int]:
+    """Hash each file into ``per_layer`` (:func:`read_trace`); ``(tokens, files used, files skipped)``."""
+    from engram.hashing.reference import hash_ngrams
+
+    tokens = used = skipped = 0
     for path in files:
         if max_tokens is not None and tokens >= max_tokens:
+            bar.total = bar.n   # stopped at --max-tokens: what was read is the whole
             break
         bar.update(path.stat().st_size)
         read = _text(path)
@@ -138,12 +152,7 @@ def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_
             per_layer[l].append(hashed[:, l, :].reshape(-1))
         tokens += len(ids)
         used += 1
-    bar.close()
-    if used == 0:
-        raise ValueError(f"--corpus: no text files found in {list(paths)!r} ({len(files)} files, {skipped} not "
-                         "plain UTF-8)")
-    reads = [np.concatenate(chunks) for chunks in per_layer]
-    return Trace(reads, tokens, used, skipped, time.perf_counter() - started, replaced)
+    return tokens, used, skipped
 
 
 @dataclass
@@ -182,7 +191,17 @@ class HotSet:
         if Path(path).stat().st_size == 0:
             raise ValueError(f"--hot: {str(path)!r} is empty; expected a hot set written by engram profile build")
         try:
-            data = np.load(path)
+            data = np.load(path, allow_pickle=False)
+        except ValueError:  # a text file: numpy's advice to load it "unsafely" is none to follow
+            raise ValueError(f"--hot: {str(path)!r} is not a hot set written by engram profile build (not a NumPy "
+                             f"archive)") from None
+        except (OSError, EOFError, zipfile.BadZipFile) as error:
+            raise ValueError(f"--hot: {str(path)!r} is not a hot set written by engram profile build "
+                             f"({error or type(error).__name__})") from None
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError(f"--hot: {str(path)!r} is not a hot set written by engram profile build (a single "
+                             f"NumPy array, not an .npz archive)")
+        try:
             layer_ids = [int(x) for x in data["layer_ids"]]
             num_rows = [int(x) for x in data["num_rows"]]
             hot = cls(layer_ids, num_rows, [data[f"rows_{l}"].astype(np.int64) for l in range(len(layer_ids))],
@@ -254,13 +273,27 @@ def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: Ho
         raise ValueError("--policy static: needs --hot HOT.npz (the static set is built by engram profile build)")
     columns = layout.spec.num_columns
     streams = []
-    for l, reads in enumerate(trace.reads):
-        most = max(capacity_for(f, int(layout.num_embeddings[l])) for f in fractions)
-        extra = None if hot is None else hot.rows[l][:most]
-        streams.append(CompactStream(reads, step_tokens * columns, extra_rows=extra))
+    step_reads = step_tokens * columns
+    bar = _bar(sum(-(-len(reads) // step_reads) for reads in trace.reads), "preparing steps", "step", progress)
+    try:
+        for l, reads in enumerate(trace.reads):
+            most = max(capacity_for(f, int(layout.num_embeddings[l])) for f in fractions)
+            extra = None if hot is None else hot.rows[l][:most]
+            streams.append(CompactStream(reads, step_reads, extra_rows=extra, progress=bar))
+    finally:
+        bar.close()
     results = []
     bar = _bar(len(policies) * len(fractions) * sum(stream.num_steps for stream in streams), "replaying steps",
                "step", progress)
+    try:
+        results = _replays(streams, layout, fractions, policies, hot, params, bar)
+    finally:
+        bar.close()
+    return results
+
+
+def _replays(streams, layout: EngramLayout, fractions, policies, hot, params, bar) -> list[dict]:
+    results = []
     for policy in policies:
         for fraction in fractions:
             layers, totals = {}, np.zeros(6, dtype=np.int64)
@@ -278,7 +311,6 @@ def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: Ho
             seconds = time.perf_counter() - started
             results.append({"policy": policy, "fraction": fraction, **_figures(totals, None),
                             "replay_seconds": round(seconds, 3), "layers": layers})
-    bar.close()
     return results
 
 
@@ -308,8 +340,10 @@ def corpus_warnings(trace: Trace, results: list[dict], step_tokens: int, name: s
     if full:
         distinct = max(layer["distinct_rows"] for r in results for layer in r["layers"].values())
         warnings.append(f"{name}: a cache of {full[0]:g} of the rows already holds every distinct row the text reads "
-                        f"(up to {distinct:,} per layer): from there every policy that keeps what it reads meets "
-                        f"the ceiling; the text is too small to compare them")
+                        f"(up to {distinct:,} per layer): from there no row needs evicting, and a policy that keeps "
+                        f"every row it reads serves every read of a row read in an earlier step (less than the "
+                        f"ceiling, which also counts a row's repeats within the step of {step_tokens} tokens of its "
+                        f"first read); the text is too small to compare policies")
     return warnings
 
 

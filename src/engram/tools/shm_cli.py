@@ -3,8 +3,9 @@
 ``engram shm list [--dir DIR] [--json]`` describes each file (:func:`engram.table.host_memory.shm_admin.list_shared_tables`);
 ``engram shm remove (--all-stale | KEY/PATH) [--dir DIR]`` removes one table (by share key
 or path) or every stale file. Exit codes: 0 success; 1 a problem found (``list``: a stale file
-or a table of ours that cannot be attached; ``remove``: nothing matched, or a file was left
-because its filler is alive or this user may not remove it); 2 bad input.
+or a table of ours that cannot be attached; ``remove``: a file had to stay, because its filler
+is alive or this user may not remove it); 2 bad input (``remove``: a key or path that names no
+table file, ``--dir`` not a directory). Errors go to stderr, one line each.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 
 from rich.console import Console
 from rich.markup import escape
@@ -81,19 +83,17 @@ def command_shm_remove(args: argparse.Namespace, console: Console) -> int:
         if args.all_stale:
             console.print(f"no stale shared table files in {escape(args.dir)}", highlight=False)
             return 0
-        console.print(f"[red]nothing to remove:[/] no shared table file for {escape(args.target)!r} in "
-                      f"{escape(args.dir)}", highlight=False)
-        return 1
+        raise ValueError(f"nothing to remove: no shared table file for {args.target!r} in {args.dir}")
     return 0
 
 
 def _guarded(command):
-    """A command whose OS errors (an unreadable directory) are one line and exit code 1."""
+    """A command whose OS errors (an unreadable directory) are one line on stderr and exit code 1."""
     def run(args: argparse.Namespace, console: Console) -> int:
         try:
             return command(args, console)
         except OSError as error:
-            console.print(f"[red]error:[/] {escape(str(error))}", highlight=False)
+            print(f"error: {error}", file=sys.stderr, flush=True)
             return 1
     return run
 
@@ -108,7 +108,8 @@ def add_shm_parser(commands) -> None:
     listing.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     listing.set_defaults(run=_guarded(command_shm_list))
     remove = actions.add_parser("remove", help="remove a table (share key or path) or every stale file; a table "
-                                               "whose filler is alive is left (exit 1)")
+                                               "whose filler is alive is left (exit 1); a key or path that names "
+                                               "no table is bad input (exit 2)")
     which = remove.add_mutually_exclusive_group(required=True)
     which.add_argument("--all-stale", action="store_true",
                        help="every file of ours that can never be attached: dead fillers' files, lone lock files, "
