@@ -362,7 +362,7 @@ def test_gpu_failed_start_makes_the_earlier_ticket_stale(seed, monkeypatch):
 
     monkeypatch.setattr(stream_memory_ops, "copy_to_device", copy_then_fail)
     with pytest.raises(RuntimeError, match="injected failure"):
-        gather.start(second.view(-1), 0, torch.cuda.current_stream())
+        gather.start(second, 0, torch.cuda.current_stream())
     monkeypatch.undo()
     assert not gather.current(handle.pending)  # its staging may be overwritten by the failed job's queued copy
     for ids, prefetch in ((first, handle), (second, None)):  # refused by name, never served
