@@ -377,6 +377,8 @@ def test_native_worker_itself_refuses_malformed_wave_ends(rng):
     past the ids or out of order would copy outside the staging or never publish."""
     import ctypes
 
+    from engram.table.host_memory.gather_protocol import JobRecord
+
     lib, _ = native_worker._library()
     service = native_worker.NativeGatherService(1)
     table = _table(rng, 20)
@@ -387,10 +389,12 @@ def test_native_worker_itself_refuses_malformed_wave_ends(rng):
     try:
         for ends, accepted in (([3, 3], False), ([2, 1], False), ([1, 4], False), ([0, 3], False), ([1, 2], False),
                                ([1, 3], True)):
-            array = (ctypes.c_int64 * 2)(*ends)
-            status = lib.engram_gather_submit(service._handle, table.data_ptr(), table.shape[0], ROW_BYTES,
-                                              ids.data_ptr(), 3, staging.data_ptr(), word, 1, word, 0, word, 0, 2,
-                                              array, word, 0)
+            record = JobRecord(table=table.data_ptr(), table_rows=table.shape[0], row_bytes=ROW_BYTES,
+                               ids=ids.data_ptr(), num_ids=3, staging=staging.data_ptr(), ids_ready=word,
+                               ids_ready_value=1, staging_free=word, staging_free_value=0, waves_done=word,
+                               waves_base=0, num_waves=2, job_done=word, job_done_value=0)
+            record.wave_ends[:2] = ends
+            status = lib.engram_gather_submit(service._handle, ctypes.byref(record))
             assert (status == 0) == accepted, ends
     finally:
         service.stop()
@@ -444,3 +448,38 @@ def test_dedup_auto_never_reads_a_count_from_a_reused_id_buffer():
     buffers[2][0][10] = 4
     gather._sort_next(8)
     assert gather.repeat_share == pytest.approx(0.6)
+
+
+def test_the_job_record_is_laid_out_as_the_c_side_declares_it():
+    """gather_protocol.JobRecord against native_gather.c's JobRecord: its size and every field's offset."""
+    import ctypes
+
+    from engram.table.host_memory.gather_protocol import JobRecord
+
+    layout = native_worker.record_layout()
+    expected = [ctypes.sizeof(JobRecord)] + [getattr(JobRecord, name).offset for name, _ in JobRecord._fields_]
+    assert layout == expected
+
+
+def test_every_constant_the_c_side_shares_comes_from_the_protocol_module(tmp_path):
+    """Every ENGRAM_* constant native_gather.c uses is one of compile_definitions(), and the source refuses
+    to build without them."""
+    import re
+    import subprocess
+
+    from engram.environment import c_compiler
+    from engram.table.host_memory.gather_protocol import compile_definitions
+
+    source = (native_worker._SOURCE).read_text()
+    used = set(re.findall(r"\bENGRAM_[A-Z_]+\b", source))
+    given = {flag[2:].split("=")[0] for flag in compile_definitions()}
+    assert used and used == given
+    for name in ("MAX_WAVES", "MAX_THREADS", "CHUNK_ROWS", "PREFETCH_DISTANCE", "TIMED_WAVES"):
+        assert re.search(rf"#define {name} ENGRAM_{name}\b", source), name  # no number of its own
+    compiler = c_compiler()
+    command = [compiler, "-std=gnu11", "-fsyntax-only", "-pthread", str(native_worker._SOURCE)]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "compile_definitions" in refused.stderr
+    accepted = subprocess.run(command[:-1] + compile_definitions() + command[-1:], capture_output=True, text=True,
+                              timeout=60)
+    assert accepted.returncode == 0, accepted.stderr

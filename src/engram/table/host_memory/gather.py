@@ -6,6 +6,9 @@ once into pinned staging in waves on ``gather_threads`` threads, and each wave's
 copy on a copy stream overlaps the gather of the next. The consumer's stream waits on the last
 copy and reads the rows from the device staging through the lookup's ``inverse``.
 
+The protocol between the GPU, this module and the native worker: docs/design.md, "The host-gather
+protocol" (constants, job record and comparison rule in :mod:`~engram.table.host_memory.gather_protocol`).
+
 Two workers (``worker=``):
 
 * ``"native"`` (default where a C compiler and the driver's stream memory operations are found):
@@ -46,7 +49,7 @@ from engram.common import next_power_of_2
 from engram.environment import local_world_size
 from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
 from engram.table.host_memory import native_worker, openmp_team, stream_memory_ops
-from engram.table.host_memory.native_worker import JOB_DONE, STAGING_FREE, WAVES_DONE
+from engram.table.host_memory.gather_protocol import FLAG_WORDS, JOB_DONE, STAGING_FREE, WAVES_DONE
 from engram.table.host_memory.rows import row_tags
 from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
 
@@ -244,7 +247,7 @@ class HostGather:
         self.copy_stream = torch.cuda.Stream(device)
         if self.worker == "native":
             self.native_service = native_worker.shared_service(self.gather_threads)
-            self._flags = torch.zeros(native_worker.FLAG_WORDS, dtype=torch.int32, pin_memory=True)
+            self._flags = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=True)
             # The copy stream writes these words after the worker is done (no torch op records that use),
             # so they are never freed: 256 bytes per table.
             _FLAG_WORDS_KEPT.append(self._flags)

@@ -11,6 +11,9 @@
  * CUDA, so a stream waiting on a wave is released whatever the process's other threads hold (a module
  * load, a synchronizing call).
  *
+ * The protocol, once: docs/design.md, "The host-gather protocol"; its constants and job record:
+ * gather_protocol.py.
+ *
  * Jobs run one at a time in the order submitted: the order their GPU inputs were enqueued in, so
  * a job never waits on work enqueued after it. Flags are uint32, compared wrap-aware as the GPU does.
  * Ids are clamped into the table (anything outside reads the last row, the table's zero row) and
@@ -24,6 +27,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,37 +39,54 @@
 #include <emmintrin.h>
 #endif
 
-#define MAX_THREADS 256
-#define MAX_WAVES 64
-#define CHUNK_ROWS 128
-#define PREFETCH_DISTANCE 16
-#define TIMED_WAVES 16
+/* The constants this file shares with Python come from gather_protocol.py (compile_definitions), which
+ * the build passes as -D flags; the protocol itself is described in docs/design.md. */
+#if !defined(ENGRAM_MAX_WAVES) || !defined(ENGRAM_MAX_THREADS) || !defined(ENGRAM_TIMED_WAVES) \
+    || !defined(ENGRAM_TIMELINE_WORDS) || !defined(ENGRAM_CHUNK_ROWS) || !defined(ENGRAM_PREFETCH_DISTANCE)
+#error "build with gather_protocol.compile_definitions(): the constants shared with Python are missing"
+#endif
+#define MAX_THREADS ENGRAM_MAX_THREADS
+#define MAX_WAVES ENGRAM_MAX_WAVES
+#define CHUNK_ROWS ENGRAM_CHUNK_ROWS
+#define PREFETCH_DISTANCE ENGRAM_PREFETCH_DISTANCE
+#define TIMED_WAVES ENGRAM_TIMED_WAVES
 
 /* The last finished job's timeline (CLOCK_MONOTONIC ns, the clock of Python's time.monotonic_ns):
  * its job_done value, ids seen ready, staging seen free, the end of each of its first TIMED_WAVES
  * waves, the job's end, then the chunks its leader copied and the chunks in all. */
 enum { T_JOB, T_IDS_READY, T_STAGING_FREE, T_WAVES, T_DONE = T_WAVES + TIMED_WAVES, T_LEADER_CHUNKS,
        T_CHUNKS, TIMELINE_WORDS };
+_Static_assert(TIMELINE_WORDS == ENGRAM_TIMELINE_WORDS, "the timeline's words differ from gather_protocol.py's");
+
+/* One job's record: gather_protocol.JobRecord, field for field (engram_gather_record_layout reports the
+ * layout, which a test compares). A queued Job begins with the same fields. */
+#define JOB_RECORD_FIELDS \
+    const uint8_t *table; \
+    int64_t table_rows;            /* rows including the zero row, which is the last */ \
+    int64_t row_bytes; \
+    const int32_t *ids;            /* [num_ids + 1]: distinct rows in [:count], count at [num_ids] */ \
+    int64_t num_ids; \
+    uint8_t *staging;              /* [num_ids, row_bytes] */ \
+    const volatile uint32_t *ids_ready; \
+    uint32_t ids_ready_value; \
+    const volatile uint32_t *staging_free;  /* the previous copies of this staging have run */ \
+    uint32_t staging_free_value; \
+    volatile uint32_t *waves_done; \
+    uint32_t waves_base; \
+    int32_t num_waves; \
+    volatile uint32_t *job_done; \
+    uint32_t job_done_value; \
+    int64_t wave_ends[MAX_WAVES];  /* wave k covers staging rows [wave_ends[k-1] (0 for k = 0), wave_ends[k]) */
+
+typedef struct JobRecord {
+    JOB_RECORD_FIELDS
+} JobRecord;
 
 typedef struct Job {
-    const uint8_t *table;
-    int64_t table_rows;            /* rows including the zero row, which is the last */
-    int64_t row_bytes;
-    const int32_t *ids;            /* [num_ids + 1]: distinct rows in [:count], count at [num_ids] */
-    int64_t num_ids;
-    uint8_t *staging;              /* [num_ids, row_bytes] */
-    const volatile uint32_t *ids_ready;
-    uint32_t ids_ready_value;
-    const volatile uint32_t *staging_free;  /* the previous copies of this staging have run */
-    uint32_t staging_free_value;
-    volatile uint32_t *waves_done;
-    uint32_t waves_base;
-    int32_t num_waves;
-    volatile uint32_t *job_done;
-    uint32_t job_done_value;
+    JOB_RECORD_FIELDS
     struct Job *next;
-    int64_t wave_ends[MAX_WAVES];  /* wave k covers staging rows [wave_ends[k-1] (0 for k = 0), wave_ends[k]) */
 } Job;
+
 
 typedef struct Service {
     pthread_mutex_t lock;
@@ -354,27 +375,22 @@ Service *engram_gather_create(int threads) {
     return s;
 }
 
-/* Queue one job (copied, its wave ends too: increasing, the last num_ids); 0, or -1 when out of memory or
- * the arguments are malformed. */
-int engram_gather_submit(Service *s, const uint8_t *table, int64_t table_rows, int64_t row_bytes,
-                         const int32_t *ids, int64_t num_ids, uint8_t *staging,
-                         const volatile uint32_t *ids_ready, uint32_t ids_ready_value,
-                         const volatile uint32_t *staging_free, uint32_t staging_free_value,
-                         volatile uint32_t *waves_done, uint32_t waves_base, int32_t num_waves,
-                         const int64_t *wave_ends, volatile uint32_t *job_done, uint32_t job_done_value) {
-    if (s == NULL || table == NULL || table_rows < 1 || row_bytes < 1 || ids == NULL || num_ids < 1
-        || staging == NULL || ids_ready == NULL || staging_free == NULL || waves_done == NULL || num_waves < 1
-        || num_waves > MAX_WAVES || num_waves > num_ids || wave_ends == NULL || job_done == NULL)
+/* Queue one job (its record copied); 0, or -1 when out of memory or the record is malformed (wave ends must
+ * increase and end at num_ids). */
+int engram_gather_submit(Service *s, const JobRecord *record) {
+    if (s == NULL || record == NULL) return -1;
+    const JobRecord *r = record;
+    if (r->table == NULL || r->table_rows < 1 || r->row_bytes < 1 || r->ids == NULL || r->num_ids < 1
+        || r->staging == NULL || r->ids_ready == NULL || r->staging_free == NULL || r->waves_done == NULL
+        || r->num_waves < 1 || r->num_waves > MAX_WAVES || r->num_waves > r->num_ids || r->job_done == NULL)
         return -1;
-    for (int32_t wave = 0; wave < num_waves; wave++)
-        if (wave_ends[wave] <= (wave ? wave_ends[wave - 1] : 0)) return -1;
-    if (wave_ends[num_waves - 1] != num_ids) return -1;
+    for (int32_t wave = 0; wave < r->num_waves; wave++)
+        if (r->wave_ends[wave] <= (wave ? r->wave_ends[wave - 1] : 0)) return -1;
+    if (r->wave_ends[r->num_waves - 1] != r->num_ids) return -1;
     Job *job = calloc(1, sizeof(Job));
     if (job == NULL) return -1;
-    *job = (Job){table, table_rows, row_bytes, ids, num_ids, staging, ids_ready, ids_ready_value,
-                 staging_free, staging_free_value, waves_done, waves_base, num_waves, job_done,
-                 job_done_value, NULL, {0}};
-    for (int32_t wave = 0; wave < num_waves; wave++) job->wave_ends[wave] = wave_ends[wave];
+    memcpy(job, r, sizeof(JobRecord));  /* a Job begins with the record's fields */
+    job->next = NULL;
     pthread_mutex_lock(&s->lock);
     if (s->tail) s->tail->next = job;
     else s->head = job;
@@ -382,6 +398,21 @@ int engram_gather_submit(Service *s, const uint8_t *table, int64_t table_rows, i
     pthread_cond_broadcast(&s->wake);
     pthread_mutex_unlock(&s->lock);
     return 0;
+}
+
+/* The record's layout for the protocol test: out[0] = sizeof(JobRecord), then each field's offset in
+ * declaration order; returns the words written (at most `words`). */
+int engram_gather_record_layout(int64_t *out, int words) {
+    int64_t layout[] = {sizeof(JobRecord), offsetof(JobRecord, table), offsetof(JobRecord, table_rows),
+                        offsetof(JobRecord, row_bytes), offsetof(JobRecord, ids), offsetof(JobRecord, num_ids),
+                        offsetof(JobRecord, staging), offsetof(JobRecord, ids_ready),
+                        offsetof(JobRecord, ids_ready_value), offsetof(JobRecord, staging_free),
+                        offsetof(JobRecord, staging_free_value), offsetof(JobRecord, waves_done),
+                        offsetof(JobRecord, waves_base), offsetof(JobRecord, num_waves), offsetof(JobRecord, job_done),
+                        offsetof(JobRecord, job_done_value), offsetof(JobRecord, wave_ends)};
+    int count = (int)(sizeof(layout) / sizeof(layout[0]));
+    for (int i = 0; i < count && i < words; i++) out[i] = layout[i];
+    return count < words ? count : words;
 }
 
 /* Test hook: the next job to start waits after its ids are ready until *latch != 0 (or timeout_ms). */

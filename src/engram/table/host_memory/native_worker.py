@@ -6,8 +6,8 @@ once loaded, so no other user can plant the library), then loaded with ``ctypes`
 :func:`unavailable_reason` says why not where it cannot be.
 
 A :class:`NativeGatherService` is a team of ``threads`` native threads that runs jobs in the order
-submitted (see the C file for the protocol: the GPU writes the ids and an "ids ready" word, the
-worker stores a "waves done" word per wave and a "job done" word at the end). Python keeps every
+submitted (the protocol: docs/design.md, "The host-gather protocol", and its constants, job record and
+comparison rule in :mod:`~engram.table.host_memory.gather_protocol`). Python keeps every
 buffer a job touches alive until its "job done" word says the worker has finished with it, so a
 table, staging or id buffer dropped by its owner is never freed under the worker. One service per
 thread count and process (:func:`shared_service`); a forked child makes its own; services stop at
@@ -33,19 +33,14 @@ import numpy as np
 import torch
 
 from engram.environment import c_compiler
+from engram.table.host_memory.gather_protocol import (FLAG_WORDS, IDS_READY, JOB_DONE, MAX_WAVES, STAGING_FREE,
+                                                      TIMED_WAVES, TIMELINE_WORDS, WAVES_DONE, JobRecord,
+                                                      compile_definitions, reached, word)
 
 __all__ = ["NativeGatherService", "shared_service", "unavailable_reason", "even_wave_ends", "FLAG_WORDS", "IDS_READY",
            "STAGING_FREE", "WAVES_DONE", "JOB_DONE"]
 
 _SOURCE = Path(__file__).with_name("native_gather.c")
-
-# Word offsets in a flags tensor (int32 [FLAG_WORDS], pinned): one 64-byte line per writer's word.
-FLAG_WORDS = 64
-MAX_WAVES = 64  # as native_gather.c's MAX_WAVES
-IDS_READY = 0       # free for a caller's "ids ready" word (the host gather keeps one per id buffer instead)
-STAGING_FREE = 16   # written by the GPU after the copies of the previous job of this staging
-WAVES_DONE = 32     # stored by the worker after each wave
-JOB_DONE = 48       # stored by the worker when it no longer touches the job's buffers
 
 _u32p = ctypes.c_void_p
 
@@ -58,7 +53,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     directory = tempfile.mkdtemp(prefix="engram-native-")  # mode 0700: this user's only
     try:
         target = os.path.join(directory, "native_gather.so")
-        command = [compiler, "-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", str(_SOURCE), "-o", target]
+        command = [compiler, "-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", *compile_definitions(), str(_SOURCE),
+                   "-o", target]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as error:
@@ -73,11 +69,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         shutil.rmtree(directory, ignore_errors=True)  # the loaded library stays mapped
     lib.engram_gather_create.argtypes = [ctypes.c_int]
     lib.engram_gather_create.restype = ctypes.c_void_p
-    lib.engram_gather_submit.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-        ctypes.c_void_p, _u32p, ctypes.c_uint32, _u32p, ctypes.c_uint32, _u32p, ctypes.c_uint32, ctypes.c_int32,
-        ctypes.POINTER(ctypes.c_int64), _u32p, ctypes.c_uint32]
+    lib.engram_gather_submit.argtypes = [ctypes.c_void_p, ctypes.POINTER(JobRecord)]
     lib.engram_gather_submit.restype = ctypes.c_int
+    lib.engram_gather_record_layout.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    lib.engram_gather_record_layout.restype = ctypes.c_int
     lib.engram_gather_hold_next.argtypes = [ctypes.c_void_p, _u32p, ctypes.c_int64]
     lib.engram_gather_hold_next.restype = None
     lib.engram_gather_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
@@ -104,12 +99,19 @@ def _word(tensor: torch.Tensor, index: int) -> int:
     return tensor.data_ptr() + 4 * index
 
 
-_TIMED_WAVES = 16  # as native_gather.c's TIMED_WAVES
-_TIMELINE_WORDS = 6 + _TIMED_WAVES
+_TIMED_WAVES = TIMED_WAVES
+_TIMELINE_WORDS = TIMELINE_WORDS
+_reached = reached
 
 
-def _reached(value: int, target: int) -> bool:
-    return ((int(value) - target) & 0xFFFFFFFF) < 0x80000000  # wrap-aware, as the worker and the GPU compare
+def record_layout() -> list[int] | None:
+    """The compiled worker's ``JobRecord`` layout: ``[sizeof, offset of each field]`` (None without the worker)."""
+    lib, _ = _library()
+    if lib is None:
+        return None
+    out = (ctypes.c_int64 * (len(JobRecord._fields_) + 1))()
+    written = lib.engram_gather_record_layout(out, len(out))
+    return list(out[:written])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -198,8 +200,15 @@ class NativeGatherService:
               or any(not b > a for a, b in zip([0, *wave_ends[:-1]], wave_ends))):
             raise ValueError(f"wave_ends: expected {num_waves} increasing row counts ending at {num_ids} (the ids), "
                              f"found {list(wave_ends)}")
-        ends = (ctypes.c_int64 * num_waves)(*wave_ends)
         staging_free_word, waves_done_word, job_done_word = buffers.words
+        table_address, table_rows, row_bytes = buffers.table_args
+        record = JobRecord(table=table_address, table_rows=table_rows, row_bytes=row_bytes, ids=ids.data_ptr(),
+                           num_ids=num_ids, staging=buffers.staging_address, ids_ready=ready.data_ptr(),
+                           ids_ready_value=word(ids_ready), staging_free=staging_free_word,
+                           staging_free_value=word(staging_free), waves_done=waves_done_word,
+                           waves_base=word(waves_base), num_waves=num_waves, job_done=job_done_word,
+                           job_done_value=word(job_done))
+        record.wave_ends[:num_waves] = list(wave_ends)
         with self._lock:
             if self._handle is None:
                 raise RuntimeError("the host gather's native worker was stopped")
@@ -207,13 +216,10 @@ class NativeGatherService:
                 raise RuntimeError("the host gather's native worker belongs to the parent process; make the table "
                                    "in this process")
             self.prune()
-            status = self._lib.engram_gather_submit(
-                self._handle, *buffers.table_args, ids.data_ptr(), num_ids, buffers.staging_address,
-                ready.data_ptr(), ids_ready & 0xFFFFFFFF, staging_free_word, staging_free & 0xFFFFFFFF,
-                waves_done_word, waves_base & 0xFFFFFFFF, num_waves, ends, job_done_word, job_done & 0xFFFFFFFF)
+            status = self._lib.engram_gather_submit(self._handle, ctypes.byref(record))
             if status != 0:
                 raise RuntimeError("the host gather's native worker refused a job (out of memory?)")
-            self._retained.append((buffers.flags_view, job_done & 0xFFFFFFFF, (buffers, ids, ready)))
+            self._retained.append((buffers.flags_view, word(job_done), (buffers, ids, ready)))
 
     def prune(self) -> None:
         """Drop the buffers of the jobs done (in order: jobs finish in the order submitted)."""
@@ -295,6 +301,6 @@ def _stop_services() -> None:
         service.stop()
 
 
-def flags_reached(flags: torch.Tensor | np.ndarray, word: int, value: int) -> bool:
-    """Whether ``flags[word]`` has reached ``value`` (wrap-aware)."""
-    return _reached(int(flags[word]), value & 0xFFFFFFFF)
+def flags_reached(flags: torch.Tensor | np.ndarray, index: int, value: int) -> bool:
+    """Whether ``flags[index]`` has reached ``value`` (:func:`~engram.table.host_memory.gather_protocol.reached`)."""
+    return reached(int(flags[index]), word(value))
