@@ -360,3 +360,104 @@ def test_first_nan_byte_finds_the_first_anywhere(size, kind, rng):
         expected = next(i for i, b in enumerate(data.tolist())
                         if (b in nan_bytes) and (kind == "e4m3" or b == 0xFF))
         assert first_nan_byte(torch.from_numpy(data).view(size, 1), kind) == expected
+
+
+# ---------------------------------------------------------------------------
+# check_table_values: a table decodes to finite values
+# ---------------------------------------------------------------------------
+def _every_byte_under_every_scale():
+    """Value bytes ``[255 * 8, 32]`` and scales ``[255 * 8, 1]``: row ``8 * b + k`` holds value bytes
+    ``32k .. 32k + 31`` under scale byte ``b`` (every finite scale), so every (value, scale) pair appears."""
+    values = np.tile(np.arange(256, dtype=np.uint8).reshape(8, 32), (255, 1))
+    scales = np.repeat(np.arange(255, dtype=np.uint8), 8).reshape(-1, 1)
+    return values, scales
+
+
+def test_overflowing_blocks_are_exactly_those_that_decode_to_infinity():
+    """Exhaustive: a block is flagged exactly when the codec's fp32 product (rounded to bf16, and fp32
+    itself) of a finite value is infinite; NaN value bytes are the NaN check's, never flagged here."""
+    from engram.table.fp8 import OVERFLOW_SCALE_BYTE, overflowing_blocks
+
+    values, scales = _every_byte_under_every_scale()
+    decoded = {dtype: dequantize_rows(torch.from_numpy(values), torch.from_numpy(scales), dtype).float().numpy()
+               for dtype in (torch.bfloat16, torch.float32)}
+    finite_value = (values | 0x80) != 0xFF
+    for dtype, rows in decoded.items():
+        expected = np.flatnonzero((np.isinf(rows) & finite_value).any(axis=1))
+        assert np.array_equal(overflowing_blocks(values, scales), expected), dtype
+    assert int(scales[overflowing_blocks(values, scales)].min()) == OVERFLOW_SCALE_BYTE
+    # no value overflows below byte 247, and 448 (0x7E, the largest) does at 247
+    assert not overflowing_blocks(values[scales[:, 0] < OVERFLOW_SCALE_BYTE], scales[scales[:, 0] < OVERFLOW_SCALE_BYTE]).size
+    one = np.zeros((1, 32), dtype=np.uint8)
+    one[0, 5] = 0x7E
+    assert overflowing_blocks(one, np.array([[246]], dtype=np.uint8)).size == 0
+    assert overflowing_blocks(one, np.array([[247]], dtype=np.uint8)).tolist() == [0]
+
+
+def test_check_table_values_accepts_every_quantized_table(seed):
+    """What quantize_rows makes of finite rows (bf16 range) passes; random tables of small scales pass."""
+    from engram.table.fp8 import check_table_values
+
+    rng = np.random.default_rng(seed)
+    rows = torch.from_numpy(rng.standard_normal((64, 64)).astype(np.float32) * np.float32(2.0) ** rng.integers(
+        -100, 100, size=(64, 1)).astype(np.float32))
+    check_table_values(*quantize_rows(rows))
+    values = torch.from_numpy(rng.integers(0, 256, (300, 64), dtype=np.uint8))
+    values[(values & 0x7F) == 0x7F] = 0
+    check_table_values(values, torch.from_numpy(rng.integers(0, 247, (300, 2), dtype=np.uint8)), chunk_rows=7)
+
+
+@pytest.mark.parametrize("case", ["nan value 0x7f", "nan value 0xff", "scale 255", "scale 254", "scale 247"])
+def test_check_table_values_names_the_tensor_row_and_byte(case, seed):
+    from engram.table.fp8 import check_table_values
+
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 0x70, (500, 64), dtype=np.uint8)        # finite, at most 2**7
+    values[rng.random((500, 64)) < 0.5] |= 0x80                        # both signs
+    scales = rng.integers(100, 140, (500, 2), dtype=np.uint8)
+    row, column = int(rng.integers(0, 500)), int(rng.integers(0, 64))
+    if case.startswith("nan value"):
+        values[row, column] = int(case.split()[-1], 16)
+        expected = rf"values: row {row + 1000} holds value byte {case.split()[-1]} \(E4M3 NaN\) at column {column}"
+    elif case == "scale 255":
+        scales[row, column // 32] = 255
+        expected = rf"scales: row {row + 1000} holds scale byte 255 \(UE8M0 NaN\) at column {column // 32}"
+    else:
+        byte = int(case.split()[-1])
+        block = column // 32
+        values[row, block * 32:(block + 1) * 32] = 0
+        values[row, column] = 0x78 if byte == 247 else 0x40              # 256 (overflows under 2**120) / 2.0
+        scales[row, block] = byte
+        expected = (rf"scales: row {row + 1000} holds scale byte {byte} \(2\*\*{byte - 127}\) at column {block}, "
+                    rf"under which values byte {values[row, column]:#04x} .* at column {column} decodes to .* >= 2\*\*128")
+    for chunk_rows in (1, 64, 1 << 16):
+        with pytest.raises(ValueError, match=expected):
+            check_table_values(torch.from_numpy(values).view(torch.float8_e4m3fn), torch.from_numpy(scales),
+                               row_start=1000, chunk_rows=chunk_rows)
+    # the first bad row wins, whatever its kind
+    earlier = values.copy()
+    earlier[0, 0] = 0xFF
+    with pytest.raises(ValueError, match=r"row 1000 holds value byte 0xff" if row else r"row 1000 holds"):
+        check_table_values(torch.from_numpy(earlier), torch.from_numpy(scales), row_start=1000)
+
+
+def test_check_table_values_a_finite_product_at_the_largest_scale_passes():
+    """Scale 254 (2**127) times 1.0 is 2**127: finite in bf16, so not refused (the rule is the codec's own)."""
+    from engram.table.fp8 import check_table_values
+
+    values = torch.zeros(1, 32, dtype=torch.uint8)
+    values[0, 3] = 0x38                                  # 1.0
+    scales = torch.full((1, 1), 254, dtype=torch.uint8)
+    check_table_values(values, scales)
+    assert torch.isfinite(dequantize_rows(values, scales)).all()
+
+
+def test_check_table_values_refuses_bad_arguments():
+    from engram.table.fp8 import check_table_values
+
+    with pytest.raises(ValueError, match=r"values: expected a torch.Tensor of E4M3 values, found list"):
+        check_table_values([[0] * 32], torch.zeros(1, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"scales: expected shape \[2, 1\]"):
+        check_table_values(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"chunk_rows: expected an integer >= 1, found 0"):
+        check_table_values(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8), chunk_rows=0)

@@ -11,6 +11,7 @@ import torch
 
 import engram
 from engram.table.host_memory import gather as host_gather
+from engram.options import ServingOptions
 from engram.table.host_memory.gather import default_gather_threads
 
 
@@ -37,7 +38,13 @@ def test_default_gather_threads_splits_the_cores_between_local_processes(monkeyp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert default_gather_threads() == 2
     assert default_gather_threads(processes_per_node=32) == 1   # at least one
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "garbage")
+    for given in ("garbage", "0", "-2", "2.5"):   # a typo is an error naming the variable, never a silent 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", given)
+        with pytest.raises(ValueError, match=rf"LOCAL_WORLD_SIZE: expected a positive integer .* found '{given}'"):
+            default_gather_threads()
+        with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):   # ServingOptions reads it before any byte
+            ServingOptions.from_environment()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")
     assert default_gather_threads() == 16
 
 

@@ -11,11 +11,11 @@ depends on them is still done on every call.
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Hashable, Sequence
 
 import torch
 
-__all__ = ["CallCache", "structure"]
+__all__ = ["CallCache", "structure", "structure_mismatch"]
 
 
 def structure(tensor: torch.Tensor | None) -> tuple | None:
@@ -26,6 +26,34 @@ def structure(tensor: torch.Tensor | None) -> tuple | None:
     if not isinstance(tensor, torch.Tensor):
         return (type(tensor),)
     return tensor.shape, tensor.dtype, tensor.device, tensor.stride()
+
+
+def _describe(what: tuple | None) -> str:
+    if what is None:
+        return "None"
+    if len(what) == 1:
+        return f"a {what[0].__name__}"
+    return "a tensor"
+
+
+def structure_mismatch(names: Sequence[str], expected: Sequence, found: Sequence) -> str:
+    """What differs between two tuples of :func:`structure` (``expected``: what a plan was made for,
+    ``found``: a call's), argument by argument as ``names`` name them: the first argument that differs
+    and each of its properties that does, e.g. ``"hash_ids: shape [8, 24] (the plan's [4, 24])"``;
+    ``""`` when none differs."""
+    labels = ("shape", "dtype", "device", "strides")
+    for name, planned, given in zip(names, expected, found):
+        if planned == given:
+            continue
+        if planned is None or given is None or len(planned) == 1 or len(given) == 1:
+            return f"{name}: {_describe(given)} (the plan's: {_describe(planned)})"
+        parts = []
+        for label, a, b in zip(labels, planned, given):
+            if a != b:
+                show = (lambda v: str(list(v))) if label in ("shape", "strides") else str
+                parts.append(f"{label} {show(b)} (the plan's {show(a)})")
+        return f"{name}: " + ", ".join(parts)
+    return ""
 
 
 class CallCache:

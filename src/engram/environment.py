@@ -42,9 +42,15 @@ def wkv_small_m_default() -> bool | None:
 
 
 def local_world_size() -> int | None:
-    """``LOCAL_WORLD_SIZE`` when it is a positive integer, else None."""
-    given = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(given) if given.isdigit() and int(given) > 0 else None
+    """``LOCAL_WORLD_SIZE`` as a positive integer, None when unset or empty; ValueError naming the
+    variable for anything else (a typo would silently split the host-gather threads wrongly)."""
+    given = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if given == "":
+        return None
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE: expected a positive integer (the processes sharing this node, as "
+                         f"torchrun sets it), found {given!r}")
+    return int(given)
 
 
 def cache_directory() -> Path:

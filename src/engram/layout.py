@@ -7,6 +7,7 @@ Column ``col = (order - 2) * n_heads + head`` of a layer owns the row range
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -67,6 +68,10 @@ class EngramLayout:
     """
 
     def __init__(self, spec: EngramSpec):
+        if not isinstance(spec, EngramSpec):
+            hint = (" (EngramSpec.from_hf_config(path) reads one from a config.json or model directory)"
+                    if isinstance(spec, (str, os.PathLike, dict)) else "")
+            raise ValueError(f"spec: expected an EngramSpec, found {type(spec).__name__} {spec!r}{hint}"[:400])
         self.spec = spec
         self.primes = table_primes(spec)
         self.column_primes = np.array(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from engram import environment
 
@@ -22,6 +22,8 @@ WKV_BACKEND_CHOICES = ("auto", "bf16", "scaled_mm", "triton", "fused")
 CACHE_POLICIES = ("set-lru", "dynamic", "static")
 HOST_GATHER_WORKERS = ("auto", "native", "python")  # engram.table.host_memory.gather.WORKERS
 HOST_GATHER_DEDUP = ("auto", "always", "never")  # engram.table.host_memory.gather.DEDUP_CHOICES
+SHARED_HOST_PLACEMENTS = ("host", "cached")  # placements whose host tables share_host_tables keeps once per node
+UNSHARED_PLACEMENTS = ("cpu", "device", "node")  # built-in placements that keep no host table to share
 
 # Lookups of at most this many rows read host memory directly (the decode path, capturable); larger
 # ones take the host gather. H200, 34 GiB table on 2 MiB pages (benchmarks/NOTES.md "Host tables"):
@@ -53,6 +55,26 @@ def _integer(name: str, value: Any, minimum: int, optional: bool = False) -> Non
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}{' or None' if optional else ''}, found {value!r}")
+
+
+class ReadOnlyDict(dict):
+    """A dict that refuses every change (``TypeError``): a frozen :class:`ServingOptions`' own copy of
+    ``extra_placement_options``. It pickles and copies as a dict does."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("ServingOptions.extra_placement_options is read-only (the options are frozen); make new "
+                        "options with ServingOptions.replace(extra_placement_options={...})")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __reduce__(self):
+        return (ReadOnlyDict, (dict(self),))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 @dataclass(frozen=True)
@@ -138,10 +160,12 @@ class ServingOptions:
         if self.cache_ways & (self.cache_ways - 1) or self.cache_ways > 64:
             raise ValueError(f"cache_ways: expected a power of two up to 64, found {self.cache_ways!r}")
         _integer("chunk_bytes", self.chunk_bytes, 1)
-        if not isinstance(self.extra_placement_options, dict) or not all(
+        if not isinstance(self.extra_placement_options, Mapping) or not all(
                 isinstance(key, str) for key in self.extra_placement_options):
             raise ValueError(f"extra_placement_options: expected a dict of keyword arguments, found "
                              f"{self.extra_placement_options!r}")
+        # Frozen means frozen: a copy the caller's dict cannot change, and that cannot be changed itself.
+        object.__setattr__(self, "extra_placement_options", ReadOnlyDict(self.extra_placement_options))
 
     @classmethod
     def from_environment(cls, **fields: Any) -> "ServingOptions":
@@ -157,6 +181,8 @@ class ServingOptions:
                 fields["wkv_backend"] = given
         if fields.get("wkv_small_m") is None:
             fields["wkv_small_m"] = environment.wkv_small_m_default()
+        if fields.get("gather_threads") is None:
+            environment.local_world_size()   # a malformed LOCAL_WORLD_SIZE is refused now, before any byte is read
         return cls(**fields)
 
     def replace(self, **fields: Any) -> "ServingOptions":
@@ -169,7 +195,13 @@ class ServingOptions:
 
     def placement_options(self, placement: str) -> dict:
         """Keyword arguments for placement ``placement`` (``"host"``, ``"cached"``; none for the others),
-        then :attr:`extra_placement_options`."""
+        then :attr:`extra_placement_options`. ``share_host_tables`` with a placement that keeps no host
+        table (``"cpu"``, ``"device"``, ``"node"``) is refused, as a placement option it does not take is."""
+        if self.share_host_tables and placement in UNSHARED_PLACEMENTS:
+            raise ValueError(f"share_host_tables: True keeps one copy of each host table per node, which placements "
+                             f"{' and '.join(map(repr, SHARED_HOST_PLACEMENTS))} have; placement {placement!r} keeps "
+                             f"none" + (" (its rows are memory maps of the checkpoint files, shared by the page "
+                                        "cache already)" if placement == "cpu" else ""))
         options: dict = {}
         if placement in ("host", "cached"):
             options.update(direct_max_rows=self.direct_max_rows, gather_threads=self.gather_threads,
@@ -178,5 +210,5 @@ class ServingOptions:
             options.update(prefetch_direct_max_rows=self.prefetch_direct_max_rows)
         if placement == "cached":
             options.update(cache_fraction=self.cache_fraction, policy=self.cache_policy, ways=self.cache_ways)
-        options.update(self.extra_placement_options)
+        options.update(dict(self.extra_placement_options))
         return options

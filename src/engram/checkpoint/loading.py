@@ -185,6 +185,9 @@ def load_engram_table(
         raise ValueError(f"chunk_bytes: expected a positive integer, found {chunk_bytes!r}")
     if not isinstance(check_values, bool):
         raise ValueError(f"check_values: expected True or False, found {check_values!r}")
+    if share_host_table and placement in ("cpu", "device", "node"):
+        raise ValueError(f"share_host_table: True keeps one copy of a host table per node, which placements 'host' "
+                         f"and 'cached' have; placement {placement!r} keeps none")
     cls = placement_class(placement)
     storage_device = cls.storage_device(device)
     layer_id = spec.layer_ids[layer_index]

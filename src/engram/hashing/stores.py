@@ -51,6 +51,8 @@ class SlotCache:
                 raise ValueError(f"{name}: expected a positive integer, found {value!r}")
         if num_slots % block_size:
             raise ValueError(f"num_slots {num_slots} is not a multiple of block_size {block_size}")
+        if not isinstance(fused_write, bool):
+            raise ValueError(f"fused_write: expected True or False, found {fused_write!r}")
         self.num_slots = num_slots
         self.block_size = block_size
         self.fused_write = fused_write
@@ -120,8 +122,26 @@ class RequestHistory:
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
     # ---- rows named by request -----------------------------------------------
+    @staticmethod
+    def _ids(request_ids: Iterable[Hashable]) -> list[Hashable]:
+        """``request_ids`` as a list: an iterable of hashable ids, never a lone string or bytes (whose
+        characters would each name a request)."""
+        if isinstance(request_ids, (str, bytes, bytearray)) or not hasattr(request_ids, "__iter__"):
+            raise ValueError(f"request_ids: expected an iterable of request ids (a list, one id per request), "
+                             f"found {type(request_ids).__name__} {request_ids!r}; a single id goes in a list: "
+                             f"[{request_ids!r}]")
+        ids = list(request_ids)
+        for index, request_id in enumerate(ids):
+            try:
+                hash(request_id)
+            except TypeError:
+                raise ValueError(f"request_ids[{index}]: expected a hashable request id, found "
+                                 f"{type(request_id).__name__} {request_id!r}") from None
+        return ids
+
     def rows(self, request_ids: Iterable[Hashable]) -> torch.Tensor:
         """int64 ``[R]`` rows of the named requests; a new name gets an empty row."""
+        request_ids = self._ids(request_ids)
         rows = []
         for request_id in request_ids:
             row = self._row_of.get(request_id)
@@ -141,7 +161,7 @@ class RequestHistory:
 
     def release(self, request_ids: Iterable[Hashable]) -> None:
         """Free the rows of finished (or aborted) requests; unknown names raise."""
-        for request_id in request_ids:
+        for request_id in self._ids(request_ids):
             if request_id not in self._row_of:
                 raise ValueError(f"request_ids: {request_id!r} holds no history row")
             row = self._row_of.pop(request_id)
