@@ -33,7 +33,7 @@ copies, wall clock), merge; and the host gather of ``host`` on all the ids, for 
 gathers the rest (``direct_share`` in {0.25, 0.4, 0.55}; the placement's default is 0).
 
 Writes ``cache-h200.json`` to ``$OUT`` (or benchmarks/results/) and prints a table, and a
-markdown table for the README.
+markdown table for docs/placements.md.
 
     PYTHONPATH=src ENGRAM_COMMIT=<sha> python benchmarks/bench_cache.py
     PYTHONPATH=src TRITON_INTERPRET=1 python benchmarks/bench_cache.py --smoke   # CPU, tiny sizes
@@ -416,7 +416,7 @@ def print_table(timings: list[dict], placements) -> None:
 
 
 def markdown_table(report: dict, placements) -> str:
-    """The README's table (lookup latency, us, synchronized wall clock)."""
+    """The table of docs/placements.md (lookup latency, us, synchronized wall clock)."""
     lines = ["| T (tokens x 24 rows) | " + " | ".join(f"`{p}`" for p in placements)
              + " | cached vs host | hit rate (this step) | host bytes, cached / host |",
              "| --- | " + " | ".join("---" for _ in placements) + " | --- | --- | --- |"]

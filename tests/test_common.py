@@ -71,7 +71,7 @@ def test_demo_on_cuda_without_cuda_exits_2_with_one_line(capsys):
 
 @NO_CUDA
 def test_hasher_and_memory_name_the_missing_cuda_in_one_line(small_layout, small_vocab):
-    """The README's NgramHasher(..., device="cuda") and the hasher's backend="triton" on a
+    """The serving guide's NgramHasher(..., device="cuda") and the hasher's backend="triton" on a
     machine without CUDA: one ValueError each, not torch's assertion."""
     import engram
 

@@ -183,8 +183,8 @@ class EngramHandle:
             self._hooks.append(self._stack.layers[layer_id].register_forward_pre_hook(hook, with_kwargs=True))
         # The prefetch is called once the decoder layers before the first Engram layer are enqueued: its
         # host time then overlaps their GPU work, and its reads still start right after hashing (H200,
-        # T = 8192: +0.08% over HBM tables a step, +0.67% called right after hashing; README "What Engram
-        # costs a served step").
+        # T = 8192: +0.08% over HBM tables a step, +0.67% called right after hashing; docs/benchmarks.md "What
+        # Engram costs a served step").
         self._prefetch_after = min(memory.layer_ids) - 1  # -1: right after hashing
         if self._prefetch_after >= 0:
             self._hooks.append(self._stack.layers[self._prefetch_after].register_forward_hook(self._start_prefetch))
