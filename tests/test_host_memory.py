@@ -813,12 +813,14 @@ def test_shm_cli_exit_codes(shm_dir, seed, capsys):
     assert main(["shm", "remove", "--all-stale", "--dir", shm_dir]) == 0
     assert main(["shm", "remove", "--all-stale", "--dir", shm_dir]) == 0   # nothing stale: fine
     assert main(["shm", "remove", key, "--dir", shm_dir]) == 0
-    assert main(["shm", "remove", key, "--dir", shm_dir]) == 1   # nothing to remove
-    assert "nothing to remove" in capsys.readouterr().out
+    assert main(["shm", "remove", key, "--dir", shm_dir]) == 2   # nothing to remove: a key that names no table
+    captured = capsys.readouterr()
+    assert "nothing to remove" not in captured.out and captured.err.startswith("error: nothing to remove")
     assert main(["shm", "list", "--dir", "/no/such/directory"]) == 2
     assert main(["shm", "remove", "--all-stale", "--dir", "/no/such/directory"]) == 2
-    out = capsys.readouterr().out
-    assert "directory: '/no/such/directory' does not exist" in out and "Traceback" not in out
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.count("error: directory: '/no/such/directory' does not exist") == 2
     with pytest.raises(SystemExit) as exit_info:
         main(["shm", "remove", key, "--all-stale", "--dir", shm_dir])   # both: argparse's usage error
     assert exit_info.value.code == 2
