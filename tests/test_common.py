@@ -64,9 +64,10 @@ def test_auto_placement_with_a_cuda_device_names_what_was_asked(tmp_path):
 @NO_CUDA
 def test_demo_on_cuda_without_cuda_exits_2_with_one_line(capsys):
     assert main(["demo", "--device", "cuda", "--skip-layers", "--texts", "1", "--max-chars", "100"]) == 2
-    out = capsys.readouterr().out
-    assert "engram demo --device needs a CUDA device ('cuda')" in out and "Traceback" not in out
-    assert len(out.strip().splitlines()) == 1
+    captured = capsys.readouterr()
+    err = captured.err
+    assert captured.out == "" and "engram demo --device needs a CUDA device ('cuda')" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
 
 
 @NO_CUDA

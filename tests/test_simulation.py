@@ -85,5 +85,6 @@ def test_demo_refuses_zero_with_exit_2(flag, capsys):
     done = []
     assert finishes(lambda: done.append(main(["demo", flag, "0", "--skip-layers", "--tokenizer", "unused"])), 30)
     assert done == [2]
-    out = capsys.readouterr().out
-    assert f"{flag}: expected an integer >= 1, found 0" in out and "num_slots" not in out
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"{flag}: expected an integer >= 1, found 0" in captured.err
+    assert "num_slots" not in captured.err
