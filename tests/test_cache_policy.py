@@ -201,3 +201,37 @@ def test_replay_reports_its_steps():
         steps.clear()
         replay(stream, 3, policy, progress=Bar())
         assert sum(steps) == stream.num_steps == 10
+
+
+def test_sorted_unique_equals_numpys(rng):
+    from engram.tools.cache_policy import sorted_unique
+
+    for size in (0, 1, 2, 1000, 100_000):
+        values = rng.integers(0, max(1, size // 3), size=size, dtype=np.int64)
+        assert np.array_equal(sorted_unique(values), np.unique(values))
+
+
+def test_set_layout_numbers_the_occupied_sets_in_table_order(rng):
+    """Both ways of numbering sets (a presence map for a few sets per row, a sort for very many) give
+    each compact id its set's rank among the occupied sets, and the initial content is each set's
+    hottest rows while it has ways; a second replay of one capacity reuses it."""
+    from engram.tools.cache_policy import _set_layout
+
+    reads = rng.integers(0, 10**9, size=3000, dtype=np.int64)
+    hot = rng.permutation(np.unique(reads))[:500]
+    stream = CompactStream(reads, 64, extra_rows=hot)
+    for num_sets in (7, 1000, 8 * len(stream.rows) + (1 << 20) + 1):
+        ways = 4
+        set_of, used, keep, slots = _set_layout(stream, num_sets, ways, stream.extra_ids)
+        table_sets = stream.rows % num_sets
+        occupied = np.unique(table_sets)
+        assert used == len(occupied) and np.array_equal(set_of, np.searchsorted(occupied, table_sets))
+        taken = collections.Counter()
+        expected_keep = []
+        for position, compact in enumerate(stream.extra_ids):
+            if taken[set_of[compact]] < ways:
+                expected_keep.append(position)
+                taken[set_of[compact]] += 1
+        assert sorted(keep.tolist()) == expected_keep
+        assert len(set(slots.tolist())) == len(slots) and (slots // ways == set_of[stream.extra_ids[keep]]).all()
+        assert _set_layout(stream, num_sets, ways, stream.extra_ids)[0] is set_of

@@ -107,3 +107,51 @@ def test_plot_of_a_tiny_corpus_warns(tmp_path, deepseek_tokenizer_path, capsys):
                  "--tokenizer", str(deepseek_tokenizer_path)]) == 0
     err = capsys.readouterr().err
     assert "warning: corpus" in err and "fewer than 10" in err and "too small to compare policies" in err
+
+
+def test_policies_differ_by_colour_and_one_legend_sits_below_the_panels(figure):
+    """Curves that coincide stay told apart by colour; the legend takes no width from the panels."""
+    colours = {}
+    for axes in figure.axes:
+        for line in axes.get_lines():
+            label = line.get_label()
+            if label.split(": ", 1)[-1] in POLICIES:
+                colours.setdefault(label.split(": ", 1)[1], set()).add(line.get_color())
+    assert all(len(c) == 1 for c in colours.values()) and len({c.pop() for c in colours.values()}) == len(POLICIES)
+    assert [axes.get_title() for axes in figure.axes] == ["a.txt", "b.txt"]
+    (legend,) = figure.legends
+    figure.canvas.draw()
+    box = legend.get_window_extent().transformed(figure.transFigure.inverted())
+    lowest_panel = min(axes.get_position().y0 for axes in figure.axes)
+    assert box.y1 <= lowest_panel and box.x0 >= 0 and box.x1 <= 1
+    assert min(axes.get_position().x0 for axes in figure.axes) < 0.15 and max(
+        axes.get_position().x1 for axes in figure.axes) > 0.85   # the panels take the width
+
+
+def test_the_small_corpus_warning_says_what_is_true(rng):
+    """When the cache holds every distinct row, LRU serves exactly the reads of rows read in an earlier
+    step: less than the ceiling whenever a row repeats within its first step (what the warning says)."""
+    from engram.tools.profile import evaluate
+    from engram.layout import EngramLayout
+    from engram.spec import EngramSpec
+    from engram.tools.defaults import packaged_config
+
+    layout = EngramLayout(EngramSpec.from_hf_config(packaged_config()))
+    columns = layout.spec.num_columns
+    tokens = 64
+    reads = [np.asarray(layout.column_offsets[l])[None, :] + rng.integers(0, 20, size=(tokens, columns))
+             for l in range(layout.spec.num_layers)]
+    trace = Trace([r.reshape(-1) for r in reads], tokens=tokens, files=1, skipped=0, seconds=0.0)
+    (result,) = evaluate(trace, layout, [0.01], ["lru"], step_tokens=16)
+    warnings = corpus_warnings(trace, [result], 16)
+    assert any("serves every read of a row read in an earlier step" in w and "less than the ceiling" in w
+               for w in warnings), warnings
+    assert not any("meets the ceiling" in w for w in warnings)
+    for l, stream in enumerate(trace.reads):
+        steps = stream.reshape(-1, 16 * columns)
+        seen, earlier = set(), 0
+        for step in steps:
+            earlier += sum(int(row) in seen for row in step)
+            seen.update(int(row) for row in step)
+        figures = result["layers"][str(layout.spec.layer_ids[l])]
+        assert figures["hits"] == earlier and figures["hit_rate"] < figures["ceiling"]
