@@ -4,9 +4,12 @@
 Printed: the Engram tensors (file, dtype, shape, checked against the config), the files, and the
 table bytes each placement keeps per tensor-parallel rank. Checked, as the loader does: every
 header against the config, the pairing of ``wkv.weight`` with its block scales, the values of the
-small tensors (:func:`engram.checkpoint.check_weight_values`), every table byte for NaN (a scan of
-all table bytes, with a progress bar; ``scan_tables=False`` skips it) and the tokenizer against
-the config. A file that cannot be read is one problem, however many tensors it holds.
+small tensors (:func:`engram.checkpoint.check_weight_values`), every table byte for NaN and every
+scale for a byte that makes a value of its block infinite (a scan of all table bytes, with a progress
+bar; ``scan_tables=False`` skips it), tensors named as Engram tensors the config has no place for, and
+the tokenizer against the config. A file that cannot be read is one problem, however many tensors it
+holds; one found without an index that holds no tensor the loader reads is a warning, as the loader
+sees it. The checkpoint's config is read by the caller: a broken one is the report's only problem.
 """
 
 from __future__ import annotations
