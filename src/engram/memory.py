@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from engram.checkpoint import (SafetensorsCheckpoint, expected_layer_tensors,
+from engram.checkpoint import (SafetensorsCheckpoint, expected_layer_tensors, file_problem,
                          load_engram_layer_weights, load_engram_table, table_progress)
 from engram.common import IdsIdentity, as_device, cuda_capturing, resolve_cuda_device
 from engram.hashing import NgramHasher
@@ -149,8 +149,9 @@ class StepPlan:
 
 def _read_spec(model_dir: Path) -> EngramSpec:
     config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"config file {str(config_path)!r} does not exist")
+    problem = file_problem(config_path, "config file")  # missing, a directory, not a regular file
+    if problem is not None:
+        raise ValueError(problem)
     try:
         return EngramSpec.from_hf_config(config_path)
     except ValueError as error:
@@ -161,8 +162,9 @@ def _read_spec(model_dir: Path) -> EngramSpec:
 def _read_vocab(model_dir: Path, spec: EngramSpec) -> TokenCompressor:
     """The token map of ``model_dir/tokenizer.json``, checked against the config."""
     tokenizer_path, config_path = model_dir / "tokenizer.json", model_dir / "config.json"
-    if not tokenizer_path.is_file():
-        raise ValueError(f"tokenizer file {str(tokenizer_path)!r} does not exist")
+    problem = file_problem(tokenizer_path, "tokenizer file")
+    if problem is not None:
+        raise ValueError(problem)
     vocab = TokenCompressor.from_tokenizer(tokenizer_path)  # an unreadable file is its own error
     try:
         vocab.check_spec(spec)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engram.call_cache import structure
+from engram.call_cache import structure, structure_mismatch
 from engram.layer.gate import engram_gate_kv
 
 __all__ = ["LayerPlan", "KvAhead", "plan_key"]
@@ -81,8 +81,8 @@ class LayerPlan:
         ``kv_ahead``: from :meth:`Engram.kv_ahead` for this ``hash_ids`` (then only the gate runs)."""
         key = plan_key(self.layer, hidden_states, hash_ids, token_mask)
         if key != self.key:
-            raise ValueError(f"plan: made for arguments of structure {self.key[:3]}, found {key[:3]}; make a plan "
-                             "for this structure (Engram.plan) or call the layer")
+            raise ValueError(f"plan: {structure_mismatch(('hidden_states', 'hash_ids', 'token_mask'), self.key[:3], key[:3])}; "
+                             "make a plan for this structure (Engram.plan) or call the layer")
         kv = kv_ahead.consume(hash_ids) if kv_ahead is not None else None
         return self.launch(hidden_states, hash_ids, token_mask, prefetch, kv)
 
