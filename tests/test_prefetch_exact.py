@@ -397,6 +397,54 @@ def test_gpu_wait_for_a_worker_that_never_finishes_is_bounded(seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("placement", ["host", "cached"])
+def test_gpu_every_stream_operation_runs_under_the_table_devices_context(placement, seed, monkeypatch):
+    """The one-GPU half of the two-GPU case below: every raw stream write, wait and copy of a gather is issued
+    inside ``torch.cuda.device(table device)``, so the default stream's handle 0 means the table's device
+    whatever device the caller made current."""
+    from engram.table.host_memory import stream_memory_ops
+
+    generator = torch.Generator().manual_seed(seed)
+    device, table = _gpu_tables(placement, generator, rows=50_000)
+    if _host_gather_of(table).worker != "native":
+        pytest.skip("the raw stream operations are the native worker's")
+    entered: list[int] = []
+    real_device = torch.cuda.device
+
+    class RecordingDevice:
+        def __init__(self, index):
+            self.inner = real_device(index)
+            self.index = torch.device(index).index if isinstance(index, (str, torch.device)) else index
+            if self.index is None:
+                self.index = torch.cuda.current_device()
+
+        def __enter__(self):
+            entered.append(self.index)
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            entered.pop()
+            return self.inner.__exit__(*exc)
+
+    calls: list[tuple[str, list[int]]] = []
+    for name in ("write_value", "wait_value", "copy_to_device"):
+        def recording(*args, _real=getattr(stream_memory_ops, name), _name=name, **kwargs):
+            calls.append((_name, list(entered)))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(stream_memory_ops, name, recording)
+    monkeypatch.setattr(torch.cuda, "device", RecordingDevice)
+    for step in range(4):
+        ids = _ids(generator, 3000, 24, 50_000, "cuda")
+        handle = table.prefetch(ids) if step % 2 else None
+        assert _equal(table.lookup(ids, prefetch=handle), device.lookup(ids)), f"step {step}"
+    table_device = table.device.index if table.device.index is not None else torch.cuda.current_device()
+    assert {name for name, _ in calls} == {"write_value", "wait_value", "copy_to_device"}
+    outside = [(name, stack) for name, stack in calls if not stack or stack[-1] != table_device]
+    assert not outside, f"stream operations outside the table device's context: {outside[:4]}"
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("placement", ["host", "cached"])
 def test_gpu_another_current_device_while_a_table_of_device_0_prefetches(placement, seed):

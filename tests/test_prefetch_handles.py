@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import engram
-from engram.table.prefetch import IdsIdentity
+from engram.table.prefetch import IdsIdentity, PrefetchState
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROWS, HEAD_DIM, COLUMNS = 96, 64, 5
@@ -169,10 +169,13 @@ def test_step_handle_serves_its_step_only(synthetic_model_dir, rng):
     hash_ids, hidden = _step(cached, rng, 5)
     handle = cached.prefetch(hash_ids)
     assert all(handle.started.values())
+    assert set(handle.states.values()) == {PrefetchState.STARTED}
+    entries = dict(handle._tables)
     for layer_id in layer_ids:
         got = cached.forward_layer(layer_id, hidden, hash_ids, prefetch=handle)
         assert torch.equal(got.view(torch.int16), plain.forward_layer(layer_id, hidden, hash_ids).view(torch.int16))
     assert [cached.table(i).prefetches["served"] for i in layer_ids] == [1] * len(layer_ids)
+    assert handle.states == {} and {entry.state for entry in entries.values()} == {PrefetchState.SERVED}
 
     # An aborted step: its handle is kept by mistake, the hasher runs for the next step and the engine
     # reuses the buffer; the layers must read the new step's rows.
@@ -187,10 +190,19 @@ def test_step_handle_serves_its_step_only(synthetic_model_dir, rng):
     # The hasher ran again since the prefetch (a later step), ids tensor untouched: not served either.
     hash_ids, hidden = _step(cached, rng, 4)
     stale = cached.prefetch(hash_ids)
+    entry = stale._tables[layer_ids[0]]
     _step(cached, rng, 4)
     got = cached.forward_layer(layer_ids[0], hidden, hash_ids, prefetch=stale)
     assert torch.equal(got.view(torch.int16), plain.forward_layer(layer_ids[0], hidden, hash_ids).view(torch.int16))
     assert cached.table(layer_ids[0]).prefetches["served"] == 1
+    assert entry.state is PrefetchState.STALE  # the later hashing ended its step
+    # Other ids than the step's: that layer's entry is dropped, the others stay open.
+    hash_ids, hidden = _step(cached, rng, 4)
+    handle = cached.prefetch(hash_ids)
+    entry = handle._tables[layer_ids[0]]
+    cached.forward_layer(layer_ids[0], hidden, hash_ids.clone(), prefetch=handle)
+    assert entry.state is PrefetchState.DROPPED
+    assert set(handle.states) == set(layer_ids[1:]) and set(handle.states.values()) <= {PrefetchState.STARTED}
     with pytest.raises(ValueError, match="prefetch: expected the handle this EngramMemory's prefetch"):
         plain.forward_layer(layer_ids[0], hidden, hash_ids, prefetch=stale)
 

@@ -28,7 +28,7 @@ from engram.ops import compiling
 from engram.options import ServingOptions
 from engram.spec import EngramSpec
 from engram.table import EngramTable, available_placements
-from engram.table.prefetch import TablePrefetch
+from engram.table.prefetch import PrefetchState, TablePrefetch
 from engram.vocab import TokenCompressor
 
 __all__ = ["EngramMemory", "StepPrefetch", "StepPlan", "resolve_placement"]
@@ -86,7 +86,8 @@ class StepPrefetch:
     after the prefetch's device work where it ran on the memory's prefetch stream (None: on the
     caller's stream). :meth:`take` hands a layer its table handle once, and only for the same ids in
     the same step, after making the current stream wait for ``prepared``; a refilled or reused
-    buffer, a later hashing call or a second use gets None (the layer then reads its own rows)."""
+    buffer (the entry becomes ``DROPPED``), a later hashing call (``STALE``) or a second use gets None
+    (the layer then reads its own rows). The states and transitions: docs/design.md "Step lifecycle"."""
 
     def __init__(self, memory: "EngramMemory", hasher_calls: int, ids: IdsIdentity,
                  tables: dict[int, TablePrefetch | None], kv: dict | None = None,
@@ -115,12 +116,22 @@ class StepPrefetch:
         """Layer ``layer_id``'s handle for the lookup of ``hash_ids [T, L, C]`` when this prefetch was
         made for exactly that tensor and no hashing ran since; it is taken either way."""
         handle = self._tables.pop(layer_id, None)
-        if handle is None or hasher_calls != self.hasher_calls or not self.ids.matches(hash_ids):
-            if handle is not None:
-                handle.drop()
+        if handle is None:
+            return None
+        if hasher_calls != self.hasher_calls:  # a later step's hashing ran: this step is over
+            handle.drop(PrefetchState.STALE)
+            return None
+        if not self.ids.matches(hash_ids):
+            handle.drop()
             return None
         self._after_prepared()
         return handle
+
+    @property
+    def states(self) -> dict[int, PrefetchState]:
+        """Layer id -> its entry's :class:`~engram.table.prefetch.PrefetchState` while not yet taken."""
+        return {layer_id: PrefetchState.EMPTY if handle is None else handle.state
+                for layer_id, handle in self._tables.items()}
 
     @property
     def started(self) -> dict[int, bool]:

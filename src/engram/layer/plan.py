@@ -33,9 +33,9 @@ class KvAhead:
         """The kv for the gate of ``hash_ids`` (the tensor it was computed from, unrefilled), ordered after
         its computation on the current stream; None (spent, or made for other ids) otherwise."""
         if self.spent or not self.ids.matches(hash_ids):
-            self.spent = True
+            self.spent = True  # DROPPED in the step lifecycle (docs/design.md "Step lifecycle")
             return None
-        self.spent = True
+        self.spent = True  # SERVED
         if self.done is not None:
             stream = torch.cuda.current_stream(self.kv.device)
             stream.wait_event(self.done)

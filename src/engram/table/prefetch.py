@@ -11,7 +11,7 @@
 
 **Correctness does not rest on this rule.** The lookup's consuming kernel serves a prefetched row
 only where the id it was read for equals the lookup's own id at that position and reads every
-other row itself (docs/design.md, "Rows exact by construction"). :func:`claim` only decides
+other row itself (docs/design.md, "Rows exact by construction"; the states: "Step lifecycle"). :func:`claim` only decides
 whether finishing the prefetch is worth it, i.e. likely to hold the lookup's rows, and that it
 is safe to finish (the staging was not reused by a later gather: a reused staging's rows could
 be overwritten while the lookup reads them). A lookup tries a ``STARTED`` handle when every one
