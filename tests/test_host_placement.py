@@ -504,18 +504,47 @@ def test_gpu_lookup_between_a_prefetch_and_its_lookup_makes_it_stale(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_update_cache_is_refused_under_capture(rng):
+@pytest.mark.parametrize("policy", ["set-lru", "dynamic"])
+def test_gpu_decode_graph_with_the_cache_update_inside_equals_eager(policy, rng):
+    """A decode step's lookup and ``update_cache`` captured in one graph, replayed with fresh ids: every
+    replay's rows equal ``device``'s, and the cache holds what an eager twin's holds, step after step. Before
+    an eager update of that size the capture is refused, naming the ids it needs."""
     values, scales = _table(3000, 256, int(rng.integers(2**31)))
-    cached = engram.EngramTable(values, scales, placement="cached", device="cuda", validate=False)
+    device = engram.EngramTable(values, scales, placement="device", device="cuda", validate=False)
+    options = {"policy": policy, "aging_interval": 2}
+    captured = engram.EngramTable(values, scales, placement="cached", device="cuda", validate=False,
+                                  placement_options=options)
+    eager = engram.EngramTable(values, scales, placement="cached", device="cuda", validate=False,
+                               placement_options=options)
     static_ids = _ids(rng, 8, 24, 3000)
-    cached.lookup(static_ids)
-    graph = torch.cuda.CUDAGraph()
+    captured.lookup(static_ids)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+            with pytest.raises(RuntimeError, match="update buffers hold 0 ids and this step has 192"):
+                captured.update_cache(static_ids)
+    first = _ids(rng, 8, 24, 3000)
+    for table in (captured, eager):
+        table.lookup(first)
+        table.update_cache(first)
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
-            cached.lookup(static_ids)
-            with pytest.raises(RuntimeError, match="update_cache: .*outside the capture"):
-                cached.update_cache(static_ids)
+            out = captured.lookup(static_ids)
+            captured.update_cache(static_ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    for step in range(20):
+        ids = _ids(rng, 8, 24, 3000) if step % 3 else _ids(rng, 8, 24, 60)  # some steps repeat hot rows
+        static_ids.copy_(ids)
+        graph.replay()
+        expected = eager.lookup(ids)
+        eager.update_cache(ids)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"step {step}"
+        assert torch.equal(out.view(torch.int16), device.lookup(ids).view(torch.int16)), f"step {step}"
+        assert torch.equal(captured.storage.cache.tags, eager.storage.cache.tags), f"step {step}"
+        assert torch.equal(captured.storage.cache.counters, eager.storage.cache.counters), f"step {step}"
+    assert int((captured.storage.cache.tags >= 0).sum()) > 0
 
 
 def test_row_tags_written_tells_rows_whose_tags_a_whole_row_copy_erased(seed):

@@ -189,13 +189,21 @@ class CachedPlacement(TablePlacement):
                 self._content_changed = torch.cuda.Event()
             self._content_changed.record(torch.cuda.current_stream(self.device))
 
+    @property
+    def captures_updates(self) -> bool:
+        """Whether :meth:`update` may run under CUDA-graph capture: its fixed-size launches on CUDA."""
+        return self.host is not None
+
     def update(self, global_ids: torch.Tensor, row_start: int) -> None:
         """The policy's step for the reads ``global_ids int [T, C_local]`` (on :attr:`device`);
-        nothing for policy ``"static"``. Call between steps (after their lookups), never inside a captured
-        graph; a prefetch started before it is discarded (its probe may name replaced slots)."""
+        nothing for policy ``"static"``. Call between steps (after their lookups); a prefetch started before
+        it is discarded (its probe may name replaced slots). On CUDA it can be captured in a graph (the
+        decode step's): the graph then updates the cache at every replay. The merge checks each slot's tag,
+        so a prefetch made across a replayed update costs reads, never rows."""
         if self.policy in UPDATED_POLICIES:
             self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing)
-            self._mark_content_changed()
+            if not torch.cuda.is_current_stream_capturing():  # an event of the capture cannot be waited on outside
+                self._mark_content_changed()
 
     # ---- lookups ------------------------------------------------------------------
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,9 +30,13 @@ candidate replaces the ``k``-th way when its score is at least that way's (empty
 always), and the new row keeps its score.
 
 No step writes a slot twice, so the result does not depend on the order of the writes.
-An update is one sort of the step's ids plus fixed-size gathers and scatters, with no host
-sync; it reads only the admitted rows from the backing rows (through the gather kernel,
-whose masked loads skip the others: on the GPU those rows are in host memory).
+On CUDA (and under the interpreter) an update is three fixed-size launches, four with the
+frequency score (:mod:`engram.table.kernels.cache_admission`: a count of the step's distinct rows
+in a hash table, a per-set top list of candidates built with atomics, the admission per touched
+set), with no sort, no host sync and a device step counter, so a CUDA graph can capture it;
+:meth:`RowCache.update_with_torch` is their reference (a sort of the step's ids plus fixed-size
+gathers and scatters). Both read only the admitted rows from the backing rows (on the GPU those
+rows are in host memory) and write each admitted slot's tag into its row's last 4 bytes.
 
 :attr:`RowCache.version` counts the calls that may change the content (``update``,
 ``load_hot``, ``clear``): a lookup split in two launches (probe, then merge; see
@@ -50,7 +54,7 @@ from __future__ import annotations
 import torch
 
 from engram.table.fp8 import BLOCK_SIZE
-from engram.table.host_memory.rows import packed_row_bytes
+from engram.table.host_memory.rows import TAG_BYTES, packed_row_bytes
 
 __all__ = ["RowCache", "cached_lookup_reference", "cached_probe_reference", "cached_direct_reference",
            "checked_merge_reference", "direct_class"]
@@ -101,6 +105,7 @@ class RowCache:
         self.updates = 0
         self.version = 0
         """Bumped (on the host) by every call that may change the content: ``update``, ``load_hot``, ``clear``."""
+        self._admission = None  # the update kernels' work buffers, made at the first update
         self.stats = torch.zeros(4, dtype=torch.int64, device=device)
         """``int64 [4]`` summed over :meth:`update` calls: reads (ids inside the table), reads that hit,
         distinct rows per step, distinct missed rows per step (the host rows a step moves after
@@ -164,13 +169,68 @@ class RowCache:
         slot = torch.where(hit, row_set * self.ways + way, self.num_slots)
         return hit, slot
 
+    @property
+    def tags_with_trash(self) -> torch.Tensor:
+        """``int64 [slots + 1]``: :attr:`tags` flat, then the trash entry (the update kernels' view)."""
+        return self._tags
+
+    @property
+    def counters_with_trash(self) -> torch.Tensor:
+        """``int32 [slots + 1]``: :attr:`counters` flat, then the trash entry."""
+        return self._counters
+
     # ---- updates (between steps, never inside a lookup) ------------------------
     def update(self, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor) -> None:
-        """One step of the dynamic policy (module docstring) for the reads ``local_ids int [...]``
-        (local row ids; those outside ``[0, rows)`` are ignored), copying admitted rows from
-        ``back_values uint8 [rows, D]`` / ``back_scales uint8 [rows, D // 32]``. Fixed-size torch
-        ops on the cache's device, no host sync. Adds the step's reads to :attr:`stats` (as the
-        step's lookups saw the cache, when called after them with the same ids)."""
+        """One step of the policy (module docstring) for the reads ``local_ids int [...]`` (local row ids;
+        those outside ``[0, rows)`` are ignored), copying admitted rows from ``back_values uint8 [rows, D]`` /
+        ``back_scales uint8 [rows, D // 32]``. Adds the step's reads to :attr:`stats` (as the step's lookups
+        saw the cache, when called after them with the same ids). No host sync, no sort: on CUDA (and the
+        CPU under ``TRITON_INTERPRET=1``) the fixed-size launches of :func:`~engram.table.kernels.cache_admission.admit_step`,
+        capturable in a CUDA graph once :meth:`admission_buffers` fit the step (the step number then lives on
+        the device: replays advance it, :attr:`updates` counts eager calls); elsewhere
+        :meth:`update_with_torch`, its reference, with the same result."""
+        ids = local_ids.reshape(-1)
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"local_ids: expected int32 or int64 row ids, found {ids.dtype}")
+        if back_values.shape[0] >= 2**31:
+            raise ValueError(f"back_values: expected fewer than 2**31 rows, found {back_values.shape[0]}")
+        if not _updates_with_kernels(self.device):
+            return self.update_with_torch(local_ids, back_values, back_scales)
+        from engram.table.kernels.cache_admission import admit_step
+
+        ids = ids.to(self.device).contiguous()
+        if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
+            with torch.cuda.device(self.device):  # Triton launches on the current device
+                admit_step(self, ids, back_values, back_scales)
+        else:
+            admit_step(self, ids, back_values, back_scales)
+        self.updates += 1
+        self.version += 1
+
+    def admission_buffers(self, num_ids: int):
+        """The :class:`~engram.table.kernels.cache_admission.AdmissionBuffers` of the update kernels for a step of
+        ``num_ids`` ids: kept while they fit (and no step's launches failed half-way); otherwise made anew,
+        keeping the device step counter. Refused under CUDA-graph capture when they do not fit (a graph must
+        not bake in buffers made during its capture)."""
+        from engram.table.kernels.cache_admission import AdmissionBuffers
+
+        buffers = self._admission
+        if buffers is not None and buffers.capacity >= num_ids and not buffers.dirty:
+            return buffers
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            have = 0 if buffers is None else buffers.capacity
+            raise RuntimeError(f"update_cache under CUDA-graph capture: the cache's update buffers hold {have} ids "
+                               f"and this step has {num_ids}; run one update_cache of at least {num_ids} ids "
+                               "eagerly before capturing")
+        fresh = AdmissionBuffers(self, max(num_ids, 1), self.updates)
+        if buffers is not None:
+            fresh.step.copy_(buffers.step)  # replays of a captured update advanced it on the device
+        self._admission = fresh
+        return fresh
+
+    def update_with_torch(self, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor) -> None:
+        """:meth:`update` in plain torch ops (a sort of the step's ids, fixed-size gathers and scatters, no host
+        sync): the reference of the update kernels, and the CPU path."""
         num_rows = back_values.shape[0]
         ids = local_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
         sentinel = num_rows  # sorts after every real row
@@ -252,6 +312,7 @@ class RowCache:
         head_dim = self.head_dim
         self.slot_rows[:, :head_dim].index_copy_(0, slot, values)
         self.slot_rows[:, head_dim: head_dim + head_dim // BLOCK_SIZE].index_copy_(0, slot, scales)
+        self.slot_rows[:, -TAG_BYTES:].index_copy_(0, slot, row.to(torch.int32)[:, None].view(torch.uint8))
         self._tags.index_copy_(0, slot, row)
         self._counters.index_copy_(0, slot, sorted_count.clamp(max=COUNTER_MAX).to(torch.int32))
         self._tags[-1:].fill_(-1)  # kernels, not host-to-device copies of Python scalars (syncs)
@@ -270,6 +331,13 @@ def _read_rows(back_values: torch.Tensor, back_scales: torch.Tensor, rows: torch
     safe = rows.clamp(min=0)
     keep = (rows >= 0)[:, None]
     return back_values[safe] * keep, back_scales[safe] * keep
+
+
+def _updates_with_kernels(device: torch.device) -> bool:
+    """Whether :meth:`RowCache.update` runs the update kernels: on CUDA, or on the CPU under the interpreter."""
+    from engram.triton_launch import triton_available
+
+    return device.type == "cuda" or (device.type == "cpu" and _interpreting() and triton_available())
 
 
 def _interpreting() -> bool:

@@ -1,0 +1,85 @@
+"""Launcher of the row cache's between-steps update (:mod:`engram.table.kernels.cache_admission_kernels`).
+
+:func:`admit_step` runs one step of the policy for a :class:`~engram.table.placements.row_cache.RowCache`
+with the step's local ids: three fixed-size launches (four with the frequency score) on the current
+stream, no sort, no host sync, nothing allocated once the work buffers fit, so it can be captured in a
+CUDA graph and replayed with fresh ids. Same result, slot for slot and byte for byte, as
+:meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engram.table.kernels.cache_admission_kernels import (admit_kernel, ages_kernel, count_rows_kernel,
+                                                          rank_candidates_kernel)
+from engram.triton_launch import CompiledLaunch, interpreting
+
+__all__ = ["AdmissionBuffers", "admit_step"]
+
+_LAUNCHERS = {kernel: CompiledLaunch(kernel) for kernel in (
+    ages_kernel, count_rows_kernel, rank_candidates_kernel, admit_kernel)}
+_ID_BLOCK = 256
+_ENTRY_BLOCK = 512
+_AGE_BLOCK = 2048
+_ADMIT_PROGRAMS = 1024  # programs of step 3, striding over the touched sets (H200: 132 SMs)
+
+
+class AdmissionBuffers:
+    """A cache's work buffers for steps of up to :attr:`capacity` ids: the counting table (``keys``,
+    ``counts`` ``int32 [P + 1]``), the touched sets (``int64 [capacity]``) and their count, per set the
+    candidates' top list (``int64 [sets, ways]``) and the last step that listed it (``int64 [sets]``), and
+    the device step counter (``int64 [1]``). Each launch leaves what it used empty for the next step."""
+
+    def __init__(self, cache, capacity: int, step: int):
+        device = cache.device
+        self.capacity = capacity
+        self.table_size = 1 << max(4, (2 * capacity - 1).bit_length())  # at most half full
+        self.keys = torch.full((self.table_size + 1,), -1, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(self.table_size + 1, dtype=torch.int32, device=device)
+        self.touched = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.touched_count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.best = torch.full((cache.num_sets * cache.ways,), -1, dtype=torch.int64, device=device)
+        self.stamps = torch.zeros(cache.num_sets, dtype=torch.int64, device=device)
+        self.step = torch.full((1,), step, dtype=torch.int64, device=device)
+        self.dirty = False  # set while a step's launches are being issued: one that failed leaves it set
+
+
+def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor) -> None:
+    """One step of ``cache``'s policy (:mod:`engram.table.placements.row_cache`) for the reads ``local_ids
+    int32/int64 [N]`` (contiguous, on the cache's device; ids outside ``[0, rows)`` are ignored), admitting
+    rows from ``back_values uint8 [rows, D]`` / ``back_scales uint8 [rows, D // 32]``. The caller (the
+    cache) has checked the arguments and keeps the buffers; under CUDA-graph capture they must already fit."""
+    num_ids = local_ids.numel()
+    buffers = cache.admission_buffers(num_ids)
+    device_index = local_ids.device.index if local_ids.is_cuda else 0
+    step_launch = dict(num_warps=4, device_index=device_index)
+    buffers.dirty = True
+    if not cache.recency:
+        counters = cache.counters_with_trash
+        grid = -(-counters.numel() // _AGE_BLOCK)
+        _LAUNCHERS[ages_kernel](grid, (counters, counters.numel(), buffers.step, cache.aging_interval, _AGE_BLOCK),
+                               **step_launch)
+    if num_ids:
+        _LAUNCHERS[count_rows_kernel](
+            -(-num_ids // _ID_BLOCK),
+            (local_ids, num_ids, back_values.shape[0], buffers.keys, buffers.counts, buffers.table_size, cache.stats,
+             buffers.touched_count, _ID_BLOCK), **step_launch)
+        _LAUNCHERS[rank_candidates_kernel](
+            -(-buffers.table_size // _ENTRY_BLOCK),
+            (buffers.keys, buffers.counts, buffers.table_size, cache.tags_with_trash, cache.counters_with_trash,
+             cache.num_sets, buffers.step, buffers.best, buffers.stamps, buffers.touched, buffers.touched_count,
+             cache.stats, cache.recency, cache.ways, _ENTRY_BLOCK), **step_launch)
+    programs = max(1, min(num_ids, cache.num_sets, 2 if interpreting() else _ADMIT_PROGRAMS))
+    head_dim = cache.head_dim
+    groups = head_dim // 32
+    slot_rows = cache.slot_rows
+    if not num_ids:
+        buffers.touched_count.zero_()  # step 1 zeroes it: no step 1 ran
+    _LAUNCHERS[admit_kernel](
+        programs,
+        (buffers.touched, buffers.touched_count, buffers.best, cache.tags_with_trash, cache.counters_with_trash,
+         buffers.step, slot_rows, slot_rows.stride(0), back_values, back_scales, back_values.stride(0),
+         back_scales.stride(0), programs, head_dim, 1 << (groups - 1).bit_length(), slot_rows.shape[1], cache.ways),
+        **step_launch)
+    buffers.dirty = False

@@ -1,0 +1,187 @@
+"""Triton kernels of the HBM row cache's between-steps update (placement ``"cached"``).
+
+Only ``@triton.jit`` functions live here; :mod:`engram.table.kernels.cache_admission` launches
+them and :meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`
+is their plain-torch reference (the rules: :mod:`engram.table.placements.row_cache`).
+
+One step is three fixed-size launches on the step's stream, with no sort, no host sync and no
+program waiting on another (``ages_kernel`` first, for the frequency score only):
+
+1. :func:`count_rows_kernel` counts the step's reads per distinct row in an open-addressing
+   table (``keys int32 [P + 1]``, ``counts int32 [P + 1]``, ``P`` a power of two at least twice
+   the ids; entry ``P`` is a trash entry for masked lanes). Each id probes linearly from its hash;
+   ``atomic_cas`` claims an empty entry. A table at most half full bounds the probes; the loop
+   stops after ``P`` probes whatever the memory holds.
+2. :func:`rank_candidates_kernel`, per table entry: looks the row up in its set; a held row
+   takes its new score (recency: the step + 1; frequency: ``+ count``, saturated); a missed row
+   is a candidate with key ``score * 2**31 + (2**31 - 1 - row)`` and is inserted into its set's
+   top-``WAYS`` list ``best int64 [sets, WAYS]`` (descending): at each position ``atomic_max``
+   keeps the larger key and the smaller one moves on, so whatever the order of the programs
+   the list ends holding the set's ``WAYS`` largest keys, sorted. The first candidate of a set
+   in this step (``atomic_xchg`` of the set's step stamp) appends the set to ``touched``. The
+   entry is cleared for the next step.
+3. :func:`admit_kernel`, per touched set (a fixed grid striding over the count): ranks the
+   set's ways by score (empty first, ties by way), pairs the ``k``-th candidate with the
+   ``k``-th way and admits it when its score is at least that way's, copying the row from the
+   backing rows (host memory, on the GPU) into the slot with its tag, then clears the set's
+   list. Program 0 advances the device step counter.
+
+Sets are disjoint between programs of step 3; every other shared word is written only by
+atomics whose result does not depend on their order, so the update is deterministic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_ID_BITS: tl.constexpr = tl.constexpr(31)
+_ID_MASK: tl.constexpr = tl.constexpr(2**31 - 1)
+_COUNTER_MAX: tl.constexpr = tl.constexpr(2**30)
+_SCALE_GROUP: tl.constexpr = tl.constexpr(32)
+
+
+@triton.jit
+def _table_position(row, table_mask):
+    """The open-addressing table's first probe for ``row int64``: a multiplicative hash."""
+    return ((row * 2654435761) >> 11) & table_mask
+
+
+@triton.jit
+def ages_kernel(counters_ptr, num_counters, step_ptr, aging_interval, BLOCK: tl.constexpr):
+    """Frequency score: halve every counter when the device step ``k > 0`` is a multiple of
+    ``aging_interval`` (a fixed grid; every program returns at once on the other steps)."""
+    step = tl.load(step_ptr)
+    if (step > 0) & (step % aging_interval == 0):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < num_counters
+        counters = tl.load(counters_ptr + offsets, mask=inside, other=0)
+        tl.store(counters_ptr + offsets, counters >> 1, mask=inside)
+
+
+@triton.jit
+def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_size, stats_ptr,
+                      touched_count_ptr, BLOCK: tl.constexpr):
+    """Step 1 (module docstring): ``ids int32/int64 [num_ids]`` (local rows; those outside
+    ``[0, num_rows)`` ignored) into the table; ``stats[0] +=`` reads, ``stats[2] +=`` distinct rows."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(touched_count_ptr, 0)  # step 2 appends to it
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < num_ids
+    row = tl.load(ids_ptr + offsets, mask=inside, other=-1).to(tl.int64)
+    valid = inside & (row >= 0) & (row < num_rows)
+    table_mask = table_size - 1
+    position = tl.where(valid, _table_position(row, table_mask), table_size)
+    key = row.to(tl.int32)
+    pending = valid
+    first = tl.zeros([BLOCK], dtype=tl.int1)
+    probes = 0
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (probes < table_size):
+        target = tl.where(pending, position, table_size)  # finished lanes: the trash entry, unchanged
+        old = tl.atomic_cas(keys_ptr + target, tl.where(pending, -1, -2), tl.where(pending, key, -2))
+        won = pending & (old == -1)
+        found = won | (pending & (old == key))
+        tl.atomic_add(counts_ptr + target, 1, mask=found)
+        first = first | won
+        pending = pending & ~found
+        position = tl.where(pending, (position + 1) & table_mask, position)
+        probes += 1
+    tl.atomic_add(stats_ptr + 0, tl.sum(valid.to(tl.int64), axis=0))
+    tl.atomic_add(stats_ptr + 2, tl.sum(first.to(tl.int64), axis=0))
+
+
+@triton.jit
+def rank_candidates_kernel(keys_ptr, counts_ptr, table_size, tags_ptr, counters_ptr, num_sets, step_ptr,
+                           best_ptr, stamps_ptr, touched_ptr, touched_count_ptr, stats_ptr,
+                           RECENCY: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 2 (module docstring) over table entries ``[pid * BLOCK, (pid + 1) * BLOCK)``; ``stats[1] +=``
+    reads that hit, ``stats[3] +=`` distinct missed rows."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < table_size
+    row = tl.load(keys_ptr + offsets, mask=inside, other=-1).to(tl.int64)
+    count = tl.load(counts_ptr + offsets, mask=inside, other=0)
+    tl.store(keys_ptr + offsets, tl.full([BLOCK], -1, tl.int32), mask=inside)  # empty for the next step
+    tl.store(counts_ptr + offsets, tl.zeros([BLOCK], dtype=tl.int32), mask=inside)
+    present = inside & (row >= 0)
+    way = tl.arange(0, WAYS)
+    row_set = tl.where(present, row, 0) % num_sets
+    tags = tl.load(tags_ptr + row_set[:, None] * WAYS + way[None, :], mask=present[:, None], other=-1)
+    hit_way = tl.max(tl.where((tags == row[:, None]) & present[:, None], way[None, :], -1), axis=1)
+    hit = hit_way >= 0
+    slot = row_set * WAYS + tl.where(hit, hit_way, 0).to(tl.int64)
+    step = tl.load(step_ptr)
+    if RECENCY:
+        score = tl.minimum(step + 1, _COUNTER_MAX)
+        tl.store(counters_ptr + slot, tl.full([BLOCK], 0, tl.int32) + score.to(tl.int32), mask=hit)
+        candidate_score = tl.zeros([BLOCK], dtype=tl.int64) + score
+    else:
+        # Saturating add: every add is followed by its own min, so the last word is min(sum, max).
+        tl.atomic_add(counters_ptr + slot, count, mask=hit)
+        tl.atomic_min(counters_ptr + slot, tl.full([BLOCK], _COUNTER_MAX, tl.int32), mask=hit)
+        candidate_score = count.to(tl.int64)
+    candidate = present & ~hit
+    tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(hit, count, 0).to(tl.int64), axis=0))
+    tl.atomic_add(stats_ptr + 3, tl.sum(candidate.to(tl.int64), axis=0))
+    # The set's top-WAYS list: the larger key stays, the smaller moves on (a key met again stops).
+    key = tl.where(candidate, (candidate_score << _ID_BITS) + (_ID_MASK - row), -1)
+    for position in tl.static_range(WAYS):
+        moving = key >= 0
+        old = tl.atomic_max(best_ptr + row_set * WAYS + position, key, mask=moving)
+        key = tl.where(moving & (old != key), tl.minimum(old, key), -1)
+    # The set's first candidate of this step lists it for step 3.
+    stamp = tl.zeros([BLOCK], dtype=tl.int64) + (step + 1)
+    previous = tl.atomic_xchg(stamps_ptr + row_set, stamp, mask=candidate)
+    first_of_set = candidate & (previous != stamp)
+    index = tl.atomic_add(touched_count_ptr + tl.zeros([BLOCK], dtype=tl.int32), 1, mask=first_of_set)
+    tl.store(touched_ptr + index.to(tl.int64), row_set, mask=first_of_set)
+
+
+@triton.jit
+def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_ptr, step_ptr,
+                 slot_rows_ptr, slot_stride, back_values_ptr, back_scales_ptr, value_stride, scale_stride,
+                 num_programs, HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, ROW_BYTES: tl.constexpr,
+                 WAYS: tl.constexpr):
+    """Step 3 (module docstring): program ``pid`` admits the candidates of touched sets ``pid, pid +
+    num_programs, ...`` (of ``touched_count``)."""
+    pid = tl.program_id(0)
+    touched_count = tl.load(touched_count_ptr)
+    if pid == 0:
+        tl.store(step_ptr, tl.load(step_ptr) + 1)  # read by steps 1-2 only, which ran before
+    way = tl.arange(0, WAYS)
+    group = tl.arange(0, GROUPS_PADDED)
+    lane = tl.arange(0, _SCALE_GROUP)
+    group_valid = group < HEAD_DIM // _SCALE_GROUP
+    column = group[:, None] * _SCALE_GROUP + lane[None, :]
+    tag_byte = tl.arange(0, 4)
+    for index in range(pid, touched_count, num_programs):
+        row_set = tl.load(touched_ptr + index).to(tl.int64)
+        list_offsets = row_set * WAYS + way
+        key = tl.load(best_ptr + list_offsets)
+        tl.store(best_ptr + list_offsets, tl.full([WAYS], -1, tl.int64))  # empty for the next step
+        tags = tl.load(tags_ptr + list_offsets)
+        held_score = tl.where(tags >= 0, tl.load(counters_ptr + list_offsets).to(tl.int64), -1)
+        # Way w's rank: ways of a lower score, or the same score and a lower index, go first.
+        earlier = ((held_score[None, :] < held_score[:, None])
+                   | ((held_score[None, :] == held_score[:, None]) & (way[None, :] < way[:, None])))
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        paired = rank[None, :] == way[:, None]  # [candidate k, way w]: way w is the k-th victim
+        victim_score = tl.sum(tl.where(paired, held_score[None, :], 0), axis=1)
+        victim_way = tl.sum(tl.where(paired, way[None, :], 0), axis=1)
+        score = key >> _ID_BITS
+        row = _ID_MASK - (key & _ID_MASK)
+        admit = (key >= 0) & (score >= victim_score)
+        slot = row_set * WAYS + victim_way.to(tl.int64)
+        tl.store(tags_ptr + slot, row, mask=admit)
+        tl.store(counters_ptr + slot, tl.minimum(score, _COUNTER_MAX).to(tl.int32), mask=admit)
+        safe_row = tl.where(admit, row, 0)
+        value_bytes = tl.load(back_values_ptr + safe_row[:, None, None] * value_stride + column[None, :, :],
+                              mask=admit[:, None, None] & group_valid[None, :, None], other=0)
+        scale_bytes = tl.load(back_scales_ptr + safe_row[:, None] * scale_stride + group[None, :],
+                              mask=admit[:, None] & group_valid[None, :], other=0)
+        slot_base = slot_rows_ptr + slot * slot_stride
+        tl.store(slot_base[:, None, None] + column[None, :, :], value_bytes,
+                 mask=admit[:, None, None] & group_valid[None, :, None])
+        tl.store(slot_base[:, None] + HEAD_DIM + group[None, :], scale_bytes, mask=admit[:, None] & group_valid[None, :])
+        tag_bytes = ((row[:, None] >> (8 * tag_byte[None, :]).to(tl.int64)) & 255).to(tl.uint8)
+        tl.store(slot_base[:, None] + (ROW_BYTES - 4) + tag_byte[None, :], tag_bytes, mask=admit[:, None])
