@@ -502,7 +502,9 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
         phase["table_counters"] = counter_changes(counters_before, counters_after or table_counters(setup.memories))
     if "cached" in setup.memories:
         guard(f"{mode} T={tokens}: update_cache alone")
-        phase["update_cache_ms"] = update_cache_ms(setup.memories["cached"], inputs, setup.clock)
+        times = update_cache_times(setup.memories["cached"], inputs, setup.clock)
+        phase["update_cache_ms"] = times["gpu_us"] / 1e3
+        phase["update_cache_host_us"], phase["update_cache_gpu_us"] = times["host_us"], times["gpu_us"]
     if tokens == 8192 and setup.cuda and "host" in setup.memories:
         host = setup.memories["host"]
 
@@ -577,13 +579,25 @@ def prewarm(memory, inputs, api: dict) -> float:
 
 def update_cache_ms(memory, inputs, clock: Clock, repeats: int = 5) -> float:
     """Median ms of ``memory.update_cache`` alone on fresh hash ids (part of each ``cached`` step)."""
-    samples = []
+    return update_cache_times(memory, inputs, clock, repeats)["gpu_us"] / 1e3
+
+
+def update_cache_times(memory, inputs, clock: Clock, repeats: int = 5) -> dict:
+    """``memory.update_cache`` alone on fresh hash ids, after a sync: the median host time of the call
+    (``host_us``: until it returns) and of the work it enqueued (``gpu_us``: CUDA events around it, the
+    host clock on the CPU), over ``repeats`` calls."""
+    host, gpu = [], []
     for _ in range(repeats):
         inputs.refresh()
         hash_ids = inputs.hash(memory)
         clock.sync()
-        samples.append(clock.time(lambda: memory.update_cache(hash_ids)))
-    return statistics.median(samples)
+
+        def call():
+            started = time.perf_counter()
+            memory.update_cache(hash_ids)
+            host.append((time.perf_counter() - started) * 1e6)
+        gpu.append(clock.time(call) * 1e3)
+    return {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu)}
 
 
 def summarize(phase: dict, samples: dict[str, list[float]], setup: Setup) -> None:

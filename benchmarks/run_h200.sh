@@ -11,6 +11,7 @@
 #   layer     bench_layer.py --no-sweep: the whole layer for every wkv path
 #   host      bench_host.py: placement "host" on a 34 GiB table (carry .bench-data for real-text ids)
 #   cache     bench_cache.py: placements host / cached / device on held-out text (carry .bench-data)
+#   cache-update bench_cache_update.py: the HBM cache's update, kernels against the torch path
 #   step      bench_step.py: what Engram adds to a whole served decoder step (and one traced step of
 #             a few variants at T = 8192)
 #   step-keys bench_step.py on the host keys' variants only (none, device, its control, host prefetched
@@ -38,8 +39,8 @@ while (( $# )); do
       [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run_h200.sh: --runs: expected a positive integer, got '${2:-}'" >&2; usage; }
       runs=$2; shift 2 ;;
     --print) print_only=1; shift ;;
-    suite|kernels|layer|host|cache|step|step-keys|parallel|node) commands+=("$1"); shift ;;
-    all) commands+=(suite kernels layer host cache step parallel node); shift ;;
+    suite|kernels|layer|host|cache|cache-update|step|step-keys|parallel|node) commands+=("$1"); shift ;;
+    all) commands+=(suite kernels layer host cache cache-update step parallel node); shift ;;
     *) echo "run_h200.sh: unknown subcommand or option '$1'" >&2; usage ;;
   esac
 done
@@ -109,6 +110,7 @@ for command in "${commands[@]}"; do
     layer) run bench-layer-h200.log timeout 400 python benchmarks/bench_layer.py --no-sweep ;;
     host) run bench-host-h200.log timeout 300 python benchmarks/bench_host.py ;;
     cache) run bench-cache-h200.log timeout 300 python benchmarks/bench_cache.py ;;
+    cache-update) run bench-cache-update-h200.log timeout 300 python benchmarks/bench_cache_update.py ;;
     step) run step-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 --trace \
             --json "$OUT/step-h200.json" ;;
     step-keys) run step-keys-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \

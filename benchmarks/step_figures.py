@@ -109,6 +109,8 @@ def headline(report: dict) -> dict:
         "device_again_vs_device_decode_T64_pct": _vs(decode64, ("device_again",), "device"),
         "device_over_floor_prefill_T8192_pct": over_floor,
         "host_gather_vs_ceiling_T8192": alone["GBps"] / ceiling if ceiling and alone.get("GBps") else None,
+        **{f"update_cache_{kind}_us_T{tokens}": (phase or {}).get(f"update_cache_{kind}_us")
+           for tokens, phase in ((64, decode64), (8192, prefill)) for kind in ("host", "gpu")},
         "layer_us_T64": report.get("layer_us", {}).get("64"),
         "layer_us_T8192": report.get("layer_us", {}).get("8192"),
     }

@@ -155,3 +155,17 @@ def test_without_cuda_one_clear_error(heldout, monkeypatch, capsys):
     with pytest.raises(SystemExit) as stopped:
         heldout.main(["--smoke"])
     assert stopped.value.code == 2 and "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+def test_bench_cache_update_without_cuda_one_clear_error():
+    """The update benchmark needs a GPU: without one it says so on stderr and exits 2, no traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a CUDA device")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_cache_update.py")], cwd=root,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "bench_cache_update.py: needs a CUDA device" and "Traceback" not in done.stderr

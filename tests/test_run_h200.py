@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "run_h200.sh"
 # subcommand -> (script, an argument its command must pass: "" for none)
 BENCHMARKS = {"kernels": ("bench_kernels.py", ""), "layer": ("bench_layer.py", ""), "host": ("bench_host.py", ""),
-              "cache": ("bench_cache.py", ""), "step": ("bench_step.py", ""),
+              "cache": ("bench_cache.py", ""), "cache-update": ("bench_cache_update.py", ""), "step": ("bench_step.py", ""),
               "step-keys": ("bench_step.py", "--variants"), "parallel": ("bench_parallel.py", ""),
               "node": ("bench_parallel.py", "--mode node")}
 

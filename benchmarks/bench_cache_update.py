@@ -1,0 +1,131 @@
+"""The HBM row cache's between-steps update (GPU, one call): the fixed-size kernels against the torch path.
+
+A :class:`RowCache` the size of placement ``"cached"``'s on V4.1's layer-1 table (2% of 384,006,168 rows:
+7.68 M slots in 960 k sets of 8 ways, 2.1 GB of HBM) over backing rows in pinned host memory (read through
+their CUDA alias, as the placement admits rows), ``--backing-rows`` of them. Each step's ids: T tokens x 24
+columns, half from a hot pool (so rows repeat and hit) and half uniform. Per policy (``set-lru``,
+``dynamic``) and T in {64, 8192}, after ``--warm-steps`` steps:
+
+* ``host_us``: the update call's host time, until it returns (median);
+* ``gpu_us``: CUDA events around it (median; includes launch gaps the host leaves);
+* ``graph_us`` (kernels only): the update captured in a CUDA graph, replayed with fresh ids (do_bench median).
+
+Both paths start from the same content and are checked to leave the same tags after the last step.
+Also the device copy ceiling of the same run (the cache's update is latency-bound: the ceiling shows
+the card). Writes ``cache-update-h200.json`` to ``$OUT`` (or benchmarks/results/).
+
+    PYTHONPATH=src ENGRAM_COMMIT=<sha> python benchmarks/bench_cache_update.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import copy_ceiling_gbps, gpu_us, versions  # noqa: E402
+
+from engram.table.host_memory.rows import cuda_alias, pack_rows  # noqa: E402
+from engram.table.placements.row_cache import RowCache  # noqa: E402
+
+V41_ROWS = 384_006_168
+COLUMNS = 24
+
+
+def _step_ids(rng: np.random.Generator, tokens: int, backing_rows: int, hot: np.ndarray) -> torch.Tensor:
+    count = tokens * COLUMNS
+    ids = np.where(rng.random(count) < 0.5, hot[rng.integers(0, hot.size, count)],
+                   rng.integers(0, backing_rows, count))
+    return torch.from_numpy(ids.astype(np.int64)).cuda()
+
+
+def _time_update(update, ids_of_step, steps: int) -> dict:
+    host, gpu = [], []
+    for step in range(steps):
+        ids = ids_of_step(step)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        started = time.perf_counter()
+        update(ids)
+        host.append((time.perf_counter() - started) * 1e6)
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) * 1e3)
+    return {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backing-rows", type=int, default=16 << 20, help="pinned host rows admitted from")
+    parser.add_argument("--warm-steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per path, policy and T")
+    parser.add_argument("--seed", type=int, default=20261202)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_cache_update.py: needs a CUDA device", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    values = torch.randint(0, 0x7E, (args.backing_rows, 256), dtype=torch.uint8)
+    scales = torch.randint(100, 140, (args.backing_rows, 8), dtype=torch.uint8)
+    rows = pack_rows(values, scales)
+    del values, scales
+    packed = rows.packed.pin_memory()
+    del rows
+    alias = cuda_alias(packed, torch.device("cuda"))  # the pinned rows as a CUDA tensor (reads over PCIe)
+    back_values, back_scales = alias[:-1, :256], alias[:-1, 256:264]
+    hot = rng.integers(0, args.backing_rows, 200_000)
+    num_slots = int(V41_ROWS * 0.02)
+    results = {}
+    for policy in ("set-lru", "dynamic"):
+        for tokens in (64, 8192):
+            caches = {path: RowCache(num_slots, 256, "cuda", ways=8, recency=policy == "set-lru")
+                      for path in ("kernels", "torch")}
+            steps = [_step_ids(rng, tokens, args.backing_rows, hot) for _ in range(args.warm_steps + args.steps)]
+            row = {}
+            for path, cache in caches.items():
+                update = (cache.update if path == "kernels" else cache.update_with_torch)
+                for ids in steps[:args.warm_steps]:
+                    update(ids, back_values, back_scales)
+                row[path] = _time_update(lambda ids: update(ids, back_values, back_scales),
+                                         lambda step: steps[args.warm_steps + step], args.steps)
+            same = torch.equal(caches["kernels"].tags, caches["torch"].tags)
+            static_ids = steps[-1].clone()
+            fresh = iter(steps * 50)
+
+            def replayed():
+                static_ids.copy_(next(fresh))
+                caches["kernels"].update(static_ids, back_values, back_scales)
+            row["kernels"]["graph_us"] = gpu_us(replayed, graph=True)
+            row["tags_equal"] = same
+            row["speedup_gpu"] = row["torch"]["gpu_us"] / row["kernels"]["gpu_us"]
+            results[f"{policy}_T{tokens}"] = row
+            print(f"{policy:8} T={tokens:5}: kernels host {row['kernels']['host_us']:7.1f} us, gpu "
+                  f"{row['kernels']['gpu_us']:7.1f} us, graph {row['kernels']['graph_us']:7.1f} us | torch host "
+                  f"{row['torch']['host_us']:8.1f} us, gpu {row['torch']['gpu_us']:8.1f} us | "
+                  f"{row['speedup_gpu']:.0f}x, tags equal {same}", flush=True)
+    report = {"benchmark": "bench_cache_update", "device": torch.cuda.get_device_name(), **versions(torch.device("cuda")),
+              "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "slots": num_slots, "ways": 8, "backing_rows": args.backing_rows, "columns": COLUMNS,
+              "copy_ceiling_GBps": copy_ceiling_gbps(1 << 30), "results": results}
+    out_dir = Path(os.environ.get("OUT", HERE / "results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "cache-update-h200.json").write_text(json.dumps(report, indent=2))
+    return 0 if all(row["tags_equal"] for row in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
