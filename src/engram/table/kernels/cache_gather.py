@@ -47,33 +47,55 @@ def block_rows() -> int:
 
 
 def _check(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor, hash_ids: torch.Tensor,
-           row_start: int) -> None:
+           row_start: int) -> tuple:
+    """Every argument checked; returns the launch's integers that depend on the cache and the backing rows
+    alone (their checks and values are kept per backing layout: a decode lookup's host time is mostly this)."""
     if not isinstance(cache, RowCache):
         raise ValueError(f"cache: expected a RowCache, found {type(cache).__name__}")
+    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
+        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
+                 else type(hash_ids).__name__)
+        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
+    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
+        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
+    if not isinstance(back_values, torch.Tensor) or not isinstance(back_scales, torch.Tensor):
+        found = type(back_values if not isinstance(back_values, torch.Tensor) else back_scales).__name__
+        raise ValueError(f"back_values, back_scales: expected uint8 tensors, found {found}")
+    key = (back_values.data_ptr(), back_values.shape, back_values.stride(), back_values.device,
+           back_scales.data_ptr(), back_scales.shape, back_scales.stride(), back_scales.device)
+    constants = cache.launch_constants.get(key)
+    if constants is None:
+        constants = _backing_constants(cache, back_values, back_scales)
+        if len(cache.launch_constants) >= 8:  # a few backings per cache at most; never grows without bound
+            cache.launch_constants.clear()
+        cache.launch_constants[key] = constants
+    if hash_ids.device != cache.device:
+        raise ValueError(f"hash_ids, cache, back_values, back_scales: expected one device, found "
+                         f"{sorted({str(hash_ids.device), str(cache.device)})}")
+    return constants
+
+
+def _backing_constants(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor) -> tuple:
     for name, tensor, width in (("back_values", back_values, cache.head_dim),
                                 ("back_scales", back_scales, cache.head_dim // BLOCK_SIZE)):
-        if (not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 2
-                or tensor.shape[1] != width or tensor.stride(1) != 1):
-            found = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name}: expected uint8 [rows, {width}] with contiguous rows, found {found}")
+        if tensor.dtype != torch.uint8 or tensor.dim() != 2 or tensor.shape[1] != width or tensor.stride(1) != 1:
+            raise ValueError(f"{name}: expected uint8 [rows, {width}] with contiguous rows, found "
+                             f"{tensor.dtype} {list(tensor.shape)}")
     if back_values.shape[0] != back_scales.shape[0]:
         raise ValueError(f"back_scales: expected {back_values.shape[0]} rows (those of back_values), "
                          f"found {back_scales.shape[0]}")
     if back_values.shape[0] >= 2**31:
         raise ValueError(f"back_values: expected fewer than 2**31 rows (the set index is int32), "
                          f"found {back_values.shape[0]}")
-    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
-        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
-                 else type(hash_ids).__name__)
-        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
-    devices = {str(t.device) for t in (hash_ids, cache.tags, back_values, back_scales)}
+    devices = {str(t.device) for t in (cache.tags, back_values, back_scales)}
     if len(devices) != 1:
         raise ValueError(f"hash_ids, cache, back_values, back_scales: expected one device, found {sorted(devices)}")
-    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
-        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
+    return (back_values.shape[0], cache.num_sets, cache.slot_values.stride(0), cache.slot_scales.stride(0),
+            back_values.stride(0), back_scales.stride(0))
 
 
-def _launch(kernel, outputs, cache: RowCache, back_values, back_scales, hash_ids, row_start, extra: tuple):
+def _launch(kernel, outputs, cache: RowCache, back_values, back_scales, hash_ids, row_start, extra: tuple,
+            constants: tuple):
     tokens, local_columns = hash_ids.shape
     total_rows = tokens * local_columns
     if total_rows == 0:
@@ -83,15 +105,12 @@ def _launch(kernel, outputs, cache: RowCache, back_values, back_scales, hash_ids
         raise ValueError(f"hash_ids: T * C = {total_rows} rows per launch; expected fewer than 2**31")
     if hash_ids.is_cuda and hash_ids.device.index != torch.cuda.current_device():
         with torch.cuda.device(hash_ids.device):  # Triton launches on the current device
-            return _launch(kernel, outputs, cache, back_values, back_scales, hash_ids, row_start, extra)
+            return _launch(kernel, outputs, cache, back_values, back_scales, hash_ids, row_start, extra, constants)
     head_dim = cache.head_dim
     groups = head_dim // BLOCK_SIZE
-    slot_values, slot_scales = cache.slot_values, cache.slot_scales
-    ints = (total_rows, local_columns, hash_ids.stride(0), hash_ids.stride(1), row_start, back_values.shape[0],
-            cache.num_sets, slot_values.stride(0), slot_scales.stride(0), back_values.stride(0),
-            back_scales.stride(0))
+    ints = (total_rows, local_columns, hash_ids.stride(0), hash_ids.stride(1), row_start, *constants)
     constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, cache.ways, *extra)
-    tensors = (hash_ids, cache.tags, slot_values, slot_scales, back_values, back_scales, *outputs)
+    tensors = (hash_ids, cache.tags, cache.slot_values, cache.slot_scales, back_values, back_scales, *outputs)
     grid = -(-total_rows // rows_per_program)
     _LAUNCHERS[kernel](grid, (*tensors, *ints, *constexprs), num_warps=4, num_stages=1,
                        device_index=hash_ids.device.index if hash_ids.is_cuda else 0)
@@ -115,13 +134,13 @@ def cached_gather_rows(cache: RowCache, back_values: torch.Tensor, back_scales: 
 
     Returns: ``bfloat16 [T, C, D]``.
     """
-    _check(cache, back_values, back_scales, hash_ids, row_start)
+    constants = _check(cache, back_values, back_scales, hash_ids, row_start)
     shape = (hash_ids.shape[0], hash_ids.shape[1], cache.head_dim)
     out = _check_out(out, shape, torch.bfloat16, hash_ids.device)
     if out is None:
         out = torch.empty(shape, dtype=torch.bfloat16, device=hash_ids.device)
     _launch(cached_gather_bf16_kernel, (out,), cache, back_values, back_scales, hash_ids, row_start,
-            (_DECODE_INTEGER,))
+            (_DECODE_INTEGER,), constants)
     return out
 
 
@@ -131,13 +150,13 @@ def cached_gather_rows_packed(cache: RowCache, back_values: torch.Tensor, back_s
     """Raw FP8 rows through the cache (arguments as :func:`cached_gather_rows`; ``out``: optional contiguous
     ``(uint8 [T, C, D], uint8 [T, C, D // 32])`` to write) -> ``(values uint8 [T, C, D], scales uint8
     [T, C, D // 32])``, all-zero bytes outside the rows."""
-    _check(cache, back_values, back_scales, hash_ids, row_start)
+    constants = _check(cache, back_values, back_scales, hash_ids, row_start)
     tokens, columns = hash_ids.shape
     head_dim = cache.head_dim
     shapes = ((tokens, columns, head_dim), (tokens, columns, head_dim // BLOCK_SIZE))
     out_values, out_scales = _out_pair(out, shapes, torch.uint8, hash_ids.device, "(values, scales)")
     _launch(cached_gather_packed_kernel, (out_values, out_scales), cache, back_values, back_scales, hash_ids,
-            row_start, ())
+            row_start, (), constants)
     return out_values, out_scales
 
 

@@ -106,6 +106,12 @@ class RowCache:
         self.version = 0
         """Bumped (on the host) by every call that may change the content: ``update``, ``load_hot``, ``clear``."""
         self._admission = None  # the update kernels' work buffers, made at the first update
+        # Views made once (the tensors are fixed-size, changed in place): a decode lookup's host time.
+        self._tags_view = self._tags[:-1].view(self.num_sets, ways)
+        self._slot_values = self.slot_rows[:-1, :head_dim]
+        self._slot_scales = self.slot_rows[:-1, head_dim: head_dim + head_dim // BLOCK_SIZE]
+        self.launch_constants: dict = {}
+        """The lookup launchers' checked integers per backing layout (:mod:`engram.table.kernels.cache_gather`)."""
         self.stats = torch.zeros(4, dtype=torch.int64, device=device)
         """``int64 [4]`` summed over :meth:`update` calls: reads (ids inside the table), reads that hit,
         distinct rows per step, distinct missed rows per step (the host rows a step moves after
@@ -123,7 +129,7 @@ class RowCache:
     @property
     def tags(self) -> torch.Tensor:
         """``int64 [num_sets, ways]``: local row id per slot, -1 when empty."""
-        return self._tags[:-1].view(self.num_sets, self.ways)
+        return self._tags_view
 
     @property
     def counters(self) -> torch.Tensor:
@@ -133,12 +139,12 @@ class RowCache:
     @property
     def slot_values(self) -> torch.Tensor:
         """``uint8 [slots, D]``: E4M3 bytes of the cached rows (strided view)."""
-        return self.slot_rows[:-1, : self.head_dim]
+        return self._slot_values
 
     @property
     def slot_scales(self) -> torch.Tensor:
         """``uint8 [slots, D // 32]``: UE8M0 bytes of the cached rows (strided view)."""
-        return self.slot_rows[:-1, self.head_dim: self.head_dim + self.head_dim // BLOCK_SIZE]
+        return self._slot_scales
 
     @property
     def nbytes(self) -> int:
