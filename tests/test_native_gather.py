@@ -328,10 +328,12 @@ def test_gather_worker_choice_is_checked_and_falls_back_with_one_warning(monkeyp
         host_gather._resolve_worker("native", cpu)
 
 
-def test_native_worker_without_a_compiler_says_why(monkeypatch):
+def test_native_worker_without_a_compiler_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(native_worker, "c_compiler", lambda: None)
+    monkeypatch.setattr(native_worker, "BUILT_LIBRARY", tmp_path / "absent.so")  # no built library either
     native_worker._library.cache_clear()
     try:
+        assert "no built library" in native_worker.unavailable_reason()
         assert "no C compiler" in native_worker.unavailable_reason()
         with pytest.raises(RuntimeError, match="no C compiler"):
             native_worker.NativeGatherService(1)

@@ -8,7 +8,8 @@ field that wins over it. Read where a default is needed (at construction, never 
 ``LOCAL_WORLD_SIZE``    processes sharing the node (torchrun sets it): splits the host-gather threads
 ``ENGRAM_CACHE_DIR``    where token maps are cached (else ``$XDG_CACHE_HOME/engram``, ``~/.cache/engram``)
 ``TRITON_INTERPRET``    Triton's own switch (``1``: kernels run on the CPU interpreter)
-``CC``                  the C compiler that builds the host gather's native worker (else ``cc`` / ``gcc``)
+``CC``                  the C compiler that builds the host gather's native worker at install time, and at
+                        first use where the install built none (else ``cc`` / ``gcc``)
 """
 
 from __future__ import annotations

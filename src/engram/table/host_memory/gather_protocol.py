@@ -5,6 +5,8 @@ parties must agree on: the word offsets in a table's pinned flags, the limits, t
 worker takes (:class:`JobRecord`, one ``ctypes.Structure``: ``native_gather.c`` declares the same fields
 and refuses to build without the constants of :func:`compile_definitions`, which the build passes as
 ``-D`` flags) and the rule by which every word is compared (:func:`reached`, wrap-aware over 32 bits).
+:func:`build_command` is the one command that builds the worker, at install time (``setup.py``, which
+loads this file by its path: it imports no torch) and at first use (``native_worker``) alike.
 
 Sequence rules: a table's gathers are numbered 1, 2, ... (:func:`word`: the low 32 bits). Gather ``n``'s
 "ids ready" word is written ``n`` by the GPU after its ids; the worker starts it once the table's
@@ -17,10 +19,12 @@ stops first) gets its "waves done" and "job done" words all the same, so no stre
 from __future__ import annotations
 
 import ctypes
+import hashlib
+from pathlib import Path
 
 __all__ = ["FLAG_WORDS", "IDS_READY", "STAGING_FREE", "WAVES_DONE", "JOB_DONE", "MAX_WAVES", "MAX_THREADS",
-           "TIMED_WAVES", "TIMELINE_WORDS", "CHUNK_ROWS", "PREFETCH_DISTANCE", "JobRecord", "compile_definitions",
-           "reached", "word"]
+           "TIMED_WAVES", "TIMELINE_WORDS", "CHUNK_ROWS", "PREFETCH_DISTANCE", "SHARED_CONSTANTS", "SOURCE",
+           "JobRecord", "compile_definitions", "build_identity", "build_command", "source_digest", "reached", "word"]
 
 # Word offsets in a table's flags (int32 [FLAG_WORDS], pinned): one 64-byte line per writer's word.
 FLAG_WORDS = 64
@@ -37,6 +41,11 @@ TIMELINE_WORDS = 6 + TIMED_WAVES  # the last job's timeline (native_worker.Nativ
 # 16 rows ahead 1.71 ms against 2.4 without (benchmarks/NOTES.md "The served decoder step").
 CHUNK_ROWS = 128
 PREFETCH_DISTANCE = 16
+# What native_gather.c takes from here (-DENGRAM_<name>), in the order engram_gather_protocol reports them.
+SHARED_CONSTANTS = {"MAX_WAVES": MAX_WAVES, "MAX_THREADS": MAX_THREADS, "TIMED_WAVES": TIMED_WAVES,
+                    "TIMELINE_WORDS": TIMELINE_WORDS, "CHUNK_ROWS": CHUNK_ROWS, "PREFETCH_DISTANCE": PREFETCH_DISTANCE}
+
+SOURCE = Path(__file__).with_name("native_gather.c")
 
 
 class JobRecord(ctypes.Structure):
@@ -64,11 +73,29 @@ class JobRecord(ctypes.Structure):
     ]
 
 
+def source_digest(source: str | Path = SOURCE) -> int:
+    """60 bits of the SHA-256 of ``source``: a library built from another ``native_gather.c`` reports another."""
+    return int(hashlib.sha256(Path(source).read_bytes()).hexdigest()[:15], 16)
+
+
 def compile_definitions() -> list[str]:
-    """The ``-D`` flags ``native_gather.c`` is built with: every constant it shares with this module."""
-    constants = {"MAX_WAVES": MAX_WAVES, "MAX_THREADS": MAX_THREADS, "TIMED_WAVES": TIMED_WAVES,
-                 "TIMELINE_WORDS": TIMELINE_WORDS, "CHUNK_ROWS": CHUNK_ROWS, "PREFETCH_DISTANCE": PREFETCH_DISTANCE}
-    return [f"-DENGRAM_{name}={value}" for name, value in constants.items()]
+    """The ``-D`` flags ``native_gather.c`` is built with: every constant it shares with this module, then
+    its own digest (:func:`source_digest`)."""
+    return [*(f"-DENGRAM_{name}={value}" for name, value in SHARED_CONSTANTS.items()),
+            f"-DENGRAM_SOURCE_DIGEST={source_digest()}"]
+
+
+def build_identity() -> list[int]:
+    """What ``engram_gather_protocol`` of a library built by :func:`build_command` reports: the values of
+    :data:`SHARED_CONSTANTS`, then the source's digest."""
+    return [*SHARED_CONSTANTS.values(), source_digest()]
+
+
+def build_command(compiler: str, target: str | Path) -> list[str]:
+    """The command that compiles ``native_gather.c`` into the shared library ``target`` with ``compiler``:
+    the install-time build's and the first-use build's, so the two cannot differ."""
+    return [compiler, "-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", *compile_definitions(), str(SOURCE),
+            "-o", str(target)]
 
 
 def word(value: int) -> int:

@@ -42,7 +42,8 @@
 /* The constants this file shares with Python come from gather_protocol.py (compile_definitions), which
  * the build passes as -D flags; the protocol itself is described in docs/design.md. */
 #if !defined(ENGRAM_MAX_WAVES) || !defined(ENGRAM_MAX_THREADS) || !defined(ENGRAM_TIMED_WAVES) \
-    || !defined(ENGRAM_TIMELINE_WORDS) || !defined(ENGRAM_CHUNK_ROWS) || !defined(ENGRAM_PREFETCH_DISTANCE)
+    || !defined(ENGRAM_TIMELINE_WORDS) || !defined(ENGRAM_CHUNK_ROWS) || !defined(ENGRAM_PREFETCH_DISTANCE) \
+    || !defined(ENGRAM_SOURCE_DIGEST)
 #error "build with gather_protocol.compile_definitions(): the constants shared with Python are missing"
 #endif
 #define MAX_THREADS ENGRAM_MAX_THREADS
@@ -412,6 +413,16 @@ int engram_gather_record_layout(int64_t *out, int words) {
                         offsetof(JobRecord, job_done_value), offsetof(JobRecord, wave_ends)};
     int count = (int)(sizeof(layout) / sizeof(layout[0]));
     for (int i = 0; i < count && i < words; i++) out[i] = layout[i];
+    return count < words ? count : words;
+}
+
+/* What this library was built with, which the loader compares before using it: the constants of
+ * gather_protocol.SHARED_CONSTANTS in its order, then the digest of this source; returns the words written. */
+int engram_gather_protocol(int64_t *out, int words) {
+    int64_t identity[] = {ENGRAM_MAX_WAVES, ENGRAM_MAX_THREADS, ENGRAM_TIMED_WAVES, ENGRAM_TIMELINE_WORDS,
+                          ENGRAM_CHUNK_ROWS, ENGRAM_PREFETCH_DISTANCE, ENGRAM_SOURCE_DIGEST};
+    int count = (int)(sizeof(identity) / sizeof(identity[0]));
+    for (int i = 0; i < count && i < words; i++) out[i] = identity[i];
     return count < words ? count : words;
 }
 

@@ -1,9 +1,14 @@
 """The host gather's native worker (``native_gather.c``): row copies no Python thread or CUDA call can hold up.
 
-The C source is compiled once per process with the system's C compiler (``$CC``, else ``cc`` /
-``gcc``: the one Triton uses for its launchers) into a private temporary directory (mode 0700, removed
-once loaded, so no other user can plant the library), then loaded with ``ctypes``.
-:func:`unavailable_reason` says why not where it cannot be.
+The package's build compiles the C source at install time into :data:`BUILT_LIBRARY`, next to this
+module (``setup.py``; an editable install puts it into the source tree), which is loaded with ``ctypes``
+once it reports the constants, source digest and job-record layout this module expects. Only without
+it (a plain source tree, an install that found no C compiler) or where it is refused (built from
+another source or protocol), the source is compiled once per process at first use, with a warning
+saying so, by the same command (:func:`~engram.table.host_memory.gather_protocol.build_command`) and
+the system's C compiler (``$CC``, else ``cc`` / ``gcc``: the one Triton uses for its launchers) into a
+private temporary directory (mode 0700, removed once loaded, so no other user can plant the library).
+:func:`unavailable_reason` says why not where neither can be.
 
 A :class:`NativeGatherService` is a team of ``threads`` native threads that runs jobs in the order
 submitted (the protocol: docs/design.md, "The host-gather protocol", and its constants, job record and
@@ -24,8 +29,10 @@ import functools
 import os
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -33,28 +40,69 @@ import numpy as np
 import torch
 
 from engram.environment import c_compiler
-from engram.table.host_memory.gather_protocol import (FLAG_WORDS, IDS_READY, JOB_DONE, MAX_WAVES, STAGING_FREE,
-                                                      TIMED_WAVES, TIMELINE_WORDS, WAVES_DONE, JobRecord,
-                                                      compile_definitions, reached, word)
+from engram.table.host_memory.gather_protocol import (FLAG_WORDS, IDS_READY, JOB_DONE, MAX_WAVES, SHARED_CONSTANTS,
+                                                      SOURCE, STAGING_FREE, TIMED_WAVES, TIMELINE_WORDS, WAVES_DONE,
+                                                      JobRecord, build_command, build_identity, reached, word)
 
-__all__ = ["NativeGatherService", "shared_service", "unavailable_reason", "even_wave_ends", "FLAG_WORDS", "IDS_READY",
-           "STAGING_FREE", "WAVES_DONE", "JOB_DONE"]
+__all__ = ["NativeGatherService", "shared_service", "unavailable_reason", "load_library", "BUILT_LIBRARY",
+           "even_wave_ends", "FLAG_WORDS", "IDS_READY", "STAGING_FREE", "WAVES_DONE", "JOB_DONE"]
 
-_SOURCE = Path(__file__).with_name("native_gather.c")
+_SOURCE = SOURCE
+# Where the package's build puts the worker (setup.py: the extension engram.table.host_memory._native_gather).
+BUILT_LIBRARY = Path(__file__).with_name("_native_gather" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
 
 _u32p = ctypes.c_void_p
 
 
-@functools.lru_cache(maxsize=1)
-def _library() -> tuple[ctypes.CDLL | None, str]:
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.engram_gather_create.argtypes = [ctypes.c_int]
+    lib.engram_gather_create.restype = ctypes.c_void_p
+    lib.engram_gather_submit.argtypes = [ctypes.c_void_p, ctypes.POINTER(JobRecord)]
+    lib.engram_gather_submit.restype = ctypes.c_int
+    lib.engram_gather_hold_next.argtypes = [ctypes.c_void_p, _u32p, ctypes.c_int64]
+    lib.engram_gather_hold_next.restype = None
+    lib.engram_gather_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+    lib.engram_gather_stats.restype = None
+    lib.engram_gather_last_job.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    lib.engram_gather_last_job.restype = ctypes.c_int
+    lib.engram_gather_stop.argtypes = [ctypes.c_void_p]
+    lib.engram_gather_stop.restype = None
+    return lib
+
+
+def _int64_words(function, count: int) -> list[int]:
+    function.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    function.restype = ctypes.c_int
+    out = (ctypes.c_int64 * count)()
+    return list(out[:function(out, count)])
+
+
+def _mismatch(lib: ctypes.CDLL) -> str | None:
+    """Why ``lib`` was not built from this ``native_gather.c`` with this protocol, or None when it was."""
+    if not hasattr(lib, "engram_gather_protocol"):
+        return "it reports no protocol (built from an older native_gather.c)"
+    expected = build_identity()
+    found = _int64_words(lib.engram_gather_protocol, len(expected) + 1)
+    if found != expected:
+        names = [*SHARED_CONSTANTS, "source digest"]
+        differ = [f"{name} {have} (expected {want})" for name, have, want in zip(names, found, expected)
+                  if have != want]
+        if len(found) != len(expected):
+            differ.append(f"{len(found)} words (expected {len(expected)})")
+        return f"it was built with {', '.join(differ)}"
+    layout = [ctypes.sizeof(JobRecord)] + [getattr(JobRecord, name).offset for name, _ in JobRecord._fields_]
+    found = _int64_words(lib.engram_gather_record_layout, len(layout) + 1)
+    if found != layout:
+        return f"its job record is laid out {found}, gather_protocol.JobRecord {layout}"
+    return None
+
+
+def _compile() -> tuple[ctypes.CDLL | None, str]:
     compiler = c_compiler()
-    if compiler is None:
-        return None, "no C compiler found ($CC, cc or gcc)"
     directory = tempfile.mkdtemp(prefix="engram-native-")  # mode 0700: this user's only
     try:
         target = os.path.join(directory, "native_gather.so")
-        command = [compiler, "-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread", *compile_definitions(), str(_SOURCE),
-                   "-o", target]
+        command = build_command(compiler, target)
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as error:
@@ -67,21 +115,36 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
             return None, f"the compiled worker did not load: {error}"
     finally:
         shutil.rmtree(directory, ignore_errors=True)  # the loaded library stays mapped
-    lib.engram_gather_create.argtypes = [ctypes.c_int]
-    lib.engram_gather_create.restype = ctypes.c_void_p
-    lib.engram_gather_submit.argtypes = [ctypes.c_void_p, ctypes.POINTER(JobRecord)]
-    lib.engram_gather_submit.restype = ctypes.c_int
-    lib.engram_gather_record_layout.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
-    lib.engram_gather_record_layout.restype = ctypes.c_int
-    lib.engram_gather_hold_next.argtypes = [ctypes.c_void_p, _u32p, ctypes.c_int64]
-    lib.engram_gather_hold_next.restype = None
-    lib.engram_gather_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
-    lib.engram_gather_stats.restype = None
-    lib.engram_gather_last_job.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
-    lib.engram_gather_last_job.restype = ctypes.c_int
-    lib.engram_gather_stop.argtypes = [ctypes.c_void_p]
-    lib.engram_gather_stop.restype = None
-    return lib, ""
+    refused = _mismatch(lib)
+    if refused is not None:
+        return None, f"the worker compiled from {SOURCE.name} does not match gather_protocol.py: {refused}"
+    return _declare(lib), ""
+
+
+def load_library(built: str | Path = BUILT_LIBRARY) -> tuple[ctypes.CDLL | None, str]:
+    """``(library, "")``: ``built`` where it exists and :func:`_mismatch` finds nothing, else ``native_gather.c``
+    compiled now, with a warning that says why; ``(None, why not)`` where neither can be."""
+    if os.path.exists(built):
+        try:
+            lib = ctypes.CDLL(os.fspath(built))
+            refused = _mismatch(lib)
+        except OSError as error:
+            refused = f"it did not load: {error}"
+        if refused is None:
+            return _declare(lib), ""
+        why = f"the built library {os.fspath(built)} is refused: {refused}"
+    else:
+        why = f"no built library at {os.fspath(built)} (a source tree, or an install that found no C compiler)"
+    if c_compiler() is None:
+        return None, f"{why}, and no C compiler found ($CC, cc or gcc) to build it at first use"
+    warnings.warn(f"host gather's native worker: {why}; building it from source ({SOURCE.name}) at first use",
+                  RuntimeWarning, stacklevel=2)
+    return _compile()
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    return load_library(BUILT_LIBRARY)
 
 
 def unavailable_reason() -> str | None:
