@@ -157,7 +157,7 @@ class NodeSetup:
         return EngramTable(self.values if values is None else values, self.scales if scales is None else scales,
                            num_columns_total=self.spec.num_columns, placement=placement,
                            device=self.device if on_device else None, validate=False,
-                           placement_options=placement_options)
+                           placement_options=placement_options, check_values=False)  # untouched rows unfilled
 
 
 def setup_node_rank(rank: int, world_size: int, device: torch.device, placement: str, options: dict) -> NodeSetup:

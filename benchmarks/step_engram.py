@@ -84,11 +84,12 @@ def _seed_table(layout, index, values, scales, device, facts: dict) -> EngramTab
     library takes it, else by setting the placement's attribute."""
     try:
         table = EngramTable.from_layout(layout, index, None, values, scales, placement="host", device=device,
-                                        validate=False, placement_options={"direct_max_rows": SEED_DIRECT_ROWS})
+                                        validate=False, placement_options={"direct_max_rows": SEED_DIRECT_ROWS},
+                                        check_values=False)
         facts["seed_direct_rows_via"] = "placement_options"
     except ValueError as error:
         table = EngramTable.from_layout(layout, index, None, values, scales, placement="host", device=device,
-                                        validate=False)
+                                        validate=False, check_values=False)
         table.storage.direct_max_rows = SEED_DIRECT_ROWS
         facts["seed_direct_rows_via"] = "storage.direct_max_rows"
         facts["seed_placement_options_error"] = str(error)
@@ -125,10 +126,10 @@ def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], devic
                 on_device = packed.packed.to(device)
                 values, scales = on_device[:-1, :head_dim], on_device[:-1, head_dim: head_dim + head_dim // 32]
                 table = EngramTable.from_layout(layout, index, None, values, scales, placement="device", device=device,
-                                                validate=False)
+                                                validate=False, check_values=False)  # common.host_table's rows
             elif kind in ("host", "cached"):
                 table = EngramTable.from_layout(layout, index, None, packed.values, packed.scales, placement=kind,
-                                                device=device, validate=False,
+                                                device=device, validate=False, check_values=False,
                                                 placement_options=dict(host_options or {}))
             elif kind == "seed":
                 table = _seed_table(layout, index, packed.values, packed.scales, device, facts)

@@ -125,4 +125,9 @@ def test_the_light_parts_import_no_torch():
     assert not _imports_torch("from engram.tools.cli import build_parser, main\nbuild_parser()\n"
                               "import contextlib, io\nwith contextlib.redirect_stdout(io.StringIO()):\n"
                               "    assert main(['info']) == 0")
+    help_text = ("from engram.tools.cli import main\nimport contextlib, io\nout = io.StringIO()\n"
+                 "with contextlib.redirect_stdout(out):\n    try:\n        main(['--help'])\n"
+                 "    except SystemExit as done:\n        assert done.code == 0, done.code\n"
+                 "assert 'usage: engram' in out.getvalue(), out.getvalue()")
+    assert not _imports_torch(help_text)
     assert _imports_torch("import engram\nengram.EngramMemory")   # the serving core loads on first use

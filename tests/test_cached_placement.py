@@ -32,7 +32,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def _table(num_rows: int, head_dim: int, generator: torch.Generator):
-    """``PackedRows`` of ``num_rows`` random rows: every E4M3 byte and every scale byte 0..254, shuffled."""
+    """``PackedRows`` of ``num_rows`` random rows: every E4M3 byte and every scale byte 0..254, shuffled (NaN
+    and infinite rows included: tables over them are raw bytes, ``check_values=False``)."""
     value_count, scale_count = num_rows * head_dim, num_rows * (head_dim // 32)
     values = (torch.arange(value_count) % 256)[torch.randperm(value_count, generator=generator)].to(torch.uint8)
     scales = (torch.arange(scale_count) % 255)[torch.randperm(scale_count, generator=generator)].to(torch.uint8)
@@ -412,7 +413,7 @@ def test_cached_table_equals_the_cpu_table(backend, seed):
         pytest.skip("the CPU form of placement 'cached' exists only under TRITON_INTERPRET=1")
     generator = torch.Generator().manual_seed(seed)
     rows = _table(80, 64, generator)
-    common = dict(column_start=1, column_end=4, row_start=500, validate=False)
+    common = dict(column_start=1, column_end=4, row_start=500, validate=False, check_values=False)
     plain = engram.EngramTable(rows.values.clone(), rows.scales.clone(), **common)
     cached = engram.EngramTable(rows.values.clone(), rows.scales.clone(), placement="cached", device="cpu",
                                 backend=backend, placement_options={"cache_fraction": 0.25, "ways": 4}, **common)
@@ -473,7 +474,7 @@ def _on_cpu(cache: RowCache) -> RowCache:
 # ---------------------------------------------------------------------------
 def _device_and_cached(rows: int, head_dim: int, generator, row_start=0, **options):
     table = _table(rows, head_dim, generator)
-    common = dict(row_start=row_start, validate=False)
+    common = dict(row_start=row_start, validate=False, check_values=False)
     device = engram.EngramTable(table.values.clone(), table.scales.clone(), placement="device", device="cuda",
                                 **common)
     cached = engram.EngramTable(table.values.clone(), table.scales.clone(), placement="cached", device="cuda",

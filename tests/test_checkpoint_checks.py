@@ -113,6 +113,56 @@ def test_a_scale_that_makes_a_value_infinite_is_refused_everywhere(tmp_path, rng
     assert source is not None
 
 
+@pytest.mark.parametrize("case", ["value 0x7f", "value 0xff", "scale 255", "scale 0xfe"])
+def test_the_loader_info_and_the_table_refuse_the_same_bytes(case, tmp_path, rng, capsys, monkeypatch):
+    """Every byte the table's own check refuses (engram.table.fp8.check_table_values) the loader refuses
+    with the same row and byte, and info lists exactly the loader's error."""
+    from engram.checkpoint import load_engram_table
+    from engram.table import EngramTable
+
+    synthetic = _checkpoint(tmp_path, num_shards=2)
+    values_name, scales_name = "layers.1.engram.embed.weight", "layers.1.engram.embed.scale"
+    if case == "scale 0xfe":
+        row, block = _overflowing_scale(synthetic.directory, rng)
+        shown = rf"row {row} holds scale byte 254 \(2\*\*127\) at column {block}, under which "
+    else:
+        kind, byte = case.split()
+        name = values_name if kind == "value" else scales_name
+        rows, width = SafetensorsCheckpoint(synthetic.directory).info(name).shape
+        row, column = int(rng.integers(0, rows)), int(rng.integers(0, width))
+
+        def poke(tensors):
+            data = tensors[name].view(torch.uint8).clone()
+            data[row, column] = int(byte, 16) if byte.startswith("0x") else int(byte)
+            tensors[name] = data.view(tensors[name].dtype)
+        _edit(synthetic.directory, name, poke)
+        shown = (rf"row {row} holds value byte {byte} \(E4M3 NaN\) at column {column}" if kind == "value"
+                 else rf"row {row} holds scale byte 255 \(UE8M0 NaN\) at column {column}")
+    error = _loader_error(synthetic.directory)
+    assert re.search(shown, error), error
+    code, out, _ = _info(synthetic.directory, capsys)
+    assert code == 1 and _problems(out) == [error], out
+    # the same bytes handed to EngramTable directly: the same row and byte
+    tensors = {**load_file(SafetensorsCheckpoint(synthetic.directory).file_of(values_name)),
+               **load_file(SafetensorsCheckpoint(synthetic.directory).file_of(scales_name))}
+    values, scales = tensors[values_name].view(torch.uint8), tensors[scales_name].view(torch.uint8)
+    with pytest.raises(ValueError, match=shown):
+        EngramTable(values, scales)
+    with pytest.raises(ValueError, match=shown):
+        EngramTable.from_layout(EngramLayout(synthetic.spec), 0, None, values, scales)
+    # the loader checked these bytes itself: the table it builds does not scan them again
+    checkpoint = SafetensorsCheckpoint(synthetic.directory)
+    scans = []
+    original = EngramTable.__init__
+
+    def counting(self, *args, **kwargs):
+        scans.append(kwargs.get("check_values", True))
+        original(self, *args, **kwargs)
+    monkeypatch.setattr(EngramTable, "__init__", counting)
+    load_engram_table(checkpoint, EngramLayout(synthetic.spec), 1)
+    assert scans == [False]
+
+
 def test_tensors_the_config_has_no_place_for(tmp_path, capsys):
     directory = _checkpoint(tmp_path, num_shards=1, with_index=False).directory
     added = {"layers.1.engram.foo": torch.zeros(3, dtype=torch.bfloat16),

@@ -337,6 +337,9 @@ def test_info_and_the_loader_agree_on_a_stray_file_and_an_infinite_scale(checkpo
     result = engram("info", "--checkpoint", str(checkpoint))
     assert result.returncode == 1
     assert "1. tensor 'layers.14.engram.embed.scale'" in result.stdout and "row 3 holds scale byte 254" in result.stdout
+    # the loader, through the command: exit 1, the same error on stderr
+    line = error_line(engram("demo", "--checkpoint", str(checkpoint), "--texts", "1", "--max-chars", "200"), 1)
+    assert "tensor 'layers.14.engram.embed.scale'" in line and "row 3 holds scale byte 254 (2**127)" in line, line
 
 
 def test_info_on_unknown_engram_tensors(checkpoint):

@@ -446,7 +446,8 @@ def test_gpu_engram_table_dispatch(monkeypatch, seed):
     generator = torch.Generator().manual_seed(seed)
     value_bytes, scale_bytes = _random_table(5_000, 256, generator, "cpu")
     table = EngramTable(value_bytes.view(torch.float8_e4m3fn), scale_bytes, column_start=6, column_end=12,
-                        row_start=1_000, num_columns_total=24, num_rows_total=10_000, placement="device")
+                        row_start=1_000, num_columns_total=24, num_rows_total=10_000, placement="device",
+                        check_values=False)  # every byte, NaN and infinite products included
     ids = _random_ids(100, 24, 1_000, 5_000, generator, torch.int64).to(device)
     calls = []
     original = gather.gather_rows
@@ -463,7 +464,7 @@ def test_gpu_engram_table_dispatch(monkeypatch, seed):
     assert table.backend == "triton"
     torch_table = EngramTable(value_bytes.view(torch.float8_e4m3fn), scale_bytes, column_start=6, column_end=12,
                               row_start=1_000, num_columns_total=24, num_rows_total=10_000, placement="device",
-                              backend="torch")
+                              backend="torch", check_values=False)
     assert torch_table.backend == "torch"
     torch_rows = torch_table.lookup(ids)
     torch_values, torch_scales = torch_table.lookup_packed(ids)

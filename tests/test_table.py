@@ -84,7 +84,8 @@ def bits_of(tensor: torch.Tensor) -> np.ndarray:
 
 
 def random_table(rng: np.random.Generator, rows: int, head_dim: int, poison_row_zero: bool = False):
-    """Random FP8 rows over every finite E4M3 byte and every finite scale byte (0..254)."""
+    """Random FP8 rows over every finite E4M3 byte and every finite scale byte (0..254): some products
+    overflow to inf, so the tables built from them are raw bytes (``check_values=False``)."""
     value_bytes = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
     value_bytes[(value_bytes & 0x7F) == 0x7F] = 0x3C
     scale_bytes = rng.integers(0, 255, size=(rows, head_dim // 32), dtype=np.uint8)
@@ -117,7 +118,8 @@ def test_whole_layer_lookup_bit_exact(seed, name, layer_index, tokens, id_dtype)
     layout = LAYOUTS[name]
     rows, head_dim = layout.num_embeddings[layer_index], layout.spec.head_dim
     value_bytes, scale_bytes = random_table(rng, rows, head_dim)
-    table = EngramTable.from_layout(layout, layer_index, None, as_values(value_bytes), torch.from_numpy(scale_bytes))
+    table = EngramTable.from_layout(layout, layer_index, None, as_values(value_bytes), torch.from_numpy(scale_bytes),
+                                    check_values=False)
     hash_ids = random_hash_ids(rng, layout, layer_index, tokens)
     ids = torch.from_numpy(hash_ids).to(id_dtype)
 
@@ -137,7 +139,7 @@ def test_whole_layer_lookup_bit_exact(seed, name, layer_index, tokens, id_dtype)
 def test_properties_and_plain_constructor(rng):
     rows = int(rng.integers(5, 300))
     value_bytes, scale_bytes = random_table(rng, rows, 96)
-    table = EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes))
+    table = EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes), check_values=False)
     assert (table.num_rows, table.head_dim, table.placement, table.device) == (rows, 96, "cpu", torch.device("cpu"))
     assert table.nbytes == rows * (96 + 3)
     assert table.num_rows_total == rows and table.validate
@@ -154,12 +156,13 @@ def test_properties_and_plain_constructor(rng):
 def test_uint8_values_and_e8m0_scales_accepted(rng):
     value_bytes, scale_bytes = random_table(rng, 40, 64)
     hash_ids = torch.from_numpy(rng.integers(0, 40, size=(9, 4)))
-    baseline = EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes)).lookup(hash_ids)
-    from_bytes = EngramTable(torch.from_numpy(value_bytes), torch.from_numpy(scale_bytes)).lookup(hash_ids)
+    baseline = EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes), check_values=False).lookup(hash_ids)
+    from_bytes = EngramTable(torch.from_numpy(value_bytes), torch.from_numpy(scale_bytes),
+                             check_values=False).lookup(hash_ids)
     assert torch.equal(baseline.view(torch.int16), from_bytes.view(torch.int16))
     if E8M0_DTYPE is not None:
         scales = torch.from_numpy(scale_bytes).view(E8M0_DTYPE)
-        from_e8m0 = EngramTable(as_values(value_bytes), scales).lookup(hash_ids)
+        from_e8m0 = EngramTable(as_values(value_bytes), scales, check_values=False).lookup(hash_ids)
         assert torch.equal(baseline.view(torch.int16), from_e8m0.view(torch.int16))
 
 
@@ -183,7 +186,8 @@ def test_shards_bit_exact_and_gather_to_whole(seed, name, layer_index, tokens, w
     value_bytes, scale_bytes = random_table(rng, layout.num_embeddings[layer_index], head_dim)
     mixed_ids = random_hash_ids(rng, layout, layer_index, tokens, anywhere_fraction=0.5)
     bucket_ids = random_hash_ids(rng, layout, layer_index, tokens, anywhere_fraction=0.0)
-    whole = EngramTable.from_layout(layout, layer_index, None, as_values(value_bytes), torch.from_numpy(scale_bytes))
+    whole = EngramTable.from_layout(layout, layer_index, None, as_values(value_bytes), torch.from_numpy(scale_bytes),
+                                    check_values=False)
 
     pieces = []
     for rank in valid_ranks(layout, world_size):
@@ -192,7 +196,7 @@ def test_shards_bit_exact_and_gather_to_whole(seed, name, layer_index, tokens, w
         shard_values, shard_scales = value_bytes[row_start:row_end].copy(), scale_bytes[row_start:row_end].copy()
         shard_values[0], shard_scales[0] = 0x7F, 0xFF  # poison the row out-of-shard ids are clamped to
         table = EngramTable.from_layout(layout, layer_index, shard, as_values(shard_values),
-                                        torch.from_numpy(shard_scales))
+                                        torch.from_numpy(shard_scales), check_values=False)
         assert table.num_rows == row_end - row_start and table.num_rows_total == layout.num_embeddings[layer_index]
         assert (table.column_start, table.column_end) == (shard.column_start, shard.column_end)
 
@@ -214,7 +218,7 @@ def test_shards_bit_exact_and_gather_to_whole(seed, name, layer_index, tokens, w
 
         shard_values[0], shard_scales[0] = value_bytes[row_start], scale_bytes[row_start]  # unpoison
         table = EngramTable.from_layout(layout, layer_index, shard, as_values(shard_values),
-                                        torch.from_numpy(shard_scales))
+                                        torch.from_numpy(shard_scales), check_values=False)
         pieces.append(table.lookup(torch.from_numpy(bucket_ids)))
     gathered = torch.cat(pieces, dim=1)
     assert torch.equal(gathered.view(torch.int16), whole.lookup(torch.from_numpy(bucket_ids)).view(torch.int16))
@@ -243,7 +247,8 @@ def test_out_of_table_ids_raise(seed, tokens, negative, sharded):
     shard = layout.shard(1, 3) if sharded else None
     row_start, row_end = shard.row_ranges[layer_index] if sharded else (0, total)
     value_bytes, scale_bytes = random_table(rng, row_end - row_start, 96)
-    table = EngramTable.from_layout(layout, layer_index, shard, as_values(value_bytes), torch.from_numpy(scale_bytes))
+    table = EngramTable.from_layout(layout, layer_index, shard, as_values(value_bytes), torch.from_numpy(scale_bytes),
+                                    check_values=False)
     hash_ids = random_hash_ids(rng, layout, layer_index, tokens, anywhere_fraction=0.5)
     table.lookup(torch.from_numpy(hash_ids))  # in-table ids (also other ranks' rows) pass
 
@@ -266,7 +271,7 @@ def test_out_of_table_ids_raise(seed, tokens, negative, sharded):
 
     # validation off: no error, the id reads zeros
     quiet = EngramTable.from_layout(layout, layer_index, shard, as_values(value_bytes), torch.from_numpy(scale_bytes),
-                                    validate=False)
+                                    validate=False, check_values=False)
     out = quiet.lookup(torch.from_numpy(hash_ids))
     assert np.all(bits_of(out)[token, column - column_start] == 0)
 
@@ -343,7 +348,7 @@ def test_custom_placement_slots_in(rng):
         assert "test-recording" in available_placements()
         value_bytes, scale_bytes = random_table(rng, 50, 64)
         table = EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes), row_start=10,
-                            num_rows_total=100, placement="test-recording")
+                            num_rows_total=100, placement="test-recording", check_values=False)
         assert table.placement == "test-recording"
         hash_ids = rng.integers(0, 100, size=(11, 3))
         out = table.lookup(torch.from_numpy(hash_ids))
@@ -352,6 +357,108 @@ def test_custom_placement_slots_in(rng):
         assert int(seen[0].min()) >= 0 and int(seen[0].max()) < 50
     finally:
         table_module._PLACEMENTS.pop("test-recording", None)
+
+
+# ---------------------------------------------------------------------------
+# table bytes that do not decode to finite values
+# ---------------------------------------------------------------------------
+def finite_table(rng: np.random.Generator, rows: int, head_dim: int = 64):
+    """Random rows that decode to finite values: no NaN byte, scale bytes 100..140."""
+    value_bytes = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
+    value_bytes[(value_bytes & 0x7F) == 0x7F] = 0x40
+    return value_bytes, rng.integers(100, 141, size=(rows, head_dim // 32), dtype=np.uint8)
+
+
+BAD_BYTES = {   # case: (tensor, byte, the message after "<tensor>: row <r> holds ")
+    "value 0x7f": ("values", 0x7F, r"value byte 0x7f \(E4M3 NaN\) at column {column}"),
+    "value 0xff": ("values", 0xFF, r"value byte 0xff \(E4M3 NaN\) at column {column}"),
+    "scale 255": ("scales", 255, r"scale byte 255 \(UE8M0 NaN\) at column {block}"),
+    "scale 0xfe": ("scales", 0xFE, r"scale byte 254 \(2\*\*127\) at column {block}, under which values byte 0x40 "
+                                   r"\(2\) at column {column} decodes to 2 \* 2\*\*127 >= 2\*\*128"),
+}
+
+
+def poisoned_table(rng: np.random.Generator, case: str, rows: int, head_dim: int = 64):
+    """``finite_table`` with the bad byte of ``case`` in one random row; ``(values, scales, expected message)``."""
+    value_bytes, scale_bytes = finite_table(rng, rows, head_dim)
+    tensor, byte, tail = BAD_BYTES[case]
+    row, column = int(rng.integers(0, rows)), int(rng.integers(0, head_dim))
+    block = column // 32
+    if tensor == "values":
+        value_bytes[row, column] = byte
+    else:
+        if byte != 255:   # the only value of its block that overflows: 2.0 * 2**127
+            block_values = value_bytes[row, block * 32:(block + 1) * 32]
+            block_values[:] = block_values & 0x87        # exponent field 0: subnormals, finite under any scale
+            block_values[column % 32] = 0x40             # 2.0
+        scale_bytes[row, block] = byte
+    return value_bytes, scale_bytes, f"{tensor}: row {row} holds " + tail.format(column=column, block=block)
+
+
+@pytest.mark.parametrize("case", list(BAD_BYTES))
+def test_a_table_that_does_not_decode_to_finite_values_is_refused(case, rng):
+    """EngramTable and from_layout refuse NaN bytes and infinite products, naming the tensor, row and byte,
+    before the placement is built; check_values=False takes the bytes as they are."""
+    built = []
+
+    @register_placement
+    class WatchedPlacement(CpuPlacement):
+        name = "test-watched"
+
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    try:
+        rows = int(rng.integers(2, 300))
+        value_bytes, scale_bytes, message = poisoned_table(rng, case, rows)
+        for values in (as_values(value_bytes), torch.from_numpy(value_bytes)):
+            with pytest.raises(ValueError, match=message):
+                EngramTable(values, torch.from_numpy(scale_bytes), placement="test-watched")
+        assert not built   # refused before the placement saw the bytes
+        if E8M0_DTYPE is not None:
+            with pytest.raises(ValueError, match=message):
+                EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes).view(E8M0_DTYPE))
+        # a shard: the row is the row of the tensor given (its global row is row_start later)
+        with pytest.raises(ValueError, match=message):
+            EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes), row_start=1000, column_start=2)
+        raw = EngramTable(as_values(value_bytes), torch.from_numpy(scale_bytes), placement="test-watched",
+                          check_values=False)
+        assert built and raw.num_rows == rows
+        hash_ids = rng.integers(0, rows, size=(5, 3))
+        assert np.array_equal(bits_of(raw.lookup(torch.from_numpy(hash_ids))),
+                              expected_lookup_bits(value_bytes, scale_bytes, hash_ids, 0, 0, 3))
+    finally:
+        table_module._PLACEMENTS.pop("test-watched", None)
+
+    layout = LAYOUTS["C6"]
+    total = layout.num_embeddings[0]
+    value_bytes, scale_bytes, message = poisoned_table(rng, case, total)
+    with pytest.raises(ValueError, match=message):
+        EngramTable.from_layout(layout, 0, None, as_values(value_bytes), torch.from_numpy(scale_bytes))
+    EngramTable.from_layout(layout, 0, None, as_values(value_bytes), torch.from_numpy(scale_bytes),
+                            check_values=False)
+
+
+def test_the_table_check_scans_in_chunks_and_passes_a_finite_table(rng):
+    """A bad row past the first chunk (65,536 rows) is found; packed rows (strided views) are checked without a
+    copy of the table; a finite table passes; check_values takes only a bool."""
+    from engram.table.host_memory.rows import pack_rows
+
+    rows = (1 << 16) + 300
+    value_bytes, scale_bytes = finite_table(rng, rows, 32)
+    EngramTable(torch.from_numpy(value_bytes), torch.from_numpy(scale_bytes))
+    row = int(rng.integers(1 << 16, rows))
+    value_bytes[row, 7] = 0xFF
+    with pytest.raises(ValueError, match=rf"values: row {row} holds value byte 0xff \(E4M3 NaN\) at column 7"):
+        EngramTable(torch.from_numpy(value_bytes), torch.from_numpy(scale_bytes))
+    packed = pack_rows(torch.from_numpy(value_bytes), torch.from_numpy(scale_bytes))
+    assert not packed.values.is_contiguous()
+    with pytest.raises(ValueError, match=rf"values: row {row} holds value byte 0xff"):
+        EngramTable(packed.values, packed.scales)
+    for bad in (None, 1, "yes"):
+        with pytest.raises(ValueError, match=rf"check_values: expected True or False, found {bad!r}"):
+            EngramTable(torch.from_numpy(value_bytes), torch.from_numpy(scale_bytes), check_values=bad)
 
 
 # ---------------------------------------------------------------------------
@@ -364,9 +471,10 @@ def test_device_placement_matches_cpu(rng):
     shard = layout.shard(1, 3)
     row_start, row_end = shard.row_ranges[1]
     value_bytes, scale_bytes = random_table(rng, row_end - row_start, 96)
-    cpu_table = EngramTable.from_layout(layout, 1, shard, as_values(value_bytes), torch.from_numpy(scale_bytes))
+    cpu_table = EngramTable.from_layout(layout, 1, shard, as_values(value_bytes), torch.from_numpy(scale_bytes),
+                                        check_values=False)
     gpu_table = EngramTable.from_layout(layout, 1, shard, as_values(value_bytes), torch.from_numpy(scale_bytes),
-                                        placement="device")
+                                        placement="device", check_values=False)
     assert gpu_table.device.type == "cuda" and not gpu_table.validate
     for tokens in (1, 63, 1000):
         hash_ids = torch.from_numpy(random_hash_ids(rng, layout, 1, tokens, anywhere_fraction=0.5))
@@ -380,7 +488,7 @@ def test_device_placement_matches_cpu(rng):
     with pytest.raises(ValueError, match="hash_ids: expected device cuda"):
         gpu_table.lookup(hash_ids)
     checked = EngramTable.from_layout(layout, 1, shard, as_values(value_bytes), torch.from_numpy(scale_bytes),
-                                      placement="device", validate=True)
+                                      placement="device", validate=True, check_values=False)
     bad = hash_ids.cuda().clone()
     bad[0, shard.column_start] = layout.num_embeddings[1]
     with pytest.raises(ValueError, match=rf"column {shard.column_start} \(token 0\)"):

@@ -166,7 +166,8 @@ def load_engram_table(
 
     ``check_values``: refuse E4M3 NaN value bytes (0x7F, 0xFF) while streaming, naming the
     tensor, row and file (about one extra pass over each chunk while it is in cache); False
-    skips it for trusted checkpoints. Scale byte 255 (UE8M0 NaN) is always refused.
+    skips it for trusted checkpoints. Scale byte 255 (UE8M0 NaN) and a scale byte that makes a finite
+    value of its block infinite are always refused. The table built is not scanned again.
 
     ``backend``: the table's lookup backend (:class:`EngramTable`).
 
@@ -211,8 +212,9 @@ def load_engram_table(
     finally:
         if own_bar:
             bar.close()
+    # The bytes were checked while they streamed in (or the caller trusts them): not scanned again.
     table = EngramTable.from_layout(layout, layer_index, shard, loaded.values, loaded.scales, placement=placement,
                                     device=storage_device, validate=validate, backend=backend,
-                                    placement_options=placement_options)
+                                    placement_options=placement_options, check_values=False)
     table.storage.adopt(loaded.keep)
     return table

@@ -26,7 +26,7 @@ from engram.backends import resolve_backend
 from engram.call_cache import CallCache, structure
 from engram.common import HASH_ID_DTYPES
 from engram.layout import ColumnShard, EngramLayout
-from engram.table.fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, dequantize_rows
+from engram.table.fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, check_table_values, dequantize_rows
 from engram.table.placement import (TablePlacement, available_placements, make_placement, placement_class,
                                     register_placement)
 from engram.table.prefetch import IdsIdentity, PrefetchState, TablePrefetch, capturing, claim
@@ -83,6 +83,7 @@ class EngramTable:
             "policy": "set-lru"}`` for ``"cached"`` (:class:`engram.table.placements.cached.CachedPlacement`).
         options: a :class:`~engram.options.ServingOptions`: its backend, validation and placement fields
             for the arguments left at their defaults (``placement_options`` entries win).
+        check_values: refuse bytes that decode to NaN or infinity (:func:`engram.table.fp8.check_table_values`) [True].
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class EngramTable:
         backend: str = "auto",
         placement_options: dict | None = None,
         options=None,
+        check_values: bool = True,
     ):
         if options is not None:  # a ServingOptions: defaults for the arguments left at theirs
             from engram.options import ServingOptions
@@ -147,6 +149,10 @@ class EngramTable:
             num_rows_total = num_rows
         if validate is not None and not isinstance(validate, bool):
             raise ValueError(f"validate: expected True, False or None, found {validate!r}")
+        if not isinstance(check_values, bool):
+            raise ValueError(f"check_values: expected True or False, found {check_values!r}")
+        if check_values:  # before the placement copies anything: a NaN or infinite row is refused here
+            check_table_values(value_bytes, scale_bytes, values_name="values", scales_name="scales")  # rows of values
 
         self._storage = make_placement(placement, value_bytes, scale_bytes, device, placement_options)
         self._checked_ids = CallCache(64)  # hash-id structures checked by _local_columns
@@ -186,10 +192,12 @@ class EngramTable:
         validate: bool | None = None,
         backend: str = "auto",
         placement_options: dict | None = None,
+        check_values: bool = True,
     ) -> "EngramTable":
         """The table of layer ``layout.spec.layer_ids[layer_index]``, whole (``shard`` None)
         or one rank's shard; ``values``/``scales`` hold exactly the rows of that range
-        (``shard.row_ranges[layer_index]``), checked against the layout."""
+        (``shard.row_ranges[layer_index]``), checked against the layout (and their bytes with
+        ``check_values``, as :class:`EngramTable` does)."""
         spec = layout.spec
         if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not 0 <= layer_index < layout.num_layers:
             raise ValueError(f"layer_index: expected an integer in [0, {layout.num_layers}), found {layer_index!r}")
@@ -221,7 +229,7 @@ class EngramTable:
         return cls(values, scales, column_start=column_start, column_end=column_end, row_start=row_start,
                    num_columns_total=num_columns, num_rows_total=num_rows_total,
                    placement=placement, device=device, validate=validate, backend=backend,
-                   placement_options=placement_options)
+                   placement_options=placement_options, check_values=check_values)
 
     # ---- properties ----------------------------------------------------------
     @property

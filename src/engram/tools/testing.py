@@ -377,15 +377,18 @@ def _fp8_linear_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
     return result
 
 
-def cpu_device_style_table(values: torch.Tensor, scales: torch.Tensor, num_columns_total: int | None = None):
+def cpu_device_style_table(values: torch.Tensor, scales: torch.Tensor, num_columns_total: int | None = None, *,
+                           check_values: bool = True):
     """An ``EngramTable`` on CPU tensors whose storage takes the ``"device"`` placement's Triton
     lookup (the gather kernel, run by the interpreter under ``TRITON_INTERPRET=1``; validation off):
-    how CPU tests and the host-cost proxy run the GPU's lookup path without a GPU."""
+    how CPU tests and the host-cost proxy run the GPU's lookup path without a GPU. ``check_values``
+    as :class:`EngramTable` takes it (False for raw bytes that may decode to NaN or infinity)."""
     from engram.table import EngramTable
     from engram.table.placements.device import DevicePlacement
     from engram.table.table import TablePlacement
 
-    table = EngramTable(values, scales, num_columns_total=num_columns_total, validate=False)
+    table = EngramTable(values, scales, num_columns_total=num_columns_total, validate=False,
+                        check_values=check_values)
     storage = DevicePlacement.__new__(DevicePlacement)  # its __init__ wants a CUDA device
     TablePlacement.__init__(storage, table.storage.value_bytes, table.storage.scale_bytes, torch.device("cpu"))
     storage.backend = "triton"
