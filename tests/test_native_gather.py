@@ -310,7 +310,7 @@ def test_native_worker_refuses_malformed_jobs_by_name(rng):
 
 def test_gather_worker_choice_is_checked_and_falls_back_with_one_warning(monkeypatch):
     with pytest.raises(ValueError, match="host_gather_worker: expected one of"):
-        host_gather.check_gather_worker("C")
+        host_gather.check_gather_options(None, "C", "auto")
     from engram.options import ServingOptions
 
     with pytest.raises(ValueError, match="host_gather_worker"):

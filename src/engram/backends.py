@@ -21,11 +21,10 @@ import warnings
 
 import torch
 
+from engram.checks import BACKEND_CHOICES as BACKENDS, check_choice
 from engram.triton_launch import interpreting, triton_available
 
 __all__ = ["BACKENDS", "resolve_backend"]
-
-BACKENDS = ("auto", "triton", "torch")
 _warned_missing_triton = False
 
 
@@ -46,8 +45,7 @@ def resolve_backend(backend: str | None, device: torch.device, purpose: str) -> 
     """
     if backend is None:
         backend = "auto"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(repr(b) for b in BACKENDS)}, found {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     if backend == "torch":
         return "torch"
     on_cuda = torch.device(device).type == "cuda"

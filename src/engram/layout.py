@@ -13,6 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
+from engram.checks import check_int, check_positive_int
 from engram.primes import bucket_primes, is_prime
 from engram.spec import EngramSpec
 
@@ -103,10 +104,8 @@ class EngramLayout:
 
         Raises ``ValueError`` when that leaves the rank with no column.
         """
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size: expected a positive integer, found {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank: expected an integer in [0, {world_size}), found {rank!r}")
+        check_positive_int("world_size", world_size)
+        check_int("rank", rank, 0, below=world_size)
         columns = self.num_columns
         per_rank = -(-columns // world_size)  # ceil (engram.common.ceil_div, which imports torch)
         start, end = rank * per_rank, min(columns, (rank + 1) * per_rank)

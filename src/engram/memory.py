@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from engram.checkpoint import (SafetensorsCheckpoint, expected_layer_tensors, file_problem,
                          load_engram_layer_weights, load_engram_table, table_progress)
+from engram.checks import check_bool, check_hash_ids
 from engram.common import IdsIdentity, as_device, cuda_capturing, resolve_cuda_device
 from engram.hashing import NgramHasher
 from engram.layer import Engram
@@ -318,12 +319,8 @@ class EngramMemory:
 
     # ---- running -------------------------------------------------------------
     def _check_step_ids(self, hash_ids: torch.Tensor) -> None:
-        """``hash_ids`` of a step: a tensor ``[T, L, C]`` of this model's layers and columns."""
-        expected = [self.spec.num_layers, self.spec.num_columns]
-        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 3 or list(hash_ids.shape[1:]) != expected:
-            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
-            raise ValueError(f"hash_ids: expected shape [T, {expected[0]}, {expected[1]}] (tokens, Engram layers, "
-                             f"hash columns), found {found}")
+        """``hash_ids`` of a step: an int32/int64 tensor ``[T, L, C]`` of this model's layers and columns."""
+        check_hash_ids(hash_ids, layers=self.spec.num_layers, columns=self.spec.num_columns)
 
     def prefetch(self, hash_ids: torch.Tensor, *, sp_token_counts: Sequence[int] | None = None,
                  kv_ahead: bool = False):
@@ -364,8 +361,7 @@ class EngramMemory:
 
         Under ``torch.compile`` this is the custom op ``engram::prefetch`` (:mod:`engram.ops`) and the
         handle is an int64 ticket tensor, passed to ``forward_layer`` the same way."""
-        if not isinstance(kv_ahead, bool):
-            raise ValueError(f"kv_ahead: expected True or False, found {kv_ahead!r}")
+        check_bool("kv_ahead", kv_ahead)
         if compiling():
             if sp_token_counts is not None or kv_ahead:
                 raise ValueError("sp_token_counts, kv_ahead: not supported under torch.compile; prefetch eagerly")

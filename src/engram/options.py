@@ -14,16 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from engram import environment
+from engram.checks import (BACKEND_CHOICES, CACHE_POLICIES, HOST_GATHER_DEDUP, HOST_GATHER_WORKERS,
+                           WKV_BACKEND_CHOICES, check_bool, check_choice, check_fraction, check_int,
+                           check_power_of_two)
 
 __all__ = ["ServingOptions", "BACKEND_CHOICES", "WKV_BACKEND_CHOICES", "CACHE_POLICIES"]
-
-BACKEND_CHOICES = ("auto", "triton", "torch")
-WKV_BACKEND_CHOICES = ("auto", "bf16", "scaled_mm", "triton", "fused")
-CACHE_POLICIES = ("set-lru", "dynamic", "static")
-HOST_GATHER_WORKERS = ("auto", "native", "python")  # engram.table.host_memory.gather.WORKERS
-HOST_GATHER_DEDUP = ("auto", "always", "never")  # engram.table.host_memory.gather.DEDUP_CHOICES
-SHARED_HOST_PLACEMENTS = ("host", "cached")  # placements whose host tables share_host_tables keeps once per node
-UNSHARED_PLACEMENTS = ("cpu", "device", "node")  # built-in placements that keep no host table to share
 
 # Lookups of at most this many rows read host memory directly (the decode path, capturable); larger
 # ones take the host gather. H200, 34 GiB table on 2 MiB pages (benchmarks/NOTES.md "Host tables"):
@@ -40,30 +35,14 @@ DEFAULT_CACHE_FRACTION = 0.02
 DEFAULT_PREFETCH_DIRECT_MAX_ROWS = 1024 * 24
 
 
-def _choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}, found {value!r}")
-
-
-def _optional_bool(name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True, False or None, found {value!r}")
-
-
-def _integer(name: str, value: Any, minimum: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}{' or None' if optional else ''}, found {value!r}")
-
-
 class ReadOnlyDict(dict):
     """A dict that refuses every change (``TypeError``): a frozen :class:`ServingOptions`' own copy of
-    ``extra_placement_options``. It pickles and copies as a dict does."""
+    ``placements`` and ``extra_placement_options``. It pickles and copies as a dict does."""
 
     def _refuse(self, *args, **kwargs):
-        raise TypeError("ServingOptions.extra_placement_options is read-only (the options are frozen); make new "
-                        "options with ServingOptions.replace(extra_placement_options={...})")
+        raise TypeError("ServingOptions.placements and .extra_placement_options are read-only (the options are "
+                        "frozen); make new options with ServingOptions.replace(placements={...}) or "
+                        "replace(extra_placement_options={...})")
 
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
 
@@ -91,7 +70,9 @@ class ServingOptions:
             or off].
         validate: check hash ids and batches on every call (a host sync) [on for the CPU, off for CUDA].
         check_values: refuse table rows and weights holding NaN bytes while loading [True].
-    Host placements (``"host"``, ``"cached"``):
+    Shared placement fields (each placement takes those its options type names in its
+    ``serving_fields``; the built-in ones: ``"host"`` and ``"cached"``,
+    :class:`~engram.table.placements.host.HostOptions`, :class:`~engram.table.placements.cached.CachedOptions`):
         direct_max_rows: lookups of at most this many rows read host memory directly over PCIe,
             larger ones take the host gather; 0 sends every lookup outside graph capture through
             the host gather [4096 * 24].
@@ -117,6 +98,15 @@ class ServingOptions:
     Loading:
         chunk_bytes: bytes read per memory-mapped slice while tables stream in [64 MiB].
         progress: a progress bar while tables stream in [True].
+    Per placement:
+        placements: for a placement's registered name, its options: an instance of its ``options_type``
+            (a frozen dataclass; every field counts as given) or a dict of some of its fields (the rest
+            from the shared fields above, else its defaults), e.g. ``{"cached": CachedOptions(ways=4)}``
+            or ``{"cached": {"aging_interval": 32}}``; an object's fields left at their defaults take
+            the shared fields' values too. A field set here and, to another value, as a shared field
+            above is refused [{}].
+        extra_placement_options: keyword arguments given to whichever placement is built, last
+            (over both of the above) [{}].
     """
 
     backend: str = "auto"
@@ -135,37 +125,40 @@ class ServingOptions:
     cache_ways: int = 8
     chunk_bytes: int = 64 << 20
     progress: bool = True
+    placements: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    """Options of each placement by its registered name: its ``options_type`` or a dict of its fields."""
     extra_placement_options: dict = field(default_factory=dict, compare=False)
-    """Keyword arguments of a placement beyond the fields above (a registered placement's own)."""
+    """Keyword arguments given to whichever placement is built, over everything else."""
 
     def __post_init__(self):
-        _choice("backend", self.backend, BACKEND_CHOICES)
+        check_choice("backend", self.backend, BACKEND_CHOICES)
         if self.wkv_backend is not None:
-            _choice("wkv_backend", self.wkv_backend, WKV_BACKEND_CHOICES)
-        _optional_bool("wkv_small_m", self.wkv_small_m)
-        _optional_bool("validate", self.validate)
+            check_choice("wkv_backend", self.wkv_backend, WKV_BACKEND_CHOICES)
+        check_bool("wkv_small_m", self.wkv_small_m, optional=True)
+        check_bool("validate", self.validate, optional=True)
         for name in ("check_values", "share_host_tables", "progress"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected True or False, found {getattr(self, name)!r}")
-        _integer("direct_max_rows", self.direct_max_rows, 0)
-        _integer("prefetch_direct_max_rows", self.prefetch_direct_max_rows, 0)
-        _integer("gather_threads", self.gather_threads, 1, optional=True)
-        _choice("host_gather_worker", self.host_gather_worker, HOST_GATHER_WORKERS)
-        _choice("host_gather_dedup", self.host_gather_dedup, HOST_GATHER_DEDUP)
-        fraction = self.cache_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"cache_fraction: expected a number in (0, 1], found {fraction!r}")
-        _choice("cache_policy", self.cache_policy, CACHE_POLICIES)
-        _integer("cache_ways", self.cache_ways, 1)
-        if self.cache_ways & (self.cache_ways - 1) or self.cache_ways > 64:
-            raise ValueError(f"cache_ways: expected a power of two up to 64, found {self.cache_ways!r}")
-        _integer("chunk_bytes", self.chunk_bytes, 1)
-        if not isinstance(self.extra_placement_options, Mapping) or not all(
-                isinstance(key, str) for key in self.extra_placement_options):
-            raise ValueError(f"extra_placement_options: expected a dict of keyword arguments, found "
-                             f"{self.extra_placement_options!r}")
-        # Frozen means frozen: a copy the caller's dict cannot change, and that cannot be changed itself.
-        object.__setattr__(self, "extra_placement_options", ReadOnlyDict(self.extra_placement_options))
+            check_bool(name, getattr(self, name))
+        check_int("direct_max_rows", self.direct_max_rows, 0)
+        check_int("prefetch_direct_max_rows", self.prefetch_direct_max_rows, 0)
+        check_int("gather_threads", self.gather_threads, 1, optional=True)
+        check_choice("host_gather_worker", self.host_gather_worker, HOST_GATHER_WORKERS)
+        check_choice("host_gather_dedup", self.host_gather_dedup, HOST_GATHER_DEDUP)
+        check_fraction("cache_fraction", self.cache_fraction)
+        check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
+        check_power_of_two("cache_ways", self.cache_ways, 64)
+        check_int("chunk_bytes", self.chunk_bytes, 1)
+        for name in ("placements", "extra_placement_options"):
+            given = getattr(self, name)
+            if not isinstance(given, Mapping) or not all(isinstance(key, str) for key in given):
+                what = "placement names" if name == "placements" else "keyword arguments"
+                raise ValueError(f"{name}: expected a dict of {what}, found {given!r}")
+            # Frozen means frozen: a copy the caller's dict cannot change, and that cannot be changed itself.
+            object.__setattr__(self, name, ReadOnlyDict(given))
+        if self.placements:
+            object.__setattr__(self, "placements", ReadOnlyDict(
+                {name: _placement_entry(name, entry) for name, entry in self.placements.items()}))
+            for name in self.placements:
+                self.options_for(name)  # conflicts with the shared fields, and bad values, refused now
 
     @classmethod
     def from_environment(cls, **fields: Any) -> "ServingOptions":
@@ -174,11 +167,7 @@ class ServingOptions:
         if fields.get("wkv_backend") is None:
             given, name = environment.wkv_backend_default()
             if given is not None:
-                try:
-                    _choice(name, given, WKV_BACKEND_CHOICES)
-                except ValueError as error:
-                    raise ValueError(str(error)) from None
-                fields["wkv_backend"] = given
+                fields["wkv_backend"] = check_choice(name, given, WKV_BACKEND_CHOICES)
         if fields.get("wkv_small_m") is None:
             fields["wkv_small_m"] = environment.wkv_small_m_default()
         if fields.get("gather_threads") is None:
@@ -193,22 +182,85 @@ class ServingOptions:
             raise ValueError(f"options: ServingOptions has no field {unknown[0]!r}")
         return dataclasses.replace(self, **changes) if changes else self
 
+    def options_for(self, placement: str):
+        """The options object (its ``options_type``) of the registered placement ``placement`` as these
+        options give it: the shared fields it names in ``serving_fields``, then what
+        ``placements[placement]`` sets (a dict's keys, an object's fields not at their defaults); None
+        for a placement without options."""
+        options_type = _placement_class(placement).options_type
+        if options_type is None:
+            return None
+        entry = self.placements.get(placement)
+        given = {} if entry is None else dict(entry) if isinstance(entry, Mapping) else _changed_fields(entry)
+        values = {}
+        for shared, own in getattr(options_type, "serving_fields", {}).items():
+            value = getattr(self, shared)
+            if own in given and given[own] != value and value != _DEFAULTS[shared]:
+                raise ValueError(f"{shared}: {value!r} as a ServingOptions field and {own}={given[own]!r} in "
+                                 f"placements[{placement!r}] ({options_type.__name__}); give it once")
+            values[own] = value
+        try:
+            return options_type(**{**values, **given})
+        except ValueError as error:
+            raise ValueError(f"placements[{placement!r}]: {error}") from None
+
     def placement_options(self, placement: str) -> dict:
-        """Keyword arguments for placement ``placement`` (``"host"``, ``"cached"``; none for the others),
-        then :attr:`extra_placement_options`. ``share_host_tables`` with a placement that keeps no host
-        table (``"cpu"``, ``"device"``, ``"node"``) is refused, as a placement option it does not take is."""
-        if self.share_host_tables and placement in UNSHARED_PLACEMENTS:
+        """Keyword arguments for the registered placement ``placement``: the fields of :meth:`options_for`
+        (none for a placement without options), then :attr:`extra_placement_options`.
+        ``share_host_tables`` with a placement that keeps no host table is refused, as a placement
+        option it does not take is."""
+        placement_type = _placement_class(placement)
+        if self.share_host_tables and not placement_type.keeps_host_table:
+            from engram.table.placement import available_placements
+
+            keepers = [repr(name) for name in available_placements() if _placement_class(name).keeps_host_table]
+            reason = placement_type.no_host_table_reason
             raise ValueError(f"share_host_tables: True keeps one copy of each host table per node, which placements "
-                             f"{' and '.join(map(repr, SHARED_HOST_PLACEMENTS))} have; placement {placement!r} keeps "
-                             f"none" + (" (its rows are memory maps of the checkpoint files, shared by the page "
-                                        "cache already)" if placement == "cpu" else ""))
-        options: dict = {}
-        if placement in ("host", "cached"):
-            options.update(direct_max_rows=self.direct_max_rows, gather_threads=self.gather_threads,
-                           host_gather_worker=self.host_gather_worker, host_gather_dedup=self.host_gather_dedup)
-        if placement == "host":
-            options.update(prefetch_direct_max_rows=self.prefetch_direct_max_rows)
-        if placement == "cached":
-            options.update(cache_fraction=self.cache_fraction, policy=self.cache_policy, ways=self.cache_ways)
+                             f"{' and '.join(filter(None, [', '.join(keepers[:-1]), keepers[-1]]))} have; "
+                             f"placement {placement!r} keeps none" + (f" ({reason})" if reason else ""))
+        resolved = self.options_for(placement)
+        options = {} if resolved is None else _fields_of(resolved)
         options.update(dict(self.extra_placement_options))
         return options
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServingOptions) if f.default is not dataclasses.MISSING}
+
+
+def _placement_class(name: str):
+    import engram.table  # noqa: F401  (the built-in placements register themselves on import)
+    from engram.table.placement import placement_class
+
+    return placement_class(name)
+
+
+def _fields_of(options) -> dict:
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
+def _changed_fields(options) -> dict:
+    """The fields of an options object that differ from their defaults: those its maker gave."""
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+            if f.default is dataclasses.MISSING or getattr(options, f.name) != f.default}
+
+
+def _placement_entry(name: str, entry: Any):
+    """``placements[name]`` checked: an instance of the placement's options type, or a dict of its fields
+    (kept as given, read-only)."""
+    try:
+        options_type = _placement_class(name).options_type
+    except ValueError as error:  # an unknown name: the registry's message, for this field
+        raise ValueError(str(error).replace("placement: ", "placements: ", 1)) from None
+    if options_type is None:
+        raise ValueError(f"placements[{name!r}]: placement {name!r} takes no options")
+    if isinstance(entry, options_type):
+        return entry
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"placements[{name!r}]: expected a {options_type.__name__} or a dict of its fields, "
+                         f"found {entry!r}")
+    known = [f.name for f in dataclasses.fields(options_type)]
+    unknown = sorted(key for key in entry if key not in known)
+    if unknown:
+        raise ValueError(f"placements[{name!r}]: placement {name!r} has no option {unknown[0]!r} (its options, "
+                         f"{options_type.__name__}: {', '.join(known)})")
+    return ReadOnlyDict(entry)

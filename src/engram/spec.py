@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from engram.checks import check_int
 from engram.primes import bucket_primes
 
 __all__ = ["EngramSpec"]
@@ -61,12 +62,7 @@ _MAX_DECODER_LAYERS = 4096         # num_hidden_layers [43]
 
 
 def _as_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    expected = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"config field {key!r}: expected {expected}, found {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        raise ValueError(f"config field {key!r}: expected {expected}, found {value}")
-    return value
+    return check_int(f"config field {key!r}", value, minimum, maximum=maximum)
 
 
 def _as_int_list(key: str, value: Any, minimum: int, maximum: int | None = None, max_entries: int | None = None

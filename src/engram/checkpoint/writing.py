@@ -12,6 +12,7 @@ from typing import Mapping
 import torch
 from safetensors.torch import save_file
 
+from engram.checks import check_positive_int
 from engram.table.fp8 import E8M0_DTYPE
 from engram.checkpoint.reading import INDEX_FILE, engram_tensor_name
 
@@ -91,8 +92,7 @@ def write_engram_checkpoint(
     as any file the process creates. Meant for tests, demos and converted tables of
     moderate size (each file is built in memory).
     """
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"num_shards: expected a positive integer, found {num_shards!r}")
+    check_positive_int("num_shards", num_shards)
     named: dict[str, torch.Tensor] = {}
     for layer_id, tensors in layers.items():
         named.update(tensors.named(layer_id, prefix))

@@ -17,6 +17,7 @@ from engram.layout import EngramLayout
 from engram.vocab import TokenCompressor
 from engram.backends import resolve_backend
 from engram.call_cache import CallCache, structure
+from engram.checks import check_bool
 from engram.common import IdsIdentity, cuda_capturing, resolve_device
 from engram import ops
 from engram.ops import compiling
@@ -119,9 +120,7 @@ class NgramHasher:
 
     @validate.setter
     def validate(self, validate: bool | None) -> None:
-        if validate is not None and not isinstance(validate, bool):
-            raise ValueError(f"validate: expected True, False or None (checks on for CPU tensors), found {validate!r}")
-        self._validate_setting = validate
+        self._validate_setting = check_bool("validate", validate, optional=True, note=" (checks on for CPU tensors)")
         self._validating = validate if validate is not None else self.device.type == "cpu"
 
     def _decide_backend(self) -> None:

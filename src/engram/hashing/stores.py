@@ -11,6 +11,8 @@ from typing import Hashable, Iterable
 
 import torch
 
+from engram.checks import check_bool, check_int, check_positive_int
+
 __all__ = ["SlotCache", "RequestHistory", "DEAD", "UNWRITTEN"]
 
 DEAD = -1
@@ -46,13 +48,11 @@ class SlotCache:
     """
 
     def __init__(self, num_slots: int, block_size: int, device: torch.device, fused_write: bool = False):
-        for name, value in (("num_slots", num_slots), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive integer, found {value!r}")
+        check_positive_int("num_slots", num_slots)
+        check_positive_int("block_size", block_size)
         if num_slots % block_size:
             raise ValueError(f"num_slots {num_slots} is not a multiple of block_size {block_size}")
-        if not isinstance(fused_write, bool):
-            raise ValueError(f"fused_write: expected True or False, found {fused_write!r}")
+        check_bool("fused_write", fused_write)
         self.num_slots = num_slots
         self.block_size = block_size
         self.fused_write = fused_write
@@ -107,10 +107,8 @@ class RequestHistory:
     """
 
     def __init__(self, max_requests: int, history_length: int, max_draft_tokens: int, device: torch.device):
-        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
-            raise ValueError(f"max_requests: expected a positive integer, found {max_requests!r}")
-        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 0:
-            raise ValueError(f"max_draft_tokens: expected an integer >= 0, found {max_draft_tokens!r}")
+        check_positive_int("max_requests", max_requests)
+        check_int("max_draft_tokens", max_draft_tokens, 0)
         self.max_requests = max_requests
         self.width = history_length + max_draft_tokens + 1
         self.device = torch.device(device)

@@ -60,7 +60,8 @@ import torch.distributed as dist
 from engram.backends import resolve_backend
 from engram.call_cache import CallCache
 from engram import ops
-from engram.common import HASH_ID_DTYPES, ceil_div
+from engram.checks import check_bool, check_hash_ids, check_positive_int
+from engram.common import ceil_div
 from engram.ops import compiling
 from engram.layer.plan import KvAhead, LayerPlan, plan_key
 from engram.table.prefetch import IdsIdentity
@@ -172,15 +173,13 @@ class Engram(torch.nn.Module):
         if wkv.out_features != (hc_mult + 1) * hidden:
             raise ValueError(f"wkv: expected (hc + 1) * D = {(hc_mult + 1) * hidden} output features "
                              f"(q_weight is [{hc_mult}, {hidden}]), found {wkv.out_features}")
-        if isinstance(num_columns, bool) or not isinstance(num_columns, int) or num_columns < 1:
-            raise ValueError(f"num_columns: expected a positive integer, found {num_columns!r}")
+        check_positive_int("num_columns", num_columns)
         if wkv.in_features % num_columns:
             raise ValueError(f"num_columns: expected a divisor of wkv's {wkv.in_features} input features "
                              f"(C * head_dim), found {num_columns}")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"eps: expected a positive number, found {eps!r}")
-        if not isinstance(sequence_parallel, bool):
-            raise ValueError(f"sequence_parallel: expected True or False, found {sequence_parallel!r}")
+        check_bool("sequence_parallel", sequence_parallel)
 
         self.hc_mult, self.hidden_size = hc_mult, hidden
         self.num_columns = num_columns
@@ -370,9 +369,7 @@ class Engram(torch.nn.Module):
         ``forward(..., prefetch=handle)``, or None when this rank looks up nothing. None for a
         collective table: its rows are exchanged by the lookup itself, on every rank, and a read
         started here on some ranks only would not be matched by the others."""
-        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
-            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
-            raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {found}")
+        check_hash_ids(hash_ids, columns=self.num_columns)
         counts, starts = self._token_layout(hash_ids.shape[0], sp_token_counts)
         if self.collective:
             return None
@@ -520,9 +517,7 @@ class Engram(torch.nn.Module):
         if self.collective:
             raise ValueError(f"kv_ahead: the table {self.table!r} serves lookups as collectives; a forward that "
                              "could not use the kv ahead would look it up again on this rank alone")
-        if not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
-            found = list(hash_ids.shape) if isinstance(hash_ids, torch.Tensor) else type(hash_ids).__name__
-            raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {found}")
+        check_hash_ids(hash_ids, columns=self.num_columns)
         device = self.q_weight.device
         identity = IdsIdentity.of(hash_ids)
         if device.type != "cuda":
@@ -552,12 +547,7 @@ class Engram(torch.nn.Module):
     def forward_checked(self, hidden_states, hash_ids, token_mask, sp_token_counts, check_only: bool = False,
                         prefetch=None):
         """:meth:`forward` with every check on this call (``check_only``: the checks alone)."""
-        if not isinstance(hash_ids, torch.Tensor):
-            raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
-        if hash_ids.dim() != 2 or hash_ids.shape[1] != self.num_columns:
-            raise ValueError(f"hash_ids: expected shape [T, {self.num_columns}], found {list(hash_ids.shape)}")
-        if hash_ids.dtype not in HASH_ID_DTYPES:
-            raise ValueError(f"hash_ids: expected dtype torch.int32 or torch.int64, found {hash_ids.dtype}")
+        check_hash_ids(hash_ids, columns=self.num_columns)
         num_tokens = hash_ids.shape[0]
         counts, starts = self._token_layout(num_tokens, sp_token_counts)
         start, count = starts[self.sp_rank], counts[self.sp_rank]

@@ -52,6 +52,7 @@ from typing import Sequence
 import torch
 
 from engram.call_cache import CallCache, structure
+from engram.checks import WKV_BACKEND_CHOICES as WKV_BACKENDS, check_choice
 from engram.common import ceil_div
 from engram.environment import WKV_BACKEND_ENV, WKV_SMALL_M_ENV, wkv_backend_default, wkv_small_m_default
 from engram.table.fp8 import E8M0_DTYPE, scale_bytes_to_float
@@ -61,7 +62,6 @@ __all__ = ["WkvProjection", "dequantize_wkv_weight", "split_kv", "WKV_BACKEND_EN
            "WKV_SMALL_M_ENV", "SMALL_M_DEFAULT"]
 
 """Environment variable choosing :class:`WkvProjection`'s path when ``backend`` is not given."""
-WKV_BACKENDS = ("auto", "bf16", "scaled_mm", "triton", "fused")
 _FP8_BACKENDS = ("scaled_mm", "triton", "fused")
 _SMALL_M_BACKENDS = ("scaled_mm", "triton")  # path (a): the backends whose GEMM takes quantized activations
 
@@ -198,8 +198,7 @@ def _resolve_backend(backend, weight: torch.Tensor) -> str:
     if backend is None:
         given, source = wkv_backend_default()
         backend = given or "auto"
-    if backend not in WKV_BACKENDS:
-        raise ValueError(f"{source}: expected one of {', '.join(repr(b) for b in WKV_BACKENDS)}, found {backend!r}")
+    check_choice(source, backend, WKV_BACKENDS)
     if backend == "auto":
         if weight.dtype not in _FP8_WEIGHT_DTYPES or weight.device.type != "cuda":
             return "bf16"

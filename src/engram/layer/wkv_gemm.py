@@ -24,6 +24,7 @@ import torch
 import triton
 
 from engram.call_cache import CallCache, structure
+from engram.checks import check_bool, check_int, check_launch_ids, check_positive_int, check_power_of_two
 from engram.table.fp8 import BLOCK_SIZE
 from engram.triton_launch import BoundLaunch, CompiledLaunch, interpreting
 from engram.layer.wkv_kernels import block_scaled_gemm_kernel, fused_gather_gemm_kernel, gather_quantize_kernel
@@ -66,14 +67,11 @@ class WkvGemmConfig:
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "group_m", "num_warps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"WkvGemmConfig.{name}: expected a power of two, found {value!r}")
+            check_power_of_two(f"WkvGemmConfig.{name}", getattr(self, name))
         if self.block_m < 16 or self.block_n < 16:
             raise ValueError(f"WkvGemmConfig: block_m and block_n must be >= 16 (tl.dot), "
                              f"found {self.block_m} x {self.block_n}")
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"WkvGemmConfig.num_stages: expected a positive integer, found {self.num_stages!r}")
+        check_positive_int("WkvGemmConfig.num_stages", self.num_stages)
 
 
 SMALL_M_MAX_TOKENS = 128
@@ -102,15 +100,11 @@ class SmallMGemmConfig:
 
     def __post_init__(self):
         for name in ("block_n", "split_k", "num_warps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"SmallMGemmConfig.{name}: expected a power of two, found {value!r}")
+            check_power_of_two(f"SmallMGemmConfig.{name}", getattr(self, name))
         if self.block_n < 16:
             raise ValueError(f"SmallMGemmConfig.block_n: must be >= 16 (tl.dot), found {self.block_n}")
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"SmallMGemmConfig.num_stages: expected a positive integer, found {self.num_stages!r}")
-        if not isinstance(self.swap_ab, bool):
-            raise ValueError(f"SmallMGemmConfig.swap_ab: expected a bool, found {self.swap_ab!r}")
+        check_positive_int("SmallMGemmConfig.num_stages", self.num_stages)
+        check_bool("SmallMGemmConfig.swap_ab", self.swap_ab)
         if self.reduction not in SMALL_M_REDUCTIONS:
             raise ValueError(f"SmallMGemmConfig.reduction: expected one of {SMALL_M_REDUCTIONS}, "
                              f"found {self.reduction!r}")
@@ -189,11 +183,7 @@ def _check_rows_source(values, scales, hash_ids, row_start):
         if tuple(scale_bytes.shape) != (value_bytes.shape[0], head_dim // BLOCK_SIZE):
             raise ValueError(f"scales: expected shape {[value_bytes.shape[0], head_dim // BLOCK_SIZE]}, "
                              f"found {list(scale_bytes.shape)}")
-        if (not isinstance(hash_ids, torch.Tensor) or hash_ids.dim() != 2
-                or hash_ids.dtype not in (torch.int32, torch.int64)):
-            found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
-                     else type(hash_ids).__name__)
-            raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
+        check_launch_ids(hash_ids)
         if hash_ids.device != value_bytes.device:
             raise ValueError(f"hash_ids: expected device {value_bytes.device} (the rows'), found {hash_ids.device}")
         tokens, columns = hash_ids.shape
@@ -202,8 +192,7 @@ def _check_rows_source(values, scales, hash_ids, row_start):
     if value_bytes.stride(-1) != 1 or scale_bytes.stride(-1) != 1:
         raise ValueError(f"values/scales: rows must be contiguous (last stride 1), found strides "
                          f"{value_bytes.stride()} and {scale_bytes.stride()}")
-    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
-        raise ValueError(f"row_start: expected a non-negative integer, found {row_start!r}")
+    check_int("row_start", row_start, 0)
     if scale_bytes.device != value_bytes.device:
         raise ValueError(f"scales: expected device {value_bytes.device} (the values'), found {scale_bytes.device}")
     return value_bytes, scale_bytes, hash_ids, tokens, columns

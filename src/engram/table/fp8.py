@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engram.checks import check_int
+
 __all__ = [
     "first_nan_byte",
     "nan_byte_error",
@@ -161,8 +163,7 @@ def check_table_values(value_bytes, scale_bytes, *, values_name: str = "values",
         raise ValueError(f"{scales_name}: expected shape [{values.shape[0] if values.dim() == 2 else 'rows'}, "
                          f"{head_dim // BLOCK_SIZE}] (one UE8M0 byte per {BLOCK_SIZE} values of {values_name} "
                          f"{list(values.shape)}, 2-D), found {list(scales.shape)}")
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows: expected an integer >= 1, found {chunk_rows!r}")
+    check_int("chunk_rows", chunk_rows, 1)
     for first in range(0, values.shape[0], chunk_rows):
         chunk_values = values[first:first + chunk_rows].cpu().contiguous().numpy()
         chunk_scales = scales[first:first + chunk_rows].cpu().contiguous().numpy()

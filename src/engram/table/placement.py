@@ -10,6 +10,7 @@ with a default. The placements themselves are :mod:`engram.table.placements`.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -42,6 +43,15 @@ class TablePlacement(abc.ABC):
     of its own."""
     backend: str = "torch"
     """``"triton"`` or ``"torch"``: set once by :class:`EngramTable` from its ``backend`` argument."""
+    options_type: ClassVar[type | None] = None
+    """The placement's options: a frozen dataclass whose fields are keyword arguments of ``__init__``
+    (None: it takes none that :class:`~engram.options.ServingOptions` carries). Its class attribute
+    ``serving_fields`` (``{ServingOptions field: its field}``) names the shared fields it takes;
+    ``ServingOptions(placements={name: options})`` gives it the rest."""
+    keeps_host_table: ClassVar[bool] = False
+    """True where the rows live in host memory that ``share_host_tables`` can keep once per node."""
+    no_host_table_reason: ClassVar[str] = ""
+    """Why ``share_host_tables`` does not apply, for its refusal (optional)."""
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device: torch.device):
         self._value_bytes = value_bytes
@@ -175,8 +185,29 @@ def register_placement(placement_class: type[TablePlacement]) -> type[TablePlace
         raise ValueError(f"placement_class: expected a TablePlacement subclass, found {placement_class!r}")
     if not placement_class.name:
         raise ValueError(f"placement_class {placement_class.__name__}: expected a non-empty class attribute 'name'")
+    _check_options_type(placement_class)
     _PLACEMENTS[placement_class.name] = placement_class
     return placement_class
+
+
+def _check_options_type(placement_class: type[TablePlacement]) -> None:
+    """``options_type``: None, or a frozen dataclass whose ``serving_fields`` map ServingOptions fields
+    that have a default onto its own fields."""
+    options_type = placement_class.options_type
+    if options_type is None:
+        return
+    where = f"placement_class {placement_class.__name__}: options_type"
+    parameters = getattr(options_type, "__dataclass_params__", None)
+    if not isinstance(options_type, type) or parameters is None or not parameters.frozen:
+        raise ValueError(f"{where}: expected a frozen dataclass, found {options_type!r}")
+    from engram.options import ServingOptions
+
+    own = {f.name for f in dataclasses.fields(options_type)}
+    shared = {f.name for f in dataclasses.fields(ServingOptions) if f.default is not dataclasses.MISSING}
+    for serving, field in dict(getattr(options_type, "serving_fields", {})).items():
+        if serving not in shared or field not in own:
+            raise ValueError(f"{where}: serving_fields maps {serving!r} onto {field!r}; expected a ServingOptions "
+                             f"field ({', '.join(sorted(shared))}) onto a field of {options_type.__name__}")
 
 
 def placement_class(name: str) -> type[TablePlacement]:

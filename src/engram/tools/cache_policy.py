@@ -65,6 +65,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engram.checks import check_bool, check_fraction, check_int
+
 __all__ = ["POLICIES", "DEFAULT_POLICY", "DynamicParams", "CompactStream", "ReplayResult", "replay",
            "capacity_for", "best_static_hits", "sorted_unique"]
 
@@ -87,12 +89,9 @@ class DynamicParams:
 
     def __post_init__(self):
         for name in ("admit_ties", "recency"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected a bool, found {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         for name in ("ways", "age_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
+            check_int(name, getattr(self, name), 1)
 
 
 def sorted_unique(values: np.ndarray) -> np.ndarray:
@@ -109,8 +108,7 @@ def sorted_unique(values: np.ndarray) -> np.ndarray:
 
 def capacity_for(fraction: float, num_rows: int) -> int:
     """Rows a cache of ``fraction`` of a ``num_rows`` table holds: ``max(1, floor(fraction * num_rows))``."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ValueError(f"fraction: expected a number in (0, 1], found {fraction!r}")
+    check_fraction("fraction", fraction)
     return max(1, int(fraction * num_rows))
 
 
@@ -129,8 +127,7 @@ class CompactStream:
 
     def __init__(self, reads: np.ndarray, step_reads: int, extra_rows: np.ndarray | None = None, progress=None):
         reads = np.asarray(reads, dtype=np.int64).reshape(-1)
-        if isinstance(step_reads, bool) or not isinstance(step_reads, (int, np.integer)) or step_reads < 1:
-            raise ValueError(f"step_reads: expected an integer >= 1, found {step_reads!r}")
+        check_int("step_reads", step_reads, 1, numpy_ints=True)
         self.num_reads = len(reads)
         self.step_reads = int(step_reads)
         self.num_steps = -(-self.num_reads // self.step_reads)
@@ -206,8 +203,7 @@ def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *
     """
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, found {policy!r}")
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"capacity: expected an integer >= 1, found {capacity!r}")
+    check_int("capacity", capacity, 1, numpy_ints=True)
     capacity = int(capacity)
     hot = stream.extra_ids[:capacity] if initial else np.zeros(0, dtype=np.int64)
     progress = progress if progress is not None else _NoProgress()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+from engram.checks import check_int
+
 __all__ = ["english_texts", "count_english_texts", "TEXT_SOURCES"]
 
 TEXT_SOURCES = {
@@ -69,8 +71,7 @@ def english_texts(max_texts: int = 6, max_chars: int = 20_000, seed: int = 0) ->
     import random
 
     for name, value in (("max_texts", max_texts), ("max_chars", max_chars)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
+        check_int(name, value, 1)
 
     chooser = random.Random(seed)
     pools = {source: _candidates(source) for source in TEXT_SOURCES}

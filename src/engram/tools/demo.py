@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from engram.checks import check_int
 from engram.common import as_device, resolve_device
 from engram.tools.corpus import count_english_texts, english_texts
 from engram.tools.outputs import CommandFailed, staged_directory, writable_directory
@@ -77,8 +78,7 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
     console = console or Console()
     # Every argument is checked before the tokenizer loads (one clear error, no slow work first).
     for flag, value in (("--texts", num_texts), ("--max-chars", max_chars)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{flag}: expected an integer >= 1, found {value!r}")
+        check_int(flag, value, 1)
     check_text_count(num_texts)
     check_seed(seed)
     resolve_device(device, "engram demo --device")
@@ -130,8 +130,7 @@ def run_demo(*, config: str | None = None, tokenizer: str | None = None, device:
 
 def check_seed(seed) -> None:
     """``--seed``: an integer in [0, 2**63) (what numpy's and torch's generators take)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"--seed: expected an integer in [0, 2**63), found {seed!r}")
+    check_int("--seed", seed, 0, below=2**63, shown="[0, 2**63)")
 
 
 def check_text_count(num_texts: int) -> None:

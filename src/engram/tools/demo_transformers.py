@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from engram.checks import check_int
 from engram.tools.corpus import english_texts
 from engram.hashing import hash_ngrams
 
@@ -102,8 +103,7 @@ def run_transformers_demo(*, tokenizer: str | None = None, device: str = "cpu", 
     console = console or Console()
     # The arguments first: no model is written for a run that cannot go ahead.
     for flag, value in (("--texts", num_texts), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{flag}: expected an integer >= 1, found {value!r}")
+        check_int(flag, value, 1)
     check_text_count(num_texts)
     check_seed(seed)
     resolve_device(device, "engram demo --transformers --device")

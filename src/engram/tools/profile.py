@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engram.checks import check_int
 from engram.layout import EngramLayout
 from engram.tools.cache_policy import (
     CompactStream,
@@ -107,8 +108,8 @@ def read_trace(paths: list[str], layout: EngramLayout, vocab, tokenizer, *, max_
     tokens; files that are not UTF-8 text are skipped (counted), a few invalid bytes in a text are
     read as U+FFFD (``Trace.replaced``). ``tokenizer``: a ``tokenizers.Tokenizer``.
     ``progress``: a bar of the files' bytes on stderr."""
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ValueError(f"--max-tokens: expected an integer >= 1, found {max_tokens!r}")
+    if max_tokens is not None:
+        check_int("--max-tokens", max_tokens, 1)
     started = time.perf_counter()
     files = corpus_files(paths)
     per_layer: list[list[np.ndarray]] = [[] for _ in range(layout.spec.num_layers)]
@@ -265,8 +266,7 @@ def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: Ho
     most-read rows of this very trace), ``host_fetch_ratio`` (host rows fetched with the cache /
     without, deduplicated per step), ``replay_seconds``, and ``layers`` (the same per layer id).
     ``progress``: a bar of the replayed steps on stderr."""
-    if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or step_tokens < 1:
-        raise ValueError(f"--step-tokens: expected an integer >= 1, found {step_tokens!r}")
+    check_int("--step-tokens", step_tokens, 1)
     for fraction in fractions:
         capacity_for(fraction, 1)  # the range check, before any work
     if "static" in policies and hot is None:

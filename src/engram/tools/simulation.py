@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engram.checks import check_int
 from engram.hashing.batch import NgramHasher
 from engram.hashing.reference import hash_ngrams
 
@@ -35,11 +36,6 @@ class Request:
     @property
     def done(self) -> bool:
         return self.computed >= len(self.token_ids)
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected an integer >= 1, found {value!r}")
 
 
 class StreamingEngine:
@@ -193,7 +189,7 @@ class StreamingEngine:
         """Serve every request to the end: uneven prefill chunks while a request has many
         tokens left, then decode steps (one token plus drafts); requests are paused
         (preempted) at random for a step."""
-        _check_positive("max_batch_tokens", max_batch_tokens)
+        check_int("max_batch_tokens", max_batch_tokens, 1)
         while any(not r.done for r in self.requests.values()):
             plan, budget = [], max_batch_tokens
             active = [r for r in self.requests.values() if not r.done]
@@ -223,7 +219,7 @@ class StreamingEngine:
         """As an engine serves prompts: every request is prefilled in uneven chunks up to
         ``prompt_fraction`` of its tokens (several requests per batch), then the rest is
         decoded one token per step, all running requests in one batch."""
-        _check_positive("max_batch_tokens", max_batch_tokens)
+        check_int("max_batch_tokens", max_batch_tokens, 1)
         if len(chunk_sizes) != 2 or not 1 <= chunk_sizes[0] <= chunk_sizes[1]:
             raise ValueError(f"chunk_sizes: expected (smallest, largest) with 1 <= smallest <= largest, found {chunk_sizes!r}")
         prompt_end = {name: min(len(r.token_ids), max(1, int(len(r.token_ids) * prompt_fraction)))

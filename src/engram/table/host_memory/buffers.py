@@ -53,6 +53,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from engram.checks import check_bool, check_positive_int
 from engram.table.host_memory.shm_admin import SharedTableInfo, list_shared_tables, remove_leftovers, remove_shared_table
 from engram.table.host_memory.shm_files import (DEFAULT_SHARE_MODE, HeaderProblem, TableHeader, check_directory,
                                                 check_room, check_share_mode, content_fingerprint, create_exclusive,
@@ -115,14 +116,12 @@ class HostBuffer:
 # checks
 # ---------------------------------------------------------------------------
 def _check_arguments(nbytes, fill, share_key, huge_pages, wait_timeout_s, directory) -> None:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-        raise ValueError(f"nbytes: expected a positive integer, found {nbytes!r}")
+    check_positive_int("nbytes", nbytes)
     if not callable(fill):
         raise ValueError(f"fill: expected a callable taking the uint8 tensor, found {fill!r}")
     if share_key is not None and (not isinstance(share_key, str) or not share_key):
         raise ValueError(f"share_key: expected a non-empty string or None, found {share_key!r}")
-    if not isinstance(huge_pages, bool):
-        raise ValueError(f"huge_pages: expected True or False, found {huge_pages!r}")
+    check_bool("huge_pages", huge_pages)
     if (isinstance(wait_timeout_s, bool) or not isinstance(wait_timeout_s, (int, float))
             or not math.isfinite(wait_timeout_s) or wait_timeout_s <= 0):
         raise ValueError(f"wait_timeout_s: expected a positive finite number of seconds, found {wait_timeout_s!r}")
@@ -402,12 +401,12 @@ def _check_shared_arguments(nbytes, share_mode, fingerprint, row_bytes, sources,
     check_share_mode(share_mode)
     if not isinstance(fingerprint, (bytes, bytearray, memoryview)):
         raise ValueError(f"fingerprint: expected bytes naming the content, found {fingerprint!r}")
-    if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes <= 0 or nbytes % row_bytes:
+    check_positive_int("row_bytes", row_bytes, note=f" dividing nbytes = {nbytes}")
+    if nbytes % row_bytes:
         raise ValueError(f"row_bytes: expected a positive integer dividing nbytes = {nbytes}, found {row_bytes!r}")
     if isinstance(sources, (str, bytes, os.PathLike)) or not isinstance(sources, Iterable):
         raise ValueError(f"sources: expected a list of file paths, found {sources!r}")
-    if not isinstance(remove_superseded, bool):
-        raise ValueError(f"remove_superseded: expected True or False, found {remove_superseded!r}")
+    check_bool("remove_superseded", remove_superseded)
 
 
 # ---------------------------------------------------------------------------
@@ -456,8 +455,7 @@ def allocate_host_buffer(nbytes: int, *, fill: Callable[[torch.Tensor], None], s
         TimeoutError: another process held the key's fill longer than ``wait_timeout_s``.
     """
     _check_arguments(nbytes, fill, share_key, huge_pages, wait_timeout_s, directory)
-    if not isinstance(read_only, bool):
-        raise ValueError(f"read_only: expected True or False, found {read_only!r}")
+    check_bool("read_only", read_only)
     _check_shared_arguments(nbytes, share_mode, fingerprint, row_bytes, sources, remove_superseded)
     if share_key is None:
         return _allocate_private(nbytes, fill, huge_pages, read_only)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engram.checks import HOST_GATHER_DEDUP, HOST_GATHER_WORKERS, check_choice, check_int
 from engram.common import next_power_of_2
 from engram.environment import local_world_size
 from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
@@ -53,11 +54,7 @@ from engram.table.host_memory.gather_protocol import FLAG_WORDS, JOB_DONE, STAGI
 from engram.table.host_memory.rows import row_tags
 from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
 
-__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads", "WORKERS",
-           "DEDUP_CHOICES", "check_gather_worker", "check_gather_dedup"]
-
-WORKERS = ("auto", "native", "python")
-DEDUP_CHOICES = ("auto", "always", "never")
+__all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads", "check_gather_options"]
 
 # The gather runs in waves (each wave's copy overlaps the next wave's gather) over the
 # distinct rows, ascending. H200 host (16 cores, KVM), 196,608 distinct rows of 272 B from
@@ -94,18 +91,13 @@ def default_gather_threads(processes_per_node: int | None = None) -> int:
     return max(1, _usable_cores() // max(1, sharing))
 
 
-def check_gather_dedup(value) -> str:
-    """``host_gather_dedup`` as given by a caller: one of :data:`DEDUP_CHOICES`."""
-    if value not in DEDUP_CHOICES:
-        raise ValueError(f"host_gather_dedup: expected one of {', '.join(map(repr, DEDUP_CHOICES))}, found {value!r}")
-    return value
-
-
-def check_gather_worker(value) -> str:
-    """``host_gather_worker`` as given by a caller: one of :data:`WORKERS`."""
-    if value not in WORKERS:
-        raise ValueError(f"host_gather_worker: expected one of {', '.join(map(repr, WORKERS))}, found {value!r}")
-    return value
+def check_gather_options(gather_threads, worker, dedup) -> None:
+    """The host gather's options as a caller gives them: ``gather_threads`` None or an integer >= 1,
+    ``host_gather_worker`` one of :data:`~engram.checks.HOST_GATHER_WORKERS`, ``host_gather_dedup`` one
+    of :data:`~engram.checks.HOST_GATHER_DEDUP`."""
+    check_int("gather_threads", gather_threads, 1, optional=True)
+    check_choice("host_gather_worker", worker, HOST_GATHER_WORKERS)
+    check_choice("host_gather_dedup", dedup, HOST_GATHER_DEDUP)
 
 
 _WARNED: list[str] = []
@@ -150,13 +142,6 @@ def shrinking_wave_ends(num_rows: int, num_waves: int, shrink: float = _WAVE_SHR
         previous = min(max(end, previous + 1), num_rows - (num_waves - wave))
         ends.append(previous)
     return ends
-
-
-def check_gather_threads(value) -> int:
-    """``gather_threads`` as given by a caller: an integer >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"gather_threads: expected an integer >= 1, found {value!r}")
-    return value
 
 
 def gather_packed_rows_host(packed: torch.Tensor, global_ids: torch.Tensor, row_start: int,
@@ -224,8 +209,8 @@ class HostGather:
 
     ``packed``: pinned CPU ``uint8 [rows + 1, row_bytes]`` (last row zero); ``device``:
     where the rows land; ``gather_threads``: threads copying rows on the host; ``worker``: one of
-    :data:`WORKERS` (see the module docstring; :attr:`worker` is the one chosen); ``dedup``: one of
-    :data:`DEDUP_CHOICES`, whether a native gather copies each distinct row once (sorted) or every
+    :data:`~engram.checks.HOST_GATHER_WORKERS` (see the module docstring; :attr:`worker` is the one chosen);
+    ``dedup``: one of :data:`~engram.checks.HOST_GATHER_DEDUP`, whether a native gather copies each distinct row once (sorted) or every
     lookup's row in lookup order (the Python worker always dedups); :attr:`repeat_share` is the share
     of repeated rows last measured.
     """
@@ -234,10 +219,10 @@ class HostGather:
                  worker: str = "auto", dedup: str = "auto"):
         self.packed = packed
         self.device = device
-        self.gather_threads = default_gather_threads() if gather_threads is None else check_gather_threads(
-            gather_threads)
-        self.worker = _resolve_worker(check_gather_worker(worker), device)
-        self.dedup = check_gather_dedup(dedup)
+        check_gather_options(gather_threads, worker, dedup)
+        self.gather_threads = default_gather_threads() if gather_threads is None else gather_threads
+        self.worker = _resolve_worker(worker, device)
+        self.dedup = dedup
         self.repeat_share: float | None = None  # of the last measured gather (1 - distinct rows / ids)
         self._since_measured = 0                # native gathers since the last one that sorted
         self._measuring: tuple | None = None    # (id buffer slot, job number, ids) of a sorted gather to read

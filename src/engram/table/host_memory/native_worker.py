@@ -39,6 +39,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engram.checks import check_int
 from engram.environment import c_compiler
 from engram.table.host_memory.gather_protocol import (FLAG_WORDS, IDS_READY, JOB_DONE, MAX_WAVES, SHARED_CONSTANTS,
                                                       SOURCE, STAGING_FREE, TIMED_WAVES, TIMELINE_WORDS, WAVES_DONE,
@@ -199,8 +200,7 @@ class NativeGatherService:
         lib, reason = _library()
         if lib is None:
             raise RuntimeError(f"the host gather's native worker is unavailable: {reason}")
-        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 256:
-            raise ValueError(f"threads: expected an integer in [1, 256], found {threads!r}")
+        check_int("threads", threads, 1, maximum=256)
         self._lib = lib
         self.threads = threads
         self._handle = lib.engram_gather_create(threads)

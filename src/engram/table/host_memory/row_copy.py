@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engram.checks import check_int
 from engram.table.host_memory import openmp_team
 
 __all__ = ["start_gather_rows", "gather_rows", "RowGather", "MIN_ROWS_PER_THREAD"]
@@ -71,8 +72,7 @@ def _check_tensors(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, th
     if out.dtype != torch.uint8 or list(out.shape) != expected:
         raise ValueError(f"out: expected uint8 {expected} (ids' length, table's row bytes), found {out.dtype} "
                          f"{list(out.shape)}")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads: expected an integer >= 1, found {threads!r}")
+    check_int("threads", threads, 1)
 
 
 def _check_wave_ends(wave_ends: Sequence[int] | None, num_rows: int) -> list[int]:

@@ -29,6 +29,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engram.checks import check_bool
 from engram.table.host_memory.shm_files import (FILE_PREFIX, LOCK_SUFFIX, PEER_PREFIX, TEMPORARY_SUFFIX, HeaderProblem,
                                                 TableHeader, changed_sources, check_directory, file_problem,
                                                 lock_holder, probe_lock, shared_buffer_path, table_paths)
@@ -279,8 +280,7 @@ def remove_shared_table(target: str | os.PathLike | None = None, *, directory: s
     A table whose filler is alive is left (a ``refused`` message); processes that map a removed
     table keep their copy until they unmap it. Raises ValueError for bad arguments only.
     """
-    if not isinstance(all_stale, bool):
-        raise ValueError(f"all_stale: expected True or False, found {all_stale!r}")
+    check_bool("all_stale", all_stale)
     if all_stale == (target is not None):
         raise ValueError("remove_shared_table: expected a target (share key or path) or all_stale=True, "
                          f"found {'both' if all_stale else 'neither'}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engram.common import HASH_ID_DTYPES
+from engram.checks import check_int, check_launch_ids
 from engram.triton_launch import CompiledLaunch, interpreting
 from engram.table.kernels.cache_kernels import (cached_direct_kernel, cached_gather_bf16_kernel, cached_gather_packed_kernel,
                             checked_merge_bf16_kernel, checked_merge_packed_kernel, cached_probe_kernel)
@@ -52,12 +52,8 @@ def _check(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor
     alone (their checks and values are kept per backing layout: a decode lookup's host time is mostly this)."""
     if not isinstance(cache, RowCache):
         raise ValueError(f"cache: expected a RowCache, found {type(cache).__name__}")
-    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
-        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
-                 else type(hash_ids).__name__)
-        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
-    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
-        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
+    check_launch_ids(hash_ids)
+    check_int("row_start", row_start, 0)
     if not isinstance(back_values, torch.Tensor) or not isinstance(back_scales, torch.Tensor):
         found = type(back_values if not isinstance(back_values, torch.Tensor) else back_scales).__name__
         raise ValueError(f"back_values, back_scales: expected uint8 tensors, found {found}")
@@ -209,16 +205,11 @@ def cached_probe(cache: RowCache, num_rows: int, hash_ids: torch.Tensor, row_sta
     """
     if not isinstance(cache, RowCache):
         raise ValueError(f"cache: expected a RowCache, found {type(cache).__name__}")
-    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or not 0 < num_rows < 2**31:
-        raise ValueError(f"num_rows: expected an integer in [1, 2**31), found {num_rows!r}")
-    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
-        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
-                 else type(hash_ids).__name__)
-        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
+    check_int("num_rows", num_rows, 1, below=2**31, shown="[1, 2**31)")
+    check_launch_ids(hash_ids)
     if hash_ids.device != cache.device:
         raise ValueError(f"hash_ids, cache: expected one device, found {hash_ids.device} and {cache.device}")
-    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
-        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
+    check_int("row_start", row_start, 0)
     threshold = direct_threshold(direct_share)
     shape = tuple(hash_ids.shape)
     slot, miss = _out_pair(out, (shape, shape), torch.int32, hash_ids.device, "(slot, miss)")
@@ -310,12 +301,8 @@ def _check_merge(hash_ids, row_start, back_values, back_scales, staged, inverse,
                          f"{list(back_values.shape)}), found {list(back_scales.shape)}")
     if cache is not None and cache.head_dim != head_dim:
         raise ValueError(f"cache: expected rows of head_dim {head_dim} (back_values'), found {cache.head_dim}")
-    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
-        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
-                 else type(hash_ids).__name__)
-        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
-    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
-        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
+    check_launch_ids(hash_ids)
+    check_int("row_start", row_start, 0)
     shape = tuple(hash_ids.shape)
     named = [("inverse", inverse)] + ([("slot", slot)] if cache is not None else [])
     if cache is None and (slot is not None or direct is not None):

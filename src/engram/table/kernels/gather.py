@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from engram.call_cache import CallCache, structure
-from engram.common import HASH_ID_DTYPES
+from engram.checks import check_int, check_launch_ids, check_power_of_two
 from engram.triton_launch import BoundLaunch, CompiledLaunch, interpreting
 from engram.table.fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes
 from engram.table.kernels.gather_kernels import gather_rows_bf16_kernel, gather_rows_packed_kernel
@@ -55,9 +55,7 @@ class GatherConfig:
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps", "vector"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-                raise ValueError(f"GatherConfig.{name}: expected a power of two, found {value!r}")
+            check_power_of_two(f"GatherConfig.{name}", getattr(self, name))
         if self.vector > BLOCK_SIZE:
             raise ValueError(f"GatherConfig.vector: expected at most {BLOCK_SIZE}, found {self.vector}")
         if self.decode not in _DECODE_MODES:
@@ -112,17 +110,13 @@ def _check_inputs(value_bytes, scale_bytes, hash_ids, row_start, column_start, c
 def check_lookup_ids(hash_ids, row_start, column_start: int, column_end: int | None) -> int:
     """A gather's ids and what it reads of them: ``hash_ids`` int32/int64 ``[T, C]``, ``0 <= column_start
     < column_end <= C`` (None: ``C``), ``row_start >= 0``; returns ``column_end``. One ValueError per field."""
-    if not isinstance(hash_ids, torch.Tensor) or hash_ids.dtype not in HASH_ID_DTYPES or hash_ids.dim() != 2:
-        found = (f"{hash_ids.dtype} {list(hash_ids.shape)}" if isinstance(hash_ids, torch.Tensor)
-                 else type(hash_ids).__name__)
-        raise ValueError(f"hash_ids: expected an int32 or int64 tensor [T, C], found {found}")
+    check_launch_ids(hash_ids)
     width = hash_ids.shape[1]
     column_end = width if column_end is None else column_end
     if not 0 <= column_start < column_end <= width:
         raise ValueError(f"column_start, column_end: expected 0 <= {column_start} < {column_end} <= {width} "
                          f"(hash_ids shape {list(hash_ids.shape)})")
-    if isinstance(row_start, bool) or not isinstance(row_start, int) or row_start < 0:
-        raise ValueError(f"row_start: expected an integer >= 0, found {row_start!r}")
+    check_int("row_start", row_start, 0)
     return column_end
 
 

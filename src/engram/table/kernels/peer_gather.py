@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from engram.call_cache import CallCache, structure
+from engram.checks import check_positive_int
 from engram.table.fp8 import BLOCK_SIZE
 from engram.table.host_memory.rows import packed_row_bytes
 from engram.table.kernels.gather import check_lookup_ids
@@ -76,9 +77,8 @@ class PeerShards:
         num_shards = len(self.shards)
         if num_shards < 1:
             raise ValueError("shards: expected at least one shard, found none")
-        for name, value in (("num_rows", self.num_rows), ("head_dim", self.head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive integer, found {value!r}")
+        check_positive_int("num_rows", self.num_rows)
+        check_positive_int("head_dim", self.head_dim)
         if self.num_rows >= 2**31:
             raise ValueError(f"num_rows: expected fewer than 2**31 rows (the kernel's int32 row index), "
                              f"found {self.num_rows}")

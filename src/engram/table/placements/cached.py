@@ -58,21 +58,49 @@ misses synchronously (same dedup, same host gather of packed rows, no threads or
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from engram.checks import CACHE_POLICIES, check_choice, check_fraction, check_int
 from engram.triton_launch import interpreting, triton_available
-from engram.table.placements.host import DIRECT_MAX_ROWS, HostPlacement, check_direct_max_rows
-from engram.table.host_memory.gather import (GatherTicket, check_gather_dedup, check_gather_threads, check_gather_worker,
-                                             gather_packed_rows_host)
+from engram.table.placements.host import (DIRECT_MAX_ROWS, HOST_SERVING_FIELDS, HostPlacement,
+                                          check_host_gather_options)
+from engram.table.placements.row_cache import check_ways
+from engram.table.host_memory.gather import GatherTicket, gather_packed_rows_host
 from engram.table.host_memory.rows import PackedRows, pack_rows
 from engram.table.table import TablePlacement, register_placement
 
-__all__ = ["CachedPlacement", "DEFAULT_CACHE_FRACTION", "POLICIES"]
+__all__ = ["CachedPlacement", "CachedOptions", "DEFAULT_CACHE_FRACTION"]
 
 DEFAULT_CACHE_FRACTION = 0.02  # 2% of rows: the size evaluated on held-out text (benchmarks/NOTES.md)
-POLICIES = ("set-lru", "dynamic", "static")
 UPDATED_POLICIES = ("set-lru", "dynamic")  # the policies that update_cache changes
+
+
+@dataclass(frozen=True)
+class CachedOptions:
+    """Options of placement ``"cached"`` (keyword arguments of :class:`CachedPlacement`, described there;
+    ``hot_rows``, a tensor per table, is not one). :class:`~engram.options.ServingOptions` fills
+    ``cache_fraction``, ``policy`` (its ``cache_policy``), ``ways`` (``cache_ways``) and the host gather's."""
+
+    cache_fraction: float = DEFAULT_CACHE_FRACTION
+    ways: int = 8
+    aging_interval: int = 16
+    policy: str = "set-lru"
+    direct_max_rows: int = DIRECT_MAX_ROWS
+    gather_threads: int | None = None
+    host_gather_worker: str = "auto"
+    host_gather_dedup: str = "auto"
+    serving_fields: ClassVar[dict] = {"cache_fraction": "cache_fraction", "cache_policy": "policy",
+                                      "cache_ways": "ways", **{name: name for name in HOST_SERVING_FIELDS}}
+
+    def __post_init__(self):
+        check_fraction("cache_fraction", self.cache_fraction)
+        check_ways(self.ways)
+        check_int("aging_interval", self.aging_interval, 1)
+        check_choice("policy", self.policy, CACHE_POLICIES)
+        check_host_gather_options(self.direct_max_rows, self.gather_threads, self.host_gather_worker,
+                                  self.host_gather_dedup)
 
 
 @register_placement
@@ -97,22 +125,17 @@ class CachedPlacement(TablePlacement):
     name = "cached"
     has_triton_lookup = True
     starts_reads = True
+    options_type = CachedOptions
+    keeps_host_table = True
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
                  cache_fraction: float = DEFAULT_CACHE_FRACTION, ways: int = 8, aging_interval: int = 16,
                  policy: str = "set-lru", hot_rows: torch.Tensor | None = None,
                  direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
                  host_gather_worker: str = "auto", host_gather_dedup: str = "auto"):
-        if isinstance(cache_fraction, bool) or not isinstance(cache_fraction, (int, float)) or not (
-                0 < cache_fraction <= 1):
-            raise ValueError(f"cache_fraction: expected a number in (0, 1], found {cache_fraction!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy: expected one of {list(POLICIES)}, found {policy!r}")
-        direct_max_rows = check_direct_max_rows(direct_max_rows)
-        if gather_threads is not None:
-            check_gather_threads(gather_threads)
-        check_gather_worker(host_gather_worker)
-        check_gather_dedup(host_gather_dedup)
+        CachedOptions(cache_fraction=cache_fraction, ways=ways, aging_interval=aging_interval, policy=policy,
+                      direct_max_rows=direct_max_rows, gather_threads=gather_threads,
+                      host_gather_worker=host_gather_worker, host_gather_dedup=host_gather_dedup)  # checked first
         if torch.cuda.is_available():
             self.host = HostPlacement(value_bytes, scale_bytes, device, gather_threads=gather_threads,
                                       host_gather_worker=host_gather_worker, host_gather_dedup=host_gather_dedup)

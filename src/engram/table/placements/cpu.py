@@ -14,6 +14,7 @@ class CpuPlacement(TablePlacement):
     """Plain CPU tensors (memory-mapped ones included); lookups run on the CPU."""
 
     name = "cpu"
+    no_host_table_reason = "its rows are memory maps of the checkpoint files, shared by the page cache already"
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None):
         if device is not None and torch.device(device).type != "cpu":

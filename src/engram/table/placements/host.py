@@ -22,18 +22,20 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from engram.checks import check_int
 from engram.common import resolve_cuda_device
 from engram.options import DEFAULT_DIRECT_MAX_ROWS, DEFAULT_PREFETCH_DIRECT_MAX_ROWS
-from engram.table.host_memory.gather import (GatherTicket, HostGather, check_gather_dedup, check_gather_threads,
-                                             check_gather_worker, gather_packed_rows_host)
+from engram.table.host_memory.gather import GatherTicket, HostGather, check_gather_options, gather_packed_rows_host
 from engram.table.host_memory.rows import (PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, packed_row_bytes,
                         register_with_cuda, row_tags_written)
 from engram.table.table import TablePlacement, register_placement
 
-__all__ = ["HostPlacement", "DIRECT_MAX_ROWS"]
+__all__ = ["HostPlacement", "HostOptions", "DIRECT_MAX_ROWS"]
 
 # Lookups of at most this many rows read host memory directly (path a), larger ones take the host
 # gather (path b): ServingOptions.direct_max_rows's default, where its measurement is quoted.
@@ -66,10 +68,35 @@ def _decode_direct_config():
 
 def check_direct_max_rows(value, name: str = "direct_max_rows") -> int:
     """``direct_max_rows`` (or the option ``name``) as given by a caller: an integer >= 0."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: expected an integer >= 0 (0: every lookup takes the host gather), "
-                         f"found {value!r}")
-    return value
+    return check_int(name, value, 0, note=" (0: every lookup takes the host gather)")
+
+
+# ServingOptions fields the host placements take, under the same names.
+HOST_SERVING_FIELDS = ("direct_max_rows", "gather_threads", "host_gather_worker", "host_gather_dedup")
+
+
+def check_host_gather_options(direct_max_rows, gather_threads, host_gather_worker, host_gather_dedup) -> None:
+    """The options both host placements take, each refused naming it."""
+    check_direct_max_rows(direct_max_rows)
+    check_gather_options(gather_threads, host_gather_worker, host_gather_dedup)
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """Options of placement ``"host"`` (keyword arguments of :class:`HostPlacement`, described there);
+    the :class:`~engram.options.ServingOptions` fields of the same names fill them."""
+
+    direct_max_rows: int = DIRECT_MAX_ROWS
+    prefetch_direct_max_rows: int = DEFAULT_PREFETCH_DIRECT_MAX_ROWS
+    gather_threads: int | None = None
+    host_gather_worker: str = "auto"
+    host_gather_dedup: str = "auto"
+    serving_fields: ClassVar[dict] = {name: name for name in HOST_SERVING_FIELDS + ("prefetch_direct_max_rows",)}
+
+    def __post_init__(self):
+        check_host_gather_options(self.direct_max_rows, self.gather_threads, self.host_gather_worker,
+                                  self.host_gather_dedup)
+        check_direct_max_rows(self.prefetch_direct_max_rows, "prefetch_direct_max_rows")
 
 
 @register_placement
@@ -96,17 +123,16 @@ class HostPlacement(TablePlacement):
     name = "host"
     has_triton_lookup = True
     starts_reads = True
+    options_type = HostOptions
+    keeps_host_table = True
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
                  direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
                  host_gather_worker: str = "auto", prefetch_direct_max_rows: int = DEFAULT_PREFETCH_DIRECT_MAX_ROWS,
                  host_gather_dedup: str = "auto"):
-        direct_max_rows = check_direct_max_rows(direct_max_rows)
-        prefetch_direct_max_rows = check_direct_max_rows(prefetch_direct_max_rows, "prefetch_direct_max_rows")
-        if gather_threads is not None:
-            check_gather_threads(gather_threads)
-        check_gather_worker(host_gather_worker)
-        check_gather_dedup(host_gather_dedup)
+        HostOptions(direct_max_rows=direct_max_rows, prefetch_direct_max_rows=prefetch_direct_max_rows,
+                    gather_threads=gather_threads, host_gather_worker=host_gather_worker,
+                    host_gather_dedup=host_gather_dedup)  # every option checked before any work
         if not torch.cuda.is_available():
             raise ValueError("placement 'host' keeps the table in host memory for a CUDA device to read, and this "
                              "machine has no CUDA device; use placement='cpu' (tables served from the CPU)")

@@ -39,7 +39,7 @@ from engram.table.peer_memory import (allocate_shard, check_node_local, check_pe
 from engram.table.table import TablePlacement, register_placement
 from engram.triton_launch import interpreting as _interpreting
 
-__all__ = ["NodePlacement", "owned_rows", "LOOKUPS"]
+__all__ = ["NodePlacement", "NodeOptions", "owned_rows", "LOOKUPS"]
 
 LOOKUPS = ("peer", "exchange")
 
@@ -51,6 +51,19 @@ owned_rows = shard_rows
 def _check_lookup(lookup) -> None:
     if lookup not in LOOKUPS:
         raise ValueError(f"lookup: expected 'peer' or 'exchange', found {lookup!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeOptions:
+    """Options of placement ``"node"`` that :class:`~engram.options.ServingOptions` can carry (keyword
+    arguments of :class:`NodePlacement`, described there); ``group``, a process of this run's, is given
+    as ``placement_options={"group": group}``."""
+
+    lookup: str = "exchange"
+    shm_directory: str | None = None
+
+    def __post_init__(self):
+        _check_lookup(self.lookup)
 
 
 def _check_group(group) -> tuple[int, int]:
@@ -151,6 +164,7 @@ class NodePlacement(TablePlacement):
 
     name = "node"
     collective = True
+    options_type = NodeOptions
 
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, group=None,
                  lookup: str = "exchange", shm_directory=None):

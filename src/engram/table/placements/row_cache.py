@@ -53,19 +53,22 @@ from __future__ import annotations
 
 import torch
 
+from engram.checks import check_bool, check_int
 from engram.table.fp8 import BLOCK_SIZE
 from engram.table.host_memory.rows import TAG_BYTES, packed_row_bytes
 
-__all__ = ["RowCache", "cached_lookup_reference", "cached_probe_reference", "cached_direct_reference",
+__all__ = ["RowCache", "check_ways", "cached_lookup_reference", "cached_probe_reference", "cached_direct_reference",
            "checked_merge_reference", "direct_class"]
 
 COUNTER_MAX = 2**30
 
 
-def _check_positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, found {value!r}")
-    return value
+def check_ways(ways, name: str = "ways") -> int:
+    """Slots per set: a power of two, at most 64."""
+    check_int(name, ways, 1)
+    if ways & (ways - 1) or ways > 64:
+        raise ValueError(f"{name}: expected a power of two at most 64, found {ways}")
+    return ways
 
 
 class RowCache:
@@ -83,17 +86,13 @@ class RowCache:
 
     def __init__(self, num_slots: int, head_dim: int, device: torch.device | str, *, ways: int = 8,
                  aging_interval: int = 16, recency: bool = False):
-        if not isinstance(recency, bool):
-            raise ValueError(f"recency: expected True or False, found {recency!r}")
-        self.recency = recency
-        ways = _check_positive_int("ways", ways)
-        if ways & (ways - 1) or ways > 64:
-            raise ValueError(f"ways: expected a power of two at most 64, found {ways}")
-        num_slots = _check_positive_int("num_slots", num_slots)
-        head_dim = _check_positive_int("head_dim", head_dim)
+        self.recency = check_bool("recency", recency)
+        ways = check_ways(ways)
+        num_slots = check_int("num_slots", num_slots, 1)
+        head_dim = check_int("head_dim", head_dim, 1)
         if head_dim % BLOCK_SIZE:
             raise ValueError(f"head_dim: expected a multiple of {BLOCK_SIZE}, found {head_dim}")
-        self.aging_interval = _check_positive_int("aging_interval", aging_interval)
+        self.aging_interval = check_int("aging_interval", aging_interval, 1)
         self.ways = ways
         self.num_sets = max(1, num_slots // ways)
         self.head_dim = head_dim
@@ -271,7 +270,7 @@ class RowCache:
         ids outside ``[0, rows)`` ignored, duplicates refused). A set offered more than ``ways`` rows keeps
         its first ``ways``. Held rows start with counter ``counter`` (1..2**30). Returns the rows held
         (a host sync: this runs once, at setup)."""
-        counter = _check_positive_int("counter", counter)
+        counter = check_int("counter", counter, 1)
         if counter > COUNTER_MAX:
             raise ValueError(f"counter: expected at most {COUNTER_MAX}, found {counter}")
         ids = local_row_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
