@@ -209,15 +209,11 @@ class ServingOptions:
         (none for a placement without options), then :attr:`extra_placement_options`.
         ``share_host_tables`` with a placement that keeps no host table is refused, as a placement
         option it does not take is."""
-        placement_type = _placement_class(placement)
-        if self.share_host_tables and not placement_type.keeps_host_table:
-            from engram.table.placement import available_placements
+        if self.share_host_tables:
+            _placement_class(placement)  # the built-in placements registered
+            from engram.table.placement import check_host_table_shared
 
-            keepers = [repr(name) for name in available_placements() if _placement_class(name).keeps_host_table]
-            reason = placement_type.no_host_table_reason
-            raise ValueError(f"share_host_tables: True keeps one copy of each host table per node, which placements "
-                             f"{' and '.join(filter(None, [', '.join(keepers[:-1]), keepers[-1]]))} have; "
-                             f"placement {placement!r} keeps none" + (f" ({reason})" if reason else ""))
+            check_host_table_shared("share_host_tables", placement)
         resolved = self.options_for(placement)
         options = {} if resolved is None else _fields_of(resolved)
         options.update(dict(self.extra_placement_options))

@@ -19,6 +19,8 @@ import torch
 from engram import mapped
 from engram.layout import ColumnShard, EngramLayout
 from engram.table import BLOCK_SIZE, EngramTable, available_placements
+from engram.checks import check_bool, check_positive_int
+from engram.table.placement import check_host_table_shared
 from engram.table.table import placement_class
 from engram.checkpoint.reading import (DEFAULT_CHUNK_BYTES, ByteProgress, SafetensorsCheckpoint, TensorInfo, copy_checked_rows,
                       expected_layer_tensors, map_table_rows, table_progress)
@@ -182,13 +184,10 @@ def load_engram_table(
     spec = layout.spec
     if placement not in available_placements():
         raise ValueError(f"placement: expected one of {list(available_placements())}, found {placement!r}")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes: expected a positive integer, found {chunk_bytes!r}")
-    if not isinstance(check_values, bool):
-        raise ValueError(f"check_values: expected True or False, found {check_values!r}")
-    if share_host_table and placement in ("cpu", "device", "node"):
-        raise ValueError(f"share_host_table: True keeps one copy of a host table per node, which placements 'host' "
-                         f"and 'cached' have; placement {placement!r} keeps none")
+    check_positive_int("chunk_bytes", chunk_bytes)
+    check_bool("check_values", check_values)
+    if share_host_table:
+        check_host_table_shared("share_host_table", placement)
     cls = placement_class(placement)
     storage_device = cls.storage_device(device)
     layer_id = spec.layer_ids[layer_index]

@@ -18,7 +18,8 @@ import torch
 from engram.common import resolve_cuda_device
 from engram.table.fp8 import BLOCK_SIZE
 
-__all__ = ["TablePlacement", "register_placement", "placement_class", "available_placements", "make_placement"]
+__all__ = ["TablePlacement", "register_placement", "placement_class", "available_placements", "make_placement",
+           "check_host_table_shared"]
 
 
 class TablePlacement(abc.ABC):
@@ -222,6 +223,19 @@ def placement_class(name: str) -> type[TablePlacement]:
 def available_placements() -> tuple[str, ...]:
     """Names accepted by ``EngramTable(placement=...)``."""
     return tuple(_PLACEMENTS)
+
+
+def check_host_table_shared(field: str, placement: str) -> None:
+    """``field`` (``share_host_tables``) True with ``placement``: refused, naming the placements that keep
+    a host table to share, unless ``placement`` is one of them."""
+    found = placement_class(placement)
+    if found.keeps_host_table:
+        return
+    keepers = [repr(name) for name, cls in _PLACEMENTS.items() if cls.keeps_host_table]
+    named = " and ".join(filter(None, [", ".join(keepers[:-1]), keepers[-1] if keepers else ""]))
+    reason = found.no_host_table_reason
+    raise ValueError(f"{field}: True keeps one copy of each host table per node, which placements {named} have; "
+                     f"placement {placement!r} keeps none" + (f" ({reason})" if reason else ""))
 
 
 def make_placement(

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engram.checks import check_bool
 from engram.checkpoint import EngramLayerTensors, write_engram_checkpoint
 from engram.tools.defaults import deepseek_tokenizer_file
 from engram.common import ceil_div
@@ -298,8 +299,7 @@ def write_transformers_checkpoint(
     """
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    if not isinstance(fp8, bool):
-        raise ValueError(f"fp8: expected True or False, found {fp8!r}")
+    check_bool("fp8", fp8)
     wkv_dtype = "fp8" if fp8 else "bf16"
     fields = {**TINY_DEEPSEEK_V4, **(model_config or {})}
     if fields["num_hidden_layers"] <= max(layer_ids):
