@@ -398,6 +398,7 @@ def _refusing_worker(rank: int, world_size: int, init_file: str, out_dir: str, s
             messages[f"{case}_after"] = bool(torch.equal(as_bits(node(hidden, ids, mask)),
                                                          as_bits(plain(hidden, ids, mask))))
         torch.save(messages, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while another still talks to it (an abort seen under load)
     finally:
         dist.destroy_process_group()
 

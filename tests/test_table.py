@@ -72,7 +72,8 @@ def expected_lookup_bits(value_bytes, scale_bytes, hash_ids, row_start, column_s
     ids = hash_ids[:, column_start:column_end].astype(np.int64) - row_start
     inside = (ids >= 0) & (ids < value_bytes.shape[0])
     safe = np.where(inside, ids, 0)
-    factors = np.ldexp(1.0, scale_bytes[safe].astype(np.int64) - 127)
+    scales = scale_bytes[safe].astype(np.int64)
+    factors = np.where(scales == 255, np.nan, np.ldexp(1.0, scales - 127))   # E8M0 byte 255 is NaN
     product = decode_e4m3(value_bytes[safe]) * np.repeat(factors, 32, axis=-1)
     product = np.where(inside[..., None], product, 0.0)
     return bf16_bits_of_float64(product)

@@ -24,6 +24,7 @@ import torch
 
 from engram.backends import resolve_backend
 from engram.call_cache import CallCache, structure
+from engram.checks import check_bool, check_hash_ids, check_int, same_device
 from engram.common import HASH_ID_DTYPES
 from engram.layout import ColumnShard, EngramLayout
 from engram.table.fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes, check_table_values, dequantize_rows
@@ -45,16 +46,6 @@ __all__ = [
 # ---------------------------------------------------------------------------
 # the table
 # ---------------------------------------------------------------------------
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, found {value!r}")
-    return value
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index if a.index is not None else 0) == (b.index if b.index is not None else 0)
-
-
 class EngramTable:
     """One layer's FP8 rows (or one rank's shard of whole hash columns), with lookups.
 
@@ -131,12 +122,12 @@ class EngramTable:
         if value_bytes.device != scale_bytes.device:
             raise ValueError(f"scales: expected the device of values ({value_bytes.device}), found {scale_bytes.device}")
 
-        column_start = _check_int("column_start", column_start, 0)
-        row_start = _check_int("row_start", row_start, 0)
+        column_start = check_int("column_start", column_start, 0)
+        row_start = check_int("row_start", row_start, 0)
         if num_columns_total is not None:
-            num_columns_total = _check_int("num_columns_total", num_columns_total, column_start + 1)
+            num_columns_total = check_int("num_columns_total", num_columns_total, column_start + 1)
         if column_end is not None:
-            column_end = _check_int("column_end", column_end, column_start + 1)
+            column_end = check_int("column_end", column_end, column_start + 1)
             if num_columns_total is not None and column_end > num_columns_total:
                 raise ValueError(f"column_end: expected at most num_columns_total = {num_columns_total}, found {column_end}")
         elif num_columns_total is not None:
@@ -144,13 +135,11 @@ class EngramTable:
         whole_layer = row_start == 0 and column_start == 0 and (
             column_end is None or column_end == num_columns_total)
         if num_rows_total is not None:
-            num_rows_total = _check_int("num_rows_total", num_rows_total, row_start + num_rows)
+            num_rows_total = check_int("num_rows_total", num_rows_total, row_start + num_rows)
         elif whole_layer:
             num_rows_total = num_rows
-        if validate is not None and not isinstance(validate, bool):
-            raise ValueError(f"validate: expected True, False or None, found {validate!r}")
-        if not isinstance(check_values, bool):
-            raise ValueError(f"check_values: expected True or False, found {check_values!r}")
+        check_bool("validate", validate, optional=True)
+        check_bool("check_values", check_values)
         if check_values:  # before the placement copies anything: a NaN or infinite row is refused here
             check_table_values(value_bytes, scale_bytes, values_name="values", scales_name="scales")  # rows of values
 
@@ -199,8 +188,7 @@ class EngramTable:
         (``shard.row_ranges[layer_index]``), checked against the layout (and their bytes with
         ``check_values``, as :class:`EngramTable` does)."""
         spec = layout.spec
-        if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not 0 <= layer_index < layout.num_layers:
-            raise ValueError(f"layer_index: expected an integer in [0, {layout.num_layers}), found {layer_index!r}")
+        check_int("layer_index", layer_index, 0, below=layout.num_layers)
         num_columns, head_dim = layout.num_columns, spec.head_dim
         num_rows_total = layout.num_embeddings[layer_index]
         if shard is None:
@@ -330,12 +318,7 @@ class EngramTable:
 
     def _check_hash_ids(self, hash_ids: torch.Tensor) -> tuple[int, int]:
         """Check ``hash_ids [T, C]``; the columns ``(start, end)`` it serves."""
-        if not isinstance(hash_ids, torch.Tensor):
-            raise ValueError(f"hash_ids: expected a torch.Tensor, found {type(hash_ids).__name__}")
-        if hash_ids.dtype not in HASH_ID_DTYPES:
-            raise ValueError(f"hash_ids: expected dtype torch.int32 or torch.int64, found {hash_ids.dtype}")
-        if hash_ids.dim() != 2:
-            raise ValueError(f"hash_ids: expected shape [T, C], found {list(hash_ids.shape)}")
+        check_hash_ids(hash_ids, device=self.device, device_note=" (the table's)")
         width = hash_ids.shape[1]
         if self._num_columns_total is not None and width != self._num_columns_total:
             raise ValueError(f"hash_ids: expected {self._num_columns_total} columns (shape [T, {self._num_columns_total}]), "
@@ -344,8 +327,6 @@ class EngramTable:
         if column_end > width or column_end <= self._column_start:
             raise ValueError(f"hash_ids: this table serves columns [{self._column_start}, {column_end}), "
                              f"found shape {list(hash_ids.shape)}")
-        if not _same_device(hash_ids.device, self.device):
-            raise ValueError(f"hash_ids: expected device {self.device} (the table's), found {hash_ids.device}")
         return self._column_start, column_end
 
     def _check_ids(self, global_ids: torch.Tensor) -> None:
@@ -403,7 +384,7 @@ class EngramTable:
         holds only some of the rows (``"node"``): use :meth:`lookup_packed`."""
         global_ids = self._local_columns(hash_ids)
         storage = self._storage
-        if not _same_device(storage.value_bytes.device, self.device) or storage.value_bytes.shape[0] != self.num_rows:
+        if not same_device(storage.value_bytes.device, self.device) or storage.value_bytes.shape[0] != self.num_rows:
             return None  # the bytes live elsewhere, or this process holds only some of the rows ("node")
         if self.validate:
             self._check_ids(global_ids)
@@ -438,9 +419,12 @@ class EngramTable:
     def update_cache(self, hash_ids: torch.Tensor) -> None:
         """Between engine steps: let a placement with a row cache (``"cached"``) learn from the
         reads of ``hash_ids [T, C]`` (admit missed rows, count hits, age). A no-op for the others.
-        Refused inside a captured graph; lookups captured before keep serving the new content."""
+        Placement ``"cached"`` on CUDA updates in fixed-size launches that a CUDA graph may capture (after
+        one eager call of at least this many ids); other placements with a cache refuse it under capture.
+        Lookups captured before keep serving the new content."""
         global_ids = self._local_columns(hash_ids)
-        self._refuse_under_capture("update_cache")
+        if not getattr(self._storage, "captures_updates", False):
+            self._refuse_under_capture("update_cache")
         self._storage.update(global_ids, self._row_start)
 
     def load_hot_rows(self, global_row_ids: torch.Tensor) -> int:
