@@ -465,7 +465,8 @@ def _on_cpu(cache: RowCache) -> RowCache:
     if cache.device.type == "cpu":
         return cache
     copy = RowCache(cache.num_slots, cache.head_dim, "cpu", ways=cache.ways)
-    copy.slot_rows, copy._tags, copy._counters = cache.slot_rows.cpu(), cache._tags.cpu(), cache._counters.cpu()
+    for mine, theirs in ((copy.slot_rows, cache.slot_rows), (copy._tags, cache._tags), (copy._counters, cache._counters)):
+        mine.copy_(theirs)  # in place: the cache's views (tags, slot values) stay on its tensors
     return copy
 
 

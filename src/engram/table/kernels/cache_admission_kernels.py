@@ -150,9 +150,9 @@ def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_pt
         tl.store(step_ptr, tl.load(step_ptr) + 1)  # read by steps 1-2 only, which ran before
     way = tl.arange(0, WAYS)
     group = tl.arange(0, GROUPS_PADDED)
-    lane = tl.arange(0, _SCALE_GROUP)
     group_valid = group < HEAD_DIM // _SCALE_GROUP
-    column = group[:, None] * _SCALE_GROUP + lane[None, :]
+    column = tl.arange(0, GROUPS_PADDED * _SCALE_GROUP)
+    column_valid = column < HEAD_DIM
     tag_byte = tl.arange(0, 4)
     for index in range(pid, touched_count, num_programs):
         row_set = tl.load(touched_ptr + index).to(tl.int64)
@@ -174,14 +174,18 @@ def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_pt
         slot = row_set * WAYS + victim_way.to(tl.int64)
         tl.store(tags_ptr + slot, row, mask=admit)
         tl.store(counters_ptr + slot, tl.minimum(score, _COUNTER_MAX).to(tl.int32), mask=admit)
-        safe_row = tl.where(admit, row, 0)
-        value_bytes = tl.load(back_values_ptr + safe_row[:, None, None] * value_stride + column[None, :, :],
-                              mask=admit[:, None, None] & group_valid[None, :, None], other=0)
-        scale_bytes = tl.load(back_scales_ptr + safe_row[:, None] * scale_stride + group[None, :],
-                              mask=admit[:, None] & group_valid[None, :], other=0)
-        slot_base = slot_rows_ptr + slot * slot_stride
-        tl.store(slot_base[:, None, None] + column[None, :, :], value_bytes,
-                 mask=admit[:, None, None] & group_valid[None, :, None])
-        tl.store(slot_base[:, None] + HEAD_DIM + group[None, :], scale_bytes, mask=admit[:, None] & group_valid[None, :])
-        tag_bytes = ((row[:, None] >> (8 * tag_byte[None, :]).to(tl.int64)) & 255).to(tl.uint8)
-        tl.store(slot_base[:, None] + (ROW_BYTES - 4) + tag_byte[None, :], tag_bytes, mask=admit[:, None])
+        # The bytes, one candidate at a time with a scalar row and slot: one [WAYS, D // 32, 32] copy left
+        # wrong 32-64-byte chunks in some slots on the H200 (Triton 3.6), tags right.
+        for k in tl.static_range(WAYS):
+            pick = way == k
+            admit_k = tl.sum(tl.where(pick & admit, 1, 0), axis=0)  # 1: candidate k is admitted
+            value_mask = column_valid & ((column * 0 + admit_k) > 0)
+            scale_mask = group_valid & ((group * 0 + admit_k) > 0)
+            row_k = tl.sum(tl.where(pick & admit, row, 0), axis=0)
+            slot_base = slot_rows_ptr + tl.sum(tl.where(pick, slot, 0), axis=0) * slot_stride
+            value_bytes = tl.load(back_values_ptr + row_k * value_stride + column, mask=value_mask, other=0)
+            tl.store(slot_base + column, value_bytes, mask=value_mask)
+            scale_bytes = tl.load(back_scales_ptr + row_k * scale_stride + group, mask=scale_mask, other=0)
+            tl.store(slot_base + HEAD_DIM + group, scale_bytes, mask=scale_mask)
+            tag_bytes = ((row_k >> (8 * tag_byte).to(tl.int64)) & 255).to(tl.uint8)
+            tl.store(slot_base + (ROW_BYTES - 4) + tag_byte, tag_bytes, mask=(tag_byte * 0 + admit_k) > 0)
