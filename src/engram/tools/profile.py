@@ -28,7 +28,7 @@ from engram.tools.cache_policy import (
 )
 
 __all__ = ["DEFAULT_STEP_TOKENS", "DEFAULT_FRACTIONS", "Trace", "HotSet", "corpus_files", "read_trace",
-           "build_hot_set", "evaluate", "corpus_warnings", "replaced_warnings"]
+           "build_hot_set", "evaluate", "prepare_streams", "replay_streams", "corpus_warnings", "replaced_warnings"]
 
 DEFAULT_STEP_TOKENS = 4096
 DEFAULT_FRACTIONS = (0.001, 0.005, 0.01, 0.02, 0.05)
@@ -264,16 +264,24 @@ def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: Ho
     content). One dict per (policy, fraction): ``hit_rate`` (reads served from HBM / all reads, all
     layers), ``ceiling`` (1 - first touches / reads), ``best_static_hit_rate`` (the fraction's
     most-read rows of this very trace), ``host_fetch_ratio`` (host rows fetched with the cache /
-    without, deduplicated per step), ``replay_seconds``, and ``layers`` (the same per layer id).
-    ``progress``: a bar of the replayed steps on stderr."""
+    without, deduplicated per step), their counts (``reads``, ``hits``, ``fetches``, ``fetch_hits``),
+    ``replay_seconds``, and ``layers`` (the same per layer id). ``progress``: bars on stderr."""
+    streams = prepare_streams(trace, layout, fractions, policies, hot=hot, step_tokens=step_tokens,
+                              progress=progress)
+    return replay_streams(streams, layout, fractions, policies, hot=hot, params=params, progress=progress)
+
+
+def prepare_streams(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: HotSet | None = None,
+                    step_tokens: int = DEFAULT_STEP_TOKENS, progress: bool = False) -> list[CompactStream]:
+    """Per layer, ``trace``'s reads cut into steps of ``step_tokens`` tokens (one pass over the ids),
+    for any number of :func:`replay_streams` at fractions up to the largest of ``fractions``."""
     check_int("--step-tokens", step_tokens, 1)
     for fraction in fractions:
         capacity_for(fraction, 1)  # the range check, before any work
     if "static" in policies and hot is None:
         raise ValueError("--policy static: needs --hot HOT.npz (the static set is built by engram profile build)")
-    columns = layout.spec.num_columns
     streams = []
-    step_reads = step_tokens * columns
+    step_reads = step_tokens * layout.spec.num_columns
     bar = _bar(sum(-(-len(reads) // step_reads) for reads in trace.reads), "preparing steps", "step", progress)
     try:
         for l, reads in enumerate(trace.reads):
@@ -282,14 +290,19 @@ def evaluate(trace: Trace, layout: EngramLayout, fractions, policies, *, hot: Ho
             streams.append(CompactStream(reads, step_reads, extra_rows=extra, progress=bar))
     finally:
         bar.close()
-    results = []
+    return streams
+
+
+def replay_streams(streams: list[CompactStream], layout: EngramLayout, fractions, policies, *,
+                   hot: HotSet | None = None, params: DynamicParams = DynamicParams(),
+                   progress: bool = False) -> list[dict]:
+    """:func:`evaluate`'s dicts for streams made by :func:`prepare_streams` (with the same ``hot``)."""
     bar = _bar(len(policies) * len(fractions) * sum(stream.num_steps for stream in streams), "replaying steps",
                "step", progress)
     try:
-        results = _replays(streams, layout, fractions, policies, hot, params, bar)
+        return _replays(streams, layout, fractions, policies, hot, params, bar)
     finally:
         bar.close()
-    return results
 
 
 def _replays(streams, layout: EngramLayout, fractions, policies, hot, params, bar) -> list[dict]:
@@ -318,7 +331,7 @@ def _figures(counts: np.ndarray, capacity: int | None) -> dict:
     reads, hits, first, best, fetches, fetch_hits = (int(x) for x in counts)
     figures = {"hit_rate": hits / reads, "ceiling": 1 - first / reads, "best_static_hit_rate": best / reads,
                "host_fetch_ratio": (fetches - fetch_hits) / fetches, "reads": reads, "hits": hits,
-               "distinct_rows": first}
+               "distinct_rows": first, "fetches": fetches, "fetch_hits": fetch_hits}
     if capacity is not None:
         figures["capacity_rows"] = capacity
     return figures

