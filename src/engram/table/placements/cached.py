@@ -62,6 +62,7 @@ from typing import ClassVar
 
 import torch
 
+from engram.common import cuda_capturing
 from engram.checks import CACHE_POLICIES, check_choice, check_fraction, check_int
 from engram.triton_launch import interpreting, triton_available
 from engram.table.placements.host import (DIRECT_MAX_ROWS, HOST_SERVING_FIELDS, HostPlacement,
@@ -225,7 +226,7 @@ class CachedPlacement(TablePlacement):
         so a prefetch made across a replayed update costs reads, never rows."""
         if self.policy in UPDATED_POLICIES:
             self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing)
-            if not torch.cuda.is_current_stream_capturing():  # an event of the capture cannot be waited on outside
+            if not cuda_capturing():  # an event of the capture cannot be waited on outside
                 self._mark_content_changed()
 
     # ---- lookups ------------------------------------------------------------------
