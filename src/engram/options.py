@@ -17,22 +17,20 @@ from engram import environment
 from engram.checks import (BACKEND_CHOICES, CACHE_POLICIES, HOST_GATHER_DEDUP, HOST_GATHER_WORKERS,
                            WKV_BACKEND_CHOICES, check_bool, check_choice, check_fraction, check_int,
                            check_power_of_two)
+from engram.tuning import tuning
 
 __all__ = ["ServingOptions", "BACKEND_CHOICES", "WKV_BACKEND_CHOICES", "CACHE_POLICIES"]
 
-# Lookups of at most this many rows read host memory directly (the decode path, capturable); larger
-# ones take the host gather. H200, 34 GiB table on 2 MiB pages (benchmarks/NOTES.md "Host tables"):
-# direct reads 19 us at T = 64, 0.87 ms at T = 1024, ~7.5 GB/s beyond; the host gather 0.6-0.9 ms at
-# small T, 1.16 ms at T = 1024, 3.5 ms at T = 8192 (direct 6.9).
-DEFAULT_DIRECT_MAX_ROWS = 4096 * 24
-# 2% of rows: the HBM cache size evaluated on held-out English (benchmarks/NOTES.md, cache policies).
-DEFAULT_CACHE_FRACTION = 0.02
-# Prefetched lookups of more rows than this start the host gather at the prefetch, hidden behind the
-# layers before theirs, even below direct_max_rows. H200, step of 40 layers at T = 4096 (98,304 rows,
-# direct): the direct reads held the main stream 9.8 ms a step against 2.7 ms with HBM tables (+1.8%
-# of the step); the host gather of 196,608 rows takes 3.8 ms end to end (benchmarks/NOTES.md "The
-# served decoder step").
-DEFAULT_PREFETCH_DIRECT_MAX_ROWS = 1024 * 24
+# Defaults read once from the device kind's tuning file (engram.tuning, keys serving.*; each cites its
+# measurement). DEFAULT_DIRECT_MAX_ROWS: lookups of at most this many rows read host memory directly
+# (the decode path, capturable); larger ones take the host gather (the H200's switch: 4096 x 24 rows).
+# DEFAULT_CACHE_FRACTION: the HBM cache size evaluated on held-out text (2% of rows).
+# DEFAULT_PREFETCH_DIRECT_MAX_ROWS: prefetched lookups of more rows than this start the host gather at
+# the prefetch, hidden behind the layers before theirs, even below direct_max_rows (1024 x 24 rows).
+_TUNED = tuning().serving
+DEFAULT_DIRECT_MAX_ROWS = _TUNED.direct_max_rows
+DEFAULT_CACHE_FRACTION = _TUNED.cache_fraction
+DEFAULT_PREFETCH_DIRECT_MAX_ROWS = _TUNED.prefetch_direct_max_rows
 
 
 class ReadOnlyDict(dict):

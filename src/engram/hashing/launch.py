@@ -21,20 +21,21 @@ import torch
 
 from engram.common import ceil_div, next_power_of_2
 from engram.triton_launch import BoundLaunch, CompiledLaunch
+from engram.tuning import tuning
 
 __all__ = ["HashConstants", "HashLaunchPlan", "PreparedHash", "launch_hash_kernels", "plan_hash_launch",
            "prepare_hash_launch", "run_hash_launch", "block_tokens_for"]
 
-# Tokens per program by batch size, one warp per program; the sweep behind it is in
-# benchmarks/NOTES.md (v3: 8 tokens per program measured 9.5 us at T = 8192, H200).
-_BLOCK_TOKENS_BY_BATCH = ((64, 1), (2048, 4))
-_BLOCK_TOKENS_LARGEST, _NUM_WARPS = 8, 1
-# Request ends compared per loop step: up to [8 tokens, 128 ends] per program.
-_REQUEST_CHUNK_LARGEST = 128
-# Tokens (and requests, for lookback seeds) per slot-writer program; requests per
-# history-writer program (each a row of up to 16 ring cells).
-_WRITE_BLOCK = 64
-_HISTORY_BLOCK = 8
+# Launch shapes, read once from the device kind's tuning file (engram.tuning, keys hash.*; each cites its
+# measurement): tokens per program by batch size ((largest T, tokens)), one warp per program; request ends
+# compared per loop step (the most); tokens (and requests, for lookback seeds) per slot-writer program;
+# requests per history-writer program (each a row of up to 16 ring cells).
+_TUNED = tuning().hash
+_BLOCK_TOKENS_BY_BATCH = tuple((band.max_tokens, band.block_tokens) for band in _TUNED.block_tokens_by_batch)
+_BLOCK_TOKENS_LARGEST, _NUM_WARPS = _TUNED.block_tokens_largest, _TUNED.num_warps
+_REQUEST_CHUNK_LARGEST = _TUNED.request_chunk_largest
+_WRITE_BLOCK = _TUNED.write_block
+_HISTORY_BLOCK = _TUNED.history_block
 
 # Launch-shape overrides for benchmark sweeps ({"block_tokens": 32, "num_warps": 2}).
 LAUNCH_OVERRIDE: dict[str, int] = {}

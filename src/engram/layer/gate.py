@@ -38,11 +38,17 @@ from engram.backends import resolve_backend
 from engram.call_cache import CallCache, structure
 from engram.common import next_power_of_2
 from engram.triton_launch import BoundLaunch, CompiledLaunch
+from engram.tuning import tuning
 
 __all__ = ["engram_gate", "engram_gate_kv", "engram_gate_torch", "gate_launch_config", "GateLaunchConfig"]
 
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The default launch shape, read once from the device kind's tuning file (engram.tuning, keys gate.*).
+_TUNED = tuning().gate
+_COPIES_PER_PROGRAM, _ELEMENTS_PER_THREAD, _MAX_NUM_WARPS = (_TUNED.copies_per_program, _TUNED.elements_per_thread,
+                                                             _TUNED.max_num_warps)
+_EARLY_VALUE, _CACHE_HINTS = _TUNED.early_value, _TUNED.cache_hints
 
 
 # ---- checks -----------------------------------------------------------------------
@@ -175,12 +181,17 @@ class GateLaunchConfig:
 def gate_launch_config(tokens: int, hc_mult: int, hidden: int) -> GateLaunchConfig:
     """The default :class:`GateLaunchConfig` (``tokens`` is kept for a per-T choice).
 
-    One copy per program (``T * hc`` programs; at T = 1 the hc copies run side by
-    side), about 16 head elements per thread (8 warps at D = 5120), value loaded after
-    the sums: the best of the H200 sweep in ``benchmarks/NOTES.md`` ("Gate launch shapes").
+    The device kind's shape (:mod:`engram.tuning`, ``gate.*``); the H200's, the best of its sweep in
+    ``benchmarks/NOTES.md`` ("Gate launch shapes"): one copy per program (``T * hc`` programs; at T = 1
+    the hc copies run side by side), about 16 head elements per thread (8 warps at D = 5120, at most 16),
+    value loaded after the sums, no eviction hints. A ``copies_per_program`` that does not divide ``hc``
+    falls back to one.
     """
     head_block = _head_block(hidden)
-    return GateLaunchConfig(copies_per_program=1, num_warps=min(16, max(1, head_block // (32 * 16))))
+    copies = _COPIES_PER_PROGRAM if hc_mult % _COPIES_PER_PROGRAM == 0 else 1
+    return GateLaunchConfig(copies_per_program=copies,
+                            num_warps=min(_MAX_NUM_WARPS, max(1, head_block // (32 * _ELEMENTS_PER_THREAD))),
+                            early_value=_EARLY_VALUE, cache_hints=_CACHE_HINTS)
 
 
 def _contiguous_rows(tensor: torch.Tensor) -> torch.Tensor:

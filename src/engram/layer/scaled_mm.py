@@ -9,12 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
+from engram.tuning import tuning
+
 _TOKEN_PADDING = 4  # cuBLASLt wants the column-major [T, K / 128] scale's column stride 16-byte aligned
-MIN_ACTIVATION_ROWS = 128
-"""Fewest rows of the quantized activations. Below 128 rows cuBLAS's block-scaled FP8 GEMM picks a
-slower kernel: V4.1-Flash wkv (K = 6144, N = 25600) on the H200, graph-replayed, 59.1 us at M = 64
-against 56.2 us with the same rows padded to 128 (59.4 against 55.8 at M = 1;
-``benchmarks/NOTES.md``, "Findings of removed probes"). The padding rows are zeros; the Triton GEMMs skip them."""
+MIN_ACTIVATION_ROWS = tuning().wkv.min_activation_rows
+"""Fewest rows of the quantized activations (:mod:`engram.tuning`, ``wkv.min_activation_rows``, a multiple
+of 4). On the H200 cuBLAS's block-scaled FP8 GEMM picks a slower kernel below 128 rows: V4.1-Flash wkv
+(K = 6144, N = 25600), graph-replayed, 59.1 us at M = 64 against 56.2 us with the same rows padded to 128
+(59.4 against 55.8 at M = 1; ``benchmarks/NOTES.md``, "Findings of removed probes"). The padding rows are
+zeros; the Triton GEMMs skip them."""
 
 
 def padded_tokens(tokens: int) -> int:

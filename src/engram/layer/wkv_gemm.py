@@ -27,6 +27,7 @@ from engram.call_cache import CallCache, structure
 from engram.checks import check_bool, check_int, check_launch_ids, check_positive_int, check_power_of_two
 from engram.table.fp8 import BLOCK_SIZE
 from engram.triton_launch import BoundLaunch, CompiledLaunch, interpreting
+from engram.tuning import tuning
 from engram.layer.wkv_kernels import block_scaled_gemm_kernel, fused_gather_gemm_kernel, gather_quantize_kernel
 from engram.layer.wkv_small_m_kernels import small_m_gemm_kernel, split_k_reduce_kernel
 # The torch._scaled_mm path (and the activation rows both paths use) lives in engram.layer.scaled_mm.
@@ -110,12 +111,22 @@ class SmallMGemmConfig:
                              f"found {self.reduction!r}")
 
 
-# Unmeasured first guesses (their H200 sweep: benchmarks/NOTES.md, "Findings of removed probes"): at
+# Launch shapes read once from the device kind's tuning file (engram.tuning, keys wkv.*; each cites its
+# measurement or says it is a first guess).
+_TUNED = tuning().wkv
+
+
+def _small_m_config(shape) -> SmallMGemmConfig:
+    return SmallMGemmConfig(block_n=shape.block_n, split_k=shape.split_k, num_warps=shape.num_warps,
+                            num_stages=shape.num_stages)
+
+
+# First guesses (the H200 sweep of the path: benchmarks/NOTES.md, "Findings of removed probes"): at
 # V4.1's N = 25600, 128-wide column tiles give 200 tiles; 4 (2) K splits make 800 (400) programs
 # on 132 SMs, 12 (24) 128-deep steps each.
 _SMALL_M_GPU_CONFIGS = (  # (largest T, config)
-    (16, SmallMGemmConfig(block_n=128, split_k=4, num_warps=4, num_stages=4)),
-    (None, SmallMGemmConfig(block_n=128, split_k=2, num_warps=4, num_stages=3)),
+    *((band.max_tokens, _small_m_config(band)) for band in _TUNED.small_m_by_tokens),
+    (None, _small_m_config(_TUNED.small_m_largest)),
 )
 
 
@@ -135,13 +146,18 @@ def small_m_block_m(tokens: int) -> int:
     return min(128, max(16, triton.next_power_of_2(max(tokens, 1))))
 
 
+def _gemm_config(shape) -> WkvGemmConfig:
+    return WkvGemmConfig(block_m=shape.block_m, block_n=shape.block_n, group_m=shape.group_m,
+                         num_warps=shape.num_warps, num_stages=shape.num_stages)
+
+
 # Not yet measured on a GPU; benchmarks/bench_layer.py sweeps
 # the fused kernel's shapes at T = 64 and 8192 and records them for this table.
 _GPU_CONFIGS = (  # (largest T, config)
-    (16, WkvGemmConfig(block_m=16, block_n=64, group_m=1, num_warps=4, num_stages=4)),
-    (64, WkvGemmConfig(block_m=64, block_n=64, group_m=1, num_warps=4, num_stages=4)),
-    (None, WkvGemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)),
+    *((band.max_tokens, _gemm_config(band)) for band in _TUNED.gemm_by_tokens),
+    (None, _gemm_config(_TUNED.gemm_largest)),
 )
+_FUSED_EXTRA_STAGES = _TUNED.fused_extra_stages
 
 
 def default_gemm_config(tokens: int, fused: bool) -> WkvGemmConfig:
@@ -152,7 +168,7 @@ def default_gemm_config(tokens: int, fused: bool) -> WkvGemmConfig:
         return WkvGemmConfig(block_m=16, block_n=32, group_m=2, num_warps=4, num_stages=1)
     for limit, config in _GPU_CONFIGS:
         if limit is None or tokens <= limit:
-            return dataclasses.replace(config, num_stages=config.num_stages + 1) if fused else config
+            return dataclasses.replace(config, num_stages=config.num_stages + _FUSED_EXTRA_STAGES) if fused else config
     raise AssertionError("unreachable")
 
 
@@ -276,19 +292,22 @@ class _QuantizePlan(NamedTuple):
 _QUANTIZE_PLANS = CallCache()
 
 
-# Decode-sized batches quantize in more, smaller programs. H200, whole FP8 layer at T = 64 graph-replayed
-# (benchmarks/NOTES.md, "Small T: launch shapes"): (8, 2) 66.8 us against 68.9 for (32, 4), the quantize
-# alone 7.4 against 8.8 us; larger T keep (32, 4) (bench_layer.py). Every shape gives the same bytes.
-SMALL_T_QUANTIZE_MAX_TOKENS = 64
+# Decode-sized batches quantize in more, smaller programs (engram.tuning, wkv.quantize_*). H200, whole FP8
+# layer at T = 64 graph-replayed (benchmarks/NOTES.md, "Small T: launch shapes"): (8, 2) 66.8 us against
+# 68.9 for (32, 4), the quantize alone 7.4 against 8.8 us; larger T keep (32, 4) (bench_layer.py). Every
+# shape gives the same bytes.
+SMALL_T_QUANTIZE_MAX_TOKENS = _TUNED.quantize_small_max_tokens
+_QUANTIZE_SMALL = (_TUNED.quantize_small.block_t, _TUNED.quantize_small.num_warps)
+_QUANTIZE_LARGE = (_TUNED.quantize_large.block_t, _TUNED.quantize_large.num_warps)
 
 
 def quantize_launch_shape(tokens: int) -> tuple[int, int]:
-    """``(BLOCK_T, num_warps)`` of ``gather_quantize_kernel`` for ``T`` tokens: 32 tokens x 128
-    values per program with 4 warps, 8 tokens with 2 warps up to ``SMALL_T_QUANTIZE_MAX_TOKENS``
-    (16 tokens and 4 warps under the interpreter)."""
+    """``(BLOCK_T, num_warps)`` of ``gather_quantize_kernel`` for ``T`` tokens (tokens x 128 values per
+    program): the device kind's small shape up to ``SMALL_T_QUANTIZE_MAX_TOKENS``, its large one beyond
+    (the H200's: 8 tokens with 2 warps, 32 with 4); 16 tokens and 4 warps under the interpreter."""
     if interpreting():
         return (16, 4)
-    return (8, 2) if tokens <= SMALL_T_QUANTIZE_MAX_TOKENS else (32, 4)
+    return _QUANTIZE_SMALL if tokens <= SMALL_T_QUANTIZE_MAX_TOKENS else _QUANTIZE_LARGE
 
 
 _QUANTIZE_LAUNCH: list[CompiledLaunch] = []

@@ -50,33 +50,33 @@ from engram.common import next_power_of_2
 from engram.environment import local_world_size
 from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
 from engram.table.host_memory import native_worker, openmp_team, stream_memory_ops
-from engram.table.host_memory.gather_protocol import FLAG_WORDS, JOB_DONE, STAGING_FREE, WAVES_DONE
+from engram.table.host_memory.gather_protocol import FLAG_WORDS, JOB_DONE, MAX_WAVES, STAGING_FREE, WAVES_DONE
 from engram.table.host_memory.rows import row_tags
 from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
+from engram.tuning import tuning
 
 __all__ = ["HostGather", "GatherTicket", "gather_packed_rows_host", "default_gather_threads", "check_gather_options"]
 
-# The gather runs in waves (each wave's copy overlaps the next wave's gather) over the
-# distinct rows, ascending. H200 host (16 cores, KVM), 196,608 distinct rows of 272 B from
-# DRAM (NOTES "Host tables v2"): one index_select 2.4 ms (22 GB/s, DRAM-latency bound),
-# 4 waves 0.75-0.85 ms each; the copy of all rows 1.0 ms. The native worker has no barrier
-# between waves, so more of them only shorten the last copy: at T = 8192 on the H200 the path
-# alone took 3.39 ms with 4 waves, 3.24 with 8, 3.25 with 16 (NOTES "Host path, stage by stage").
-_MIN_WAVE_ROWS = 16384
-_MAX_WAVES = 4
-_MAX_WAVES_NATIVE = 8
-_ID_BUFFERS = 4  # pinned id buffers per table for the native worker, each reused once its job is done
-# The native worker's waves shrink by _WAVE_SHRINK from one to the next: the last one, whose copy nothing
-# hides, holds 5% of the rows instead of 12.5% (8 waves), while each wave's copy (copy engine 55 GB/s on
-# the H200) still ends before the next, 0.8x as large, is gathered (27-37 GB/s there). The last copy
-# took 0.14-0.20 ms after the worker at T = 8192 with even waves (NOTES "Host path, stage by stage").
-_WAVE_SHRINK = 0.8
+# Read once from the device kind's tuning file (engram.tuning, keys host_gather.*; each cites its
+# measurement). The gather runs in waves (each wave's copy overlaps the next wave's gather) over the
+# distinct rows, ascending: at most _MAX_WAVES of at least _MIN_WAVE_ROWS rows. The native worker has no
+# barrier between waves, so more of them (_MAX_WAVES_NATIVE) only shorten the last copy; its waves shrink
+# by _WAVE_SHRINK from one to the next, so that the last one, whose copy nothing hides, is small while
+# each wave's copy still ends before the next, smaller one is gathered.
 # host_gather_dedup="auto": sort while the share of repeated rows, measured on every _DEDUP_REMEASURE-th
-# gather of the table, is at least _DEDUP_MIN_REPEATS. H200, T = 8192 (196,608 ids): the sort and its
-# four launches cost ~0.25 ms of GPU and ~0.3 ms of host time before the worker can start, against
-# ~2.3 ms for copying every row ("Host path, stage by stage"): worth it from about a tenth of repeats.
-_DEDUP_MIN_REPEATS = 0.1
-_DEDUP_REMEASURE = 16
+# gather of the table, is at least _DEDUP_MIN_REPEATS (the sort's GPU and host time against copying
+# every row).
+_TUNED = tuning().host_gather
+_MIN_WAVE_ROWS = _TUNED.min_wave_rows
+_MAX_WAVES = _TUNED.max_waves
+_MAX_WAVES_NATIVE = _TUNED.max_waves_native
+_WAVE_SHRINK = _TUNED.wave_shrink
+_DEDUP_MIN_REPEATS = _TUNED.dedup_min_repeats
+_DEDUP_REMEASURE = _TUNED.dedup_remeasure
+if _MAX_WAVES_NATIVE > MAX_WAVES:
+    raise ValueError(f"tuning: host_gather.max_waves_native: expected at most the native protocol's MAX_WAVES = "
+                     f"{MAX_WAVES}, found {_MAX_WAVES_NATIVE}")
+_ID_BUFFERS = 4  # pinned id buffers per table for the native worker, each reused once its job is done
 
 
 def _usable_cores() -> int:

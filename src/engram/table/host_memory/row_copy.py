@@ -32,10 +32,12 @@ import torch
 
 from engram.checks import check_int
 from engram.table.host_memory import openmp_team
+from engram.tuning import tuning
 
 __all__ = ["start_gather_rows", "gather_rows", "RowGather", "MIN_ROWS_PER_THREAD"]
 
-MIN_ROWS_PER_THREAD = 2048  # ~0.5 MB of 272-byte rows: a part worth a thread hand-off (tens of us)
+# ~0.5 MB of 272-byte rows: a part worth a thread hand-off (tens of us); engram.tuning, row_copy.*.
+MIN_ROWS_PER_THREAD = tuning().row_copy.min_rows_per_thread
 
 _POOL: list[tuple[concurrent.futures.ThreadPoolExecutor, int, int]] = []  # (pool, its threads, process id)
 _POOL_LOCK = threading.Lock()

@@ -21,6 +21,7 @@ from engram.checks import check_int, check_launch_ids, check_power_of_two
 from engram.triton_launch import BoundLaunch, CompiledLaunch, interpreting
 from engram.table.fp8 import BLOCK_SIZE, as_scale_bytes, as_value_bytes
 from engram.table.kernels.gather_kernels import gather_rows_bf16_kernel, gather_rows_packed_kernel
+from engram.tuning import tuning
 
 __all__ = ["GatherConfig", "default_config", "gather_rows", "gather_rows_packed", "PreparedGather"]
 
@@ -62,10 +63,13 @@ class GatherConfig:
             raise ValueError(f"GatherConfig.decode: expected one of {sorted(_DECODE_MODES)}, found {self.decode!r}")
 
 
-# The best launch shapes of the H200 sweep (benchmarks/NOTES.md, "Gather launch shapes"). The
-# integer decode is exact under the interpreter too, so CPU tests run the GPU's code path.
-_GPU_BF16_CONFIG = GatherConfig(block_rows=8, num_warps=2, vector=16)
-_GPU_PACKED_CONFIG = GatherConfig(block_rows=16, num_warps=4)
+# The device kind's launch shapes (engram.tuning, keys gather.*: the H200's are the best of its sweep,
+# benchmarks/NOTES.md "Gather launch shapes"). The integer decode is exact under the interpreter too, so
+# CPU tests run the GPU's code path.
+_TUNED = tuning().gather
+_GPU_BF16_CONFIG = GatherConfig(block_rows=_TUNED.bf16_block_rows, num_warps=_TUNED.bf16_num_warps,
+                                vector=_TUNED.bf16_vector)
+_GPU_PACKED_CONFIG = GatherConfig(block_rows=_TUNED.packed_block_rows, num_warps=_TUNED.packed_num_warps)
 
 
 @functools.lru_cache(maxsize=4)

@@ -23,13 +23,15 @@ from engram.table.kernels.gather import check_lookup_ids
 from engram.table.peer_memory import shard_rows
 from engram.table.kernels.peer_gather_kernels import peer_gather_rows_bf16_kernel, peer_gather_rows_packed_kernel
 from engram.triton_launch import BoundLaunch, CompiledLaunch, interpreting
+from engram.tuning import tuning
 
 __all__ = ["PeerShards", "shard_rows", "peer_gather_rows", "peer_gather_rows_packed"]
 
-# Launch shapes: the device gather's H200 shapes (benchmarks/NOTES.md "Gather launch shapes");
-# under the interpreter 64 rows a program (about 1 ms per program).
-_BF16_SHAPE = (8, 2, 16)     # block rows, warps, bytes per thread
-_PACKED_SHAPE = (16, 4, 0)
+# Launch shapes: the device gather's (engram.tuning, keys gather.*; benchmarks/NOTES.md "Gather launch
+# shapes"); under the interpreter 64 rows a program (about 1 ms per program).
+_TUNED = tuning().gather
+_BF16_SHAPE = (_TUNED.bf16_block_rows, _TUNED.bf16_num_warps, _TUNED.bf16_vector)  # block rows, warps, bytes per thread
+_PACKED_SHAPE = (_TUNED.packed_block_rows, _TUNED.packed_num_warps, 0)
 _INTERPRETED_BLOCK_ROWS = 64
 _LAUNCHERS = {peer_gather_rows_bf16_kernel: CompiledLaunch(peer_gather_rows_bf16_kernel),
               peer_gather_rows_packed_kernel: CompiledLaunch(peer_gather_rows_packed_kernel)}

@@ -71,10 +71,12 @@ from engram.table.placements.row_cache import check_ways
 from engram.table.host_memory.gather import GatherTicket, gather_packed_rows_host
 from engram.table.host_memory.rows import PackedRows, pack_rows
 from engram.table.table import TablePlacement, register_placement
+from engram.tuning import tuning
 
 __all__ = ["CachedPlacement", "CachedOptions", "DEFAULT_CACHE_FRACTION"]
 
-DEFAULT_CACHE_FRACTION = 0.02  # 2% of rows: the size evaluated on held-out text (benchmarks/NOTES.md)
+# 2% of rows: the size evaluated on held-out text (engram.tuning, serving.cache_fraction; benchmarks/NOTES.md).
+DEFAULT_CACHE_FRACTION = tuning().serving.cache_fraction
 UPDATED_POLICIES = ("set-lru", "dynamic")  # the policies that update_cache changes
 
 
