@@ -16,10 +16,14 @@
 #             a few variants at T = 8192)
 #   step-keys bench_step.py on the host keys' variants only (none, device, its control, host prefetched
 #             right after hashing and after layer 0) at decode T = 64 and prefill T = 8192, 100 rounds
+#   step-cache bench_step.py on the cached keys' variants only: cached against host prefetched, on uniform
+#             ids and on held-out text (carry .bench-data), and on the text with 7 helper processes
+#             gathering host rows beside each step (a node's other GPUs, a core each; the step's gather on
+#             the cores left but one: 8 threads on 16), at decode T = 64 and prefill T = 8192
 #   parallel  bench_parallel.py: tensor-parallel ranks over NCCL, one per visible GPU
 #   node      bench_parallel.py --mode node: placement "node" (peer, exchange) against device and
 #             host on one table over every visible GPU, with the peer copy ceiling
-#   all       suite, then every benchmark above but step-keys
+#   all       suite, then every benchmark above but step-keys and step-cache
 # Logs (and the benchmarks' JSON) go to $OUT if set, else benchmarks/results/. --print prints the
 # commands instead of running them. The device copy of the tree has no .git: pass ENGRAM_COMMIT.
 # Exit status: 0 when every command passed, 1 when one failed, 2 on a bad command line.
@@ -39,7 +43,7 @@ while (( $# )); do
       [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run_h200.sh: --runs: expected a positive integer, got '${2:-}'" >&2; usage; }
       runs=$2; shift 2 ;;
     --print) print_only=1; shift ;;
-    suite|kernels|layer|host|cache|cache-update|step|step-keys|parallel|node) commands+=("$1"); shift ;;
+    suite|kernels|layer|host|cache|cache-update|step|step-keys|step-cache|parallel|node) commands+=("$1"); shift ;;
     all) commands+=(suite kernels layer host cache cache-update step parallel node); shift ;;
     *) echo "run_h200.sh: unknown subcommand or option '$1'" >&2; usage ;;
   esac
@@ -116,6 +120,10 @@ for command in "${commands[@]}"; do
     step-keys) run step-keys-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \
             --decode-tokens 64 --prefill-tokens 8192 --steps 100 \
             --variants device_again,host_prefetch,host_prefetch_late --json "$OUT/step-keys-h200.json" ;;
+    step-cache) run step-cache-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \
+            --decode-tokens 64 --prefill-tokens 8192 --steps 100 --host-neighbors 7 \
+            --variants device_again,host_prefetch,cached_prefetch,host_prefetch_realtext,cached_prefetch_realtext,host_prefetch_realtext_neighbors,cached_prefetch_realtext_neighbors \
+            --json "$OUT/step-cache-h200.json" ;;
     parallel) run "bench-parallel-tp$(gpus)-h200.log" timeout 400 python benchmarks/bench_parallel.py ;;
     node) run "bench-parallel-node$(gpus)-h200.log" timeout 500 python benchmarks/bench_parallel.py --mode node ;;
   esac

@@ -1,5 +1,6 @@
 """The step benchmark's figures (``bench_step.py``): each variant's spread, its steps paired per round with
-``device``'s (or ``none``'s) and the 95% interval of that median, and the headline keys of the report."""
+``device``'s (or ``none``'s) and the 95% interval of that median, the pairs of :data:`PAIRS` (``cached``
+against ``host``, per round), the row caches' hit rates and host bytes, and the headline keys of the report."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import math
 import statistics
 
 HOST_PREFETCHED = ("host_prefetch", "host_prefetch_late", "host_kv_ahead")  # the host key's best of these
+# (variant, base) compared per round: cached against host with the same ids and prefetch form, and what
+# the neighbours' traffic costs each placement.
+PAIRS = (("cached_prefetch", "host_prefetch"),
+         ("cached_prefetch_realtext", "host_prefetch_realtext"),
+         ("cached_prefetch_realtext_neighbors", "host_prefetch_realtext_neighbors"),
+         ("host_prefetch_realtext_neighbors", "host_prefetch_realtext"),
+         ("cached_prefetch_realtext_neighbors", "cached_prefetch_realtext"))
 
 
 def spread(samples: list[float]) -> dict:
@@ -66,6 +74,63 @@ def paired_pct_interval(values: list[float], base: list[float]) -> tuple[float, 
     return median_interval([100 * (v - b) / b for v, b in zip(values, base) if b])
 
 
+def pair_figures(samples: dict[str, list[float]]) -> dict:
+    """Per pair of :data:`PAIRS` whose two variants both ran: the per-round ``100 * (variant - base) / base``
+    (the two steps of one round, seconds apart): its median (``pct``, :func:`paired_pct`), the 95% interval
+    of that median, quartiles, min, max and the number of rounds."""
+    found = {}
+    for name, base in PAIRS:
+        diffs = [100 * (v - b) / b for v, b in zip(samples.get(name) or [], samples.get(base) or []) if b]
+        if not diffs:
+            continue
+        ordered = sorted(diffs)
+        quartiles = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
+        interval = median_interval(diffs)
+        found[f"{name}_vs_{base}"] = {"pct": statistics.median(diffs),
+                                      "ci95_pct": None if interval is None else list(interval),
+                                      "p25_pct": quartiles[0], "p75_pct": quartiles[2], "min_pct": ordered[0],
+                                      "max_pct": ordered[-1], "rounds": len(diffs)}
+    return found
+
+
+def cache_figures(counts: dict, steps: int, lookup_rows: int, direct_max_rows: int | None, row_bytes: int) -> dict:
+    """A cached memory's row caches over ``steps`` steps (``counts``: reads, hits, distinct and distinct missed
+    rows per step, summed over steps and layers): the hit rate, and the host rows and bytes a step that
+    ``cached`` and ``host`` read as their paths read them. A lookup of more than ``direct_max_rows`` rows
+    (``lookup_rows``: one layer's) takes the host gather, which reads each distinct row of the step once
+    (``cached``: each distinct miss); a smaller one the direct reads, every row read (``cached``: every
+    miss). ``host_bytes_ratio``: cached's host bytes over host's."""
+    reads, hits = counts["reads"], counts["hits"]
+    gathered = direct_max_rows is not None and lookup_rows > direct_max_rows
+    host_rows = counts["distinct"] if gathered else reads
+    cached_rows = counts["distinct_missed"] if gathered else reads - hits
+    steps = max(steps, 1)
+    return {**counts, "steps": steps, "hit_rate": hits / reads if reads else None,
+            "path": "host_gather" if gathered else "direct", "row_bytes": row_bytes,
+            "host_rows_per_step": host_rows / steps, "cached_rows_per_step": cached_rows / steps,
+            "host_bytes_per_step": host_rows * row_bytes / steps, "cached_bytes_per_step": cached_rows * row_bytes / steps,
+            "host_bytes_ratio": cached_rows / host_rows if host_rows else None}
+
+
+def _pair(phase: dict | None, name: str, base: str, field: str = "pct"):
+    """``name`` against ``base`` from the phase's pairs (``field``: ``pct`` or ``ci95_pct``); for a phase without
+    them the ratio of the medians (``pct`` only)."""
+    if phase is None:
+        return None
+    entry = (phase.get("pairs") or {}).get(f"{name}_vs_{base}")
+    if entry is not None:
+        return entry.get(field)
+    return _pct(_median(phase, name), _median(phase, base)) if field == "pct" else None
+
+
+def _cache(phase: dict | None, kind: str, field: str):
+    return None if phase is None else ((phase.get("row_cache") or {}).get(kind) or {}).get(field)
+
+
+def _neighbors(phase: dict | None, field: str = "GBps"):
+    return None if phase is None else (phase.get("host_neighbors") or {}).get(field)
+
+
 def _vs(phase: dict | None, names: tuple[str, ...], base: str):
     """The best of ``names`` against ``base`` in %: paired per round where the phase has the
     per-round figures, else the ratio of medians."""
@@ -113,4 +178,30 @@ def headline(report: dict) -> dict:
            for tokens, phase in ((64, decode64), (8192, prefill)) for kind in ("host", "gpu")},
         "layer_us_T64": report.get("layer_us", {}).get("64"),
         "layer_us_T8192": report.get("layer_us", {}).get("8192"),
+        **cached_keys(decode64, prefill),
+        "host_neighbors": (report.get("host_neighbors_setup") or {}).get("count"),  # None: none started
+        "host_neighbors_gbps_T64": _neighbors(decode64),
+        "host_neighbors_gbps_T8192": _neighbors(prefill),
+        **{f"host_neighbors_gbps_{p['mode']}_T{p['T']}": _neighbors(p) for p in report.get("phases", [])
+           if _neighbors(p) is not None},
     }
+
+
+def cached_keys(decode64: dict | None, prefill: dict | None) -> dict:
+    """``cached`` against ``host`` (prefetched right after hashing, paired per round) on uniform and real-text
+    ids, with the node's neighbours' traffic, and the real-text caches' hit rates and host bytes."""
+    keys = {}
+    for ids, suffix in (("", ""), ("_realtext", "_realtext"), ("_realtext_neighbors", "_realtext_neighbors")):
+        for label, phase in (("decode_T64", decode64), ("prefill_T8192", prefill)):
+            pair = (f"cached_prefetch{ids}", f"host_prefetch{ids}")
+            keys[f"cached_vs_host_{label}{suffix}_pct"] = _pair(phase, *pair)
+            keys[f"cached_vs_host_{label}{suffix}_ci95_pct"] = _pair(phase, *pair, field="ci95_pct")
+    keys["host_realtext_neighbors_vs_alone_prefill_T8192_pct"] = _pair(prefill, "host_prefetch_realtext_neighbors",
+                                                                       "host_prefetch_realtext")
+    keys["cached_realtext_neighbors_vs_alone_prefill_T8192_pct"] = _pair(
+        prefill, "cached_prefetch_realtext_neighbors", "cached_prefetch_realtext")
+    for label, phase, tail in (("prefill T8192", prefill, ""), ("decode T64", decode64, "_decode_T64")):
+        keys[f"cached_hit_rate_realtext{tail}"] = _cache(phase, "cached_realtext", "hit_rate")
+        keys[f"cached_host_bytes_vs_host_realtext{tail}"] = _cache(phase, "cached_realtext", "host_bytes_ratio")
+    keys["cached_hit_rate_uniform_T8192"] = _cache(prefill, "cached", "hit_rate")
+    return keys

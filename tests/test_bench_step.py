@@ -1,8 +1,9 @@
 """benchmarks/bench_step.py on the CPU: the whole script in its --smoke mode (tiny shapes, placement "cpu"
-for "device"), the decoder stand-in's GEMM forms (fallbacks where torch._scaled_grouped_mm does not run,
-argument checks of the grouped forms at V4.1 shapes on the meta device), its routing plan, the report's
-headline figures and the C host-gather ceiling, so the one unattended GPU run does not die on a Python
-error."""
+for "device"; for the real-text variants "cpu" with a row cache beside it), the real-text inputs (hash ids
+equal to the whole stream's), the host neighbours (started, signalled, stopped, a dead one noticed), the
+decoder stand-in's GEMM forms (fallbacks where torch._scaled_grouped_mm does not run, argument checks of
+the grouped forms at V4.1 shapes on the meta device), its routing plan, the report's headline figures and
+the C host-gather ceiling, so the one unattended GPU run does not die on a Python error."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,13 +39,18 @@ def figures(monkeypatch):
 def test_smoke_runs_end_to_end(bench, tmp_path, seed, capsys):
     path = tmp_path / "step.json"
     assert bench.main(["--smoke", "--json", str(path), "--decode-tokens", "1,8", "--prefill-tokens", "16",
-                       "--seed", str(seed % 2**62)]) == 0
+                       "--seed", str(seed % 2**62), "--text-stream", str(tmp_path / "absent.npz")]) == 0
     report = json.loads(path.read_text())
     for key in ("device", "torch", "triton", "commit", "date", "host_vs_device_prefill_T8192_pct",
                 "host_vs_device_decode_T64_pct", "cached_vs_device_prefill_T8192_pct",
                 "common_vs_device_prefill_T8192_pct", "device_over_floor_prefill_T8192_pct",
-                "host_gather_vs_ceiling_T8192", "layer_us_T64", "layer_us_T8192", "gemm_forms", "engram"):
+                "host_gather_vs_ceiling_T8192", "layer_us_T64", "layer_us_T8192", "gemm_forms", "engram",
+                "cached_vs_host_decode_T64_pct", "cached_vs_host_prefill_T8192_pct",
+                "cached_vs_host_prefill_T8192_realtext_pct", "cached_host_bytes_vs_host_realtext",
+                "cached_hit_rate_realtext", "cached_vs_host_prefill_T8192_realtext_neighbors_pct",
+                "host_neighbors", "host_neighbors_gbps_T8192"):
         assert key in report, key
+    assert report["engram"]["realtext"]["source"] == "synthetic"  # no stored stream: a Zipf stand-in
     assert not report.get("errors"), report.get("errors")
     phases = {(p["mode"], p["T"]): p for p in report["phases"]}
     assert set(phases) == {("decode", 1), ("decode", 8), ("prefill", 16)}
@@ -61,7 +68,13 @@ def test_smoke_runs_end_to_end(bench, tmp_path, seed, capsys):
             assert 0 < stats["engram_stream_ms"] < stats["max_ms"]
             assert "engram_stream_ms" not in phase["variants"]["none"]
         for name in names[2:-1]:  # host, cached and seed need CUDA; kv ahead is not in this version either way
+            if name in bench.REALTEXT and name not in bench.WITH_NEIGHBORS:  # stand-ins on the CPU
+                assert phase["variants"][name]["n"] == 2, name
+                continue
             assert phase["variants"][name]["status"].startswith(("skipped", "n/a")), (name, phase["variants"][name])
+        assert phase["variants"]["cached_prefetch_realtext_neighbors"]["status"] == "n/a (--host-neighbors 0)"
+        assert set(phase["pairs"]) == {"cached_prefetch_realtext_vs_host_prefetch_realtext"}
+        assert phase["equal_to_device"]["cached_prefetch_realtext"] is True
         assert "nonfinite" not in phase
     assert set(report["layer_us"]) == {"1", "8", "16"}
     printed = capsys.readouterr().out
@@ -81,6 +94,16 @@ def test_variant_statuses_follow_the_prefetch_api(bench):
                                                      cuda=False)}
     assert on_cpu["device"].kind == "cpu" and on_cpu["device"].status is None
     assert on_cpu["host_prefetch"].status.startswith("skipped")
+    # Real-text variants run where their tables were built; the neighbours' only with helpers.
+    assert without["cached_prefetch_realtext"].status == "skipped (no real-text tables)"
+    assert without["cached_prefetch_realtext_neighbors"].status == "n/a (--host-neighbors 0)"
+    built = dict.fromkeys(("host_realtext", "cached_realtext", "cached_realtext_neighbors"))
+    with_text = {v.name: v for v in bench.make_variants(built, {"kv_ahead": True, "forward_layer_takes_prefetch": True},
+                                                        cuda=False, neighbors=2)}
+    for name in bench.REALTEXT:
+        assert with_text[name].status is None and with_text[name].realtext, name
+        assert with_text[name].neighbors == name.endswith("_neighbors")
+    assert not with_text["host_prefetch"].realtext and not with_text["host_prefetch"].neighbors
 
 
 def test_headline_figures_follow_their_definitions(figures):
@@ -378,3 +401,231 @@ def test_trace_option_profiles_one_step_per_traced_variant(bench, tmp_path, monk
         with gzip.open(tmp_path / figures["trace"], "rt") as trace:
             assert "traceEvents" in json.load(trace)
     assert phases[16]["variants"]["device"]["n"] == 2  # the traced step is not a sample
+
+
+# ---------------------------------------------------------------------------
+# cached against host: real text, row caches, host neighbours
+# ---------------------------------------------------------------------------
+def _write_stream(path: Path, rng, tokens: int, raw: int = 600, compressed: int = 500) -> None:
+    """A stream in ``real_text.py stream``'s format: raw ids and a token map onto ``compressed`` ids."""
+    token_map = rng.integers(0, compressed, raw).astype(np.int32)
+    np.savez(path, tokens=rng.integers(0, raw, tokens).astype(np.int32),
+             file_starts=np.array([0, tokens], dtype=np.int64), token_map=token_map, corpus=np.array("tiny"))
+
+
+def test_smoke_measures_cached_against_host_on_text_with_neighbours(bench, tmp_path, rng, capsys):
+    """The real-text variants on a stored stream (96 tokens: after 48 of warm-up, 3 steps of 16 at prefill,
+    so they stop after 2 timed rounds of 4), their pairs, hit rates and host bytes, and one helper process
+    started, signalled with each neighbour variant's step, reported and stopped."""
+    import os
+
+    stream, path = tmp_path / "stream.npz", tmp_path / "step.json"
+    _write_stream(stream, rng, 96)
+    affinity = os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    variants = ",".join(bench.REALTEXT)
+    assert bench.main(["--smoke", "--json", str(path), "--decode-tokens", "8", "--prefill-tokens", "16", "--steps", "4",
+                       "--variants", variants, "--host-neighbors", "1", "--text-stream", str(stream)]) == 0
+    assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads  # given back
+    report = json.loads(path.read_text())
+    assert not report.get("errors"), report.get("errors")
+    setup = report["host_neighbors_setup"]
+    assert setup["count"] == 1 and len(setup["helpers"]) == 1 and report["host_neighbors"] == 1
+    pid = setup["helpers"][0]["pid"]
+    assert not Path(f"/proc/{pid}").exists()  # stopped and reaped
+    assert set(setup["helper_cores"][0]).isdisjoint(setup["step_cores"])
+    assert report["engram"]["realtext"]["corpus"] == "tiny" and report["engram"]["realtext"]["folded"] is False
+    for phase in report["phases"]:
+        label = f"{phase['mode']}_T{phase['T']}"
+        for name in bench.REALTEXT:
+            assert phase["variants"][name]["n"] == 2, (label, name)  # the text held 2 steps after the warm-up's
+            assert phase["text_steps_cut"][name] == 2
+        assert phase["variants"]["device"]["n"] == 4
+        assert all(phase["equal_to_device"][name] for name in bench.REALTEXT)
+        pairs = phase["pairs"]
+        assert set(pairs) == {f"{a}_vs_{b}" for a, b in bench_figures().PAIRS if a in bench.REALTEXT}
+        for pair in pairs.values():
+            assert pair["rounds"] == 2 and pair["min_pct"] <= pair["pct"] <= pair["max_pct"]
+        reads = 2 * phase["T"] * 6 * 2  # steps x T x columns x layers
+        for kind in ("cached_realtext", "cached_realtext_neighbors"):
+            cache = phase["row_cache"][kind]
+            assert cache["reads"] == reads and cache["steps"] == 2 and 0 <= cache["hit_rate"] <= 1, cache
+            assert cache["host_bytes_ratio"] == pytest.approx(1 - cache["hit_rate"])  # the CPU stand-in: direct reads
+        assert phase["text"]["warm_updates"] >= 1
+        neighbors = phase["host_neighbors"]
+        assert neighbors["steps"] == 4 and neighbors["GBps"] > 0  # 2 neighbour variants x 2 steps
+        assert neighbors["bytes_per_step"] == phase["T"] * 6 * 2 * setup["row_bytes"]
+        assert report[f"host_neighbors_gbps_{label}"] == neighbors["GBps"]
+    printed = capsys.readouterr().out
+    assert "host neighbours (1):" in printed and "GB/s together" in printed
+
+
+def bench_figures():
+    import step_figures
+
+    return step_figures
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "65", "2.5"])
+def test_bad_host_neighbors_are_one_clear_error(bench, capsys, value):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--smoke", "--host-neighbors", value])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--host-neighbors" in err and repr(value) in err, err
+
+
+def test_flags_that_contradict_each_other_are_refused(bench, capsys, tmp_path):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--smoke", "--variants", "cached_prefetch_realtext_neighbors"])
+    assert stopped.value.code == 2 and "--host-neighbors 1 or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # off the smoke, real-text variants need the stored stream
+        bench.main(["--variants", "cached_prefetch_realtext", "--text-stream", str(tmp_path / "absent.npz")])
+    assert stopped.value.code == 2 and "--text-stream" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--smoke", "--host-neighbors", "2", "--neighbor-table-gib", "100000"])
+    assert stopped.value.code == 2 and "--neighbor-table-gib" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--smoke", "--neighbor-table-gib", "0"])
+    assert stopped.value.code == 2 and "--neighbor-table-gib" in capsys.readouterr().err
+
+
+def test_neighbour_cores_leave_the_steps_own(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import host_neighbors
+
+    cores = list(range(16))
+    assert host_neighbors.default_step_threads(7, 16) == 8
+    step, helpers = host_neighbors.plan_cores(7, 8, cores)
+    assert step == list(range(9)) and helpers == [[c] for c in range(9, 16)]  # 8 gather threads + the main thread
+    step, helpers = host_neighbors.plan_cores(2, 8, cores)
+    assert helpers == [[9, 10, 11, 12], [13, 14, 15]]
+    assert host_neighbors.plan_cores(3, 13, cores)[1] == [[14, 15]] * 3  # fewer cores than helpers: shared
+    assert host_neighbors.plan_cores(0, 16, cores) == (cores, [])
+    with pytest.raises(ValueError, match=r"--host-neighbors 7: .* pass --gather-threads 14 or fewer"):
+        host_neighbors.plan_cores(7, 16, cores)
+
+
+def test_a_neighbour_that_dies_is_an_error_not_a_hang(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import os
+    import signal
+    import time
+
+    import host_neighbors
+
+    cores = sorted(os.sched_getaffinity(0))
+    neighbors = host_neighbors.HostNeighbors([cores[-1:]], 1 << 20, 80, timeout_s=10.0)
+    try:
+        (facts,) = neighbors.start()
+        assert facts["rows"] == (1 << 20) // 80 and facts["cores"] == cores[-1:]
+        neighbors.signal(500)
+        record = neighbors.collect()
+        assert record.bytes == 500 * 80 and record.gbps > 0
+        os.kill(facts["pid"], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(host_neighbors.NeighborError, match=r"host neighbour 0 \(pid \d+"):
+            neighbors.signal(500)
+            neighbors.collect()
+        assert time.monotonic() - started < 10.0
+        with pytest.raises(host_neighbors.NeighborError):  # stays refused
+            neighbors.signal(500)
+    finally:
+        neighbors.close()
+    assert neighbors.alive == [False]
+    neighbors.close()  # idempotent
+
+
+def test_real_text_inputs_hash_like_the_whole_stream(bench, seed):
+    """Each step's hash ids (prefill requests continuing the stream, decode requests at their cursors) and
+    a warm-up piece's equal those of the whole stream hashed at once; the stand-in cache counts its reads."""
+    import engram
+    import step_engram
+
+    generator = torch.Generator().manual_seed(seed)
+    spec = step_engram.make_spec(None, smoke=True)
+    layout = step_engram.EngramLayout(spec)
+    vocab = step_engram.synthetic_vocab(spec)
+    rows = {}
+    tables, _, _ = step_engram.build_tables(spec, layout, ["cpu"], "cpu", distinct_rows=0, generator=generator,
+                                            cpu_rows=rows)
+    memory = step_engram.build_memories(spec, layout, vocab, tables, step_engram.layer_weights(spec, generator, "cpu"),
+                                        "cpu")["cpu"]
+    text = step_engram.TextStream(step_engram.synthetic_text(600, spec.compressed_vocab_size, seed % 1000), "z", "-")
+    whole = torch.from_numpy(engram.hash_ngrams(text.ids, layout, vocab).astype(np.int64))
+    for decode, tokens in ((False, 24), (True, 5)):
+        plan = step_engram.text_plan(len(text), tokens, decode, 100, prompt_tokens=7)
+        inputs = step_engram.RealTextInputs(spec, tokens, decode, "cpu", generator, text, plan, chunk=10)
+        for step in range(3):
+            if step:
+                inputs.refresh()
+            expected = whole[inputs.positions.long()]
+            assert torch.equal(inputs.hash(memory).long(), expected), (decode, step)
+            assert torch.equal(inputs.input_ids, torch.from_numpy(text.ids)[inputs.positions.long()])
+        while not inputs.exhausted:
+            inputs.refresh()
+        with pytest.raises(RuntimeError, match="all are used"):
+            inputs.refresh()
+    assert torch.equal(step_engram.hash_text(memory, text, 37, 50, "cpu").long(), whole[37:87])
+    plan = step_engram.text_plan(len(text), 5, True, 100, prompt_tokens=7)
+    assert step_engram.warm_segments(plan) == [(0, 100)] + [(c - 7, 7) for c in plan.cursors]
+    stand_in = step_engram.StandInCachedMemory(memory, rows, 0.5)
+    updates = step_engram.warm_cache(stand_in, text, plan, "cpu", 64)
+    assert updates == 2 + 5  # 100 tokens in pieces of 64, then the 5 prompts
+    counts = step_engram.cache_counts(stand_in)
+    assert counts["reads"] == (100 + 5 * 7) * spec.num_columns * len(spec.layer_ids) and counts["hits"] > 0
+    step_engram.zero_cache_counts(stand_in)
+    assert step_engram.cache_counts(stand_in)["reads"] == 0
+    with pytest.raises(ValueError, match="holds no step"):
+        step_engram.text_plan(40, 64, False, 16)
+
+
+def test_stored_stream_is_read_through_its_token_map(tmp_path, rng, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import step_engram
+
+    spec = step_engram.make_spec(None, smoke=True)
+    path = tmp_path / "s.npz"
+    _write_stream(path, rng, 50, compressed=800)  # compressed ids beyond the smoke's 500: folded
+    with np.load(path) as stored:
+        expected = stored["token_map"][stored["tokens"]].astype(np.int64) % spec.compressed_vocab_size
+    text = step_engram.load_text_stream(path, spec)
+    assert text.folded and text.corpus == "tiny" and np.array_equal(text.ids, expected)
+    synthetic = step_engram.load_text_stream(tmp_path / "absent.npz", spec, synthetic_tokens=300)
+    assert synthetic.source == "synthetic" and len(synthetic) == 300 and synthetic.ids.max() < 500
+    with pytest.raises(FileNotFoundError):
+        step_engram.load_text_stream(tmp_path / "absent.npz", spec)
+
+
+def test_pairs_and_cache_figures_follow_their_definitions(figures):
+    base = [100.0, 200.0, 400.0, 100.0, 100.0, 100.0, 100.0]
+    cached = [101.0, 204.0, 396.0, 102.0, 103.0, 100.0, 100.0]  # +1, +2, -1, +2, +3, 0, 0 %
+    pairs = figures.pair_figures({"cached_prefetch": cached, "host_prefetch": base, "host_prefetch_realtext": base})
+    assert set(pairs) == {"cached_prefetch_vs_host_prefetch"}  # only pairs whose two variants ran
+    pair = pairs["cached_prefetch_vs_host_prefetch"]
+    assert pair["pct"] == pytest.approx(1.0) and pair["rounds"] == 7
+    assert (pair["min_pct"], pair["max_pct"]) == (pytest.approx(-1.0), pytest.approx(3.0))
+    assert pair["ci95_pct"] == [pytest.approx(-1.0), pytest.approx(3.0)]  # n = 7: min and max
+    counts = {"reads": 1000, "hits": 400, "distinct": 700, "distinct_missed": 350}
+    gathered = figures.cache_figures(counts, 4, 8192 * 24, 6144, 272)
+    assert gathered["path"] == "host_gather" and gathered["hit_rate"] == 0.4
+    assert gathered["host_bytes_ratio"] == pytest.approx(0.5)  # distinct misses over distinct rows
+    assert gathered["host_bytes_per_step"] == 700 * 272 / 4 and gathered["cached_rows_per_step"] == 350 / 4
+    direct = figures.cache_figures(counts, 4, 64 * 24, 6144, 272)
+    assert direct["path"] == "direct" and direct["host_bytes_ratio"] == pytest.approx(0.6)  # misses over reads
+    report = {"host_neighbors_setup": {"count": 7}, "phases": [
+        {"mode": "prefill", "T": 8192, "variants": {}, "pairs": {
+            "cached_prefetch_vs_host_prefetch": {"pct": 2.0, "ci95_pct": [1.0, 3.0]},
+            "cached_prefetch_realtext_vs_host_prefetch_realtext": {"pct": -0.5, "ci95_pct": None},
+            "cached_prefetch_realtext_neighbors_vs_host_prefetch_realtext_neighbors": {"pct": -1.5}},
+         "row_cache": {"cached_realtext": gathered}, "host_neighbors": {"GBps": 9.5}},
+        {"mode": "decode", "T": 64, "variants": {"cached_prefetch": {"median_ms": 33.0},
+                                                 "host_prefetch": {"median_ms": 30.0}}}]}
+    keys = figures.headline(report)
+    assert keys["cached_vs_host_prefill_T8192_pct"] == 2.0 and keys["cached_vs_host_prefill_T8192_ci95_pct"] == [1.0, 3.0]
+    assert keys["cached_vs_host_prefill_T8192_realtext_pct"] == -0.5
+    assert keys["cached_vs_host_prefill_T8192_realtext_neighbors_pct"] == -1.5
+    assert keys["cached_vs_host_decode_T64_pct"] == pytest.approx(10.0)  # no pairs: the ratio of medians
+    assert keys["cached_hit_rate_realtext"] == 0.4 and keys["cached_host_bytes_vs_host_realtext"] == pytest.approx(0.5)
+    assert keys["host_neighbors"] == 7 and keys["host_neighbors_gbps_T8192"] == 9.5
+    assert keys["host_neighbors_gbps_T64"] is None and keys["cached_hit_rate_realtext_decode_T64"] is None

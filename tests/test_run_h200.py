@@ -16,7 +16,8 @@ SCRIPT = ROOT / "benchmarks" / "run_h200.sh"
 # subcommand -> (script, an argument its command must pass: "" for none)
 BENCHMARKS = {"kernels": ("bench_kernels.py", ""), "layer": ("bench_layer.py", ""), "host": ("bench_host.py", ""),
               "cache": ("bench_cache.py", ""), "cache-update": ("bench_cache_update.py", ""), "step": ("bench_step.py", ""),
-              "step-keys": ("bench_step.py", "--variants"), "parallel": ("bench_parallel.py", ""),
+              "step-keys": ("bench_step.py", "--variants"), "step-cache": ("bench_step.py", "--host-neighbors 7"),
+              "parallel": ("bench_parallel.py", ""),
               "node": ("bench_parallel.py", "--mode node")}
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -66,7 +67,8 @@ def test_all_is_the_suite_then_every_benchmark_and_logs_default_to_results():
     done = run("--print", "all")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    in_all = {name: entry for name, entry in BENCHMARKS.items() if name != "step-keys"}  # a re-run of the step's keys
+    in_all = {name: entry for name, entry in BENCHMARKS.items()  # focused re-runs of the step's keys
+              if name not in ("step-keys", "step-cache")}
     assert len(lines) == 2 + len(in_all)
     assert all(line.rsplit(" > ", 1)[1].startswith("benchmarks/results/") for line in lines)
     scripts = [next(p for p in line.split() if p.endswith(".py")) for line in lines[2:]]
