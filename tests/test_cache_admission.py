@@ -129,6 +129,76 @@ def test_update_buffers_grow_and_a_half_done_step_is_redone_on_fresh_buffers(see
     assert cache_admission.AdmissionBuffers is type(buffers)
 
 
+def _staging_for(rng: np.random.Generator, ids: np.ndarray, packed_back: torch.Tensor):
+    """A lookup's staging for ``ids``: its distinct rows (shuffled) as tagged packed rows, and ``inverse``
+    (int32, one per id); a quarter of the rows get a second staging row of garbage whose tag names
+    another row, which some of their ids point at. Returns ``(staged, inverse, rows staged right at
+    every id)``."""
+    num_rows = packed_back.shape[0] - 1
+    inside = (ids >= 0) & (ids < num_rows)
+    distinct = rng.permutation(np.unique(ids[inside]))
+    rows = [packed_back[torch.from_numpy(distinct)]]
+    index = {int(row): i for i, row in enumerate(distinct)}
+    wrong = distinct[rng.random(distinct.size) < 0.25]
+    garbage = rng.integers(0, 256, (wrong.size, packed_back.shape[1]), dtype=np.uint8)
+    garbage[:, -4:] = ((wrong + 1) % num_rows).astype("<i4").view(np.uint8).reshape(-1, 4)
+    rows.append(torch.from_numpy(garbage))
+    wrong_index = {int(row): distinct.size + i for i, row in enumerate(wrong)}
+    inverse = np.full(ids.size, -1, dtype=np.int32)
+    always_right = set(index)
+    for i, row in enumerate(ids):
+        if not inside[i]:
+            continue
+        if int(row) in wrong_index and rng.random() < 0.5:
+            inverse[i] = wrong_index[int(row)]
+            always_right.discard(int(row))
+        else:
+            inverse[i] = index[int(row)]
+    return torch.cat(rows), torch.from_numpy(inverse), np.array(sorted(always_right), dtype=np.int64)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRET, reason="the update kernels run on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("recency", [True, False], ids=["recency", "frequency"])
+def test_admitted_rows_come_from_the_lookups_staging_where_its_tag_matches(recency, seed):
+    """Given the step's staging, the kernels copy an admitted row from its staging row when that row's tag is
+    the row's own index (the backing rows of those rows are poisoned for the kernels: the slots still hold
+    the right bytes) and from the backing rows otherwise (garbage staging rows whose tag names another
+    row are never used): slot for slot and byte for byte the reference's."""
+    rng = np.random.default_rng(seed)
+    num_rows = 150
+    back_values, back_scales = _rows(rng, num_rows, 64, "cpu")
+    packed_back = pack_rows(back_values, back_scales).packed
+    kernels, reference = _pair(32, 64, "cpu", ways=4, recency=recency, aging_interval=2)
+    used = 0
+    for step, ids in enumerate(_steps(rng, num_rows, [63, 120, 1, 40])):
+        staged, inverse, always_right = _staging_for(rng, ids, packed_back)
+        poisoned_values, poisoned_scales = back_values.clone(), back_scales.clone()
+        poisoned_values[torch.from_numpy(always_right)] = 0x7E
+        poisoned_scales[torch.from_numpy(always_right)] = 1
+        before = kernels.admission_buffers(ids.size).from_staging.clone() if step else torch.zeros(1, dtype=torch.int64)
+        kernels.update(torch.from_numpy(ids), poisoned_values, poisoned_scales, staged=staged, inverse=inverse)
+        reference.update_with_torch(torch.from_numpy(ids), back_values, back_scales)
+        _assert_same(kernels, reference, f"after step {step} (seed {seed})")
+        used += int(kernels.admission_buffers(ids.size).from_staging - before)
+    assert used > 0, "no row was admitted from the staging"
+
+
+def test_update_refuses_a_staging_that_does_not_fit():
+    cache = RowCache(8, 64, "cpu", ways=4)
+    values, scales = torch.zeros(10, 64, dtype=torch.uint8), torch.zeros(10, 2, dtype=torch.uint8)
+    ids = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="staged, inverse: expected both or neither"):
+        cache.update(ids, values, scales, staged=torch.zeros(3, 80, dtype=torch.uint8))
+    if INTERPRET:
+        with pytest.raises(ValueError, match=r"staged: expected uint8 \[S >= 1, 80\]"):
+            cache.update(ids, values, scales, staged=torch.zeros(3, 64, dtype=torch.uint8),
+                         inverse=torch.zeros(3, dtype=torch.int32))
+        with pytest.raises(ValueError, match=r"inverse: expected int32 \[3\]"):
+            cache.update(ids, values, scales, staged=torch.zeros(3, 80, dtype=torch.uint8),
+                         inverse=torch.zeros(2, dtype=torch.int32))
+
+
 def test_update_refuses_float_ids():
     cache = RowCache(8, 64, "cpu", ways=4)
     values, scales = torch.zeros(10, 64, dtype=torch.uint8), torch.zeros(10, 2, dtype=torch.uint8)

@@ -306,6 +306,10 @@ class HostGather:
         ones the staging will hold)."""
         return ticket.number == self._started and not ticket.finished
 
+    def is_latest(self, number: int) -> bool:
+        """Whether gather ``number`` is the last one started here (no later copies into the staging)."""
+        return number == self._started
+
     def start(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream) -> GatherTicket:
         """Begin gathering the rows of ``global_ids`` (int32/int64, any shape, at least one id, on
         the device; ``packed[0]`` is row ``row_start``): enqueues the dedup and the id copy on

@@ -1,7 +1,7 @@
 """Launcher of the row cache's between-steps update (:mod:`engram.table.kernels.cache_admission_kernels`).
 
 :func:`admit_step` runs one step of the policy for a :class:`~engram.table.placements.row_cache.RowCache`
-with the step's local ids: three fixed-size launches (four with the frequency score) on the current
+with the step's local ids: four fixed-size launches (five with the frequency score) on the current
 stream, no sort, no host sync, nothing allocated once the work buffers fit, so it can be captured in a
 CUDA graph and replayed with fresh ids. Same result, slot for slot and byte for byte, as
 :meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`.
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from engram.table.kernels.cache_admission_kernels import (admit_kernel, ages_kernel, count_rows_kernel,
-                                                          rank_candidates_kernel)
+from engram.table.kernels.cache_admission_kernels import (admit_kernel, ages_kernel, clear_table_kernel,
+                                                          count_rows_kernel, rank_candidates_kernel)
 from engram.triton_launch import CompiledLaunch, interpreting
 
 __all__ = ["AdmissionBuffers", "admit_step"]
 
 _LAUNCHERS = {kernel: CompiledLaunch(kernel) for kernel in (
-    ages_kernel, count_rows_kernel, rank_candidates_kernel, admit_kernel)}
+    ages_kernel, count_rows_kernel, rank_candidates_kernel, admit_kernel, clear_table_kernel)}
 _ID_BLOCK = 256
 _ENTRY_BLOCK = 512
 _AGE_BLOCK = 2048
@@ -27,7 +27,7 @@ _ADMIT_PROGRAMS = 1024  # programs of step 3, striding over the touched sets (H2
 
 class AdmissionBuffers:
     """A cache's work buffers for steps of up to :attr:`capacity` ids: the counting table (``keys``,
-    ``counts`` ``int32 [P + 1]``), the touched sets (``int64 [capacity]``) and their count, per set the
+    ``counts``, ``staged_at`` ``int32 [P + 1]``), the touched sets (``int64 [capacity]``) and their count, per set the
     candidates' top list (``int64 [sets, ways]``) and the last step that listed it (``int64 [sets]``), and
     the device step counter (``int64 [1]``). Each launch leaves what it used empty for the next step."""
 
@@ -37,6 +37,9 @@ class AdmissionBuffers:
         self.table_size = 1 << max(4, (2 * capacity - 1).bit_length())  # at most half full
         self.keys = torch.full((self.table_size + 1,), -1, dtype=torch.int32, device=device)
         self.counts = torch.zeros(self.table_size + 1, dtype=torch.int32, device=device)
+        self.staged_at = torch.full((self.table_size + 1,), -1, dtype=torch.int32, device=device)
+        self.from_staging = torch.zeros(1, dtype=torch.int64, device=device)
+        """``int64 [1]``: rows admitted from a lookup's staging (not the backing rows), summed over steps."""
         self.touched = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.touched_count = torch.zeros(1, dtype=torch.int32, device=device)
         self.best = torch.full((cache.num_sets * cache.ways,), -1, dtype=torch.int64, device=device)
@@ -45,13 +48,17 @@ class AdmissionBuffers:
         self.dirty = False  # set while a step's launches are being issued: one that failed leaves it set
 
 
-def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor) -> None:
+def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
+               staged: torch.Tensor | None = None, inverse: torch.Tensor | None = None) -> None:
     """One step of ``cache``'s policy (:mod:`engram.table.placements.row_cache`) for the reads ``local_ids
     int32/int64 [N]`` (contiguous, on the cache's device; ids outside ``[0, rows)`` are ignored), admitting
-    rows from ``back_values uint8 [rows, D]`` / ``back_scales uint8 [rows, D // 32]``. The caller (the
-    cache) has checked the arguments and keeps the buffers; under CUDA-graph capture they must already fit."""
+    rows from ``back_values uint8 [rows, D]`` / ``back_scales uint8 [rows, D // 32]``, or from ``staged uint8
+    [S, row_bytes]`` (tagged packed rows, row-contiguous) at ``inverse int32 [N]`` where that staging row's tag
+    is the id's row (same bytes either way). The caller (the cache) has checked the arguments and keeps the
+    buffers; under CUDA-graph capture they must already fit."""
     num_ids = local_ids.numel()
     buffers = cache.admission_buffers(num_ids)
+    has_staged = staged is not None and num_ids > 0
     device_index = local_ids.device.index if local_ids.is_cuda else 0
     step_launch = dict(num_warps=4, device_index=device_index)
     buffers.dirty = True
@@ -64,7 +71,8 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
         _LAUNCHERS[count_rows_kernel](
             -(-num_ids // _ID_BLOCK),
             (local_ids, num_ids, back_values.shape[0], buffers.keys, buffers.counts, buffers.table_size, cache.stats,
-             buffers.touched_count, _ID_BLOCK), **step_launch)
+             buffers.touched_count, inverse if has_staged else buffers.staged_at, buffers.staged_at, has_staged,
+             _ID_BLOCK), **step_launch)
         _LAUNCHERS[rank_candidates_kernel](
             -(-buffers.table_size // _ENTRY_BLOCK),
             (buffers.keys, buffers.counts, buffers.table_size, cache.tags_with_trash, cache.counters_with_trash,
@@ -80,6 +88,13 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
         programs,
         (buffers.touched, buffers.touched_count, buffers.best, cache.tags_with_trash, cache.counters_with_trash,
          buffers.step, slot_rows, slot_rows.stride(0), back_values, back_scales, back_values.stride(0),
-         back_scales.stride(0), programs, head_dim, 1 << (groups - 1).bit_length(), slot_rows.shape[1], cache.ways),
+         back_scales.stride(0), programs, buffers.keys, buffers.staged_at, buffers.table_size,
+         staged if has_staged else slot_rows, (staged if has_staged else slot_rows).stride(0),
+         staged.shape[0] if has_staged else 0,
+         buffers.from_staging, head_dim, 1 << (groups - 1).bit_length(), slot_rows.shape[1], cache.ways, has_staged),
         **step_launch)
+    if num_ids:
+        _LAUNCHERS[clear_table_kernel](-(-buffers.table_size // _ENTRY_BLOCK),
+                                       (buffers.keys, buffers.counts, buffers.staged_at, buffers.table_size,
+                                        _ENTRY_BLOCK), **step_launch)
     buffers.dirty = False

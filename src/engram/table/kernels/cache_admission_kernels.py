@@ -4,7 +4,7 @@ Only ``@triton.jit`` functions live here; :mod:`engram.table.kernels.cache_admis
 them and :meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`
 is their plain-torch reference (the rules: :mod:`engram.table.placements.row_cache`).
 
-One step is three fixed-size launches on the step's stream, with no sort, no host sync and no
+One step is four fixed-size launches on the step's stream, with no sort, no host sync and no
 program waiting on another (``ages_kernel`` first, for the frequency score only):
 
 1. :func:`count_rows_kernel` counts the step's reads per distinct row in an open-addressing
@@ -24,7 +24,11 @@ program waiting on another (``ages_kernel`` first, for the frequency score only)
    set's ways by score (empty first, ties by way), pairs the ``k``-th candidate with the
    ``k``-th way and admits it when its score is at least that way's, copying the row from the
    backing rows (host memory, on the GPU) into the slot with its tag, then clears the set's
-   list. Program 0 advances the device step counter.
+   list. Program 0 advances the device step counter. Given the staging of the step's lookup (its
+   missed rows, copied to the device by the host gather), a row is copied from its staging row when
+   that row's tag is the row's own index (found through step 1's table), else from the backing rows:
+   host bandwidth is not spent twice on a row the lookup just read.
+4. :func:`clear_table_kernel` empties the table for the next step.
 
 Sets are disjoint between programs of step 3; every other shared word is written only by
 atomics whose result does not depend on their order, so the update is deterministic.
@@ -61,9 +65,11 @@ def ages_kernel(counters_ptr, num_counters, step_ptr, aging_interval, BLOCK: tl.
 
 @triton.jit
 def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_size, stats_ptr,
-                      touched_count_ptr, BLOCK: tl.constexpr):
+                      touched_count_ptr, inverse_ptr, staged_at_ptr, HAS_STAGED: tl.constexpr, BLOCK: tl.constexpr):
     """Step 1 (module docstring): ``ids int32/int64 [num_ids]`` (local rows; those outside
-    ``[0, num_rows)`` ignored) into the table; ``stats[0] +=`` reads, ``stats[2] +=`` distinct rows."""
+    ``[0, num_rows)`` ignored) into the table; ``stats[0] +=`` reads, ``stats[2] +=`` distinct rows.
+    With ``HAS_STAGED``: ``staged_at[entry] = inverse[i]`` for some id ``i`` of the entry's row (the staging
+    row the step's lookup read it into; step 3 checks that row's tag before using it)."""
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(touched_count_ptr, 0)  # step 2 appends to it
@@ -83,6 +89,9 @@ def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_si
         won = pending & (old == -1)
         found = won | (pending & (old == key))
         tl.atomic_add(counts_ptr + target, 1, mask=found)
+        if HAS_STAGED:  # any id's staging row will do: they all hold the row's bytes, or fail the tag check
+            staged = tl.load(inverse_ptr + offsets, mask=found, other=-1)
+            tl.store(staged_at_ptr + target, staged, mask=found & (staged >= 0))
         first = first | won
         pending = pending & ~found
         position = tl.where(pending, (position + 1) & table_mask, position)
@@ -101,8 +110,6 @@ def rank_candidates_kernel(keys_ptr, counts_ptr, table_size, tags_ptr, counters_
     inside = offsets < table_size
     row = tl.load(keys_ptr + offsets, mask=inside, other=-1).to(tl.int64)
     count = tl.load(counts_ptr + offsets, mask=inside, other=0)
-    tl.store(keys_ptr + offsets, tl.full([BLOCK], -1, tl.int32), mask=inside)  # empty for the next step
-    tl.store(counts_ptr + offsets, tl.zeros([BLOCK], dtype=tl.int32), mask=inside)
     present = inside & (row >= 0)
     way = tl.arange(0, WAYS)
     row_set = tl.where(present, row, 0) % num_sets
@@ -140,10 +147,13 @@ def rank_candidates_kernel(keys_ptr, counts_ptr, table_size, tags_ptr, counters_
 @triton.jit
 def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_ptr, step_ptr,
                  slot_rows_ptr, slot_stride, back_values_ptr, back_scales_ptr, value_stride, scale_stride,
-                 num_programs, HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, ROW_BYTES: tl.constexpr,
-                 WAYS: tl.constexpr):
+                 num_programs, keys_ptr, staged_at_ptr, table_size, staged_ptr, staged_stride, num_staged,
+                 from_staging_ptr, HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, ROW_BYTES: tl.constexpr,
+                 WAYS: tl.constexpr, HAS_STAGED: tl.constexpr):
     """Step 3 (module docstring): program ``pid`` admits the candidates of touched sets ``pid, pid +
-    num_programs, ...`` (of ``touched_count``)."""
+    num_programs, ...`` (of ``touched_count``). With ``HAS_STAGED``, a row whose staging row
+    (``staged uint8 [num_staged, ROW_BYTES]``, found through the table's ``staged_at``) carries its
+    own index in its tag is copied from there; ``from_staging[0] +=`` those rows."""
     pid = tl.program_id(0)
     touched_count = tl.load(touched_count_ptr)
     if pid == 0:
@@ -154,6 +164,7 @@ def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_pt
     column = tl.arange(0, GROUPS_PADDED * _SCALE_GROUP)
     column_valid = column < HEAD_DIM
     tag_byte = tl.arange(0, 4)
+    from_staging = tl.zeros([1], dtype=tl.int32).sum(axis=0)
     for index in range(pid, touched_count, num_programs):
         row_set = tl.load(touched_ptr + index).to(tl.int64)
         list_offsets = row_set * WAYS + way
@@ -183,9 +194,59 @@ def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_pt
             scale_mask = group_valid & ((group * 0 + admit_k) > 0)
             row_k = tl.sum(tl.where(pick & admit, row, 0), axis=0)
             slot_base = slot_rows_ptr + tl.sum(tl.where(pick, slot, 0), axis=0) * slot_stride
-            value_bytes = tl.load(back_values_ptr + row_k * value_stride + column, mask=value_mask, other=0)
+            if HAS_STAGED:
+                staged_row = _staged_row(row_k, admit_k, keys_ptr, staged_at_ptr, table_size, staged_ptr,
+                                         staged_stride, num_staged, ROW_BYTES)
+                staged = (staged_row >= 0).to(tl.int32)
+                from_staging += staged
+                staged_base = staged_ptr + tl.maximum(staged_row, 0) * staged_stride
+                value_staged = (column * 0 + staged) > 0  # (scalar masks broadcast by hand: the interpreter's)
+                scale_staged = (group * 0 + staged) > 0
+                value_bytes = tl.load(staged_base + column, mask=value_mask & value_staged, other=0)
+                value_bytes += tl.load(back_values_ptr + row_k * value_stride + column,
+                                       mask=value_mask & ~value_staged, other=0)
+                scale_bytes = tl.load(staged_base + HEAD_DIM + group, mask=scale_mask & scale_staged, other=0)
+                scale_bytes += tl.load(back_scales_ptr + row_k * scale_stride + group,
+                                       mask=scale_mask & ~scale_staged, other=0)
+            else:
+                value_bytes = tl.load(back_values_ptr + row_k * value_stride + column, mask=value_mask, other=0)
+                scale_bytes = tl.load(back_scales_ptr + row_k * scale_stride + group, mask=scale_mask, other=0)
             tl.store(slot_base + column, value_bytes, mask=value_mask)
-            scale_bytes = tl.load(back_scales_ptr + row_k * scale_stride + group, mask=scale_mask, other=0)
             tl.store(slot_base + HEAD_DIM + group, scale_bytes, mask=scale_mask)
             tag_bytes = ((row_k >> (8 * tag_byte).to(tl.int64)) & 255).to(tl.uint8)
             tl.store(slot_base + (ROW_BYTES - 4) + tag_byte, tag_bytes, mask=(tag_byte * 0 + admit_k) > 0)
+    if HAS_STAGED:
+        tl.atomic_add(from_staging_ptr, from_staging.to(tl.int64))
+
+
+@triton.jit
+def _staged_row(row, admit, keys_ptr, staged_at_ptr, table_size, staged_ptr, staged_stride, num_staged,
+                ROW_BYTES: tl.constexpr):
+    """The staging row holding ``row`` (scalar int64): its table entry's ``staged_at`` when that staging
+    row's tag (its last 4 bytes, little-endian) is ``row``; else -1 (read the backing row)."""
+    table_mask = table_size - 1
+    position = _table_position(row, table_mask)
+    key = tl.load(keys_ptr + position)
+    probes = 1
+    while (admit > 0) & (key != row.to(tl.int32)) & (key != -1) & (probes < table_size):
+        position = (position + 1) & table_mask
+        key = tl.load(keys_ptr + position)
+        probes += 1
+    found = (admit > 0) & (key == row.to(tl.int32))
+    staged_row = tl.where(found, tl.load(staged_at_ptr + position), -1).to(tl.int64)  # position < table_size
+    inside = found & (staged_row >= 0) & (staged_row < num_staged)
+    tag_byte = tl.arange(0, 4)
+    tag_bytes = tl.load(staged_ptr + tl.where(inside, staged_row, 0) * staged_stride + (ROW_BYTES - 4) + tag_byte,
+                        mask=(tag_byte * 0 + inside.to(tl.int32)) > 0, other=0)
+    tag = tl.sum(tag_bytes.to(tl.int64) << (8 * tag_byte).to(tl.int64), axis=0)
+    return tl.where(inside & (tag == row), staged_row, -1)
+
+
+@triton.jit
+def clear_table_kernel(keys_ptr, counts_ptr, staged_at_ptr, table_size, BLOCK: tl.constexpr):
+    """Step 4: empty the table's entries ``[pid * BLOCK, (pid + 1) * BLOCK)`` for the next step."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < table_size
+    tl.store(keys_ptr + offsets, tl.full([BLOCK], -1, tl.int32), mask=inside)
+    tl.store(counts_ptr + offsets, tl.zeros([BLOCK], dtype=tl.int32), mask=inside)
+    tl.store(staged_at_ptr + offsets, tl.full([BLOCK], -1, tl.int32), mask=inside)

@@ -177,6 +177,9 @@ class CachedPlacement(TablePlacement):
         self.lookups = {"one_kernel": 0, "host_gather": 0}
         """Lookups served by each path since construction (host-side counts, for tests and benchmarks)."""
         self._direct_stream = None
+        # The last large lookup's staging: (rows, inverse, stream, gather number); the next update copies the
+        # rows it admits from there rather than from host memory (each staging row checked by its tag).
+        self._last_staging = None
 
     # Loaded as placement "host" is: packed host rows, private or node-shared.
     allocate_storage = classmethod(HostPlacement.allocate_storage.__func__)
@@ -226,10 +229,30 @@ class CachedPlacement(TablePlacement):
         it is discarded (its probe may name replaced slots). On CUDA it can be captured in a graph (the
         decode step's): the graph then updates the cache at every replay. The merge checks each slot's tag,
         so a prefetch made across a replayed update costs reads, never rows."""
-        if self.policy in UPDATED_POLICIES:
-            self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing)
-            if not cuda_capturing():  # an event of the capture cannot be waited on outside
-                self._mark_content_changed()
+        last, self._last_staging = self._last_staging, None
+        if self.policy not in UPDATED_POLICIES:
+            return
+        capturing = cuda_capturing()
+        staged = inverse = None
+        if last is not None and not capturing and self._staging_holds(last, global_ids):
+            staged, inverse = last[0], last[1]
+        self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing, staged=staged, inverse=inverse)
+        if staged is not None and self.host is not None:
+            stream = torch.cuda.current_stream(self.device)
+            staged.record_stream(stream)
+            self.host.host_gather.consumed(stream)  # the staging's next copy waits for this update's reads
+        if not capturing:  # an event of the capture cannot be waited on outside
+            self._mark_content_changed()
+
+    def _staging_holds(self, last: tuple, global_ids: torch.Tensor) -> bool:
+        """Whether the last lookup's staging may serve this update: one entry of ``inverse`` per id, no host
+        gather started since (its copies would overwrite the staging), the same stream as that lookup."""
+        staged, inverse, stream, number = last
+        if inverse.numel() != global_ids.numel():
+            return False
+        if self.host is None:
+            return True
+        return self.host.host_gather.is_latest(number) and stream == torch.cuda.current_stream(self.device)
 
     # ---- lookups ------------------------------------------------------------------
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,6 +319,8 @@ class CachedPlacement(TablePlacement):
                     direct=pending.direct)
         if stream is not None:
             self.host.host_gather.consumed(stream)
+        number = None if self.host is None else pending.ticket.number
+        self._last_staging = (staged, inverse, stream, number)
         self.lookups["host_gather"] += 1
         return out
 

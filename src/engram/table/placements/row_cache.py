@@ -185,7 +185,8 @@ class RowCache:
         return self._counters
 
     # ---- updates (between steps, never inside a lookup) ------------------------
-    def update(self, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor) -> None:
+    def update(self, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
+               staged: torch.Tensor | None = None, inverse: torch.Tensor | None = None) -> None:
         """One step of the policy (module docstring) for the reads ``local_ids int [...]`` (local row ids;
         those outside ``[0, rows)`` are ignored), copying admitted rows from ``back_values uint8 [rows, D]`` /
         ``back_scales uint8 [rows, D // 32]``. Adds the step's reads to :attr:`stats` (as the step's lookups
@@ -193,24 +194,47 @@ class RowCache:
         CPU under ``TRITON_INTERPRET=1``) the fixed-size launches of :func:`~engram.table.kernels.cache_admission.admit_step`,
         capturable in a CUDA graph once :meth:`admission_buffers` fit the step (the step number then lives on
         the device: replays advance it, :attr:`updates` counts eager calls); elsewhere
-        :meth:`update_with_torch`, its reference, with the same result."""
+        :meth:`update_with_torch`, its reference, with the same result.
+
+        ``staged uint8 [S, row_bytes]`` / ``inverse int32 [...]`` (as many as ``local_ids``), optional: the
+        step's lookup's staging (tagged packed rows) and each id's row in it. The kernels copy an admitted
+        row from there when that staging row's tag is the row's own index, else from the backing rows: the
+        same bytes, without reading host memory again. The caller orders the staging's next write after
+        this call's stream work."""
         ids = local_ids.reshape(-1)
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"local_ids: expected int32 or int64 row ids, found {ids.dtype}")
         if back_values.shape[0] >= 2**31:
             raise ValueError(f"back_values: expected fewer than 2**31 rows, found {back_values.shape[0]}")
+        if (staged is None) != (inverse is None):
+            raise ValueError("staged, inverse: expected both or neither")
         if not _updates_with_kernels(self.device):
             return self.update_with_torch(local_ids, back_values, back_scales)
         from engram.table.kernels.cache_admission import admit_step
 
         ids = ids.to(self.device).contiguous()
+        if staged is not None:
+            inverse = self._check_staging(staged, inverse, ids.numel())
         if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
             with torch.cuda.device(self.device):  # Triton launches on the current device
-                admit_step(self, ids, back_values, back_scales)
+                admit_step(self, ids, back_values, back_scales, staged, inverse)
         else:
-            admit_step(self, ids, back_values, back_scales)
+            admit_step(self, ids, back_values, back_scales, staged, inverse)
         self.updates += 1
         self.version += 1
+
+    def _check_staging(self, staged: torch.Tensor, inverse: torch.Tensor, num_ids: int) -> torch.Tensor:
+        """``inverse`` flat, after checking ``staged`` / ``inverse`` against the cache and the step's ids."""
+        row_bytes = self.slot_rows.shape[1]
+        if (staged.dtype != torch.uint8 or staged.dim() != 2 or staged.shape[1] != row_bytes or staged.shape[0] < 1
+                or staged.stride(1) != 1 or staged.device != self.device):
+            raise ValueError(f"staged: expected uint8 [S >= 1, {row_bytes}] rows on {self.device} (row-contiguous), "
+                             f"found {staged.dtype} {list(staged.shape)} on {staged.device}")
+        flat = inverse.reshape(-1)
+        if flat.dtype != torch.int32 or flat.numel() != num_ids or flat.device != self.device:
+            raise ValueError(f"inverse: expected int32 [{num_ids}] (one per id) on {self.device}, found "
+                             f"{flat.dtype} {list(inverse.shape)} on {inverse.device}")
+        return flat.contiguous()
 
     def admission_buffers(self, num_ids: int):
         """The :class:`~engram.table.kernels.cache_admission.AdmissionBuffers` of the update kernels for a step of
