@@ -10,6 +10,10 @@ columns, half from a hot pool (so rows repeat and hit) and half uniform. Per pol
 * ``gpu_us``: CUDA events around it (median; includes launch gaps the host leaves);
 * ``graph_us`` (kernels only): the update captured in a CUDA graph, replayed with fresh ids (do_bench median).
 
+Paths: ``kernels`` (admitted rows read from host memory), ``staged`` (the kernels given the step's staging,
+as placement ``"cached"`` hands them the last large lookup's: the step's distinct rows, tagged, on the
+device; admitted rows copied from there) and ``torch`` (the reference).
+
 Both paths start from the same content and are checked to leave the same tags after the last step.
 Also the device copy ceiling of the same run (the cache's update is latency-bound: the ceiling shows
 the card). Writes ``cache-update-h200.json`` to ``$OUT`` (or benchmarks/results/).
@@ -48,6 +52,12 @@ def _step_ids(rng: np.random.Generator, tokens: int, backing_rows: int, hot: np.
     ids = np.where(rng.random(count) < 0.5, hot[rng.integers(0, hot.size, count)],
                    rng.integers(0, backing_rows, count))
     return torch.from_numpy(ids.astype(np.int64)).cuda()
+
+
+def _staging(ids: torch.Tensor, packed_alias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lookup's staging for ``ids``: its distinct rows as tagged packed rows on the device, and ``inverse``."""
+    distinct, inverse = torch.unique(ids, return_inverse=True)
+    return packed_alias[distinct], inverse.to(torch.int32)
 
 
 def _time_update(update, ids_of_step, steps: int) -> dict:
@@ -114,24 +124,32 @@ def main() -> int:
     for policy in ("set-lru", "dynamic"):
         for tokens in (64, 8192):
             caches = {path: RowCache(num_slots, 256, "cuda", ways=8, recency=policy == "set-lru")
-                      for path in ("kernels", "torch")}
+                      for path in ("kernels", "staged", "torch")}
             steps = [_step_ids(rng, tokens, args.backing_rows, hot) for _ in range(args.warm_steps + args.steps)]
+            stagings = {id(ids): _staging(ids, alias) for ids in steps}
             row = {}
             for path, cache in caches.items():
-                update = (cache.update if path == "kernels" else cache.update_with_torch)
+                def update(ids, cache=cache, path=path):
+                    if path == "torch":
+                        return cache.update_with_torch(ids, back_values, back_scales)
+                    staged, inverse = stagings[id(ids)] if path == "staged" else (None, None)
+                    return cache.update(ids, back_values, back_scales, staged=staged, inverse=inverse)
                 for ids in steps[:args.warm_steps]:
-                    update(ids, back_values, back_scales)
-                row[path] = _time_update(lambda ids: update(ids, back_values, back_scales),
-                                         lambda step: steps[args.warm_steps + step], args.steps)
-            same = torch.equal(caches["kernels"].tags, caches["torch"].tags)
+                    update(ids)
+                row[path] = _time_update(update, lambda step: steps[args.warm_steps + step], args.steps)
+            buffers = caches["staged"].admission_buffers(1)
+            row["staged"]["rows_from_staging"] = int(buffers.from_staging)
+            same = all(torch.equal(caches[path].tags, caches["torch"].tags) for path in ("kernels", "staged"))
+            same = same and torch.equal(caches["kernels"].slot_rows, caches["staged"].slot_rows)
             row["kernels"]["graph_us"] = _graph_replay_us(caches["kernels"], steps, back_values, back_scales)
             row["tags_equal"] = same
             row["speedup_gpu"] = row["torch"]["gpu_us"] / row["kernels"]["gpu_us"]
             results[f"{policy}_T{tokens}"] = row
             print(f"{policy:8} T={tokens:5}: kernels host {row['kernels']['host_us']:7.1f} us, gpu "
-                  f"{row['kernels']['gpu_us']:7.1f} us, graph {row['kernels']['graph_us']:7.1f} us | torch host "
+                  f"{row['kernels']['gpu_us']:7.1f} us, graph {row['kernels']['graph_us']:7.1f} us | staged host "
+                  f"{row['staged']['host_us']:6.1f} us, gpu {row['staged']['gpu_us']:7.1f} us | torch host "
                   f"{row['torch']['host_us']:8.1f} us, gpu {row['torch']['gpu_us']:8.1f} us | "
-                  f"{row['speedup_gpu']:.0f}x, tags equal {same}", flush=True)
+                  f"{row['speedup_gpu']:.0f}x, tags and bytes equal {same}", flush=True)
     report = {"benchmark": "bench_cache_update", "device": torch.cuda.get_device_name(), **versions(torch.device("cuda")),
               "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
