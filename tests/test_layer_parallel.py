@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_group import end_group
 import engram
 from engram.layer import (Engram, WkvProjection, reference_engram, sequence_parallel_sizes,
                           tensor_parallel_columns)
@@ -271,7 +272,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
                              "served": layer.table.served, "lookups": len(layer.table.calls)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_group()
 
 
 @pytest.fixture(scope="module")

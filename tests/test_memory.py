@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_group import end_group
 from engram.hashing import hash_ngrams
 from engram.layer import Engram, reference_engram
 from engram.memory import EngramMemory, resolve_placement
@@ -192,7 +193,7 @@ def _worker(rank: int, world_size: int, init_file: str, directory: str, out_dir:
         results["single"] = run_layers(single, seed=5)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_group()
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_group import end_group
 from engram.layer import Engram, WkvProjection, sequence_parallel_sizes
 from engram.memory import EngramMemory, resolve_placement
 from engram.table import EngramTable
@@ -201,7 +202,7 @@ def _group_worker(rank: int, world_size: int, init_file: str, out_dir: str, seed
             memories[0].forward_layer(memories[0].layer_ids[0], *run_inputs(memories[0], own))
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_group()
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +292,7 @@ def _mesh_worker(rank: int, world_size: int, init_file: str, out_dir: str, seed:
                 results[("memory", step, index)] = (*pair_out, tokens_of[replica])
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_group()
 
 
 def test_tensor_parallel_layers_over_node_tables_per_column_shard(seed, tiny_checkpoint, tmp_path):
@@ -398,9 +399,8 @@ def _refusing_worker(rank: int, world_size: int, init_file: str, out_dir: str, s
             messages[f"{case}_after"] = bool(torch.equal(as_bits(node(hidden, ids, mask)),
                                                          as_bits(plain(hidden, ids, mask))))
         torch.save(messages, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # no rank tears gloo down while another still talks to it (an abort seen under load)
     finally:
-        dist.destroy_process_group()
+        end_group()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

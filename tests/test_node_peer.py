@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_group import end_group
 from engram.checkpoint import SafetensorsCheckpoint, load_engram_table
 from engram.layout import EngramLayout
 from engram.table import EngramTable
@@ -101,7 +102,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, seed: int,
         results["files_at_end"] = _peer_files()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_group()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_group import end_group
 from engram.checkpoint import SafetensorsCheckpoint, load_engram_table
 from engram.layout import EngramLayout
 from engram.table import EngramTable
@@ -124,7 +125,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, seed: int,
             }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_group()
 
 
 @pytest.fixture(scope="module")
@@ -195,5 +196,5 @@ def test_argument_errors(tmp_path, seed):
         assert torch.equal(table.lookup(ids).view(torch.int16), plain.lookup(ids).view(torch.int16))
         assert table.storage.owned == (0, 8) and table.nbytes == plain.nbytes
     finally:
-        dist.destroy_process_group()
+        end_group()
 

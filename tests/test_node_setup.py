@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gloo_group import end_group
 from engram.table import EngramTable
 from test_node_layer import fp8_table, layer_weights, step_inputs
 from test_node_placement import random_fp8, request
@@ -124,7 +125,7 @@ def _close_worker(rank, world_size, init_file, out_dir, seed, directory, backend
             table.close()   # twice: a no-op
     finally:
         _save(out_dir, rank, results)
-        dist.destroy_process_group()
+        end_group()
 
 
 def _check_closed(results: list[dict]) -> None:
@@ -239,7 +240,7 @@ def _told_worker(rank, world_size, init_file, out_dir, seed, directory, where, c
         results["files at end"] = sorted(os.listdir(directory))
     finally:
         _save(out_dir, rank, results)
-        dist.destroy_process_group()
+        end_group()
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +308,7 @@ def _admin_worker(rank, world_size, init_file, out_dir, seed, directory):
             table.close()
     finally:
         _save(out_dir, rank, results)
-        dist.destroy_process_group()
+        end_group()
 
 
 def test_remove_all_stale_during_setup_keeps_live_shards(seed, tmp_path):
@@ -332,7 +333,7 @@ def _small_worker(rank, world_size, init_file, out_dir, rows, directory):
         results["files"] = sorted(os.listdir(directory))
     finally:
         _save(out_dir, rank, results)
-        dist.destroy_process_group()
+        end_group()
 
 
 @pytest.fixture

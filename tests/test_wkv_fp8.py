@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 
+from gloo_group import end_group
 from engram.layer import WkvProjection
 from engram.layer.reference import (
     reference_dequantize_activations,
@@ -694,7 +695,7 @@ def _tp_worker(rank: int, world: int, init_file: str, out_dir: str, seed: int, b
         assert layer.mode == "tensor"
         torch.save(layer(inputs["hidden"], inputs["ids"], inputs["mask"]), f"{out_dir}/rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        end_group()
 
 
 @pytest.mark.interpreter
