@@ -93,9 +93,10 @@ def make_stream(corpus: str, out: Path = STREAM_PATH) -> None:
     tokenizer, vocab = _tokenizer()
     chunks, starts = [], [0]
     for path in corpus_files(corpus):
-        text = _text(Path(path))
-        if text is None:
+        read = _text(Path(path))  # (text, invalid bytes), or None for a file that is not text
+        if read is None:
             continue
+        text = read[0]
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         if ids:
             chunks.append(np.asarray(ids, dtype=np.int32))
