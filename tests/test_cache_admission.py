@@ -249,3 +249,39 @@ def test_gpu_captured_update_replayed_with_fresh_ids_equals_eager(recency, seed)
         graph.replay()
         reference.update_with_torch(torch.from_numpy(ids).cuda(), back_values, back_scales)
         _assert_same(captured, reference, f"after replay {step} (seed {seed})")
+
+
+def test_update_kernels_compile_for_sm90():
+    """The five update kernels compiled for sm90 on the CPU (Triton's own ptxas, no GPU) with the launcher's
+    shapes, int32 and int64 ids, with and without a staging, both scores: the interpreter checks what they
+    compute, not that they build."""
+    pytest.importorskip("triton")
+    from engram.table.kernels import cache_admission as launcher
+    from engram.table.kernels import cache_admission_kernels as kernels
+    from test_wkv_compile import _compile
+
+    step = dict(num_warps=4, num_stages=1)
+    _compile(kernels.ages_kernel, dict(counters_ptr="*i32", num_counters="i32", step_ptr="*i64", aging_interval="i32"),
+             dict(BLOCK=launcher._AGE_BLOCK), **step)
+    for ids in ("*i32", "*i64"):
+        for staged in (False, True):
+            _compile(kernels.count_rows_kernel,
+                     dict(ids_ptr=ids, num_ids="i32", num_rows="i32", keys_ptr="*i32", counts_ptr="*i32",
+                          table_size="i32", stats_ptr="*i64", touched_count_ptr="*i32", inverse_ptr="*i32",
+                          staged_at_ptr="*i32"), dict(HAS_STAGED=staged, BLOCK=launcher._ID_BLOCK), **step)
+    for recency in (False, True):
+        _compile(kernels.rank_candidates_kernel,
+                 dict(keys_ptr="*i32", counts_ptr="*i32", table_size="i32", tags_ptr="*i64", counters_ptr="*i32",
+                      num_sets="i32", step_ptr="*i64", best_ptr="*i64", stamps_ptr="*i64", touched_ptr="*i64",
+                      touched_count_ptr="*i32", stats_ptr="*i64"),
+                 dict(RECENCY=recency, WAYS=8, BLOCK=launcher._ENTRY_BLOCK), **step)
+    for staged in (False, True):
+        _compile(kernels.admit_kernel,
+                 dict(touched_ptr="*i64", touched_count_ptr="*i32", best_ptr="*i64", tags_ptr="*i64",
+                      counters_ptr="*i32", step_ptr="*i64", slot_rows_ptr="*u8", slot_stride="i32",
+                      back_values_ptr="*u8", back_scales_ptr="*u8", value_stride="i32", scale_stride="i32",
+                      num_programs="i32", keys_ptr="*i32", staged_at_ptr="*i32", table_size="i32", staged_ptr="*u8",
+                      staged_stride="i32", num_staged="i32", from_staging_ptr="*i64"),
+                 dict(HEAD_DIM=256, GROUPS_PADDED=8, ROW_BYTES=272, WAYS=8, HAS_STAGED=staged), **step)
+    _compile(kernels.clear_table_kernel, dict(keys_ptr="*i32", counts_ptr="*i32", staged_at_ptr="*i32", table_size="i32"),
+             dict(BLOCK=launcher._ENTRY_BLOCK), **step)
