@@ -14,6 +14,13 @@ Sequence rules: a table's gathers are numbered 1, 2, ... (:func:`word`: the low 
 ``waves_base + k + 1`` in "waves done" after wave ``k`` (``waves_base``: the waves of the table's earlier
 gathers) and ``n`` in "job done" once it no longer touches the job's buffers. A job the worker drops (it
 stops first) gets its "waves done" and "job done" words all the same, so no stream waits forever.
+
+Replayed jobs (a gather captured in a CUDA graph, values fixed at capture): each has its own words. Every
+replay writes "ids ready" = :data:`POSTED` after its ids; the worker, or the watchdog once the replay has
+waited past its bound (or at once after ``stop``), takes it by moving the word back to 0 and stores "waves
+done" ``k + 1`` after wave ``k`` (the watchdog: all of them, the staging unwritten), then adds 1 to "job
+done". The graph's copy stream waits for "waves done" >= ``k + 1`` before wave ``k``'s copy and writes it 0
+after the last.
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ import hashlib
 from pathlib import Path
 
 __all__ = ["FLAG_WORDS", "IDS_READY", "STAGING_FREE", "WAVES_DONE", "JOB_DONE", "MAX_WAVES", "MAX_THREADS",
-           "TIMED_WAVES", "TIMELINE_WORDS", "CHUNK_ROWS", "PREFETCH_DISTANCE", "SHARED_CONSTANTS", "SOURCE",
-           "JobRecord", "compile_definitions", "build_identity", "build_command", "source_digest", "reached", "word"]
+           "TIMED_WAVES", "TIMELINE_WORDS", "CHUNK_ROWS", "PREFETCH_DISTANCE", "MAX_REPLAYED", "POSTED",
+           "SHARED_CONSTANTS", "SOURCE", "JobRecord", "compile_definitions", "build_identity", "build_command", "source_digest", "reached", "word"]
 
 # Word offsets in a table's flags (int32 [FLAG_WORDS], pinned): one 64-byte line per writer's word.
 FLAG_WORDS = 64
@@ -41,9 +48,15 @@ TIMELINE_WORDS = 6 + TIMED_WAVES  # the last job's timeline (native_worker.Nativ
 # 16 rows ahead 1.71 ms against 2.4 without (benchmarks/NOTES.md "The served decoder step").
 CHUNK_ROWS = 128
 PREFETCH_DISTANCE = 16
+# Replayed jobs (captured gathers) one service holds: one per table and captured structure, never removed.
+MAX_REPLAYED = 1024
 # What native_gather.c takes from here (-DENGRAM_<name>), in the order engram_gather_protocol reports them.
 SHARED_CONSTANTS = {"MAX_WAVES": MAX_WAVES, "MAX_THREADS": MAX_THREADS, "TIMED_WAVES": TIMED_WAVES,
-                    "TIMELINE_WORDS": TIMELINE_WORDS, "CHUNK_ROWS": CHUNK_ROWS, "PREFETCH_DISTANCE": PREFETCH_DISTANCE}
+                    "TIMELINE_WORDS": TIMELINE_WORDS, "CHUNK_ROWS": CHUNK_ROWS, "PREFETCH_DISTANCE": PREFETCH_DISTANCE,
+                    "MAX_REPLAYED": MAX_REPLAYED}
+# A replayed job's "ids ready" word: the graph writes POSTED after its ids; the worker or the watchdog moves it
+# back to 0 (compare-and-swap) when it takes that replay.
+POSTED = 1
 
 SOURCE = Path(__file__).with_name("native_gather.c")
 

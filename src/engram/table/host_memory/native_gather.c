@@ -43,7 +43,7 @@
  * the build passes as -D flags; the protocol itself is described in docs/design.md. */
 #if !defined(ENGRAM_MAX_WAVES) || !defined(ENGRAM_MAX_THREADS) || !defined(ENGRAM_TIMED_WAVES) \
     || !defined(ENGRAM_TIMELINE_WORDS) || !defined(ENGRAM_CHUNK_ROWS) || !defined(ENGRAM_PREFETCH_DISTANCE) \
-    || !defined(ENGRAM_SOURCE_DIGEST)
+    || !defined(ENGRAM_MAX_REPLAYED) || !defined(ENGRAM_SOURCE_DIGEST)
 #error "build with gather_protocol.compile_definitions(): the constants shared with Python are missing"
 #endif
 #define MAX_THREADS ENGRAM_MAX_THREADS
@@ -51,6 +51,7 @@
 #define CHUNK_ROWS ENGRAM_CHUNK_ROWS
 #define PREFETCH_DISTANCE ENGRAM_PREFETCH_DISTANCE
 #define TIMED_WAVES ENGRAM_TIMED_WAVES
+#define MAX_REPLAYED ENGRAM_MAX_REPLAYED
 
 /* The last finished job's timeline (CLOCK_MONOTONIC ns, the clock of Python's time.monotonic_ns):
  * its job_done value, ids seen ready, staging seen free, the end of each of its first TIMED_WAVES
@@ -89,6 +90,19 @@ typedef struct Job {
 } Job;
 
 
+/* A replayed job: one captured gather, run once per replay of its CUDA graph. The graph writes `ids_ready` =
+ * POSTED after its ids; whoever moves it from POSTED to 0 (compare-and-swap) answers that replay: the worker,
+ * by copying the rows and storing waves_done = k + 1 after wave k, or the watchdog, by storing waves_done =
+ * num_waves with the staging left as it was. Either then adds 1 to job_done. The graph's copy stream waits for
+ * waves_done >= k + 1 before wave k's copy and writes waves_done = 0 after the last one. */
+#define POSTED 1u
+typedef struct Replayed {
+    Job job;
+    int64_t bound_ns;              /* the watchdog answers a replay left POSTED this long */
+    uint32_t seen_done;            /* watchdog: job_done when it first saw the current POSTED */
+    int64_t seen_ns;               /* watchdog: when (0: not POSTED at its last look) */
+} Replayed;
+
 typedef struct Service {
     pthread_mutex_t lock;
     pthread_cond_t wake;           /* a job was queued, a wave was posted, or stop */
@@ -113,6 +127,14 @@ typedef struct Service {
     int64_t hold_timeout_ns;
     int64_t stats[4];              /* jobs done, holds released, holds timed out, polls that slept */
     int64_t timeline[TIMELINE_WORDS];  /* the last finished job's (written by the leader only) */
+    /* replayed jobs: added under lock, never removed (a captured graph may replay at any time) */
+    Replayed *replayed[MAX_REPLAYED];
+    int replayed_count;            /* atomic reads outside the lock */
+    int replays_paused;            /* test hook: the worker leaves replays to the watchdog */
+    int team_gone;                 /* stop() ran: the watchdog answers every replay at once */
+    pthread_t watchdog;
+    int watchdog_started;
+    int64_t replay_stats[2];       /* replays copied, replays the watchdog answered */
 } Service;
 
 static int64_t now_ns(void) {
@@ -136,13 +158,17 @@ static int reached(uint32_t value, uint32_t target) { return (int32_t)(value - t
 
 static int stopping(Service *s) { return __atomic_load_n(&s->stop, __ATOMIC_ACQUIRE); }
 
+static int serve_replays(Service *s);
+
 /* Wait until *flag has reached target (wrap-aware); 0, or -1 when the service stops first. Spins
- * ~50 us (the GPU's write usually follows within microseconds), then polls every 20 us. */
+ * ~50 us (the GPU's write usually follows within microseconds), then polls every 20 us. Replays posted
+ * meanwhile are served (a graph replayed before this job's ids are written must not wait for them). */
 static int wait_flag(Service *s, const volatile uint32_t *flag, uint32_t target) {
     int64_t spin_until = now_ns() + 50000;
     int slept = 0;
     while (!reached(__atomic_load_n(flag, __ATOMIC_ACQUIRE), target)) {
         if (stopping(s)) return -1;
+        if (serve_replays(s)) continue;
         if (now_ns() < spin_until) {
             for (int i = 0; i < 64; i++) pause_briefly();
         } else {
@@ -309,6 +335,83 @@ static void run_job(Service *s, Job *job) {
     __atomic_fetch_add(&s->stats[0], 1, __ATOMIC_RELAXED);
 }
 
+/* Take replay `r`'s current POSTED (worker or watchdog): 1 when this caller now answers it. */
+static int claim_replay(Replayed *r) {
+    uint32_t expected = POSTED;
+    return __atomic_compare_exchange_n((uint32_t *)r->job.ids_ready, &expected, 0u, 0, __ATOMIC_ACQ_REL,
+                                       __ATOMIC_ACQUIRE);
+}
+
+static void answered(Replayed *r) { __atomic_fetch_add((uint32_t *)r->job.job_done, 1u, __ATOMIC_RELEASE); }
+
+/* Leader: copy every posted replay it can claim; returns how many it served. */
+static int serve_replays(Service *s) {
+    int served = 0, count = __atomic_load_n(&s->replayed_count, __ATOMIC_ACQUIRE);
+    if (count == 0 || __atomic_load_n(&s->replays_paused, __ATOMIC_ACQUIRE)) return 0;
+    for (int i = 0; i < count; i++) {
+        Replayed *r = s->replayed[i];
+        if (__atomic_load_n(r->job.ids_ready, __ATOMIC_ACQUIRE) != POSTED || !claim_replay(r)) continue;
+        int64_t timeline[TIMELINE_WORDS] = {0};
+        int64_t num = r->job.ids[r->job.num_ids];
+        num = num < 1 ? 1 : num > r->job.num_ids ? r->job.num_ids : num;
+        copy_job(s, &r->job, num, timeline);
+        answered(r);
+        __atomic_fetch_add(&s->replay_stats[0], 1, __ATOMIC_RELAXED);
+        served++;
+    }
+    return served;
+}
+
+/* Watchdog (its own thread, from the first replayed job to the end of the process): a replay left POSTED
+ * past its bound (the worker held up or paused), or any replay once the team is gone, gets its waves_done
+ * from here, its staging unwritten; the consumer's per-row id check reads those rows from the table itself.
+ * It looks every 1 ms, every 20 us once the team is gone. */
+static void *watchdog_main(void *arg) {
+    Service *s = arg;
+    for (;;) {
+        int gone = __atomic_load_n(&s->team_gone, __ATOMIC_ACQUIRE);
+        int count = __atomic_load_n(&s->replayed_count, __ATOMIC_ACQUIRE);
+        int64_t now = now_ns();
+        for (int i = 0; i < count; i++) {
+            Replayed *r = s->replayed[i];
+            uint32_t done = __atomic_load_n(r->job.job_done, __ATOMIC_ACQUIRE);
+            if (__atomic_load_n(r->job.ids_ready, __ATOMIC_ACQUIRE) != POSTED) {
+                r->seen_ns = 0;
+                continue;
+            }
+            if (!gone && (r->seen_ns == 0 || r->seen_done != done)) {  /* a replay posted since the last look */
+                r->seen_ns = now;
+                r->seen_done = done;
+                continue;
+            }
+            if ((gone || now - r->seen_ns >= r->bound_ns) && claim_replay(r)) {
+                __atomic_store_n(r->job.waves_done, (uint32_t)r->job.num_waves, __ATOMIC_RELEASE);
+                answered(r);
+                __atomic_fetch_add(&s->replay_stats[1], 1, __ATOMIC_RELAXED);
+                r->seen_ns = 0;
+            }
+        }
+        sleep_ns(gone ? 20000 : 1000000);
+    }
+    return NULL;
+}
+
+/* Leader, no job queued but replays registered: serve them, spinning ~50 us after the last one, then
+ * polling every 20 us; returns at once when a job is queued or the service stops. */
+static void poll_replays(Service *s) {
+    int64_t spin_until = now_ns() + 50000;
+    for (;;) {
+        if (stopping(s) || __atomic_load_n(&s->head, __ATOMIC_ACQUIRE) != NULL) return;
+        if (serve_replays(s)) {
+            spin_until = now_ns() + 50000;
+        } else if (now_ns() < spin_until) {
+            for (int i = 0; i < 64; i++) pause_briefly();
+        } else {
+            sleep_ns(20000);
+        }
+    }
+}
+
 static void *leader_main(void *arg) {
     Service *s = arg;
 #ifdef PR_SET_TIMERSLACK
@@ -316,10 +419,16 @@ static void *leader_main(void *arg) {
 #endif
     for (;;) {
         pthread_mutex_lock(&s->lock);
-        while (s->head == NULL && !s->stop) pthread_cond_wait(&s->wake, &s->lock);
+        while (s->head == NULL && !s->stop && __atomic_load_n(&s->replayed_count, __ATOMIC_ACQUIRE) == 0)
+            pthread_cond_wait(&s->wake, &s->lock);
         if (s->stop) {
             pthread_mutex_unlock(&s->lock);
             return NULL;
+        }
+        if (s->head == NULL) {
+            pthread_mutex_unlock(&s->lock);
+            poll_replays(s);
+            continue;
         }
         Job *job = s->head;
         s->head = job->next;
@@ -401,6 +510,50 @@ int engram_gather_submit(Service *s, const JobRecord *record) {
     return 0;
 }
 
+/* Register a replayed job (the record copied; see Replayed): ids_ready is its POSTED word, waves_base 0,
+ * job_done the count of replays answered; staging_free is not used. Returns its index, or -1 when the record
+ * is malformed, MAX_REPLAYED are registered, the service is stopping or the watchdog cannot start. */
+int engram_gather_add_replayed(Service *s, const JobRecord *record, int64_t bound_ns) {
+    if (s == NULL || record == NULL || bound_ns < 1) return -1;
+    const JobRecord *r = record;
+    if (r->table == NULL || r->table_rows < 1 || r->row_bytes < 1 || r->ids == NULL || r->num_ids < 1
+        || r->staging == NULL || r->ids_ready == NULL || r->waves_done == NULL || r->waves_base != 0
+        || r->num_waves < 1 || r->num_waves > MAX_WAVES || r->num_waves > r->num_ids || r->job_done == NULL)
+        return -1;
+    for (int32_t wave = 0; wave < r->num_waves; wave++)
+        if (r->wave_ends[wave] <= (wave ? r->wave_ends[wave - 1] : 0)) return -1;
+    if (r->wave_ends[r->num_waves - 1] != r->num_ids) return -1;
+    Replayed *replayed = calloc(1, sizeof(Replayed));
+    if (replayed == NULL) return -1;
+    memcpy(&replayed->job, r, sizeof(JobRecord));
+    replayed->bound_ns = bound_ns;
+    pthread_mutex_lock(&s->lock);
+    int index = -1;
+    if (!s->stop && s->replayed_count < MAX_REPLAYED
+        && (s->watchdog_started || pthread_create(&s->watchdog, NULL, watchdog_main, s) == 0)) {
+        s->watchdog_started = 1;
+        index = s->replayed_count;
+        s->replayed[index] = replayed;
+        __atomic_store_n(&s->replayed_count, index + 1, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&s->wake);  /* the leader starts polling */
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (index < 0) free(replayed);
+    return index;
+}
+
+/* Test hook: with paused != 0 the worker leaves every replay to the watchdog (a worker held up). */
+void engram_gather_pause_replays(Service *s, int paused) {
+    __atomic_store_n(&s->replays_paused, paused != 0, __ATOMIC_RELEASE);
+}
+
+/* out[0..2]: replayed jobs registered, replays copied, replays the watchdog answered. */
+void engram_gather_replay_stats(Service *s, int64_t *out) {
+    out[0] = __atomic_load_n(&s->replayed_count, __ATOMIC_ACQUIRE);
+    out[1] = __atomic_load_n(&s->replay_stats[0], __ATOMIC_RELAXED);
+    out[2] = __atomic_load_n(&s->replay_stats[1], __ATOMIC_RELAXED);
+}
+
 /* The record's layout for the protocol test: out[0] = sizeof(JobRecord), then each field's offset in
  * declaration order; returns the words written (at most `words`). */
 int engram_gather_record_layout(int64_t *out, int words) {
@@ -420,7 +573,7 @@ int engram_gather_record_layout(int64_t *out, int words) {
  * gather_protocol.SHARED_CONSTANTS in its order, then the digest of this source; returns the words written. */
 int engram_gather_protocol(int64_t *out, int words) {
     int64_t identity[] = {ENGRAM_MAX_WAVES, ENGRAM_MAX_THREADS, ENGRAM_TIMED_WAVES, ENGRAM_TIMELINE_WORDS,
-                          ENGRAM_CHUNK_ROWS, ENGRAM_PREFETCH_DISTANCE, ENGRAM_SOURCE_DIGEST};
+                          ENGRAM_CHUNK_ROWS, ENGRAM_PREFETCH_DISTANCE, ENGRAM_MAX_REPLAYED, ENGRAM_SOURCE_DIGEST};
     int count = (int)(sizeof(identity) / sizeof(identity[0]));
     for (int i = 0; i < count && i < words; i++) out[i] = identity[i];
     return count < words ? count : words;
@@ -446,7 +599,8 @@ int engram_gather_last_job(Service *s, int64_t *out, int words) {
 int engram_gather_threads(Service *s) { return s->threads; }
 
 /* Stop every thread and free the service. Jobs not yet done are dropped, their words written (release_job):
- * a stream waiting on one of them goes on, and teardown's device synchronization cannot hang. */
+ * a stream waiting on one of them goes on, and teardown's device synchronization cannot hang. With replayed
+ * jobs registered the service is not freed: its watchdog answers every later replay until the process ends. */
 void engram_gather_stop(Service *s) {
     if (s == NULL) return;
     pthread_mutex_lock(&s->lock);
@@ -459,6 +613,14 @@ void engram_gather_stop(Service *s) {
         release_job(job);
         free(job);
         job = next;
+    }
+    s->head = s->tail = NULL;
+    pthread_mutex_lock(&s->lock);
+    int keep = s->watchdog_started;
+    pthread_mutex_unlock(&s->lock);
+    if (keep) {
+        __atomic_store_n(&s->team_gone, 1, __ATOMIC_RELEASE);
+        return;
     }
     pthread_cond_destroy(&s->wake);
     pthread_mutex_destroy(&s->publish_lock);

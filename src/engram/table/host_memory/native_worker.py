@@ -41,12 +41,12 @@ import torch
 
 from engram.checks import check_int
 from engram.environment import c_compiler
-from engram.table.host_memory.gather_protocol import (FLAG_WORDS, IDS_READY, JOB_DONE, MAX_WAVES, SHARED_CONSTANTS,
-                                                      SOURCE, STAGING_FREE, TIMED_WAVES, TIMELINE_WORDS, WAVES_DONE,
+from engram.table.host_memory.gather_protocol import (FLAG_WORDS, IDS_READY, JOB_DONE, MAX_REPLAYED, MAX_WAVES,
+                                                      POSTED, SHARED_CONSTANTS, SOURCE, STAGING_FREE, TIMED_WAVES, TIMELINE_WORDS, WAVES_DONE,
                                                       JobRecord, build_command, build_identity, reached, word)
 
 __all__ = ["NativeGatherService", "shared_service", "unavailable_reason", "load_library", "BUILT_LIBRARY",
-           "even_wave_ends", "FLAG_WORDS", "IDS_READY", "STAGING_FREE", "WAVES_DONE", "JOB_DONE"]
+           "even_wave_ends", "FLAG_WORDS", "IDS_READY", "STAGING_FREE", "WAVES_DONE", "JOB_DONE", "POSTED"]
 
 _SOURCE = SOURCE
 # Where the package's build puts the worker (setup.py: the extension engram.table.host_memory._native_gather).
@@ -68,6 +68,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.engram_gather_last_job.restype = ctypes.c_int
     lib.engram_gather_stop.argtypes = [ctypes.c_void_p]
     lib.engram_gather_stop.restype = None
+    lib.engram_gather_add_replayed.argtypes = [ctypes.c_void_p, ctypes.POINTER(JobRecord), ctypes.c_int64]
+    lib.engram_gather_add_replayed.restype = ctypes.c_int
+    lib.engram_gather_pause_replays.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.engram_gather_pause_replays.restype = None
+    lib.engram_gather_replay_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+    lib.engram_gather_replay_stats.restype = None
     return lib
 
 
@@ -208,6 +214,9 @@ class NativeGatherService:
             raise RuntimeError(f"the host gather's native worker could not start {threads} threads")
         self._lock = threading.Lock()
         self._retained: collections.deque = collections.deque()  # (flags numpy view, value, buffers), in job order
+        self._replayed: list = []  # every replayed job's buffers: a captured graph may replay at any time
+        self._stopped_handle = None  # a stopped service that keeps its watchdog (it had replayed jobs)
+        self._last_replay_stats = {"replayed_jobs": 0, "replays_copied": 0, "replays_released": 0}
         self._pid = os.getpid()
 
     def submit(self, *, table: torch.Tensor, ids: torch.Tensor, staging: torch.Tensor, flags: torch.Tensor,
@@ -246,32 +255,9 @@ class NativeGatherService:
                         staging_free: int, waves_base: int, num_waves: int, job_done: int,
                         wave_ends: Sequence[int] | None = None) -> None:
         """:meth:`submit` over buffers from :meth:`prepare`: only the job's own ids and word are checked."""
-        num_ids = ids.numel() - 1
-        if ids.dtype != torch.int32 or ids.dim() != 1 or num_ids < 1 or not ids.is_contiguous():
-            raise ValueError(f"ids: expected contiguous int32 [N + 1] with N >= 1, found {ids.dtype} {list(ids.shape)}")
-        if num_ids > buffers.staging_rows:
-            raise ValueError(f"staging: expected at least {num_ids} rows (one per id), found {buffers.staging_rows}")
-        if ready.dtype != torch.int32 or ready.numel() < 1 or ready.device.type != "cpu":
-            raise ValueError(f"ready: expected an int32 CPU tensor of at least one word, found {ready.dtype} "
-                             f"{list(ready.shape)} on {ready.device}")
-        if not 1 <= num_waves <= min(num_ids, MAX_WAVES):
-            raise ValueError(f"num_waves: expected 1 <= num_waves <= {min(num_ids, MAX_WAVES)} (the ids, at most "
-                             f"{MAX_WAVES}), found {num_waves}")
-        if wave_ends is None:
-            wave_ends = even_wave_ends(num_ids, num_waves)
-        elif (len(wave_ends) != num_waves or wave_ends[-1] != num_ids
-              or any(not b > a for a, b in zip([0, *wave_ends[:-1]], wave_ends))):
-            raise ValueError(f"wave_ends: expected {num_waves} increasing row counts ending at {num_ids} (the ids), "
-                             f"found {list(wave_ends)}")
-        staging_free_word, waves_done_word, job_done_word = buffers.words
-        table_address, table_rows, row_bytes = buffers.table_args
-        record = JobRecord(table=table_address, table_rows=table_rows, row_bytes=row_bytes, ids=ids.data_ptr(),
-                           num_ids=num_ids, staging=buffers.staging_address, ids_ready=ready.data_ptr(),
-                           ids_ready_value=word(ids_ready), staging_free=staging_free_word,
-                           staging_free_value=word(staging_free), waves_done=waves_done_word,
-                           waves_base=word(waves_base), num_waves=num_waves, job_done=job_done_word,
-                           job_done_value=word(job_done))
-        record.wave_ends[:num_waves] = list(wave_ends)
+        record = _record(buffers, ids, ready, num_waves, wave_ends)
+        record.ids_ready_value, record.staging_free_value = word(ids_ready), word(staging_free)
+        record.waves_base, record.job_done_value = word(waves_base), word(job_done)
         with self._lock:
             if self._handle is None:
                 raise RuntimeError("the host gather's native worker was stopped")
@@ -283,6 +269,45 @@ class NativeGatherService:
             if status != 0:
                 raise RuntimeError("the host gather's native worker refused a job (out of memory?)")
             self._retained.append((buffers.flags_view, word(job_done), (buffers, ids, ready)))
+
+    def add_replayed(self, buffers: "JobBuffers", *, ids: torch.Tensor, ready: torch.Tensor, num_waves: int,
+                     wave_ends: Sequence[int] | None = None, bound_s: float) -> None:
+        """Register a replayed job (a gather captured in a CUDA graph: gather_protocol's "Replayed jobs"):
+        each time ``ready[0]`` becomes :data:`~engram.table.host_memory.gather_protocol.POSTED`, copy
+        ``staging[i] = table[ids[i]]`` for ``i < ids[-1]`` in waves as :meth:`submit` does (``waves_done``
+        from 0, ``job_done`` + 1 per replay), or, left posted for ``bound_s`` seconds (or once the service is
+        stopped), store every wave done without copying. Its buffers are kept for the service's life; the
+        service itself, stopped, keeps its watchdog answering replays until the process exits."""
+        if not 0 < bound_s <= 3600:
+            raise ValueError(f"bound_s: expected seconds in (0, 3600], found {bound_s!r}")
+        record = _record(buffers, ids, ready, num_waves, wave_ends)
+        with self._lock:
+            if self._handle is None:
+                raise RuntimeError("the host gather's native worker was stopped")
+            if self._pid != os.getpid():
+                raise RuntimeError("the host gather's native worker belongs to the parent process; make the table "
+                                   "in this process")
+            index = self._lib.engram_gather_add_replayed(self._handle, ctypes.byref(record), int(bound_s * 1e9))
+            if index < 0:
+                raise RuntimeError(f"the host gather's native worker refused a replayed job ({MAX_REPLAYED} "
+                                   "registered already, or its watchdog thread could not start)")
+            self._replayed.append((buffers, ids, ready))
+            _REPLAYED_BUFFERS.append((buffers, ids, ready))
+
+    def pause_replays(self, paused: bool) -> None:
+        """Test hook: while ``paused``, the worker leaves every replay to the watchdog (a worker held up)."""
+        if self._handle is not None:
+            self._lib.engram_gather_pause_replays(self._handle, int(bool(paused)))
+
+    def replay_stats(self) -> dict[str, int]:
+        """Replayed jobs registered, replays the worker copied, replays the watchdog answered (after the
+        service stopped: the last counts seen before)."""
+        with self._lock:
+            if self._handle is not None or self._stopped_handle is not None:
+                values = (ctypes.c_int64 * 3)()
+                self._lib.engram_gather_replay_stats(self._handle or self._stopped_handle, values)
+                self._last_replay_stats = dict(zip(("replayed_jobs", "replays_copied", "replays_released"), values))
+            return dict(self._last_replay_stats)
 
     def prune(self) -> None:
         """Drop the buffers of the jobs done (in order: jobs finish in the order submitted)."""
@@ -336,8 +361,45 @@ class NativeGatherService:
         rows from the table); their buffers stay referenced here."""
         with self._lock:
             handle, self._handle = self._handle, None
+            if handle is not None and self._replayed:
+                self._stopped_handle = handle  # not freed: its watchdog answers replays to the end
         if handle is not None and self._pid == os.getpid():
             self._lib.engram_gather_stop(handle)
+
+
+# Every replayed job's buffers, for the process's life: the C side reads them as long as the process runs
+# (a stopped service's watchdog included), whatever happens to the Python objects that registered them.
+_REPLAYED_BUFFERS: list = []
+
+
+def _record(buffers: "JobBuffers", ids: torch.Tensor, ready: torch.Tensor, num_waves: int,
+            wave_ends: Sequence[int] | None) -> JobRecord:
+    """The job record of ``ids`` over ``buffers``, its ids, word and waves checked (values left 0)."""
+    num_ids = ids.numel() - 1
+    if ids.dtype != torch.int32 or ids.dim() != 1 or num_ids < 1 or not ids.is_contiguous():
+        raise ValueError(f"ids: expected contiguous int32 [N + 1] with N >= 1, found {ids.dtype} {list(ids.shape)}")
+    if num_ids > buffers.staging_rows:
+        raise ValueError(f"staging: expected at least {num_ids} rows (one per id), found {buffers.staging_rows}")
+    if ready.dtype != torch.int32 or ready.numel() < 1 or ready.device.type != "cpu":
+        raise ValueError(f"ready: expected an int32 CPU tensor of at least one word, found {ready.dtype} "
+                         f"{list(ready.shape)} on {ready.device}")
+    if not 1 <= num_waves <= min(num_ids, MAX_WAVES):
+        raise ValueError(f"num_waves: expected 1 <= num_waves <= {min(num_ids, MAX_WAVES)} (the ids, at most "
+                         f"{MAX_WAVES}), found {num_waves}")
+    if wave_ends is None:
+        wave_ends = even_wave_ends(num_ids, num_waves)
+    elif (len(wave_ends) != num_waves or wave_ends[-1] != num_ids
+          or any(not b > a for a, b in zip([0, *wave_ends[:-1]], wave_ends))):
+        raise ValueError(f"wave_ends: expected {num_waves} increasing row counts ending at {num_ids} (the ids), "
+                         f"found {list(wave_ends)}")
+    staging_free_word, waves_done_word, job_done_word = buffers.words
+    table_address, table_rows, row_bytes = buffers.table_args
+    record = JobRecord(table=table_address, table_rows=table_rows, row_bytes=row_bytes, ids=ids.data_ptr(),
+                       num_ids=num_ids, staging=buffers.staging_address, ids_ready=ready.data_ptr(),
+                       staging_free=staging_free_word, waves_done=waves_done_word, num_waves=num_waves,
+                       job_done=job_done_word)
+    record.wave_ends[:num_waves] = list(wave_ends)
+    return record
 
 
 _SERVICES: dict[tuple[int, int], NativeGatherService] = {}  # (process id, threads)
