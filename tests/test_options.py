@@ -15,7 +15,8 @@ def test_defaults_and_placement_options():
     assert options.placement_options("device") == {}
     assert options.placement_options("host") == {"direct_max_rows": 4096 * 24, "gather_threads": None,
                                                  "host_gather_worker": "auto", "host_gather_dedup": "auto",
-                                                 "prefetch_direct_max_rows": 1024 * 24}
+                                                 "prefetch_direct_max_rows": 1024 * 24,
+                                                 "graph_direct_max_rows": 64 * 24}
     cached = ServingOptions(cache_fraction=0.05, cache_policy="static", cache_ways=4, direct_max_rows=0,
                             extra_placement_options={"aging_interval": 32}).placement_options("cached")
     assert cached == {"direct_max_rows": 0, "gather_threads": None, "host_gather_worker": "auto",
@@ -31,6 +32,7 @@ def test_defaults_and_placement_options():
     ("validate", "yes", "validate: expected True, False or None, found 'yes'"),
     ("direct_max_rows", -1, "direct_max_rows: expected an integer >= 0, found -1"),
     ("prefetch_direct_max_rows", -2, "prefetch_direct_max_rows: expected an integer >= 0, found -2"),
+    ("graph_direct_max_rows", -3, "graph_direct_max_rows: expected an integer >= 0, found -3"),
     ("gather_threads", 0, "gather_threads: expected an integer >= 1 or None, found 0"),
     ("host_gather_worker", "c", "host_gather_worker: expected one of 'auto', 'native', 'python', found 'c'"),
     ("host_gather_dedup", "sometimes",

@@ -46,7 +46,8 @@ TUNED_NAMES = {
 # Numbers these modules keep as literals: facts of a layout, a protocol or a safety bound, not measurements.
 FACTS = {
     "table/host_memory/gather.py": {"_ID_BUFFERS",            # pinned id buffers in the native worker's ring
-                                    "WAIT_IDLE_TIMEOUT_S"},   # a wait that long is an error, not a hang
+                                    "WAIT_IDLE_TIMEOUT_S",    # a wait that long is an error, not a hang
+                                    "REPLAY_BOUND_S"},        # a replay waits no longer for the worker
     "table/kernels/gather_kernels.py": {"_SCALE_GROUP",       # values per UE8M0 scale byte (OCP MX)
                                         "_TWO_POW_120"},      # an exact fp32 constant of the E4M3 decode
     "table/kernels/peer_gather.py": {"_INTERPRETED_BLOCK_ROWS"},  # the interpreter's shape, CPU tests' speed

@@ -31,6 +31,9 @@ _TUNED = tuning().serving
 DEFAULT_DIRECT_MAX_ROWS = _TUNED.direct_max_rows
 DEFAULT_CACHE_FRACTION = _TUNED.cache_fraction
 DEFAULT_PREFETCH_DIRECT_MAX_ROWS = _TUNED.prefetch_direct_max_rows
+# DEFAULT_GRAPH_DIRECT_MAX_ROWS: under CUDA-graph capture, prefetched lookups of more rows take the captured host
+# gather (replayed with the graph), fewer read host memory directly (64 x 24 rows).
+DEFAULT_GRAPH_DIRECT_MAX_ROWS = _TUNED.graph_direct_max_rows
 
 
 class ReadOnlyDict(dict):
@@ -77,6 +80,9 @@ class ServingOptions:
         prefetch_direct_max_rows: placement ``"host"``: prefetched lookups of at most this many rows
             (and at most ``direct_max_rows``) read host memory directly; larger ones start the host
             gather at the prefetch, off the main stream [1024 * 24].
+        graph_direct_max_rows: placement ``"host"`` under CUDA-graph capture: prefetched lookups of more
+            rows than this take a host gather captured with the graph (the native worker answers every
+            replay); the others read host memory directly [64 * 24].
         gather_threads: host threads copying rows for the host gather [usable cores divided by
             ``$LOCAL_WORLD_SIZE``, at least 1].
         host_gather_worker: who copies the host gather's rows: ``"native"`` (threads in C, built at
@@ -114,6 +120,7 @@ class ServingOptions:
     check_values: bool = True
     direct_max_rows: int = DEFAULT_DIRECT_MAX_ROWS
     prefetch_direct_max_rows: int = DEFAULT_PREFETCH_DIRECT_MAX_ROWS
+    graph_direct_max_rows: int = DEFAULT_GRAPH_DIRECT_MAX_ROWS
     gather_threads: int | None = None
     host_gather_worker: str = "auto"
     host_gather_dedup: str = "auto"
@@ -138,6 +145,7 @@ class ServingOptions:
             check_bool(name, getattr(self, name))
         check_int("direct_max_rows", self.direct_max_rows, 0)
         check_int("prefetch_direct_max_rows", self.prefetch_direct_max_rows, 0)
+        check_int("graph_direct_max_rows", self.graph_direct_max_rows, 0)
         check_int("gather_threads", self.gather_threads, 1, optional=True)
         check_choice("host_gather_worker", self.host_gather_worker, HOST_GATHER_WORKERS)
         check_choice("host_gather_dedup", self.host_gather_dedup, HOST_GATHER_DEDUP)

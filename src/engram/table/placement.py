@@ -143,6 +143,11 @@ class TablePlacement(abc.ABC):
         :meth:`gather_fused` finishes, or None (the default: nothing to start, rows are at hand)."""
         return None
 
+    def prefetch_captured(self, global_ids: torch.Tensor, row_start: int) -> Any:
+        """:meth:`prefetch` while a CUDA graph is being captured: a read captured into the graph, whose pending
+        state :meth:`gather_fused` finishes in the same capture, or None (the default: nothing captured)."""
+        return None
+
     def prefetch_starts(self, num_ids: int) -> bool:
         """Whether :meth:`prefetch` of ``num_ids`` ids (outside graph capture) may start a read (True where
         unsure). Default: :attr:`starts_reads`."""

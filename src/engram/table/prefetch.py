@@ -4,7 +4,7 @@
 :class:`TablePrefetch`. Its :class:`PrefetchState` moves one way:
 
 * ``EMPTY`` (nothing was started: the rows live on the device, a decode-sized batch is read
-  directly, a graph is being captured) or ``STARTED`` (a host gather is under way);
+  directly) or ``STARTED`` (a host gather is under way, or captured into the graph being captured);
 * then exactly one of ``SERVED`` (a lookup finished it), ``STALE`` (a later prefetch of the table
   superseded it before any lookup) or ``DROPPED`` (a lookup found it not worth trying, or its
   step's handle was taken by other ids).
@@ -20,7 +20,8 @@ of these holds:
 * it is the table's latest prefetch;
 * the lookup's ids are the tensor the prefetch read, by :class:`~engram.common.IdsIdentity`
   (same base tensor, geometry and, outside inference mode, version);
-* no CUDA graph is being captured (a graph must not bake in a staging buffer);
+* it was made in a CUDA-graph capture exactly when the lookup runs in one (a graph must not bake in
+  the table's shared staging, and a captured read runs only as part of its graph);
 * the placement says its pending state still holds (:meth:`TablePlacement.prefetch_usable`).
 """
 
@@ -64,6 +65,7 @@ class TablePrefetch:
     ids: IdsIdentity
     pending: Any
     state: PrefetchState = field(default=PrefetchState.EMPTY)
+    captured: bool = False  # made during a CUDA-graph capture: its read is part of that graph
 
     def __post_init__(self):
         if self.pending is not None and self.state is PrefetchState.EMPTY:
@@ -107,7 +109,7 @@ def claim(prefetch: "TablePrefetch | None", table, latest_serial: int, hash_ids)
     if prefetch.table() is not table:
         raise ValueError(f"prefetch: a handle of another table ({prefetch.table()!r}), given to {table!r}")
     worth_trying = (prefetch.state is PrefetchState.STARTED and prefetch.serial == latest_serial
-                    and prefetch.ids.matches(hash_ids) and not capturing()
+                    and prefetch.ids.matches(hash_ids) and capturing() == prefetch.captured
                     and table.storage.prefetch_usable(prefetch.pending))
     if not worth_trying:
         prefetch.drop()

@@ -393,16 +393,19 @@ class EngramTable:
     def prefetch(self, hash_ids: torch.Tensor) -> TablePrefetch:
         """Start reading the rows of ``hash_ids [T, C]`` now (placements that read host memory) and
         return the handle that the lookup of exactly this tensor passes as ``prefetch=``. An earlier
-        handle of this table that no lookup consumed is dropped, never served. Nothing is started
-        under CUDA-graph capture, nor where the rows live on the device (the handle then serves
-        nothing and the lookup runs as without it)."""
+        handle of this table that no lookup consumed is dropped, never served. Under CUDA-graph capture
+        only a read the placement captures into the graph starts (placement ``"host"``, large lookups: a
+        host gather replayed with the graph, :meth:`TablePlacement.prefetch_captured`); nothing starts where
+        the rows live on the device (the handle then serves nothing and the lookup runs as without it)."""
         global_ids = self._local_columns(hash_ids)
         if self._latest_prefetch is not None:
             self._latest_prefetch.drop(PrefetchState.STALE)  # no-op when a lookup took it
         self._prefetch_serial += 1
-        pending = None if capturing() else self._storage.prefetch(global_ids, self._row_start)
+        captured = capturing()
+        start = self._storage.prefetch_captured if captured else self._storage.prefetch
+        pending = start(global_ids, self._row_start)
         self._latest_prefetch = TablePrefetch(weakref.ref(self), self._prefetch_serial, IdsIdentity.of(hash_ids),
-                                              pending)
+                                              pending, captured=captured)
         return self._latest_prefetch
 
     def _claim(self, prefetch: TablePrefetch | None, hash_ids: torch.Tensor):

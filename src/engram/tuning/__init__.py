@@ -206,6 +206,7 @@ class ServingTuning:
 
     direct_max_rows: int = _number(minimum=0)
     prefetch_direct_max_rows: int = _number(minimum=0)
+    graph_direct_max_rows: int = _number(minimum=0)
     cache_fraction: float = _number(minimum=1e-9, maximum=1.0)
 
 

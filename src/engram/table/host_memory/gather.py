@@ -29,6 +29,13 @@ Two workers (``worker=``):
 Every :meth:`HostGather.start` makes the tickets of earlier gathers stale (they share the
 staging): :meth:`HostGather.current` tells, and a stale ticket is never finished.
 
+Under CUDA-graph capture, :meth:`HostGather.start_replayed` captures a gather into the graph (native
+worker only): buffers of its own, fixed for the graph's life, and a replayed job of the worker
+(gather_protocol, "Replayed jobs"), so every replay gathers that replay's ids with nothing from the
+caller's thread. A replay that the worker does not take within :data:`REPLAY_BOUND_S` (held up, paused,
+stopped) is answered by the worker's watchdog with the staging unwritten: the consumer's per-row id check
+then reads those rows from host memory directly, so the graph finishes with exact rows either way.
+
 Buffers are persistent (grown, never shrunk) and guarded: the host staging is rewritten only after
 the previous copies ran (an event, or the GPU's "staging free" word), the device staging only after
 the previous reader ran.
@@ -50,7 +57,8 @@ from engram.common import next_power_of_2
 from engram.environment import local_world_size
 from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
 from engram.table.host_memory import native_worker, openmp_team, stream_memory_ops
-from engram.table.host_memory.gather_protocol import FLAG_WORDS, JOB_DONE, MAX_WAVES, STAGING_FREE, WAVES_DONE
+from engram.table.host_memory.gather_protocol import (FLAG_WORDS, IDS_READY, JOB_DONE, MAX_WAVES, POSTED, STAGING_FREE,
+                                                      WAVES_DONE)
 from engram.table.host_memory.rows import row_tags
 from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
 from engram.tuning import tuning
@@ -167,6 +175,10 @@ def _as_int32(value: int) -> int:
 
 # A wait on the worker or the GPU that has not ended after this long is an error, not a hang.
 WAIT_IDLE_TIMEOUT_S = 120.0
+# A replayed gather's copy stream waits at most about this long for the worker (plus the watchdog's 1 ms look):
+# the worker takes a replay within microseconds unless a gather before it is still copying (a few ms at
+# T = 8192 on the H200's host); past it the rows are read directly, exact and slower.
+REPLAY_BOUND_S = 0.05
 
 _NATIVE_ENQUEUE_LOCK = threading.Lock()
 _FLAG_WORDS_KEPT: list[torch.Tensor] = []
@@ -201,6 +213,13 @@ class GatherTicket:
     inverse: torch.Tensor
     done: torch.cuda.Event | None = None
     finished: bool = field(default=False)
+    staging: torch.Tensor | None = None  # a replayed gather's own device staging (None: the table's)
+    keep: tuple = field(default=(), repr=False)  # a replayed gather's other buffers, read at every replay
+
+    @property
+    def replayed(self) -> bool:
+        """Whether this is a gather captured in a CUDA graph (:meth:`HostGather.start_replayed`)."""
+        return self.staging is not None
 
 
 class HostGather:
@@ -230,6 +249,8 @@ class HostGather:
         self.row_bytes = packed.shape[1]
         self.capacity = 0
         self.copy_stream = torch.cuda.Stream(device)
+        self.replay_stream = torch.cuda.Stream(device) if self.worker == "native" else None  # replayed gathers' copies
+        self.replayed: list[GatherTicket] = []  # every replayed gather's ticket (its buffers live as long as graphs)
         if self.worker == "native":
             self.native_service = native_worker.shared_service(self.gather_threads)
             self._flags = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=True)
@@ -407,6 +428,68 @@ class HostGather:
             self.native_gathers["sorted" if sort else "lookup_order"] += 1
             return GatherTicket(number, None, inverse.view(global_ids.shape), done)
 
+    @property
+    def replays(self) -> bool:
+        """Whether :meth:`start_replayed` can capture a gather here (the native worker)."""
+        return self.worker == "native"
+
+    def start_replayed(self, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream,
+                       bound_s: float = REPLAY_BOUND_S) -> GatherTicket:
+        """Capture, on ``stream`` (capturing), a gather of ``global_ids`` that runs at every replay of the graph
+        (module docstring): buffers of its own, made now and kept for the process's life; returns its ticket
+        for :meth:`finish` in the same capture. Rows in lookup order (with ``dedup="always"`` sorted and
+        deduplicated). ``bound_s``: how long a replay waits for the worker before the watchdog answers it."""
+        num_ids = global_ids.numel()
+        if num_ids == 0:
+            raise ValueError("global_ids: the host gather needs at least one id, found an empty tensor")
+        if not torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("start_replayed: expected a CUDA-graph capture under way (use start outside one)")
+        if not self.replays:
+            raise RuntimeError(f"start_replayed: needs the native worker, found the {self.worker!r} worker")
+        with self._lock:
+            if self._broken is not None:
+                raise RuntimeError(f"this table's host gather is unusable after an earlier failure: {self._broken}")
+            with stream_memory_ops.relaxed_capture(), torch.inference_mode(False):  # pinned, outside the graph
+                ids_host = torch.zeros(num_ids + 1, dtype=torch.int32, pin_memory=True)
+                staging_host = torch.empty(num_ids, self.row_bytes, dtype=torch.uint8, pin_memory=True)
+                flags = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=True)
+            row_tags(staging_host).fill_(-1)  # on the host: never served until a worker writes it
+            flags_device = stream_memory_ops.device_address(flags, self.device)
+            num_waves = _num_waves(num_ids, _MAX_WAVES_NATIVE)
+            wave_ends = shrinking_wave_ends(num_ids, num_waves)
+            buffers = self.native_service.prepare(table=self.packed, staging=staging_host, flags=flags)
+            self.native_service.add_replayed(buffers, ids=ids_host, ready=flags[IDS_READY:], num_waves=num_waves,
+                                             wave_ends=wave_ends, bound_s=bound_s)
+            with torch.cuda.stream(stream), torch.inference_mode(False):  # graph-pool tensors the graph keeps
+                if self.dedup == "always":
+                    distinct = distinct_rows(global_ids, row_start, self.packed.shape[0] - 1)
+                    rows_and_count, inverse = distinct.rows_and_count, distinct.inverse
+                else:
+                    rows_and_count = rows_in_lookup_order(global_ids, row_start, self.packed.shape[0] - 1)
+                    inverse = torch.arange(num_ids, dtype=torch.int32, device=self.device)
+                # every replay copies the whole staging in, so its unwritten content is never read
+                staging_device = torch.empty(num_ids, self.row_bytes, dtype=torch.uint8, device=self.device)
+            copies = self.replay_stream
+            with torch.cuda.device(self.device):
+                stream_memory_ops.copy_to_host(stream, ids_host.data_ptr(), rows_and_count.data_ptr(),
+                                               4 * (num_ids + 1))
+                stream_memory_ops.write_value(stream, flags_device + 4 * IDS_READY, POSTED)
+                copies.wait_stream(stream)
+                waves_done = flags_device + 4 * WAVES_DONE
+                host_address, device_address = staging_host.data_ptr(), staging_device.data_ptr()
+                for wave, (begin, end) in enumerate(zip([0, *wave_ends[:-1]], wave_ends)):
+                    stream_memory_ops.wait_value(copies, waves_done, wave + 1)
+                    offset = begin * self.row_bytes
+                    stream_memory_ops.copy_to_device(copies, device_address + offset, host_address + offset,
+                                                     (end - begin) * self.row_bytes)
+                stream_memory_ops.write_value(copies, waves_done, 0)
+                done = torch.cuda.Event()
+                done.record(copies)
+            ticket = GatherTicket(0, None, inverse.view(global_ids.shape), done, staging=staging_device,
+                                  keep=(rows_and_count, staging_host, ids_host, flags))
+            self.replayed.append(ticket)
+            return ticket
+
     def _reuse_id_buffer(self, number: int, sort: bool, num_ids: int):
         """The pinned id buffer of slot ``number % _ID_BUFFERS`` for gather ``number`` when the worker is done
         with its last job, else None; with ``dedup="auto"`` a sorted gather's buffer is remembered for its
@@ -482,6 +565,11 @@ class HostGather:
         device, ordered after the copies on ``stream``, and the lookup's ``inverse`` into them.
         Blocks the calling thread until the worker has enqueued the copies (never until they run).
         Call :meth:`consumed` once their reader is enqueued. ``ticket`` must be :meth:`current`."""
+        if ticket.replayed:  # its own buffers, ordered by the graph
+            if not torch.cuda.is_current_stream_capturing():
+                raise ValueError("ticket: a gather captured in a CUDA graph is finished only in that capture")
+            stream.wait_event(ticket.done)
+            return ticket.staging, ticket.inverse
         with self._lock:  # a start on another thread cannot reuse the staging between the check and the wait
             if not self.current(ticket):
                 raise ValueError(f"ticket: gather {ticket.number} is stale (gather {self._started} started since, "

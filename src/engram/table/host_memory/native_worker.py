@@ -408,11 +408,12 @@ _SERVICES_LOCK = threading.Lock()
 
 def shared_service(threads: int) -> NativeGatherService:
     """The process's service of ``threads`` threads (made at first use): every table with that thread
-    count shares it, so gathers run one at a time in the order started instead of fighting over cores."""
+    count shares it, so gathers run one at a time in the order started instead of fighting over cores.
+    A stopped service is replaced by a new one (a table's gather made after :meth:`NativeGatherService.stop`)."""
     key = (os.getpid(), threads)
     with _SERVICES_LOCK:
         service = _SERVICES.get(key)
-        if service is None:
+        if service is None or service.stopped:
             service = _SERVICES[key] = NativeGatherService(threads)
         return service
 

@@ -6,7 +6,10 @@ enqueues ``cuStreamWaitValue32`` with the wrap-aware greater-or-equal test (late
 waits until ``(int32)(*word - value) >= 0``). Both only enqueue: no host sync. ``address`` is the
 device address of a word of pinned host memory (:func:`device_address`). ``copy_to_device(stream,
 target, source, nbytes)`` enqueues ``cuMemcpyHtoDAsync`` between raw addresses: on the H200's host
-about 5 us of host time against 15-20 us for a slice and ``Tensor.copy_``.
+about 5 us of host time against 15-20 us for a slice and ``Tensor.copy_``; ``copy_to_host`` the other way
+(``cuMemcpyDtoHAsync``). All of them may be captured in a CUDA graph. :func:`relaxed_capture` lets this
+thread allocate (pinned memory, streams) while a capture is under way, as torch's allocator does for
+``cudaMalloc``.
 
 The host gather uses them with its native worker (:mod:`engram.table.host_memory.native_worker`):
 the stream waits for a word the worker stores, and the worker polls words the stream writes, so
@@ -16,12 +19,14 @@ write and one wait on a scratch stream, once per device).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
 import torch
 
-__all__ = ["available", "device_address", "write_value", "wait_value", "copy_to_device"]
+__all__ = ["available", "device_address", "write_value", "wait_value", "copy_to_device", "copy_to_host",
+           "relaxed_capture"]
 
 _WAIT_GEQ = 0x0        # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-aware
 _WRITE_DEFAULT = 0x0   # CU_STREAM_WRITE_VALUE_DEFAULT: after the stream's earlier writes are visible
@@ -29,7 +34,8 @@ _WRITE_DEFAULT = 0x0   # CU_STREAM_WRITE_VALUE_DEFAULT: after the stream's earli
 
 @functools.lru_cache(maxsize=1)
 def _driver():
-    """``(wait, write, device_pointer, copy)`` of the CUDA driver, or None where it is not reachable."""
+    """``(wait, write, device_pointer, copy, copy_back, exchange_capture_mode)`` of the CUDA driver, or None
+    where it is not reachable."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -46,7 +52,9 @@ def _driver():
     write = function("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
     pointer = function("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
     copy = function("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync")
-    if wait is None or write is None or pointer is None or copy is None:
+    copy_back = function("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync")
+    exchange = function("cuThreadExchangeStreamCaptureMode")
+    if None in (wait, write, pointer, copy, copy_back, exchange):
         return None
     for operation in (wait, write):
         operation.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
@@ -55,7 +63,11 @@ def _driver():
     pointer.restype = ctypes.c_int
     copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     copy.restype = ctypes.c_int
-    return wait, write, pointer, copy
+    copy_back.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    copy_back.restype = ctypes.c_int
+    exchange.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    exchange.restype = ctypes.c_int
+    return wait, write, pointer, copy, copy_back, exchange
 
 
 def _checked(status: int, what: str) -> None:
@@ -94,6 +106,29 @@ def copy_to_device(stream: torch.cuda.Stream, target: int, source: int, nbytes: 
     memory) to device address ``target``. The caller keeps both buffers alive until the copy has run."""
     _checked(_driver()[3](target, ctypes.c_void_p(source), nbytes, ctypes.c_void_p(stream.cuda_stream)),
              "cuMemcpyHtoDAsync")
+
+
+def copy_to_host(stream: torch.cuda.Stream, target: int, source: int, nbytes: int) -> None:
+    """Enqueue on ``stream`` (its device current): copy ``nbytes`` from device address ``source`` to host
+    address ``target`` (pinned memory). The caller keeps both buffers alive until the copy has run."""
+    _checked(_driver()[4](ctypes.c_void_p(target), source, nbytes, ctypes.c_void_p(stream.cuda_stream)),
+             "cuMemcpyDtoHAsync")
+
+
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED
+
+
+@contextlib.contextmanager
+def relaxed_capture():
+    """This thread's stream-capture mode relaxed inside the block (``cuThreadExchangeStreamCaptureMode``): calls
+    that a capture would refuse as unsafe (``cudaHostAlloc``) are allowed; the mode before is restored after."""
+    exchange = _driver()[5]
+    mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+    _checked(exchange(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
+    try:
+        yield
+    finally:
+        _checked(exchange(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
 
 
 _AVAILABLE: dict[int, bool] = {}

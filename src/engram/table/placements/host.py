@@ -9,7 +9,9 @@ Two read paths, chosen per lookup by its row count (``direct_max_rows``):
   deduplicated on the device, gathered on the host by torch's threads into pinned
   staging and moved by the copy engine in chunks; the gather kernel then reads them
   back in token order from the device staging.
-  Needs a host thread, so it is never used while a CUDA graph is being captured.
+  Under CUDA-graph capture a prefetched lookup of more than ``graph_direct_max_rows`` rows is
+  gathered the same way by a gather captured into the graph, which the native worker answers at
+  every replay (:meth:`HostPlacement.prefetch_captured`); a lookup without a prefetch reads directly.
 
 :meth:`HostPlacement.prefetch` starts path (b) early (at the step's prefetch) and returns its
 ticket; the lookup given that ticket (through :class:`~engram.table.table.TablePrefetch`) then
@@ -29,7 +31,7 @@ import torch
 
 from engram.checks import check_int
 from engram.common import resolve_cuda_device
-from engram.options import DEFAULT_DIRECT_MAX_ROWS, DEFAULT_PREFETCH_DIRECT_MAX_ROWS
+from engram.options import DEFAULT_DIRECT_MAX_ROWS, DEFAULT_GRAPH_DIRECT_MAX_ROWS, DEFAULT_PREFETCH_DIRECT_MAX_ROWS
 from engram.table.host_memory.gather import GatherTicket, HostGather, check_gather_options, gather_packed_rows_host
 from engram.table.host_memory.rows import (PackedRows, cuda_alias, owns_its_pages, pack_rows_in_own_pages, packed_row_bytes,
                         register_with_cuda, row_tags_written)
@@ -91,12 +93,15 @@ class HostOptions:
     gather_threads: int | None = None
     host_gather_worker: str = "auto"
     host_gather_dedup: str = "auto"
-    serving_fields: ClassVar[dict] = {name: name for name in HOST_SERVING_FIELDS + ("prefetch_direct_max_rows",)}
+    graph_direct_max_rows: int = DEFAULT_GRAPH_DIRECT_MAX_ROWS
+    serving_fields: ClassVar[dict] = {name: name for name in HOST_SERVING_FIELDS + ("prefetch_direct_max_rows",
+                                                                                    "graph_direct_max_rows")}
 
     def __post_init__(self):
         check_host_gather_options(self.direct_max_rows, self.gather_threads, self.host_gather_worker,
                                   self.host_gather_dedup)
         check_direct_max_rows(self.prefetch_direct_max_rows, "prefetch_direct_max_rows")
+        check_direct_max_rows(self.graph_direct_max_rows, "graph_direct_max_rows")
 
 
 @register_placement
@@ -118,6 +123,10 @@ class HostPlacement(TablePlacement):
             (:mod:`engram.table.host_memory.gather`).
         host_gather_dedup: ``"auto"``, ``"always"`` or ``"never"``: whether path (b) copies each distinct
             row once (:mod:`engram.table.host_memory.gather`).
+        graph_direct_max_rows: under CUDA-graph capture, prefetched lookups of more rows than this take a
+            host gather captured with the graph (native worker: every replay gathers its own ids,
+            :meth:`HostGather.start_replayed <engram.table.host_memory.gather.HostGather.start_replayed>`);
+            the others, and every lookup without a prefetch, read host memory directly.
     """
 
     name = "host"
@@ -129,10 +138,11 @@ class HostPlacement(TablePlacement):
     def __init__(self, value_bytes: torch.Tensor, scale_bytes: torch.Tensor, device=None, *,
                  direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
                  host_gather_worker: str = "auto", prefetch_direct_max_rows: int = DEFAULT_PREFETCH_DIRECT_MAX_ROWS,
-                 host_gather_dedup: str = "auto"):
+                 host_gather_dedup: str = "auto", graph_direct_max_rows: int = DEFAULT_GRAPH_DIRECT_MAX_ROWS):
         HostOptions(direct_max_rows=direct_max_rows, prefetch_direct_max_rows=prefetch_direct_max_rows,
                     gather_threads=gather_threads, host_gather_worker=host_gather_worker,
-                    host_gather_dedup=host_gather_dedup)  # every option checked before any work
+                    host_gather_dedup=host_gather_dedup,
+                    graph_direct_max_rows=graph_direct_max_rows)  # every option checked before any work
         if not torch.cuda.is_available():
             raise ValueError("placement 'host' keeps the table in host memory for a CUDA device to read, and this "
                              "machine has no CUDA device; use placement='cpu' (tables served from the CPU)")
@@ -151,6 +161,7 @@ class HostPlacement(TablePlacement):
         self.rows = rows
         self.direct_max_rows = direct_max_rows
         self.prefetch_direct_max_rows = prefetch_direct_max_rows
+        self.graph_direct_max_rows = graph_direct_max_rows
         self.direct_config = None  # launch shape of the direct reads (None: by size, as above)
         head_dim = rows.head_dim
         alias = cuda_alias(rows.packed, target)  # [rows + 1, row_bytes], host memory, a CUDA tensor
@@ -226,12 +237,25 @@ class HostPlacement(TablePlacement):
     def prefetch_starts(self, num_ids: int) -> bool:
         return self.backend == "triton" and num_ids > min(self.prefetch_direct_max_rows, self.direct_max_rows)
 
+    def prefetch_captured(self, global_ids: torch.Tensor, row_start: int) -> GatherTicket | None:
+        """Under CUDA-graph capture: capture the host gather of ``global_ids`` into the graph
+        (:meth:`HostGather.start_replayed <engram.table.host_memory.gather.HostGather.start_replayed>`) when
+        the lookup has more than ``graph_direct_max_rows`` rows and the native worker runs, and return its
+        ticket; else None (the captured lookup reads host memory directly)."""
+        if (self.backend != "triton" or global_ids.numel() <= self.graph_direct_max_rows
+                or not self._host_gather.replays):
+            return None
+        return self._host_gather.start_replayed(global_ids, row_start, torch.cuda.current_stream(self.device))
+
     def finish_waits(self, pending: GatherTicket) -> bool:
         """Whether finishing the prefetch blocks the caller: with the Python worker, until its copies are enqueued."""
         return pending.future is not None
 
     def prefetch_usable(self, pending: GatherTicket) -> bool:
-        """Whether a prefetch's ticket still holds its rows (no later gather reused the staging)."""
+        """Whether a prefetch's ticket still holds its rows (no later gather reused the staging); a captured
+        gather's, only in its capture."""
+        if pending.replayed:
+            return torch.cuda.is_current_stream_capturing()
         return self._host_gather.current(pending)
 
     def gather_fused(self, global_ids: torch.Tensor, row_start: int, packed: bool,
@@ -253,7 +277,7 @@ class HostPlacement(TablePlacement):
             ticket = self._host_gather.start(global_ids, row_start, torch.cuda.current_stream(self.device))
         stream = torch.cuda.current_stream(self.device)
         staged, inverse = self._host_gather.finish(ticket, stream)
-        if pending is not None:
+        if pending is not None and not pending.replayed:
             inverse.record_stream(stream)  # made on the prefetch's stream
         # Each staged row serves only the position whose id it was read for (its tag); any other position reads
         # its row from host memory directly in the same launch: ids edited since the prefetch, a stale or
@@ -261,5 +285,6 @@ class HostPlacement(TablePlacement):
         merge = _merge_launchers()
         merge_rows = merge.checked_merge_rows_packed if packed else merge.checked_merge_rows
         out = merge_rows(global_ids, row_start, self.direct_values, self.direct_scales, staged, inverse)
-        self._host_gather.consumed(stream)
+        if not ticket.replayed:  # a replayed gather's staging is its own, reused only by the graph's next replay
+            self._host_gather.consumed(stream)
         return out
