@@ -165,6 +165,11 @@ def headline(report: dict) -> dict:
     return {
         "host_vs_device_prefill_T8192_pct": _vs(prefill, HOST_PREFETCHED, "device"),
         "host_vs_device_decode_T64_pct": _vs(decode64, HOST_PREFETCHED, "device"),
+        # decode steps are graph replays: host_prefetch there gathers inside the graph above graph_direct_max_rows
+        **{f"host_graph_vs_device_decode_T{tokens}_pct": _vs(_phase(report, "decode", tokens), ("host_prefetch",),
+                                                               "device") for tokens in (1, 64, 256, 1024)},
+        **{f"control_vs_device_decode_T{tokens}_pct": _vs(_phase(report, "decode", tokens), ("device_again",),
+                                                           "device") for tokens in (256, 1024)},
         **{f"{name}_vs_device_prefill_T8192_pct": _vs(prefill, (name,), "device") for name in HOST_PREFETCHED},
         **{f"{name}_vs_device_prefill_T8192_ci95_pct": _interval(prefill, name, "device") for name in HOST_PREFETCHED},
         "cached_vs_device_prefill_T8192_pct": _vs(prefill, ("cached_prefetch", "cached_kv_ahead"), "device"),

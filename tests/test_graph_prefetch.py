@@ -190,3 +190,21 @@ def test_a_captured_step_prefetches_inside_the_graph_and_equals_device(mode, syn
     copied = sum(served.table(layer_id).storage.host_gather.native_service.replay_stats()["replays_copied"]
                  for layer_id in spec.layer_ids[:1])
     assert copied >= 20
+
+
+def test_a_captured_prefetch_that_no_lookup_takes_still_joins_its_capture(seed):
+    generator = torch.Generator().manual_seed(seed)
+    device, host = _tables(generator)
+    ids, other = _fresh(generator, 256).cuda(), _fresh(generator, 256).cuda()
+    host.lookup(ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        handle = host.prefetch(ids)
+        out = host.lookup(other, prefetch=handle)  # other ids: the prefetch is dropped, its copies joined
+    assert handle.state.value == "dropped"
+    for step in range(5):
+        other.copy_(_fresh(generator, 256).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), device.lookup(other).view(torch.int16)), f"replay {step}"

@@ -98,7 +98,8 @@ class LayerPlan:
                                   backend=layer.gate_backend)
         if self.path == "checked":
             return layer.forward_checked(hidden_states, hash_ids, token_mask, None, prefetch=prefetch)
-        if self.step is not None and self.step.current(layer):  # prepared launches, rows read in place
+        started = getattr(prefetch, "started", False) is True  # a read under way: the lookup path finishes it
+        if self.step is not None and self.step.current(layer) and not started:  # prepared launches, rows in place
             return self.step(layer, hidden_states, hash_ids, token_mask)
         kv = layer.project(hash_ids, [hash_ids.shape[0]], [0], hidden_states.device, prefetch)
         return engram_gate_kv(hidden_states, kv, layer.q_weight, layer.k_weight, layer.eps, token_mask,

@@ -148,6 +148,10 @@ class TablePlacement(abc.ABC):
         state :meth:`gather_fused` finishes in the same capture, or None (the default: nothing captured)."""
         return None
 
+    def release_captured(self, pending: Any) -> None:
+        """A pending state from :meth:`prefetch_captured` that no lookup finishes: join its captured work to the
+        current stream (a capture ends only with every forked stream joined). Default: nothing."""
+
     def prefetch_starts(self, num_ids: int) -> bool:
         """Whether :meth:`prefetch` of ``num_ids`` ids (outside graph capture) may start a read (True where
         unsure). Default: :attr:`starts_reads`."""

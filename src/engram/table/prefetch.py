@@ -84,6 +84,8 @@ class TablePrefetch:
         table = self.table()
         if self.state is PrefetchState.STARTED and table is not None:
             table.prefetches["dropped"] += 1
+            if self.captured and capturing():  # its captured copies must join the capture all the same
+                table.storage.release_captured(self.pending)
         self.state = state
 
     @property

@@ -163,7 +163,6 @@ def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_pt
     group_valid = group < HEAD_DIM // _SCALE_GROUP
     column = tl.arange(0, GROUPS_PADDED * _SCALE_GROUP)
     column_valid = column < HEAD_DIM
-    tag_byte = tl.arange(0, 4)
     from_staging = tl.zeros([1], dtype=tl.int32).sum(axis=0)
     for index in range(pid, touched_count, num_programs):
         row_set = tl.load(touched_ptr + index).to(tl.int64)
@@ -185,15 +184,21 @@ def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_pt
         slot = row_set * WAYS + victim_way.to(tl.int64)
         tl.store(tags_ptr + slot, row, mask=admit)
         tl.store(counters_ptr + slot, tl.minimum(score, _COUNTER_MAX).to(tl.int32), mask=admit)
-        # The bytes, one candidate at a time with a scalar row and slot: one [WAYS, D // 32, 32] copy left
-        # wrong 32-64-byte chunks in some slots on the H200 (Triton 3.6), tags right.
-        for k in tl.static_range(WAYS):
-            pick = way == k
-            admit_k = tl.sum(tl.where(pick & admit, 1, 0), axis=0)  # 1: candidate k is admitted
+        # The bytes, way by way, from scalars every thread loads itself (no reduction hands them out): the
+        # way's tag, just stored (the barrier makes every thread's stores visible to all), against the tag in
+        # its slot row's last 4 bytes, which every writer of a slot's bytes writes with them (-1 at first):
+        # they differ exactly where a row was admitted now. Candidate rows and slots picked out by tl.sum
+        # left wrong 32-64-byte chunks in some slots on the H200 (Triton 3.6), tags right.
+        tl.debug_barrier()
+        for w in tl.static_range(WAYS):
+            slot_w = row_set * WAYS + w
+            row_k = tl.load(tags_ptr + slot_w)
+            slot_base = slot_rows_ptr + slot_w * slot_stride
+            slot_tag_ptr = (slot_base + (ROW_BYTES - 4)).to(tl.pointer_type(tl.int32))
+            admit_k = ((row_k >= 0) & (row_k != tl.load(slot_tag_ptr).to(tl.int64))).to(tl.int32)
+            row_k = tl.maximum(row_k, 0)
             value_mask = column_valid & ((column * 0 + admit_k) > 0)
             scale_mask = group_valid & ((group * 0 + admit_k) > 0)
-            row_k = tl.sum(tl.where(pick & admit, row, 0), axis=0)
-            slot_base = slot_rows_ptr + tl.sum(tl.where(pick, slot, 0), axis=0) * slot_stride
             if HAS_STAGED:
                 staged_row = _staged_row(row_k, admit_k, keys_ptr, staged_at_ptr, table_size, staged_ptr,
                                          staged_stride, num_staged, ROW_BYTES)
@@ -213,8 +218,7 @@ def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_pt
                 scale_bytes = tl.load(back_scales_ptr + row_k * scale_stride + group, mask=scale_mask, other=0)
             tl.store(slot_base + column, value_bytes, mask=value_mask)
             tl.store(slot_base + HEAD_DIM + group, scale_bytes, mask=scale_mask)
-            tag_bytes = ((row_k >> (8 * tag_byte).to(tl.int64)) & 255).to(tl.uint8)
-            tl.store(slot_base + (ROW_BYTES - 4) + tag_byte, tag_bytes, mask=(tag_byte * 0 + admit_k) > 0)
+            tl.store(slot_tag_ptr, row_k.to(tl.int32), mask=admit_k > 0)
     if HAS_STAGED:
         tl.atomic_add(from_staging_ptr, from_staging.to(tl.int64))
 
@@ -235,10 +239,8 @@ def _staged_row(row, admit, keys_ptr, staged_at_ptr, table_size, staged_ptr, sta
     found = (admit > 0) & (key == row.to(tl.int32))
     staged_row = tl.where(found, tl.load(staged_at_ptr + position), -1).to(tl.int64)  # position < table_size
     inside = found & (staged_row >= 0) & (staged_row < num_staged)
-    tag_byte = tl.arange(0, 4)
-    tag_bytes = tl.load(staged_ptr + tl.where(inside, staged_row, 0) * staged_stride + (ROW_BYTES - 4) + tag_byte,
-                        mask=(tag_byte * 0 + inside.to(tl.int32)) > 0, other=0)
-    tag = tl.sum(tag_bytes.to(tl.int64) << (8 * tag_byte).to(tl.int64), axis=0)
+    tag_ptr = (staged_ptr + tl.where(inside, staged_row, 0) * staged_stride + (ROW_BYTES - 4)).to(tl.pointer_type(tl.int32))
+    tag = tl.load(tag_ptr, mask=inside, other=-1).to(tl.int64)  # rows are 4-byte aligned (row_tags)
     return tl.where(inside & (tag == row), staged_row, -1)
 
 

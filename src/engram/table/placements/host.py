@@ -251,6 +251,9 @@ class HostPlacement(TablePlacement):
         """Whether finishing the prefetch blocks the caller: with the Python worker, until its copies are enqueued."""
         return pending.future is not None
 
+    def release_captured(self, pending: GatherTicket) -> None:
+        torch.cuda.current_stream(self.device).wait_event(pending.done)
+
     def prefetch_usable(self, pending: GatherTicket) -> bool:
         """Whether a prefetch's ticket still holds its rows (no later gather reused the staging); a captured
         gather's, only in its capture."""

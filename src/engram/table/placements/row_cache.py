@@ -99,6 +99,9 @@ class RowCache:
         slots = self.num_sets * ways
         device = torch.device(device)
         self.slot_rows = torch.zeros(slots + 1, packed_row_bytes(head_dim), dtype=torch.uint8, device=device)
+        # Each slot row's last 4 bytes: the row whose bytes it holds (-1: none). Every writer of a slot's bytes
+        # writes them too; the update kernels copy a slot's bytes where the slot's tag differs from them.
+        self.slot_rows[:, -TAG_BYTES:].view(torch.int32).fill_(-1)
         self._tags = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
         self._counters = torch.zeros(slots + 1, dtype=torch.int32, device=device)
         self.updates = 0
@@ -227,9 +230,11 @@ class RowCache:
         """``inverse`` flat, after checking ``staged`` / ``inverse`` against the cache and the step's ids."""
         row_bytes = self.slot_rows.shape[1]
         if (staged.dtype != torch.uint8 or staged.dim() != 2 or staged.shape[1] != row_bytes or staged.shape[0] < 1
-                or staged.stride(1) != 1 or staged.device != self.device):
-            raise ValueError(f"staged: expected uint8 [S >= 1, {row_bytes}] rows on {self.device} (row-contiguous), "
-                             f"found {staged.dtype} {list(staged.shape)} on {staged.device}")
+                or staged.stride(1) != 1 or staged.device != self.device or staged.stride(0) % TAG_BYTES
+                or staged.data_ptr() % TAG_BYTES):
+            raise ValueError(f"staged: expected uint8 [S >= 1, {row_bytes}] rows on {self.device} (row-contiguous, "
+                             f"4-byte aligned), found {staged.dtype} {list(staged.shape)} strides {staged.stride()} "
+                             f"on {staged.device}")
         flat = inverse.reshape(-1)
         if flat.dtype != torch.int32 or flat.numel() != num_ids or flat.device != self.device:
             raise ValueError(f"inverse: expected int32 [{num_ids}] (one per id) on {self.device}, found "
