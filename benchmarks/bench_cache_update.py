@@ -139,8 +139,22 @@ def main() -> int:
                 row[path] = _time_update(update, lambda step: steps[args.warm_steps + step], args.steps)
             buffers = caches["staged"].admission_buffers(1)
             row["staged"]["rows_from_staging"] = int(buffers.from_staging)
-            same = all(torch.equal(caches[path].tags, caches["torch"].tags) for path in ("kernels", "staged"))
-            same = same and torch.equal(caches["kernels"].slot_rows, caches["staged"].slot_rows)
+            # slots whose tag differs from the torch reference's, per path, and slots whose bytes differ between paths
+            for path in ("kernels", "staged"):
+                row[path]["tags_differ"] = int((caches[path].tags != caches["torch"].tags).sum())
+            differ = (caches["kernels"].slot_rows != caches["staged"].slot_rows)
+            row["slot_bytes_differ"] = int(differ.any(1).sum())
+            if row["slot_bytes_differ"]:
+                where = torch.nonzero(differ.any(1))[:4, 0].tolist()
+                print(f"  slots whose bytes differ (of {num_slots}; the last is the trash slot): {where}, byte columns "
+                      f"{torch.nonzero(differ[where[0]])[:, 0].tolist()[:12]}, tags there {caches['kernels'].tags_with_trash[where].tolist()}; "
+                      f"staged equals torch there: {[bool(torch.equal(caches['staged'].slot_rows[i], caches['torch'].slot_rows[i])) for i in where]}; "
+                      f"kernels' tag bytes {caches['kernels'].slot_rows[where, -4:].view(torch.int32).tolist()}, staged's "
+                      f"{caches['staged'].slot_rows[where, -4:].view(torch.int32).tolist()}", flush=True)
+            row["slot_bytes_differ_from_torch"] = int((caches["kernels"].slot_rows[:-1]
+                                                       != caches["torch"].slot_rows[:-1]).any(1).sum())
+            same = (row["kernels"]["tags_differ"] == row["staged"]["tags_differ"] == 0
+                    and row["slot_bytes_differ"] == 0 and row["slot_bytes_differ_from_torch"] == 0)
             row["kernels"]["graph_us"] = _graph_replay_us(caches["kernels"], steps, back_values, back_scales)
             row["tags_equal"] = same
             row["speedup_gpu"] = row["torch"]["gpu_us"] / row["kernels"]["gpu_us"]
@@ -149,7 +163,9 @@ def main() -> int:
                   f"{row['kernels']['gpu_us']:7.1f} us, graph {row['kernels']['graph_us']:7.1f} us | staged host "
                   f"{row['staged']['host_us']:6.1f} us, gpu {row['staged']['gpu_us']:7.1f} us | torch host "
                   f"{row['torch']['host_us']:8.1f} us, gpu {row['torch']['gpu_us']:8.1f} us | "
-                  f"{row['speedup_gpu']:.0f}x, tags and bytes equal {same}", flush=True)
+                  f"{row['speedup_gpu']:.0f}x, tags and bytes equal {same} (tags differ: kernels "
+                  f"{row['kernels']['tags_differ']}, staged {row['staged']['tags_differ']}; bytes differ: kernels/staged "
+                  f"{row['slot_bytes_differ']}, kernels/torch {row['slot_bytes_differ_from_torch']})", flush=True)
     report = {"benchmark": "bench_cache_update", "device": torch.cuda.get_device_name(), **versions(torch.device("cuda")),
               "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

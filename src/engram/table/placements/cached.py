@@ -79,6 +79,12 @@ __all__ = ["CachedPlacement", "CachedOptions", "DEFAULT_CACHE_FRACTION"]
 DEFAULT_CACHE_FRACTION = tuning().serving.cache_fraction
 UPDATED_POLICIES = ("set-lru", "dynamic")  # the policies that update_cache changes
 
+# Whether an update after a large lookup copies the rows it admits from that lookup's staging (RowCache.update's
+# staged=). Off: on the H200 (Triton 3.6, bench_cache_update.py, dynamic T = 8192, 7.68 M slots) 1-2 slots a run
+# got wrong bytes from column 128 on, tags right, where the backing-row copy is bit-equal to the reference
+# (benchmarks/NOTES.md "Cache admission on the GPU"). The staged path stays tested beside it until it is.
+ADMIT_FROM_STAGING = False
+
 
 @dataclass(frozen=True)
 class CachedOptions:
@@ -234,7 +240,7 @@ class CachedPlacement(TablePlacement):
             return
         capturing = cuda_capturing()
         staged = inverse = None
-        if last is not None and not capturing and self._staging_holds(last, global_ids):
+        if ADMIT_FROM_STAGING and last is not None and not capturing and self._staging_holds(last, global_ids):
             staged, inverse = last[0], last[1]
         self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing, staged=staged, inverse=inverse)
         if staged is not None and self.host is not None:
