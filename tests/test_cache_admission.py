@@ -173,6 +173,8 @@ def test_admitted_rows_come_from_the_lookups_staging_where_its_tag_matches(recen
     used = 0
     for step, ids in enumerate(_steps(rng, num_rows, [63, 120, 1, 40])):
         staged, inverse, always_right = _staging_for(rng, ids, packed_back)
+        if staged.shape[0] == 0:  # no id inside the table: a lookup that staged nothing
+            staged = inverse = None
         poisoned_values, poisoned_scales = back_values.clone(), back_scales.clone()
         poisoned_values[torch.from_numpy(always_right)] = 0x7E
         poisoned_scales[torch.from_numpy(always_right)] = 1
@@ -252,7 +254,7 @@ def test_gpu_captured_update_replayed_with_fresh_ids_equals_eager(recency, seed)
 
 
 def test_update_kernels_compile_for_sm90():
-    """The five update kernels compiled for sm90 on the CPU (Triton's own ptxas, no GPU) with the launcher's
+    """The six update kernels compiled for sm90 on the CPU (Triton's own ptxas, no GPU) with the launcher's
     shapes, int32 and int64 ids, with and without a staging, both scores: the interpreter checks what they
     compute, not that they build."""
     pytest.importorskip("triton")
@@ -275,13 +277,15 @@ def test_update_kernels_compile_for_sm90():
                       num_sets="i32", step_ptr="*i64", best_ptr="*i64", stamps_ptr="*i64", touched_ptr="*i64",
                       touched_count_ptr="*i32", stats_ptr="*i64"),
                  dict(RECENCY=recency, WAYS=8, BLOCK=launcher._ENTRY_BLOCK), **step)
+    _compile(kernels.admit_kernel,
+             dict(touched_ptr="*i64", touched_count_ptr="*i32", best_ptr="*i64", tags_ptr="*i64",
+                  counters_ptr="*i32", step_ptr="*i64", num_programs="i32"), dict(WAYS=8), **step)
     for staged in (False, True):
-        _compile(kernels.admit_kernel,
-                 dict(touched_ptr="*i64", touched_count_ptr="*i32", best_ptr="*i64", tags_ptr="*i64",
-                      counters_ptr="*i32", step_ptr="*i64", slot_rows_ptr="*u8", slot_stride="i32",
-                      back_values_ptr="*u8", back_scales_ptr="*u8", value_stride="i32", scale_stride="i32",
-                      num_programs="i32", keys_ptr="*i32", staged_at_ptr="*i32", table_size="i32", staged_ptr="*u8",
-                      staged_stride="i32", num_staged="i32", from_staging_ptr="*i64"),
+        _compile(kernels.copy_admitted_kernel,
+                 dict(touched_ptr="*i64", touched_count_ptr="*i32", tags_ptr="*i64", slot_rows_ptr="*u8",
+                      slot_stride="i32", back_values_ptr="*u8", back_scales_ptr="*u8", value_stride="i32",
+                      scale_stride="i32", num_programs="i32", keys_ptr="*i32", staged_at_ptr="*i32", table_size="i32",
+                      staged_ptr="*u8", staged_stride="i32", num_staged="i32", from_staging_ptr="*i64"),
                  dict(HEAD_DIM=256, GROUPS_PADDED=8, ROW_BYTES=272, WAYS=8, HAS_STAGED=staged), **step)
     _compile(kernels.clear_table_kernel, dict(keys_ptr="*i32", counts_ptr="*i32", staged_at_ptr="*i32", table_size="i32"),
              dict(BLOCK=launcher._ENTRY_BLOCK), **step)

@@ -57,8 +57,7 @@ from engram.common import next_power_of_2
 from engram.environment import local_world_size
 from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
 from engram.table.host_memory import native_worker, openmp_team, stream_memory_ops
-from engram.table.host_memory.gather_protocol import (FLAG_WORDS, IDS_READY, JOB_DONE, MAX_WAVES, POSTED, STAGING_FREE,
-                                                      WAVES_DONE)
+from engram.table.host_memory.gather_protocol import FLAG_WORDS, JOB_DONE, MAX_WAVES, STAGING_FREE, WAVES_DONE
 from engram.table.host_memory.rows import row_tags
 from engram.table.host_memory.row_copy import gather_rows, start_gather_rows
 from engram.tuning import tuning
@@ -439,56 +438,9 @@ class HostGather:
         (module docstring): buffers of its own, made now and kept for the process's life; returns its ticket
         for :meth:`finish` in the same capture. Rows in lookup order (with ``dedup="always"`` sorted and
         deduplicated). ``bound_s``: how long a replay waits for the worker before the watchdog answers it."""
-        num_ids = global_ids.numel()
-        if num_ids == 0:
-            raise ValueError("global_ids: the host gather needs at least one id, found an empty tensor")
-        if not torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("start_replayed: expected a CUDA-graph capture under way (use start outside one)")
-        if not self.replays:
-            raise RuntimeError(f"start_replayed: needs the native worker, found the {self.worker!r} worker")
-        with self._lock:
-            if self._broken is not None:
-                raise RuntimeError(f"this table's host gather is unusable after an earlier failure: {self._broken}")
-            with stream_memory_ops.relaxed_capture(), torch.inference_mode(False):  # pinned, outside the graph
-                ids_host = torch.zeros(num_ids + 1, dtype=torch.int32, pin_memory=True)
-                staging_host = torch.empty(num_ids, self.row_bytes, dtype=torch.uint8, pin_memory=True)
-                flags = torch.zeros(FLAG_WORDS, dtype=torch.int32, pin_memory=True)
-            row_tags(staging_host).fill_(-1)  # on the host: never served until a worker writes it
-            flags_device = stream_memory_ops.device_address(flags, self.device)
-            num_waves = _num_waves(num_ids, _MAX_WAVES_NATIVE)
-            wave_ends = shrinking_wave_ends(num_ids, num_waves)
-            buffers = self.native_service.prepare(table=self.packed, staging=staging_host, flags=flags)
-            self.native_service.add_replayed(buffers, ids=ids_host, ready=flags[IDS_READY:], num_waves=num_waves,
-                                             wave_ends=wave_ends, bound_s=bound_s)
-            with torch.cuda.stream(stream), torch.inference_mode(False):  # graph-pool tensors the graph keeps
-                if self.dedup == "always":
-                    distinct = distinct_rows(global_ids, row_start, self.packed.shape[0] - 1)
-                    rows_and_count, inverse = distinct.rows_and_count, distinct.inverse
-                else:
-                    rows_and_count = rows_in_lookup_order(global_ids, row_start, self.packed.shape[0] - 1)
-                    inverse = torch.arange(num_ids, dtype=torch.int32, device=self.device)
-                # every replay copies the whole staging in, so its unwritten content is never read
-                staging_device = torch.empty(num_ids, self.row_bytes, dtype=torch.uint8, device=self.device)
-            copies = self.replay_stream
-            with torch.cuda.device(self.device):
-                stream_memory_ops.copy_to_host(stream, ids_host.data_ptr(), rows_and_count.data_ptr(),
-                                               4 * (num_ids + 1))
-                stream_memory_ops.write_value(stream, flags_device + 4 * IDS_READY, POSTED)
-                copies.wait_stream(stream)
-                waves_done = flags_device + 4 * WAVES_DONE
-                host_address, device_address = staging_host.data_ptr(), staging_device.data_ptr()
-                for wave, (begin, end) in enumerate(zip([0, *wave_ends[:-1]], wave_ends)):
-                    stream_memory_ops.wait_value(copies, waves_done, wave + 1)
-                    offset = begin * self.row_bytes
-                    stream_memory_ops.copy_to_device(copies, device_address + offset, host_address + offset,
-                                                     (end - begin) * self.row_bytes)
-                stream_memory_ops.write_value(copies, waves_done, 0)
-                done = torch.cuda.Event()
-                done.record(copies)
-            ticket = GatherTicket(0, None, inverse.view(global_ids.shape), done, staging=staging_device,
-                                  keep=(rows_and_count, staging_host, ids_host, flags))
-            self.replayed.append(ticket)
-            return ticket
+        from engram.table.host_memory.replayed_gather import start_replayed
+
+        return start_replayed(self, global_ids, row_start, stream, bound_s)
 
     def _reuse_id_buffer(self, number: int, sort: bool, num_ids: int):
         """The pinned id buffer of slot ``number % _ID_BUFFERS`` for gather ``number`` when the worker is done

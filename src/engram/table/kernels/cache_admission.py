@@ -1,7 +1,7 @@
 """Launcher of the row cache's between-steps update (:mod:`engram.table.kernels.cache_admission_kernels`).
 
 :func:`admit_step` runs one step of the policy for a :class:`~engram.table.placements.row_cache.RowCache`
-with the step's local ids: four fixed-size launches (five with the frequency score) on the current
+with the step's local ids: five fixed-size launches (six with the frequency score) on the current
 stream, no sort, no host sync, nothing allocated once the work buffers fit, so it can be captured in a
 CUDA graph and replayed with fresh ids. Same result, slot for slot and byte for byte, as
 :meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`.
@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from engram.table.kernels.cache_admission_kernels import (admit_kernel, ages_kernel, clear_table_kernel,
-                                                          count_rows_kernel, rank_candidates_kernel)
+                                                          copy_admitted_kernel, count_rows_kernel,
+                                                          rank_candidates_kernel)
 from engram.triton_launch import CompiledLaunch, interpreting
 
 __all__ = ["AdmissionBuffers", "admit_step"]
 
 _LAUNCHERS = {kernel: CompiledLaunch(kernel) for kernel in (
-    ages_kernel, count_rows_kernel, rank_candidates_kernel, admit_kernel, clear_table_kernel)}
+    ages_kernel, count_rows_kernel, rank_candidates_kernel, admit_kernel, copy_admitted_kernel, clear_table_kernel)}
 _ID_BLOCK = 256
 _ENTRY_BLOCK = 512
 _AGE_BLOCK = 2048
@@ -87,9 +88,12 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
     _LAUNCHERS[admit_kernel](
         programs,
         (buffers.touched, buffers.touched_count, buffers.best, cache.tags_with_trash, cache.counters_with_trash,
-         buffers.step, slot_rows, slot_rows.stride(0), back_values, back_scales, back_values.stride(0),
-         back_scales.stride(0), programs, buffers.keys, buffers.staged_at, buffers.table_size,
-         staged if has_staged else slot_rows, (staged if has_staged else slot_rows).stride(0),
+         buffers.step, programs, cache.ways), **step_launch)
+    _LAUNCHERS[copy_admitted_kernel](
+        programs * cache.ways,
+        (buffers.touched, buffers.touched_count, cache.tags_with_trash, slot_rows, slot_rows.stride(0), back_values,
+         back_scales, back_values.stride(0), back_scales.stride(0), programs, buffers.keys, buffers.staged_at,
+         buffers.table_size, staged if has_staged else slot_rows, (staged if has_staged else slot_rows).stride(0),
          staged.shape[0] if has_staged else 0,
          buffers.from_staging, head_dim, 1 << (groups - 1).bit_length(), slot_rows.shape[1], cache.ways, has_staged),
         **step_launch)

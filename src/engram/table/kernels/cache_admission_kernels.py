@@ -4,7 +4,7 @@ Only ``@triton.jit`` functions live here; :mod:`engram.table.kernels.cache_admis
 them and :meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`
 is their plain-torch reference (the rules: :mod:`engram.table.placements.row_cache`).
 
-One step is four fixed-size launches on the step's stream, with no sort, no host sync and no
+One step is five fixed-size launches on the step's stream, with no sort, no host sync and no
 program waiting on another (``ages_kernel`` first, for the frequency score only):
 
 1. :func:`count_rows_kernel` counts the step's reads per distinct row in an open-addressing
@@ -22,15 +22,16 @@ program waiting on another (``ages_kernel`` first, for the frequency score only)
    entry is cleared for the next step.
 3. :func:`admit_kernel`, per touched set (a fixed grid striding over the count): ranks the
    set's ways by score (empty first, ties by way), pairs the ``k``-th candidate with the
-   ``k``-th way and admits it when its score is at least that way's, copying the row from the
-   backing rows (host memory, on the GPU) into the slot with its tag, then clears the set's
-   list. Program 0 advances the device step counter. Given the staging of the step's lookup (its
-   missed rows, copied to the device by the host gather), a row is copied from its staging row when
-   that row's tag is the row's own index (found through step 1's table), else from the backing rows:
-   host bandwidth is not spent twice on a row the lookup just read.
-4. :func:`clear_table_kernel` empties the table for the next step.
+   ``k``-th way and admits it when its score is at least that way's (its tag and score into
+   the way), then clears the set's list. Program 0 advances the device step counter.
+4. :func:`copy_admitted_kernel`, per touched set and way: copies the row of every way admitted
+   in step 3 from the backing rows (host memory, on the GPU) into the slot with its tag. Given
+   the staging of the step's lookup (its missed rows, copied to the device by the host gather),
+   a row is copied from its staging row when that row's tag is the row's own index (found
+   through step 1's table), else from the backing rows.
+5. :func:`clear_table_kernel` empties the table for the next step.
 
-Sets are disjoint between programs of step 3; every other shared word is written only by
+Sets are disjoint between programs of step 3, slots between programs of step 4; every other shared word is written only by
 atomics whose result does not depend on their order, so the update is deterministic.
 """
 
@@ -145,25 +146,16 @@ def rank_candidates_kernel(keys_ptr, counts_ptr, table_size, tags_ptr, counters_
 
 
 @triton.jit
-def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_ptr, step_ptr,
-                 slot_rows_ptr, slot_stride, back_values_ptr, back_scales_ptr, value_stride, scale_stride,
-                 num_programs, keys_ptr, staged_at_ptr, table_size, staged_ptr, staged_stride, num_staged,
-                 from_staging_ptr, HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, ROW_BYTES: tl.constexpr,
-                 WAYS: tl.constexpr, HAS_STAGED: tl.constexpr):
-    """Step 3 (module docstring): program ``pid`` admits the candidates of touched sets ``pid, pid +
-    num_programs, ...`` (of ``touched_count``). With ``HAS_STAGED``, a row whose staging row
-    (``staged uint8 [num_staged, ROW_BYTES]``, found through the table's ``staged_at``) carries its
-    own index in its tag is copied from there; ``from_staging[0] +=`` those rows."""
+def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_ptr, step_ptr, num_programs,
+                 WAYS: tl.constexpr):
+    """Step 3 (module docstring): program ``pid`` decides the admissions of touched sets ``pid, pid +
+    num_programs, ...`` (of ``touched_count``): each admitted candidate's tag and score into its way; the
+    bytes follow in step 4 (:func:`copy_admitted_kernel`)."""
     pid = tl.program_id(0)
     touched_count = tl.load(touched_count_ptr)
     if pid == 0:
         tl.store(step_ptr, tl.load(step_ptr) + 1)  # read by steps 1-2 only, which ran before
     way = tl.arange(0, WAYS)
-    group = tl.arange(0, GROUPS_PADDED)
-    group_valid = group < HEAD_DIM // _SCALE_GROUP
-    column = tl.arange(0, GROUPS_PADDED * _SCALE_GROUP)
-    column_valid = column < HEAD_DIM
-    from_staging = tl.zeros([1], dtype=tl.int32).sum(axis=0)
     for index in range(pid, touched_count, num_programs):
         row_set = tl.load(touched_ptr + index).to(tl.int64)
         list_offsets = row_set * WAYS + way
@@ -184,41 +176,60 @@ def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_pt
         slot = row_set * WAYS + victim_way.to(tl.int64)
         tl.store(tags_ptr + slot, row, mask=admit)
         tl.store(counters_ptr + slot, tl.minimum(score, _COUNTER_MAX).to(tl.int32), mask=admit)
-        # The bytes, way by way, from scalars every thread loads itself (no reduction hands them out): the
-        # way's tag, just stored (the barrier makes every thread's stores visible to all), against the tag in
-        # its slot row's last 4 bytes, which every writer of a slot's bytes writes with them (-1 at first):
-        # they differ exactly where a row was admitted now. Candidate rows and slots picked out by tl.sum
-        # left wrong 32-64-byte chunks in some slots on the H200 (Triton 3.6), tags right.
-        tl.debug_barrier()
-        for w in tl.static_range(WAYS):
-            slot_w = row_set * WAYS + w
-            row_k = tl.load(tags_ptr + slot_w)
-            slot_base = slot_rows_ptr + slot_w * slot_stride
-            slot_tag_ptr = (slot_base + (ROW_BYTES - 4)).to(tl.pointer_type(tl.int32))
-            admit_k = ((row_k >= 0) & (row_k != tl.load(slot_tag_ptr).to(tl.int64))).to(tl.int32)
-            row_k = tl.maximum(row_k, 0)
-            value_mask = column_valid & ((column * 0 + admit_k) > 0)
-            scale_mask = group_valid & ((group * 0 + admit_k) > 0)
-            if HAS_STAGED:
-                staged_row = _staged_row(row_k, admit_k, keys_ptr, staged_at_ptr, table_size, staged_ptr,
-                                         staged_stride, num_staged, ROW_BYTES)
-                staged = (staged_row >= 0).to(tl.int32)
-                from_staging += staged
-                staged_base = staged_ptr + tl.maximum(staged_row, 0) * staged_stride
-                value_staged = (column * 0 + staged) > 0  # (scalar masks broadcast by hand: the interpreter's)
-                scale_staged = (group * 0 + staged) > 0
-                value_bytes = tl.load(staged_base + column, mask=value_mask & value_staged, other=0)
-                value_bytes += tl.load(back_values_ptr + row_k * value_stride + column,
-                                       mask=value_mask & ~value_staged, other=0)
-                scale_bytes = tl.load(staged_base + HEAD_DIM + group, mask=scale_mask & scale_staged, other=0)
-                scale_bytes += tl.load(back_scales_ptr + row_k * scale_stride + group,
-                                       mask=scale_mask & ~scale_staged, other=0)
-            else:
-                value_bytes = tl.load(back_values_ptr + row_k * value_stride + column, mask=value_mask, other=0)
-                scale_bytes = tl.load(back_scales_ptr + row_k * scale_stride + group, mask=scale_mask, other=0)
-            tl.store(slot_base + column, value_bytes, mask=value_mask)
-            tl.store(slot_base + HEAD_DIM + group, scale_bytes, mask=scale_mask)
-            tl.store(slot_tag_ptr, row_k.to(tl.int32), mask=admit_k > 0)
+
+
+@triton.jit
+def copy_admitted_kernel(touched_ptr, touched_count_ptr, tags_ptr, slot_rows_ptr, slot_stride, back_values_ptr,
+                         back_scales_ptr, value_stride, scale_stride, num_programs, keys_ptr, staged_at_ptr, table_size,
+                         staged_ptr, staged_stride, num_staged, from_staging_ptr, HEAD_DIM: tl.constexpr,
+                         GROUPS_PADDED: tl.constexpr, ROW_BYTES: tl.constexpr, WAYS: tl.constexpr,
+                         HAS_STAGED: tl.constexpr):
+    """Step 4 (module docstring): program ``pid`` copies way ``pid % WAYS`` of touched sets ``pid // WAYS,
+    pid // WAYS + num_programs, ...``: where the slot's tag (step 3's, a launch before) differs from the tag in
+    its slot row's last 4 bytes (written with the slot's bytes by every writer, -1 at first), the row was
+    admitted now: its bytes and tag go into the slot row. One slot per program and every input written by an
+    earlier launch: no program reads what another program of this launch writes. With ``HAS_STAGED``, a row
+    whose staging row (``staged uint8 [num_staged, ROW_BYTES]``, found through the table's ``staged_at``)
+    carries its own index in its tag is copied from there; ``from_staging[0] +=`` those rows. (Candidates
+    picked out of ``[WAYS]`` vectors by ``tl.sum`` inside step 3 left wrong 32-64-byte chunks in some slots on
+    the H200, Triton 3.6, tags right.)"""
+    pid = tl.program_id(0)
+    w = pid % WAYS
+    touched_count = tl.load(touched_count_ptr)
+    group = tl.arange(0, GROUPS_PADDED)
+    group_valid = group < HEAD_DIM // _SCALE_GROUP
+    column = tl.arange(0, GROUPS_PADDED * _SCALE_GROUP)
+    column_valid = column < HEAD_DIM
+    from_staging = tl.zeros([1], dtype=tl.int32).sum(axis=0)
+    for index in range(pid // WAYS, touched_count, num_programs):
+        slot_w = tl.load(touched_ptr + index).to(tl.int64) * WAYS + w
+        row_k = tl.load(tags_ptr + slot_w)
+        slot_base = slot_rows_ptr + slot_w * slot_stride
+        slot_tag_ptr = (slot_base + (ROW_BYTES - 4)).to(tl.pointer_type(tl.int32))
+        admit_k = ((row_k >= 0) & (row_k != tl.load(slot_tag_ptr).to(tl.int64))).to(tl.int32)
+        row_k = tl.maximum(row_k, 0)
+        value_mask = column_valid & ((column * 0 + admit_k) > 0)
+        scale_mask = group_valid & ((group * 0 + admit_k) > 0)
+        if HAS_STAGED:
+            staged_row = _staged_row(row_k, admit_k, keys_ptr, staged_at_ptr, table_size, staged_ptr,
+                                     staged_stride, num_staged, ROW_BYTES)
+            staged = (staged_row >= 0).to(tl.int32)
+            from_staging += staged
+            staged_base = staged_ptr + tl.maximum(staged_row, 0) * staged_stride
+            value_staged = (column * 0 + staged) > 0  # (scalar masks broadcast by hand: the interpreter's)
+            scale_staged = (group * 0 + staged) > 0
+            value_bytes = tl.load(staged_base + column, mask=value_mask & value_staged, other=0)
+            value_bytes += tl.load(back_values_ptr + row_k * value_stride + column,
+                                   mask=value_mask & ~value_staged, other=0)
+            scale_bytes = tl.load(staged_base + HEAD_DIM + group, mask=scale_mask & scale_staged, other=0)
+            scale_bytes += tl.load(back_scales_ptr + row_k * scale_stride + group,
+                                   mask=scale_mask & ~scale_staged, other=0)
+        else:
+            value_bytes = tl.load(back_values_ptr + row_k * value_stride + column, mask=value_mask, other=0)
+            scale_bytes = tl.load(back_scales_ptr + row_k * scale_stride + group, mask=scale_mask, other=0)
+        tl.store(slot_base + column, value_bytes, mask=value_mask)
+        tl.store(slot_base + HEAD_DIM + group, scale_bytes, mask=scale_mask)
+        tl.store(slot_tag_ptr, row_k.to(tl.int32), mask=admit_k > 0)
     if HAS_STAGED:
         tl.atomic_add(from_staging_ptr, from_staging.to(tl.int64))
 
@@ -246,7 +257,7 @@ def _staged_row(row, admit, keys_ptr, staged_at_ptr, table_size, staged_ptr, sta
 
 @triton.jit
 def clear_table_kernel(keys_ptr, counts_ptr, staged_at_ptr, table_size, BLOCK: tl.constexpr):
-    """Step 4: empty the table's entries ``[pid * BLOCK, (pid + 1) * BLOCK)`` for the next step."""
+    """Step 5: empty the table's entries ``[pid * BLOCK, (pid + 1) * BLOCK)`` for the next step."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < table_size
     tl.store(keys_ptr + offsets, tl.full([BLOCK], -1, tl.int32), mask=inside)
