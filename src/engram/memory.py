@@ -346,8 +346,10 @@ class EngramMemory:
         very ``hash_ids`` tensor, unrefilled, before the hasher runs again and before the next prefetch;
         otherwise the layer reads its rows itself (correct, without the head start). Returns at once
         (no host sync); nothing is started where the rows already live on the device, for
-        decode-sized batches (read directly, graph-capturable), while a CUDA graph is being captured and
-        for placement ``"node"`` (its lookups exchange the rows, on every rank).
+        decode-sized batches (read directly, graph-capturable) and for placement ``"node"`` (its lookups
+        exchange the rows, on every rank). While a CUDA graph is being captured, placement ``"host"``
+        captures the host gather of lookups over ``graph_direct_max_rows`` rows into the graph (gathered
+        afresh at every replay, docs/design.md "Replayed gathers"); nothing else starts.
 
         ``kv_ahead``: also compute each layer's ``kv = wkv(rows)`` now (on CUDA on a side stream per
         layer, after its rows; :meth:`Engram.kv_ahead`), so ``forward_layer`` given the handle runs only
