@@ -487,16 +487,21 @@ Service *engram_gather_create(int threads) {
 
 /* Queue one job (its record copied); 0, or -1 when out of memory or the record is malformed (wave ends must
  * increase and end at num_ids). */
-int engram_gather_submit(Service *s, const JobRecord *record) {
-    if (s == NULL || record == NULL) return -1;
-    const JobRecord *r = record;
-    if (r->table == NULL || r->table_rows < 1 || r->row_bytes < 1 || r->ids == NULL || r->num_ids < 1
-        || r->staging == NULL || r->ids_ready == NULL || r->staging_free == NULL || r->waves_done == NULL
-        || r->num_waves < 1 || r->num_waves > MAX_WAVES || r->num_waves > r->num_ids || r->job_done == NULL)
-        return -1;
+/* Whether record `r` is well formed: its buffers and words set, 1..MAX_WAVES waves (at most one per id) whose
+ * ends increase and end at num_ids. */
+static int record_valid(const JobRecord *r) {
+    if (r == NULL || r->table == NULL || r->table_rows < 1 || r->row_bytes < 1 || r->ids == NULL || r->num_ids < 1
+        || r->staging == NULL || r->ids_ready == NULL || r->waves_done == NULL || r->job_done == NULL
+        || r->num_waves < 1 || r->num_waves > MAX_WAVES || r->num_waves > r->num_ids)
+        return 0;
     for (int32_t wave = 0; wave < r->num_waves; wave++)
-        if (r->wave_ends[wave] <= (wave ? r->wave_ends[wave - 1] : 0)) return -1;
-    if (r->wave_ends[r->num_waves - 1] != r->num_ids) return -1;
+        if (r->wave_ends[wave] <= (wave ? r->wave_ends[wave - 1] : 0)) return 0;
+    return r->wave_ends[r->num_waves - 1] == r->num_ids;
+}
+
+int engram_gather_submit(Service *s, const JobRecord *record) {
+    if (s == NULL || !record_valid(record) || record->staging_free == NULL) return -1;
+    const JobRecord *r = record;
     Job *job = calloc(1, sizeof(Job));
     if (job == NULL) return -1;
     memcpy(job, r, sizeof(JobRecord));  /* a Job begins with the record's fields */
@@ -514,15 +519,8 @@ int engram_gather_submit(Service *s, const JobRecord *record) {
  * job_done the count of replays answered; staging_free is not used. Returns its index, or -1 when the record
  * is malformed, MAX_REPLAYED are registered, the service is stopping or the watchdog cannot start. */
 int engram_gather_add_replayed(Service *s, const JobRecord *record, int64_t bound_ns) {
-    if (s == NULL || record == NULL || bound_ns < 1) return -1;
+    if (s == NULL || bound_ns < 1 || !record_valid(record) || record->waves_base != 0) return -1;
     const JobRecord *r = record;
-    if (r->table == NULL || r->table_rows < 1 || r->row_bytes < 1 || r->ids == NULL || r->num_ids < 1
-        || r->staging == NULL || r->ids_ready == NULL || r->waves_done == NULL || r->waves_base != 0
-        || r->num_waves < 1 || r->num_waves > MAX_WAVES || r->num_waves > r->num_ids || r->job_done == NULL)
-        return -1;
-    for (int32_t wave = 0; wave < r->num_waves; wave++)
-        if (r->wave_ends[wave] <= (wave ? r->wave_ends[wave - 1] : 0)) return -1;
-    if (r->wave_ends[r->num_waves - 1] != r->num_ids) return -1;
     Replayed *replayed = calloc(1, sizeof(Replayed));
     if (replayed == NULL) return -1;
     memcpy(&replayed->job, r, sizeof(JobRecord));
