@@ -17,7 +17,9 @@ kv_ahead=True)``, where this version has it); ``host_prefetch_late`` (the prefet
 decoder layers before the first Engram layer are enqueued, so its host time overlaps them); ``seed``
 (the seed's design: placement ``host`` with
 every row read over PCIe by the gather kernel, on the main stream). Placement ``cached`` calls
-``memory.update_cache`` after each step, inside the timed step (an engine pays it per step).
+``memory.update_cache`` once the step's last Engram layer is enqueued, inside the timed step (an engine pays
+it per step): eager steps run it beside the decoder layers after that layer and end once it is done, graphs
+capture it.
 
 Real text beside uniform ids: ``host_prefetch_realtext`` and ``cached_prefetch_realtext`` (tables of their
 own over the same rows) read held-out English prose in order (``real_text.py stream``'s tokens, carried in
@@ -300,12 +302,13 @@ class StreamMarks:
 
 
 def engram_step(decoder, plan, inputs, memory, form: str | None, takes_prefetch: bool,
-                marks: StreamMarks | None = None):
+                marks: StreamMarks | None = None, update_cache: bool = False):
     """The served step: hash once, prefetch (``form``), the decoder layers with Engram before its layers.
     Form ``"prefetch_late"`` calls the prefetch once the decoder layers before the first Engram layer are
     enqueued (right after hashing where that is layer 0). ``marks``: spans around the hashing + prefetch,
-    the late prefetch and each Engram layer (eager steps only). Returns ``(h [T, hc, hidden], hash_ids or
-    None)``."""
+    the late prefetch and each Engram layer (eager steps only). ``update_cache``: ``memory.update_cache``
+    once the last Engram layer is enqueued (eager: beside the decoder layers after it, and the step ends
+    only once it is done; captured: inside the graph). Returns ``(h [T, hc, hidden], hash_ids or None)``."""
     h, hash_ids, handle = inputs.hidden, None, None
     begin, end = (marks.begin, marks.end) if marks is not None else (lambda: None, lambda: None)
     late_after = None  # the decoder layer after which the late prefetch is called
@@ -320,10 +323,13 @@ def engram_step(decoder, plan, inputs, memory, form: str | None, takes_prefetch:
             late_after = min(memory.layer_ids) - 1
         end()
     handed = {"prefetch": handle} if handle is not None and takes_prefetch else {}
+    last_engram = max(memory.layer_ids) if memory is not None else None
     for index in range(decoder.shape.layers):
         if memory is not None and index in memory.layer_ids:
             begin()
             h = memory.forward_layer(index, h, hash_ids, **handed)
+            if update_cache and index == last_engram:
+                memory.update_cache(hash_ids)
             end()
         h = decoder.layer(h, plan)
         if index == late_after:
@@ -331,6 +337,8 @@ def engram_step(decoder, plan, inputs, memory, form: str | None, takes_prefetch:
             handle = memory.prefetch(hash_ids)
             end()
             handed = {"prefetch": handle} if handle is not None and takes_prefetch else {}
+    if update_cache:
+        memory.wait_cache_updates()  # the step's time includes the update beside it
     return h, hash_ids
 
 
@@ -351,12 +359,8 @@ class StepRun:
 
     def _eager(self, marks: StreamMarks | None = None):
         out, self.hash_ids = engram_step(self.decoder, self.plan, self.inputs, self.memory, self.variant.form,
-                                         self.takes_prefetch, marks)
+                                         self.takes_prefetch, marks, update_cache=self.updates_cache)
         return out
-
-    def _after(self) -> None:
-        if self.updates_cache:
-            self.memory.update_cache(self.hash_ids)
 
     def prepare(self, warmups: int = 2) -> tuple[torch.Tensor, float]:
         """Warm-up steps on the current inputs (not refreshed: every variant's first step sees the same
@@ -364,7 +368,7 @@ class StepRun:
         first, last_ms = None, 0.0
         for index in range(warmups):
             holder = {}
-            last_ms = self.clock.time(lambda: (holder.update(out=self._eager()), self._after()))
+            last_ms = self.clock.time(lambda: holder.update(out=self._eager()))
             if index == 0:
                 first = holder["out"]
         if self.use_graph:
@@ -378,8 +382,7 @@ class StepRun:
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.output = self._eager()
             self.graph.replay()
-            self._after()
-            last_ms = self.clock.time(lambda: (self.graph.replay(), self._after()))
+            last_ms = self.clock.time(self.graph.replay)
         return first, last_ms
 
     @property
@@ -396,9 +399,9 @@ class StepRun:
             self.neighbors.signal(self.neighbor_rows)
         try:
             if self.graph is not None:
-                return self.clock.time(lambda: (self.graph.replay(), self._after()))
+                return self.clock.time(self.graph.replay)
             marks = StreamMarks(self.clock.cuda) if self.memory is not None else None
-            step_ms = self.clock.time(lambda: (self._eager(marks), self._after()))
+            step_ms = self.clock.time(lambda: self._eager(marks))
             if marks is not None:
                 self.engram_stream_ms.append(marks.total_ms())  # the clock waited for the step's end
             return step_ms
@@ -709,7 +712,7 @@ def trace_steps(setup: Setup, report: Report, runs: list, label: str, tokens: in
         try:
             run.inputs.refresh()
             setup.clock.sync()
-            found[run.variant.name] = {**step_trace.profile_call(lambda: (run._eager(), run._after()), path),
+            found[run.variant.name] = {**step_trace.profile_call(run._eager, path),
                                        "trace": path.name}
         except Exception as error:  # noqa: BLE001 - a trace is a diagnostic: the figures stand without it
             report.error(f"{label} {run.variant.name} traced step", error)
@@ -754,6 +757,7 @@ def update_cache_times(memory, inputs, clock: Clock, repeats: int = 5) -> dict:
             started = time.perf_counter()
             memory.update_cache(hash_ids)
             host.append((time.perf_counter() - started) * 1e6)
+            memory.wait_cache_updates()  # the events around it include the update run beside
         gpu.append(clock.time(call) * 1e3)
     return {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu)}
 

@@ -444,12 +444,22 @@ class EngramMemory:
         return tables, kv
 
     def update_cache(self, hash_ids: torch.Tensor) -> None:
-        """Between engine steps, with the step's ``hash_ids [T, L, C]``: placement ``"cached"`` admits
-        missed rows into each layer's HBM cache (counts hits, ages counters); a no-op for the other
-        placements. Refused inside a captured graph; captured lookups serve the updated content."""
+        """Once the step's last Engram layer is enqueued, with the step's ``hash_ids [T, L, C]``: placement
+        ``"cached"`` admits missed rows into each layer's HBM cache (counts hits, ages counters); a no-op for
+        the other placements. On CUDA an eager call runs beside the rest of the step, on a stream of its own
+        (every later access of the cache waits for it, graph replays included); inside a graph capture it is
+        captured on the caller's stream. Captured lookups serve the updated content."""
         self._check_step_ids(hash_ids)
         for index, layer_id in enumerate(self.spec.layer_ids):
             self.tables[layer_id].update_cache(hash_ids[:, index, :])
+
+    def wait_cache_updates(self) -> None:
+        """Order the current stream's later work after every cache update still running beside it (the caches'
+        own accesses wait by themselves: for timing a whole step, or before another library reads the cache)."""
+        for layer_id in self.spec.layer_ids:
+            cache = getattr(self.tables[layer_id].storage, "cache", None)
+            if cache is not None and hasattr(cache, "settle"):
+                cache.settle()
 
     def close(self) -> None:
         """Release each layer's table (:meth:`EngramTable.close`), in layer order: with placement ``"node"``

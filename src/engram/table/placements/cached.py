@@ -63,7 +63,7 @@ from typing import ClassVar
 import torch
 
 from engram.common import cuda_capturing
-from engram.checks import CACHE_POLICIES, check_choice, check_fraction, check_int
+from engram.checks import CACHE_POLICIES, check_bool, check_choice, check_fraction, check_int
 from engram.triton_launch import interpreting, triton_available
 from engram.table.placements.host import (DIRECT_MAX_ROWS, HOST_SERVING_FIELDS, HostPlacement,
                                           check_host_gather_options)
@@ -100,6 +100,7 @@ class CachedOptions:
     gather_threads: int | None = None
     host_gather_worker: str = "auto"
     host_gather_dedup: str = "auto"
+    update_beside: bool = True
     serving_fields: ClassVar[dict] = {"cache_fraction": "cache_fraction", "cache_policy": "policy",
                                       "cache_ways": "ways", **{name: name for name in HOST_SERVING_FIELDS}}
 
@@ -110,6 +111,7 @@ class CachedOptions:
         check_choice("policy", self.policy, CACHE_POLICIES)
         check_host_gather_options(self.direct_max_rows, self.gather_threads, self.host_gather_worker,
                                   self.host_gather_dedup)
+        check_bool("update_beside", self.update_beside)
 
 
 @register_placement
@@ -129,6 +131,9 @@ class CachedPlacement(TablePlacement):
         gather_threads: host threads of the host gather (as placement ``"host"``'s option).
         host_gather_worker: who copies the host gather's rows (as placement ``"host"``'s option).
         host_gather_dedup: whether the host gather copies each distinct row once (as placement ``"host"``'s option).
+        update_beside: on CUDA, run eager updates (:meth:`update`) on a stream of their own, beside the rest of
+            the step (:mod:`engram.table.placements.updates_beside`; every later access of the cache waits for
+            them, captured graphs included); False: on the caller's stream.
     """
 
     name = "cached"
@@ -141,10 +146,11 @@ class CachedPlacement(TablePlacement):
                  cache_fraction: float = DEFAULT_CACHE_FRACTION, ways: int = 8, aging_interval: int = 16,
                  policy: str = "set-lru", hot_rows: torch.Tensor | None = None,
                  direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
-                 host_gather_worker: str = "auto", host_gather_dedup: str = "auto"):
+                 host_gather_worker: str = "auto", host_gather_dedup: str = "auto", update_beside: bool = True):
         CachedOptions(cache_fraction=cache_fraction, ways=ways, aging_interval=aging_interval, policy=policy,
                       direct_max_rows=direct_max_rows, gather_threads=gather_threads,
-                      host_gather_worker=host_gather_worker, host_gather_dedup=host_gather_dedup)  # checked first
+                      host_gather_worker=host_gather_worker, host_gather_dedup=host_gather_dedup,
+                      update_beside=update_beside)  # checked first
         if torch.cuda.is_available():
             self.host = HostPlacement(value_bytes, scale_bytes, device, gather_threads=gather_threads,
                                       host_gather_worker=host_gather_worker, host_gather_dedup=host_gather_dedup)
@@ -171,6 +177,8 @@ class CachedPlacement(TablePlacement):
         self.cache_fraction = float(cache_fraction)
         self.cache = RowCache(max(1, int(num_rows * cache_fraction)), self.head_dim, self.device, ways=ways,
                               aging_interval=aging_interval, recency=policy == "set-lru")
+        if update_beside and self.host is not None:
+            self.cache.run_updates_beside()
         if hot_rows is not None:
             self.load_hot(hot_rows)
         self.direct_max_rows = direct_max_rows
@@ -243,11 +251,16 @@ class CachedPlacement(TablePlacement):
         if ADMIT_FROM_STAGING and last is not None and not capturing and self._staging_holds(last, global_ids):
             staged, inverse = last[0], last[1]
         self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing, staged=staged, inverse=inverse)
+        beside = self.cache.updates_beside
         if staged is not None and self.host is not None:
             stream = torch.cuda.current_stream(self.device)
             staged.record_stream(stream)
             self.host.host_gather.consumed(stream)  # the staging's next copy waits for this update's reads
-        if not capturing:  # an event of the capture cannot be waited on outside
+        if capturing:  # an event of the capture cannot be waited on outside
+            return
+        if beside is not None and beside.done is not None:
+            self._content_changed = beside.done  # it ran beside
+        else:
             self._mark_content_changed()
 
     def _staging_holds(self, last: tuple, global_ids: torch.Tensor) -> bool:
@@ -279,6 +292,7 @@ class CachedPlacement(TablePlacement):
         from engram.table.kernels.cache_gather import cached_direct_reads, cached_probe
 
         share = self.direct_share
+        self.cache.settle()  # after updates still running beside (captured: a wait on their idle word)
         if self._content_changed is not None:  # the probe reads the content as the last change left it
             torch.cuda.current_stream(self.device).wait_event(self._content_changed)
         slot, miss = cached_probe(self.cache, self.num_rows, global_ids, row_start, direct_share=share)
@@ -321,6 +335,7 @@ class CachedPlacement(TablePlacement):
                     if tensor is not None:
                         tensor.record_stream(stream)
         merge = checked_merge_rows_packed if packed else checked_merge_rows
+        self.cache.settle()
         out = merge(global_ids, row_start, *self.backing, staged, inverse, cache=self.cache, slot=pending.slot,
                     direct=pending.direct)
         if stream is not None:
@@ -362,6 +377,7 @@ class CachedPlacement(TablePlacement):
                 from engram.table.kernels.cache_gather import cached_gather_rows, cached_gather_rows_packed
 
                 self.lookups["one_kernel"] += 1
+                self.cache.settle()
                 if packed:
                     return cached_gather_rows_packed(self.cache, *self.backing, global_ids, row_start)
                 return cached_gather_rows(self.cache, *self.backing, global_ids, row_start)

@@ -114,10 +114,36 @@ class RowCache:
         self._slot_scales = self.slot_rows[:-1, head_dim: head_dim + head_dim // BLOCK_SIZE]
         self.launch_constants: dict = {}
         """The lookup launchers' checked integers per backing layout (:mod:`engram.table.kernels.cache_gather`)."""
-        self.stats = torch.zeros(4, dtype=torch.int64, device=device)
-        """``int64 [4]`` summed over :meth:`update` calls: reads (ids inside the table), reads that hit,
-        distinct rows per step, distinct missed rows per step (the host rows a step moves after
-        deduplication). Zero it in place to restart."""
+        self._stats = torch.zeros(4, dtype=torch.int64, device=device)
+        self._beside = None  # UpdatesBeside once run_updates_beside() turned it on
+
+    # ---- updates beside the step (CUDA) ---------------------------------------
+    def run_updates_beside(self) -> bool:
+        """Run later eager :meth:`update` calls on a stream of their own
+        (:mod:`engram.table.placements.updates_beside`); every later access waits for them. Returns whether
+        it is on (CUDA with the driver's stream memory operations)."""
+        from engram.table.placements.updates_beside import UpdatesBeside, updates_beside_available
+
+        if self._beside is None and updates_beside_available(self.device):
+            self._beside = UpdatesBeside(self.device)
+        return self._beside is not None
+
+    @property
+    def updates_beside(self):
+        """The :class:`~engram.table.placements.updates_beside.UpdatesBeside` of this cache, or None."""
+        return self._beside
+
+    def settle(self) -> None:
+        """Order the current stream's later work after every update run beside (under graph capture: a
+        captured wait on its idle word). Nothing when updates run inline."""
+        if self._beside is not None:
+            self._beside.order()
+
+    def _settled(self) -> None:
+        # The eager part of settle(), for the views: an event wait once an update ran beside.
+        beside = self._beside
+        if beside is not None and beside.done is not None and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_event(beside.done)
 
     # ---- views ---------------------------------------------------------------
     @property
@@ -128,25 +154,38 @@ class RowCache:
     def num_slots(self) -> int:
         return self.num_sets * self.ways
 
+    # The views order the current stream after updates run beside (eager; see settle()).
     @property
     def tags(self) -> torch.Tensor:
         """``int64 [num_sets, ways]``: local row id per slot, -1 when empty."""
+        self._settled()
         return self._tags_view
 
     @property
     def counters(self) -> torch.Tensor:
         """``int32 [num_sets, ways]``: aged read counts per slot."""
+        self._settled()
         return self._counters[:-1].view(self.num_sets, self.ways)
 
     @property
     def slot_values(self) -> torch.Tensor:
         """``uint8 [slots, D]``: E4M3 bytes of the cached rows (strided view)."""
+        self._settled()
         return self._slot_values
 
     @property
     def slot_scales(self) -> torch.Tensor:
         """``uint8 [slots, D // 32]``: UE8M0 bytes of the cached rows (strided view)."""
+        self._settled()
         return self._slot_scales
+
+    @property
+    def stats(self) -> torch.Tensor:
+        """``int64 [4]`` summed over :meth:`update` calls: reads (ids inside the table), reads that hit,
+        distinct rows per step, distinct missed rows per step (the host rows a step moves after
+        deduplication). Zero it in place to restart."""
+        self._settled()
+        return self._stats
 
     @property
     def nbytes(self) -> int:
@@ -160,6 +199,7 @@ class RowCache:
 
     def clear(self) -> None:
         """Empty every slot (in place)."""
+        self.settle()
         self.version += 1
         self._tags.fill_(-1)
         self._counters.zero_()
@@ -218,13 +258,25 @@ class RowCache:
         ids = ids.to(self.device).contiguous()
         if staged is not None:
             inverse = self._check_staging(staged, inverse, ids.numel())
+
+        def admit() -> None:
+            admit_step(self, ids, back_values, back_scales, staged, inverse)
+
         if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
             with torch.cuda.device(self.device):  # Triton launches on the current device
-                admit_step(self, ids, back_values, back_scales, staged, inverse)
+                self._run_update(admit, ids, staged, inverse)
         else:
-            admit_step(self, ids, back_values, back_scales, staged, inverse)
+            self._run_update(admit, ids, staged, inverse)
         self.updates += 1
         self.version += 1
+
+    def _run_update(self, admit, *used) -> None:
+        """Run the update kernels: beside (an eager step with updates beside on) or on the current stream."""
+        if self._beside is not None and not torch.cuda.is_current_stream_capturing():
+            self._beside.run(admit, tuple(tensor for tensor in used if tensor is not None))
+        else:
+            self.settle()  # captured, or inline: after any update still running beside
+            admit()
 
     def _check_staging(self, staged: torch.Tensor, inverse: torch.Tensor, num_ids: int) -> torch.Tensor:
         """``inverse`` flat, after checking ``staged`` / ``inverse`` against the cache and the step's ids."""
@@ -276,7 +328,7 @@ class RowCache:
         first &= valid
         hit, slot = self.probe(ids, num_rows)
         candidate = first & ~hit
-        self.stats += torch.stack([valid.sum(), hit.sum(), first.sum(), candidate.sum()])
+        self._stats += torch.stack([valid.sum(), hit.sum(), first.sum(), candidate.sum()])
         step = self.updates
         self.updates += 1
         self.version += 1

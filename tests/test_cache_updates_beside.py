@@ -1,0 +1,156 @@
+"""Cache updates beside the step (:mod:`engram.table.placements.updates_beside`).
+
+* unmarked: the option is refused by name; without CUDA updates stay on the caller's stream;
+* ``gpu`` (seeded): a cache updated beside equals one updated inline, slot for slot and row for row, step
+  after step, under ``torch.inference_mode()`` and outside it; a graph replayed while an update is held
+  beside waits for it (then serves the updated content); an update that fails while being enqueued leaves
+  the idle word set, so later replays finish.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import engram
+from conftest import capture_cuda_graph, replay_poisoned
+from engram.table.placements.row_cache import RowCache
+from test_cached_placement import _ids, _table
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_update_beside_option_refused_by_name():
+    from engram.table.placements.cached import CachedOptions
+
+    with pytest.raises(ValueError, match="update_beside"):
+        CachedOptions(update_beside="yes")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU fallback")
+def test_without_cuda_updates_stay_inline():
+    cache = RowCache(64, 256, "cpu", ways=8)
+    assert cache.run_updates_beside() is False
+    assert cache.updates_beside is None
+    cache.settle()  # nothing to wait for
+
+
+def _tables(rows: int, generator, **options):
+    table = _table(rows, 256, generator)
+    common = dict(validate=False, check_values=False)
+    made = {"device": engram.EngramTable(table.values.clone(), table.scales.clone(), placement="device",
+                                         device="cuda", **common)}
+    for name, beside in (("beside", True), ("inline", False)):
+        made[name] = engram.EngramTable(table.values.clone(), table.scales.clone(), placement="cached",
+                                        device="cuda", placement_options=dict(options, update_beside=beside),
+                                        **common)
+    return made
+
+
+def _same_cache(beside: RowCache, inline: RowCache, where: str) -> None:
+    torch.cuda.synchronize()
+    assert torch.equal(beside.tags, inline.tags), f"tags differ {where}"
+    assert torch.equal(beside.counters, inline.counters), f"counters differ {where}"
+    assert torch.equal(beside.slot_rows, inline.slot_rows), f"slot bytes differ {where}"
+    assert torch.equal(beside.stats, inline.stats), f"stats differ {where}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("inference", [False, True], ids=["grad", "inference_mode"])
+@pytest.mark.parametrize("policy", ["set-lru", "dynamic"])
+@pytest.mark.parametrize("tokens", [63, 1000])
+def test_gpu_updates_beside_equal_inline(tokens, policy, inference, seed):
+    generator = torch.Generator().manual_seed(seed)
+    tables = _tables(6000, generator, cache_fraction=0.03, aging_interval=2, policy=policy)
+    beside, inline = tables["beside"].storage.cache, tables["inline"].storage.cache
+    assert beside.updates_beside is not None and inline.updates_beside is None
+    context = torch.inference_mode() if inference else torch.no_grad()
+    with context:
+        for step in range(8):
+            ids = _ids(tokens, 24, 6000, 0, generator, hot=300, hot_start=500 * (step // 2)).cuda()
+            expected = tables["device"].lookup(ids).view(torch.int16)
+            for name in ("beside", "inline"):
+                got = tables[name].lookup(ids).view(torch.int16)
+                assert torch.equal(got, expected), f"{name} rows differ at step {step} (seed {seed})"
+            for name in ("beside", "inline"):
+                tables[name].update_cache(ids)
+            ids.fill_(0)  # the caller's buffer reused at once: the update beside read its own copy
+            _same_cache(beside, inline, f"after step {step} (seed {seed})")
+    assert beside.updates_beside.count == 8
+    assert int(beside.stats[1]) > 0, "no read hit the cache: the test did not test hits"
+
+
+def _gate(stream: torch.cuda.Stream):
+    """A pinned word and an enqueued wait on it: ``stream``'s later work runs once the host sets it to 1."""
+    from engram.table.host_memory import stream_memory_ops
+
+    word = torch.zeros(1, dtype=torch.int32).pin_memory()
+    stream_memory_ops.wait_value(stream, stream_memory_ops.device_address(word, torch.device("cuda")), 1)
+    return word
+
+
+def _finishes(event: torch.cuda.Event, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if event.query():
+            return True
+        time.sleep(0.005)
+    return event.query()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 63])
+def test_gpu_replay_waits_for_an_update_held_beside(tokens, seed):
+    generator = torch.Generator().manual_seed(seed)
+    tables = _tables(3000, generator, cache_fraction=0.05, aging_interval=1)
+    cached, device = tables["beside"], tables["device"]
+    static_ids = _ids(tokens, 24, 3000, 0, generator, hot=100).cuda()
+    cached.lookup(static_ids)
+    graph, static_out = capture_cuda_graph(lambda: cached.lookup(static_ids))
+    beside = cached.storage.cache.updates_beside
+    for step in range(3):
+        static_ids.copy_(_ids(tokens, 24, 3000, 0, generator, hot=100).cuda())
+        gate = _gate(beside.stream)  # the next update beside waits for the host
+        cached.update_cache(static_ids)
+        replay_poisoned(graph, static_out)
+        replayed = torch.cuda.Event()
+        replayed.record()
+        time.sleep(0.1)
+        assert not replayed.query(), f"the replay ran while the update was held beside (step {step}, seed {seed})"
+        gate[0] = 1
+        assert _finishes(replayed, 10.0), f"the replay never finished once the update ran (step {step})"
+        assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
+    assert int(cached.storage.cache.stats[1]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_failed_update_beside_leaves_the_word_idle(monkeypatch, seed):
+    generator = torch.Generator().manual_seed(seed)
+    tables = _tables(3000, generator, cache_fraction=0.05, aging_interval=1)
+    cached, device = tables["beside"], tables["device"]
+    static_ids = _ids(63, 24, 3000, 0, generator, hot=100).cuda()
+    cached.update_cache(static_ids)  # sizes the update's buffers
+    graph, static_out = capture_cuda_graph(lambda: cached.lookup(static_ids))
+    from engram.table.kernels import cache_admission
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected: launch failed")
+
+    monkeypatch.setattr(cache_admission, "admit_step", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        cached.update_cache(static_ids)
+    monkeypatch.undo()
+    graph.replay()
+    replayed = torch.cuda.Event()
+    replayed.record()
+    assert _finishes(replayed, 10.0), "a replay after a failed update beside never finished"
+    assert int(cached.storage.cache.updates_beside.idle[0]) == 1
+    assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
+    cached.update_cache(static_ids)  # and the next update runs
+    torch.cuda.synchronize()
+    assert torch.equal(cached.lookup(static_ids).view(torch.int16), device.lookup(static_ids).view(torch.int16))
