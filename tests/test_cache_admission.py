@@ -129,6 +129,28 @@ def test_update_buffers_grow_and_a_half_done_step_is_redone_on_fresh_buffers(see
     assert cache_admission.AdmissionBuffers is type(buffers)
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRET, reason="the update kernels run on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("recency", [True, False], ids=["recency", "frequency"])
+def test_small_steps_after_a_large_one_use_their_own_table_prefix(recency, seed):
+    """Steps far smaller than the buffers (a decode step after a prefill) count in the table's prefix for
+    their own size and leave the whole table empty: each step equals the reference, and after each the
+    table holds no key."""
+    from engram.table.kernels.cache_admission import table_size_for
+
+    rng = np.random.default_rng(seed)
+    back_values, back_scales = _rows(rng, 400, 64, "cpu")
+    kernels, reference = _pair(32, 64, "cpu", ways=4, recency=recency, aging_interval=2)
+    sizes = [300, 7, 1, 40, 300, 3]
+    for step, ids in enumerate(_steps(rng, 400, sizes)):
+        kernels.update(torch.from_numpy(ids), back_values, back_scales)
+        reference.update_with_torch(torch.from_numpy(ids), back_values, back_scales)
+        _assert_same(kernels, reference, f"after step {step} of {sizes[step]} ids (seed {seed})")
+        buffers = kernels.admission_buffers(1)
+        assert buffers.table_size == table_size_for(300) > table_size_for(sizes[step]) or sizes[step] == 300
+        assert bool((buffers.keys == -1).all()) and not bool(buffers.counts.any()), f"table left dirty at step {step}"
+
+
 def _staging_for(rng: np.random.Generator, ids: np.ndarray, packed_back: torch.Tensor):
     """A lookup's staging for ``ids``: its distinct rows (shuffled) as tagged packed rows, and ``inverse``
     (int32, one per id); a quarter of the rows get a second staging row of garbage whose tag names

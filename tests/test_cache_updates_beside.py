@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -105,24 +106,40 @@ def _finishes(event: torch.cuda.Event, within_s: float) -> bool:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens", [1, 63])
 def test_gpu_replay_waits_for_an_update_held_beside(tokens, seed):
+    """A graph replayed after an eager update beside finishes only after that update: the update is held by a
+    gate on its stream that a thread opens 0.3 s later (a thread, so nothing here can wait for it forever)."""
     generator = torch.Generator().manual_seed(seed)
     tables = _tables(3000, generator, cache_fraction=0.05, aging_interval=1)
     cached, device = tables["beside"], tables["device"]
     static_ids = _ids(tokens, 24, 3000, 0, generator, hot=100).cuda()
     cached.lookup(static_ids)
+    cached.update_cache(static_ids)  # the update's kernels built and loaded before any gate
     graph, static_out = capture_cuda_graph(lambda: cached.lookup(static_ids))
     beside = cached.storage.cache.updates_beside
     for step in range(3):
         static_ids.copy_(_ids(tokens, 24, 3000, 0, generator, hot=100).cuda())
+        torch.cuda.synchronize()
         gate = _gate(beside.stream)  # the next update beside waits for the host
-        cached.update_cache(static_ids)
-        replay_poisoned(graph, static_out)
-        replayed = torch.cuda.Event()
-        replayed.record()
-        time.sleep(0.1)
-        assert not replayed.query(), f"the replay ran while the update was held beside (step {step}, seed {seed})"
-        gate[0] = 1
-        assert _finishes(replayed, 10.0), f"the replay never finished once the update ran (step {step})"
+        opened = {}
+
+        def open_later(gate=gate, opened=opened):
+            time.sleep(0.3)
+            opened["at"] = time.monotonic()
+            gate[0] = 1
+
+        opener = threading.Thread(target=open_later)
+        opener.start()
+        try:
+            cached.update_cache(static_ids)
+            replay_poisoned(graph, static_out)
+            replayed = torch.cuda.Event()
+            replayed.record()
+            assert _finishes(replayed, 10.0), f"the replay never finished once the update ran (step {step})"
+            finished_at = time.monotonic()
+        finally:
+            opener.join()
+        assert "at" in opened and finished_at >= opened["at"], \
+            f"the replay finished while the update was held beside (step {step}, seed {seed})"
         assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
     assert int(cached.storage.cache.stats[1]) > 0
 

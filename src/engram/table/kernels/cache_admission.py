@@ -35,7 +35,7 @@ class AdmissionBuffers:
     def __init__(self, cache, capacity: int, step: int):
         device = cache.device
         self.capacity = capacity
-        self.table_size = 1 << max(4, (2 * capacity - 1).bit_length())  # at most half full
+        self.table_size = table_size_for(capacity)
         self.keys = torch.full((self.table_size + 1,), -1, dtype=torch.int32, device=device)
         self.counts = torch.zeros(self.table_size + 1, dtype=torch.int32, device=device)
         self.staged_at = torch.full((self.table_size + 1,), -1, dtype=torch.int32, device=device)
@@ -49,6 +49,11 @@ class AdmissionBuffers:
         self.dirty = False  # set while a step's launches are being issued: one that failed leaves it set
 
 
+def table_size_for(num_ids: int) -> int:
+    """Entries of the counting table for a step of ``num_ids`` ids: a power of two, at most half full."""
+    return 1 << max(4, (2 * num_ids - 1).bit_length())
+
+
 def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
                staged: torch.Tensor | None = None, inverse: torch.Tensor | None = None) -> None:
     """One step of ``cache``'s policy (:mod:`engram.table.placements.row_cache`) for the reads ``local_ids
@@ -59,6 +64,10 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
     buffers; under CUDA-graph capture they must already fit."""
     num_ids = local_ids.numel()
     buffers = cache.admission_buffers(num_ids)
+    # The step's own prefix of the table: a decode step after a prefill-sized one scans and clears 4 K entries,
+    # not the prefill's millions. Its trash entry (index table_size, also an entry of a longer prefix) is never
+    # written, so every prefix stays empty between steps.
+    table_size = table_size_for(num_ids)
     has_staged = staged is not None and num_ids > 0
     device_index = local_ids.device.index if local_ids.is_cuda else 0
     step_launch = dict(num_warps=4, device_index=device_index)
@@ -71,12 +80,12 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
     if num_ids:
         _LAUNCHERS[count_rows_kernel](
             -(-num_ids // _ID_BLOCK),
-            (local_ids, num_ids, back_values.shape[0], buffers.keys, buffers.counts, buffers.table_size, cache.stats,
+            (local_ids, num_ids, back_values.shape[0], buffers.keys, buffers.counts, table_size, cache.stats,
              buffers.touched_count, inverse if has_staged else buffers.staged_at, buffers.staged_at, has_staged,
              _ID_BLOCK), **step_launch)
         _LAUNCHERS[rank_candidates_kernel](
-            -(-buffers.table_size // _ENTRY_BLOCK),
-            (buffers.keys, buffers.counts, buffers.table_size, cache.tags_with_trash, cache.counters_with_trash,
+            -(-table_size // _ENTRY_BLOCK),
+            (buffers.keys, buffers.counts, table_size, cache.tags_with_trash, cache.counters_with_trash,
              cache.num_sets, buffers.step, buffers.best, buffers.stamps, buffers.touched, buffers.touched_count,
              cache.stats, cache.recency, cache.ways, _ENTRY_BLOCK), **step_launch)
     programs = max(1, min(num_ids, cache.num_sets, 2 if interpreting() else _ADMIT_PROGRAMS))
@@ -93,12 +102,12 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
         programs * cache.ways,
         (buffers.touched, buffers.touched_count, cache.tags_with_trash, slot_rows, slot_rows.stride(0), back_values,
          back_scales, back_values.stride(0), back_scales.stride(0), programs, buffers.keys, buffers.staged_at,
-         buffers.table_size, staged if has_staged else slot_rows, (staged if has_staged else slot_rows).stride(0),
+         table_size, staged if has_staged else slot_rows, (staged if has_staged else slot_rows).stride(0),
          staged.shape[0] if has_staged else 0,
          buffers.from_staging, head_dim, 1 << (groups - 1).bit_length(), slot_rows.shape[1], cache.ways, has_staged),
         **step_launch)
     if num_ids:
-        _LAUNCHERS[clear_table_kernel](-(-buffers.table_size // _ENTRY_BLOCK),
-                                       (buffers.keys, buffers.counts, buffers.staged_at, buffers.table_size,
+        _LAUNCHERS[clear_table_kernel](-(-table_size // _ENTRY_BLOCK),
+                                       (buffers.keys, buffers.counts, buffers.staged_at, table_size,
                                         _ENTRY_BLOCK), **step_launch)
     buffers.dirty = False
