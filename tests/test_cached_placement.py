@@ -311,9 +311,13 @@ def _case_id(case) -> str:
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-def test_cached_lookup_equals_the_gather(case, id_dtype, seed):
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["read-ahead", "tags-first"])
+def test_cached_lookup_equals_the_gather(case, id_dtype, read_ahead, seed, monkeypatch):
     from interpreter_bounds import bounds_checked
+    from engram.table.kernels import cache_gather
 
+    # Both forms of the one-kernel lookup: every row's host read issued first, or only a miss's after the tags.
+    monkeypatch.setattr(cache_gather, "READ_AHEAD_MAX_ROWS", 2**31 if read_ahead else -1)
     device = _kernel_device()
     tokens, columns, head_dim, num_rows, row_start, slots, ways = case
     if row_start >= 2**31:

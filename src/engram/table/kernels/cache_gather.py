@@ -71,6 +71,12 @@ def _check(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor
     return constants
 
 
+# One-kernel lookups of at most this many rows (decode sizes, as placement "host"'s DECODE_MAX_ROWS) issue every
+# row's host read before the tags' (READ_AHEAD in cache_kernels): a miss then waits one PCIe round trip, not an
+# HBM tag read and then that round trip; a hit moves its 272 host bytes too (at most 0.8 MB a lookup).
+READ_AHEAD_MAX_ROWS = 128 * 24
+
+
 def _backing_constants(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor) -> tuple:
     for name, tensor, width in (("back_values", back_values, cache.head_dim),
                                 ("back_scales", back_scales, cache.head_dim // BLOCK_SIZE)):
@@ -105,7 +111,8 @@ def _launch(kernel, outputs, cache: RowCache, back_values, back_scales, hash_ids
     head_dim = cache.head_dim
     groups = head_dim // BLOCK_SIZE
     ints = (total_rows, local_columns, hash_ids.stride(0), hash_ids.stride(1), row_start, *constants)
-    constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, cache.ways, *extra)
+    read_ahead = total_rows <= READ_AHEAD_MAX_ROWS
+    constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, cache.ways, read_ahead, *extra)
     tensors = (hash_ids, cache.tags, cache.slot_values, cache.slot_scales, back_values, back_scales, *outputs)
     grid = -(-total_rows // rows_per_program)
     _LAUNCHERS[kernel](grid, (*tensors, *ints, *constexprs), num_warps=4, num_stages=1,

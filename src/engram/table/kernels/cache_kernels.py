@@ -85,24 +85,29 @@ def _cached_row_bytes(hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, ba
                       total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
                       slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
                       HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                      WAYS: tl.constexpr):
+                      WAYS: tl.constexpr, READ_AHEAD: tl.constexpr):
     """This program's rows through the cache: ``(row_index, in_bounds, column, column_mask,
     group, group_valid, value_bytes [BLOCK_ROWS, GROUPS_PADDED, 32], scale_bytes [BLOCK_ROWS,
     GROUPS_PADDED])``: each row's bytes from its HBM slot on a hit, else from the backing
-    rows, all-zero outside the table (each lane makes exactly one of the two loads)."""
+    rows, all-zero outside the table. Each lane makes exactly one of the two loads, except with
+    ``READ_AHEAD``: every row's backing read is issued before the tags are read, so a miss pays no
+    dependent round trip (latency-bound decode lookups; a hit then also moves its host row)."""
     program = tl.program_id(0)
     row_index, in_bounds, inside, local_id = _tile_row_ids(
         hash_ids_ptr, program, total_rows, local_columns, stride_token, stride_column,
         row_start, num_rows, BLOCK_ROWS)
+    group, group_valid, column, column_mask = _row_layout(HEAD_DIM, GROUPS_PADDED)
+    if READ_AHEAD:
+        miss_values, miss_scales = _load_row_bytes(back_value_ptr, back_scale_ptr, local_id, back_value_stride,
+                                                   back_scale_stride, inside, group, group_valid, column)
     hit, slot = _probe(tags_ptr, local_id, inside, num_sets, WAYS)
     miss = inside & ~hit
     hit = inside & hit
-
-    group, group_valid, column, column_mask = _row_layout(HEAD_DIM, GROUPS_PADDED)
     hit_values, hit_scales = _load_row_bytes(slot_value_ptr, slot_scale_ptr, slot, slot_value_stride,
                                              slot_scale_stride, hit, group, group_valid, column)
-    miss_values, miss_scales = _load_row_bytes(back_value_ptr, back_scale_ptr, local_id, back_value_stride,
-                                               back_scale_stride, miss, group, group_valid, column)
+    if not READ_AHEAD:
+        miss_values, miss_scales = _load_row_bytes(back_value_ptr, back_scale_ptr, local_id, back_value_stride,
+                                                   back_scale_stride, miss, group, group_valid, column)
     value_bytes = tl.where(hit[:, None, None], hit_values, miss_values)
     scale_bytes = tl.where(hit[:, None], hit_scales, miss_scales)
     return row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes
@@ -114,7 +119,7 @@ def cached_gather_bf16_kernel(
     total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
     slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
     HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, WAYS: tl.constexpr,
-    DECODE: tl.constexpr,
+    READ_AHEAD: tl.constexpr, DECODE: tl.constexpr,
 ):
     """``out bf16 [T, C_local, D]`` (contiguous) from ``hash_ids [T, C_local]`` through the cache:
 
@@ -128,7 +133,7 @@ def cached_gather_bf16_kernel(
         hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
         total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
         slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
-        HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, WAYS)
+        HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, WAYS, READ_AHEAD)
     scale = _scale_factors(scale_bytes)[:, :, None]  # [BLOCK_ROWS, GROUPS_PADDED, 1]
     # fp32 product is exact (4 significant bits times a power of two); one rounding to bf16.
     product = _decode_e4m3(value_bytes, DECODE) * scale
@@ -143,6 +148,7 @@ def cached_gather_packed_kernel(
     total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
     slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
     HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, WAYS: tl.constexpr,
+    READ_AHEAD: tl.constexpr,
 ):
     """Raw FP8 rows through the cache: ``out_value uint8 [T, C_local, D]``, ``out_scale uint8
     [T, C_local, D // 32]`` (contiguous), the bytes :func:`cached_gather_bf16_kernel` decodes;
@@ -151,7 +157,7 @@ def cached_gather_packed_kernel(
         hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
         total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
         slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
-        HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, WAYS)
+        HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, WAYS, READ_AHEAD)
     tl.store(out_value_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], value_bytes,
              mask=in_bounds[:, None, None] & column_mask)
     tl.store(out_scale_ptr + row_index[:, None] * (HEAD_DIM // _SCALE_GROUP) + group[None, :], scale_bytes,
