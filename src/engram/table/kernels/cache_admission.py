@@ -9,6 +9,8 @@ CUDA graph and replayed with fresh ids. Same result, slot for slot and byte for 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engram.table.kernels.cache_admission_kernels import (admit_kernel, ages_kernel, clear_table_kernel,
@@ -24,6 +26,17 @@ _ID_BLOCK = 256
 _ENTRY_BLOCK = 512
 _AGE_BLOCK = 2048
 _ADMIT_PROGRAMS = 1024  # programs of step 3, striding over the touched sets (H200: 132 SMs)
+# Beside the step (an update on its own stream while the decoder's layers run) steps 3-4 use at most this many
+# programs per SM: their programs wait on host reads for milliseconds. With 8,192 of them the overlapped update
+# still cost cached +3.0% over host at prefill T = 8192 on the H200 (benchmarks/NOTES.md "An HBM cache beside
+# the step"); fewer are meant to leave the SMs to the layers' GEMMs and take longer, hidden behind the layers
+# (a prediction, not yet measured).
+_BESIDE_PROGRAMS_PER_SM = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 class AdmissionBuffers:
@@ -55,13 +68,15 @@ def table_size_for(num_ids: int) -> int:
 
 
 def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
-               staged: torch.Tensor | None = None, inverse: torch.Tensor | None = None) -> None:
+               staged: torch.Tensor | None = None, inverse: torch.Tensor | None = None, *,
+               beside: bool = False) -> None:
     """One step of ``cache``'s policy (:mod:`engram.table.placements.row_cache`) for the reads ``local_ids
     int32/int64 [N]`` (contiguous, on the cache's device; ids outside ``[0, rows)`` are ignored), admitting
     rows from ``back_values uint8 [rows, D]`` / ``back_scales uint8 [rows, D // 32]``, or from ``staged uint8
     [S, row_bytes]`` (tagged packed rows, row-contiguous) at ``inverse int32 [N]`` where that staging row's tag
     is the id's row (same bytes either way). The caller (the cache) has checked the arguments and keeps the
-    buffers; under CUDA-graph capture they must already fit."""
+    buffers; under CUDA-graph capture they must already fit. ``beside``: the update runs on a stream beside the step's
+    work (steps 3-4 then take few programs, :data:`_BESIDE_PROGRAMS_PER_SM`)."""
     num_ids = local_ids.numel()
     buffers = cache.admission_buffers(num_ids)
     # The step's own prefix of the table: a decode step after a prefill-sized one scans and clears 4 K entries,
@@ -88,7 +103,12 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
             (buffers.keys, buffers.counts, table_size, cache.tags_with_trash, cache.counters_with_trash,
              cache.num_sets, buffers.step, buffers.best, buffers.stamps, buffers.touched, buffers.touched_count,
              cache.stats, cache.recency, cache.ways, _ENTRY_BLOCK), **step_launch)
-    programs = max(1, min(num_ids, cache.num_sets, 2 if interpreting() else _ADMIT_PROGRAMS))
+    most = _ADMIT_PROGRAMS
+    if interpreting():
+        most = 2
+    elif beside and local_ids.is_cuda:
+        most = max(1, _multiprocessors(device_index) * _BESIDE_PROGRAMS_PER_SM // cache.ways)
+    programs = max(1, min(num_ids, cache.num_sets, most))
     head_dim = cache.head_dim
     groups = head_dim // 32
     slot_rows = cache.slot_rows

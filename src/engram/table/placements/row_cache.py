@@ -259,8 +259,8 @@ class RowCache:
         if staged is not None:
             inverse = self._check_staging(staged, inverse, ids.numel())
 
-        def admit() -> None:
-            admit_step(self, ids, back_values, back_scales, staged, inverse)
+        def admit(beside: bool) -> None:
+            admit_step(self, ids, back_values, back_scales, staged, inverse, beside=beside)
 
         if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
             with torch.cuda.device(self.device):  # Triton launches on the current device
@@ -273,10 +273,10 @@ class RowCache:
     def _run_update(self, admit, *used) -> None:
         """Run the update kernels: beside (an eager step with updates beside on) or on the current stream."""
         if self._beside is not None and not torch.cuda.is_current_stream_capturing():
-            self._beside.run(admit, tuple(tensor for tensor in used if tensor is not None))
+            self._beside.run(lambda: admit(True), tuple(tensor for tensor in used if tensor is not None))
         else:
             self.settle()  # captured, or inline: after any update still running beside
-            admit()
+            admit(False)
 
     def _check_staging(self, staged: torch.Tensor, inverse: torch.Tensor, num_ids: int) -> torch.Tensor:
         """``inverse`` flat, after checking ``staged`` / ``inverse`` against the cache and the step's ids."""
