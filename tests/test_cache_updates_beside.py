@@ -171,3 +171,53 @@ def test_gpu_failed_update_beside_leaves_the_word_idle(monkeypatch, seed):
     cached.update_cache(static_ids)  # and the next update runs
     torch.cuda.synchronize()
     assert torch.equal(cached.lookup(static_ids).view(torch.int16), device.lookup(static_ids).view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_gpu_decode_graph_with_the_update_inside_equals_eager_steps(synthetic_model_dir, inference, seed):
+    """The engine's decode step captured as one graph (hasher, prefetch, both layers, then ``update_cache``)
+    and replayed with fresh tokens equals the same steps run eagerly on a twin memory (its updates beside the
+    step), step after step: every layer's output, equal to placement ``"device"``'s too, and both caches'
+    tags, counters and hit counts."""
+    from conftest import capture_cuda_graph, memory_on_cuda
+
+    generator = torch.Generator().manual_seed(seed)
+    options = {"cache_fraction": 0.05, "aging_interval": 2}
+    on_device = memory_on_cuda(synthetic_model_dir, "device")
+    captured = memory_on_cuda(synthetic_model_dir, "cached", placement_options=options)
+    eager = memory_on_cuda(synthetic_model_dir, "cached", placement_options=options)
+    spec, tokens = captured.spec, 64
+    input_ids = torch.randint(0, 300, (tokens,), generator=generator).cuda()
+    positions = torch.arange(tokens, device="cuda")
+    starts = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    hidden = torch.randn(tokens, spec.hc_mult, spec.hidden_size, generator=generator).bfloat16().cuda()
+
+    def step(memory):
+        hash_ids = memory.hasher(input_ids, positions, starts)
+        handle = memory.prefetch(hash_ids)
+        outputs = [memory.forward_layer(layer_id, hidden, hash_ids, prefetch=handle) for layer_id in spec.layer_ids]
+        memory.update_cache(hash_ids)
+        return outputs
+
+    caches = {name: [memory.table(layer_id).storage.cache for layer_id in spec.layer_ids]
+              for name, memory in (("captured", captured), ("eager", eager))}
+    with torch.inference_mode() if inference else torch.no_grad():
+        step(eager)  # the twin takes the warm-up step the capture helper runs once
+        graph, outputs = capture_cuda_graph(lambda: step(captured))
+        for replay in range(12):
+            input_ids.copy_(torch.randint(0, 300, (tokens,), generator=generator).cuda())
+            hidden.copy_(torch.randn(tokens, spec.hc_mult, spec.hidden_size, generator=generator).bfloat16())
+            graph.replay()
+            expected = step(eager)
+            hash_ids = on_device.hasher(input_ids, positions, starts)
+            torch.cuda.synchronize()
+            for layer_id, out, twin in zip(spec.layer_ids, outputs, expected):
+                reference = on_device.forward_layer(layer_id, hidden, hash_ids)
+                assert torch.equal(out.view(torch.int16), twin.view(torch.int16)), f"replay {replay}, layer {layer_id}"
+                assert torch.equal(out.view(torch.int16), reference.view(torch.int16)), f"replay {replay}, {layer_id}"
+            for mine, twin in zip(caches["captured"], caches["eager"]):
+                _same_cache(mine, twin, f"after replay {replay} (seed {seed})")
+    assert sum(int(cache.stats[1]) for cache in caches["eager"]) > 0, "no read hit: the test did not test hits"
+    assert all(cache.updates_beside.count > 0 for cache in caches["eager"])
