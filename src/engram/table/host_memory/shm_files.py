@@ -38,6 +38,9 @@ input wherever it is read (a listing reads other users' files too): the JSON par
 :data:`MAX_JSON_BYTES` long and nests at most :data:`MAX_JSON_DEPTH` levels, checked before it is
 parsed, and every field's type is checked after; whatever is wrong is one :class:`HeaderProblem`.
 
+The bytes are encoded and parsed by :class:`engram.table.file_header.HeaderFormat`, the one
+implementation this header shares with the disk tier's row files.
+
 Format version 2 (this one) came with packed host rows that end in their 4-byte row tag; files of
 version 1 hold rows without it and are refused on attach (and listed as stale).
 """
@@ -47,7 +50,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -56,11 +58,15 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from engram.table import file_header
+from engram.table.file_header import (HeaderFormat, HeaderProblem, Stamp, changed_sources, check_stamps,
+                                      header_checksum, is_int, json_depth, source_stamps, sources_mismatch)
+
 __all__ = ["HEADER_REGION_BYTES", "FORMAT_VERSION", "MAGIC", "DEFAULT_SHARE_MODE", "KINDS", "MAX_JSON_BYTES",
            "MAX_JSON_DEPTH", "TableHeader", "HeaderProblem", "shared_buffer_path", "peer_shard_path", "table_paths",
            "content_fingerprint", "source_stamps", "changed_sources", "check_directory", "check_share_mode",
            "file_problem", "refusal", "create_exclusive", "open_checked", "open_lock", "try_lock", "lock_holder",
-           "probe_lock", "check_room", "reserve", "reserve_file", "header_page_bytes", "no_room_error"]
+           "probe_lock", "check_room", "reserve", "reserve_file", "header_page_bytes", "no_room_error", "TMPFS_ROOM_ADVICE"]
 
 HEADER_REGION_BYTES = 2 * 2**20
 """Bytes before the rows: one 2 MiB huge page holding the header."""
@@ -79,13 +85,9 @@ MAX_JSON_BYTES = 64 * 2**10
 """Longest JSON part a header may have (share keys and source paths need far less)."""
 MAX_JSON_DEPTH = 4
 """Deepest nesting of the JSON part (what is written nests 3 levels: object, sources, one source)."""
-_MAX_SOURCES = 4096
 
 _FIXED = struct.Struct("<8sIIQQQQII32s")   # magic, version, filled, offset, row bytes, rows, nbytes, json, 0, fp
-_CHECKSUM_BYTES = 32
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK   # NONBLOCK: a planted FIFO must not hang open()
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_JSON_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 # ---------------------------------------------------------------------------
@@ -116,69 +118,38 @@ def table_paths(path: Path) -> tuple[Path, Path, Path]:
 # ---------------------------------------------------------------------------
 # the header
 # ---------------------------------------------------------------------------
-class HeaderProblem(Exception):
-    """What is wrong with a file's header, as a phrase for an error message."""
-
-
 def content_fingerprint(share_key: str, fingerprint: bytes = b"") -> bytes:
     """32 bytes naming the content: BLAKE2b of the share key and the caller's fingerprint."""
-    digest = hashlib.blake2b(digest_size=32, person=b"engram-table")
-    digest.update(share_key.encode("utf-8"))
-    digest.update(b"\0")
-    digest.update(bytes(fingerprint))
-    return digest.digest()
+    return file_header.content_fingerprint(share_key, fingerprint)
 
 
-def _checksum(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=_CHECKSUM_BYTES, person=b"engram-header").digest()
+def _version_problem(version: int) -> str:
+    written = ("an older engram, whose packed rows carry no row tag: it is stale" if version < FORMAT_VERSION
+               else "a newer engram")
+    return (f"its header is format version {version}, this engram reads version {FORMAT_VERSION} only "
+            f"(written by {written})")
 
 
-Stamp = tuple[str, int, int]   # (real path, size in bytes, mtime in ns)
+_FORMAT = HeaderFormat(MAGIC, FORMAT_VERSION, _FIXED, 7, MAX_JSON_BYTES, MAX_JSON_DEPTH,
+                       "it is not an engram table file (planted, damaged, or written by an engram older than its "
+                       "header)", "key data", _version_problem)
+_json_depth = json_depth
+_checksum = header_checksum
 
 
-def _json_depth(meta: bytes) -> int:
-    """How deep the brackets of the JSON text ``meta`` nest (outside its strings), found without
-    parsing it (a parser recurses once per level)."""
-    depth = deepest = 0
-    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub(b'""', meta)):
-        depth += 1 if bracket in b"[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _parse_meta(meta: bytes) -> dict:
-    """The JSON part of a header as checked fields; HeaderProblem when it is not what
-    :meth:`TableHeader.encode` writes."""
-    depth = _json_depth(meta)
-    if depth > MAX_JSON_DEPTH:
-        raise HeaderProblem(f"its header's key data nests {depth} levels deep (at most {MAX_JSON_DEPTH}): it is not "
-                            f"what engram writes (planted or damaged)")
-    try:
-        fields = json.loads(meta.decode("utf-8"))
-    except (ValueError, RecursionError) as error:   # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise HeaderProblem(f"its header's key data is not JSON ({type(error).__name__}: {str(error)[:200]})") from None
-    if not isinstance(fields, dict):
-        raise HeaderProblem(f"its header's key data is a JSON {type(fields).__name__}, not an object")
+def _checked_meta(fields: dict) -> dict:
+    """The JSON part of a header (parsed by the format) as checked fields; HeaderProblem when it is
+    not what :meth:`TableHeader.encode` writes."""
     kind, key, sources = fields.get("kind"), fields.get("share_key"), fields.get("sources")
     pid, fill_time = fields.get("filler_pid"), fields.get("fill_time_s")
     if kind not in KINDS:
         raise HeaderProblem(f"its header's kind is {str(kind)[:80]!r}, expected one of {', '.join(KINDS)}")
     if not isinstance(key, str) or not key:
         raise HeaderProblem("its header's share key is not a non-empty string")
-    if not isinstance(sources, list) or len(sources) > _MAX_SOURCES:
-        raise HeaderProblem(f"its header's sources are not a list of at most {_MAX_SOURCES} files")
-    for source in sources:
-        if (not isinstance(source, list) or len(source) != 3 or not isinstance(source[0], str)
-                or not _is_int(source[1]) or not _is_int(source[2])):
-            raise HeaderProblem("its header's sources are not [path, size, mtime] entries")
-    if not _is_int(pid) or not isinstance(fill_time, (int, float)) or isinstance(fill_time, bool):
+    stamps = check_stamps(sources, "its header's sources")
+    if not is_int(pid) or not isinstance(fill_time, (int, float)) or isinstance(fill_time, bool):
         raise HeaderProblem("its header's filler pid or fill time is not a number")
-    return {"kind": kind, "share_key": key, "sources": tuple((p, s, m) for p, s, m in sources),
-            "filler_pid": pid, "fill_time_s": float(fill_time)}
+    return {"kind": kind, "share_key": key, "sources": stamps, "filler_pid": pid, "fill_time_s": float(fill_time)}
 
 
 @dataclass(frozen=True)
@@ -206,52 +177,19 @@ class TableHeader:
     def encode(self) -> bytes:
         if self.kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, found {self.kind!r}")
-        meta = json.dumps({"kind": self.kind, "share_key": self.share_key, "sources": [list(s) for s in self.sources],
-                           "filler_pid": self.filler_pid, "fill_time_s": self.fill_time_s},
-                          separators=(",", ":")).encode("utf-8")
-        if len(meta) > MAX_JSON_BYTES or _FIXED.size + len(meta) + _CHECKSUM_BYTES > self.data_offset:
-            raise ValueError(f"share_key: {len(meta)} bytes of key and source paths do not fit the "
-                             f"{MAX_JSON_BYTES}-byte header; use a shorter key")
-        body = _FIXED.pack(MAGIC, self.version, int(self.filled), self.data_offset, self.row_bytes, self.rows,
-                           self.nbytes, len(meta), 0, self.fingerprint) + meta
-        return body + _checksum(body)
+        meta = {"kind": self.kind, "share_key": self.share_key, "sources": [list(s) for s in self.sources],
+                "filler_pid": self.filler_pid, "fill_time_s": self.fill_time_s}
+        return _FORMAT.encode((self.version, int(self.filled), self.data_offset, self.row_bytes, self.rows,
+                               self.nbytes, 0, self.fingerprint), meta, self.data_offset, "share_key")
 
     @classmethod
     def read(cls, fd: int, file_bytes: int) -> "TableHeader":
         """The header of the open file ``fd`` of ``file_bytes`` bytes; :class:`HeaderProblem`
         says what is wrong when it is not a valid one (whatever the bytes: reads are bounded, the
         JSON part's length and depth are checked before it is parsed)."""
-        not_ours = "it is not an engram table file (planted, damaged, or written by an engram older than its header)"
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise HeaderProblem(f"it is not a regular file ({stat.filemode(info.st_mode)})")
-            fixed = os.pread(fd, _FIXED.size, 0)
-        except OSError as error:
-            raise HeaderProblem(f"its header cannot be read ({error.strerror})") from None
-        if len(fixed) < _FIXED.size:
-            raise HeaderProblem(f"it holds only {file_bytes} bytes, too few for a header: {not_ours}")
-        magic, version, filled, offset, row_bytes, rows, nbytes, meta_bytes, _, fingerprint = _FIXED.unpack(fixed)
-        if magic != MAGIC:
-            raise HeaderProblem(f"it does not start with the magic {MAGIC!r} (found {magic!r}): {not_ours}")
-        if version != FORMAT_VERSION:
-            written = ("an older engram, whose packed rows carry no row tag: it is stale" if version < FORMAT_VERSION
-                       else "a newer engram")
-            raise HeaderProblem(f"its header is format version {version}, this engram reads version "
-                                f"{FORMAT_VERSION} only (written by {written})")
-        if meta_bytes > MAX_JSON_BYTES:
-            raise HeaderProblem(f"its header claims {meta_bytes} bytes of key data, more than the limit "
-                                f"{MAX_JSON_BYTES}: the header is damaged")
-        try:
-            rest = os.pread(fd, meta_bytes + _CHECKSUM_BYTES, _FIXED.size)
-        except OSError as error:
-            raise HeaderProblem(f"its header cannot be read ({error.strerror})") from None
-        if len(rest) < meta_bytes + _CHECKSUM_BYTES:
-            raise HeaderProblem(f"it holds only {file_bytes} bytes, its header is cut short: the file is truncated")
-        meta, checksum = rest[:meta_bytes], rest[meta_bytes:]
-        if _checksum(fixed + meta) != checksum:
-            raise HeaderProblem("its header checksum does not match the header's fields (damaged or edited)")
-        fields = _parse_meta(meta)
+        fixed, meta = _FORMAT.read(fd, file_bytes)
+        _, version, filled, offset, row_bytes, rows, nbytes, _, _, fingerprint = fixed
+        fields = _checked_meta(meta)
         header = cls(fields["share_key"], fingerprint, row_bytes, rows, nbytes, bool(filled), fields["sources"],
                      fields["filler_pid"], fields["fill_time_s"], offset, version, fields["kind"])
         if offset != HEADER_REGION_BYTES or row_bytes < 1 or rows * row_bytes != nbytes:
@@ -279,44 +217,7 @@ class TableHeader:
         if not self.filled:
             return ("it was never completely filled (filled flag 0: its filler died or was killed mid-fill, "
                     "or it was renamed into place)")
-        changed = changed_sources(self.sources)
-        if changed:
-            return "the files it was filled from changed since: " + "; ".join(changed)
-        if [s[0] for s in self.sources] != [s[0] for s in expected.sources]:
-            return (f"it was filled from {[s[0] for s in self.sources]}, this load reads "
-                    f"{[s[0] for s in expected.sources]}")
-        return None
-
-
-def source_stamps(sources) -> tuple[Stamp, ...]:
-    """(real path, size, mtime ns) of each source file, each file once, in order."""
-    stamps, seen = [], set()
-    for source in sources:
-        path = os.path.realpath(source)
-        if path in seen:
-            continue
-        seen.add(path)
-        try:
-            info = os.stat(path)
-        except OSError as error:
-            raise ValueError(f"sources: {str(source)!r} cannot be read ({error.strerror})") from None
-        stamps.append((path, info.st_size, info.st_mtime_ns))
-    return tuple(stamps)
-
-
-def changed_sources(stamps: tuple[Stamp, ...]) -> list[str]:
-    """Each recorded source that is gone or whose size or mtime changed, described."""
-    changed = []
-    for path, size, mtime_ns in stamps:
-        try:
-            info = os.stat(path)
-        except OSError:
-            changed.append(f"{path} is gone")
-            continue
-        if (info.st_size, info.st_mtime_ns) != (size, mtime_ns):
-            changed.append(f"{path} was {size} B (mtime {mtime_ns} ns), now {info.st_size} B "
-                           f"(mtime {info.st_mtime_ns} ns)")
-    return changed
+        return sources_mismatch(self.sources, [s[0] for s in expected.sources], "filled")
 
 
 # ---------------------------------------------------------------------------
@@ -511,36 +412,43 @@ def check_directory(directory, *, writable: bool = True) -> Path:
     return path
 
 
-def no_room_error(directory: Path, needed: int, what: str = "the shared table") -> ValueError:
-    """The one error of a file that does not fit ``directory`` (its size, free bytes, how to grow it)."""
+TMPFS_ROOM_ADVICE = ("a tmpfs is sized when it is mounted; raise it with `mount -o remount,size=<bytes> {directory}` "
+                     "(as root), or start the container with a larger shared memory (`docker run --shm-size=<bytes>`; "
+                     "Docker's default /dev/shm is 64 MiB), or pass another directory")
+"""How to make room in a tmpfs (``{directory}``: the directory), the default advice of :func:`no_room_error`."""
+
+
+def no_room_error(directory: Path, needed: int, what: str = "the shared table",
+                  advice: str = TMPFS_ROOM_ADVICE) -> ValueError:
+    """The one error of a file that does not fit ``directory`` (its size, free bytes, and ``advice``:
+    how to make room, ``{directory}`` filled in)."""
     try:
         stats = os.statvfs(directory)
         size, free = stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
         room = f"has {free} bytes free of {size}"
     except OSError:
         room = "has too few bytes free"
-    return ValueError(f"directory: {str(directory)!r} {room}, {what} needs {needed} bytes: a tmpfs is "
-                      f"sized when it is mounted; raise it with `mount -o remount,size=<bytes> {directory}` (as root), "
-                      f"or start the container with a larger shared memory (`docker run --shm-size=<bytes>`; "
-                      f"Docker's default /dev/shm is 64 MiB), or pass another directory")
+    return ValueError(f"directory: {str(directory)!r} {room}, {what} needs {needed} bytes: "
+                      f"{advice.format(directory=directory)}")
 
 
-def check_room(directory: Path, needed: int, what: str = "the shared table") -> None:
+def check_room(directory: Path, needed: int, what: str = "the shared table", advice: str = TMPFS_ROOM_ADVICE) -> None:
     """Refuse at once a file larger than the free space (before any work); the reservation
     (:func:`reserve`) is what guarantees the space."""
     stats = os.statvfs(directory)
     if stats.f_bavail * stats.f_frsize < needed:
-        raise no_room_error(directory, needed, what)
+        raise no_room_error(directory, needed, what, advice)
 
 
-def reserve(fd: int, offset: int, length: int, directory: Path, needed: int, what: str = "the shared table") -> None:
+def reserve(fd: int, offset: int, length: int, directory: Path, needed: int, what: str = "the shared table",
+            advice: str = TMPFS_ROOM_ADVICE) -> None:
     """Allocate ``[offset, offset + length)`` of the file now (``posix_fallocate``), so that
     writing its mapped pages can never hit a full tmpfs (which kills with SIGBUS)."""
     try:
         os.posix_fallocate(fd, offset, length)
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT):
-            raise no_room_error(directory, needed, what) from None
+            raise no_room_error(directory, needed, what, advice) from None
         raise
 
 
