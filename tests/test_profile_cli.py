@@ -1,4 +1,4 @@
-"""engram profile build|eval|plot|size on tiny text files: outputs, JSON and the errors for bad arguments."""
+"""engram profile build|eval|plot|size|tiers on tiny text files: outputs, JSON and the errors for bad arguments."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_static_needs_a_hot_set_and_a_matching_one(corpus, tmp_path, deepseek_to
     assert "--hot" in err and "[5, 5]" in err and "384,006,168".replace(",", "") in err
 
 
-@pytest.mark.parametrize("action", ["build", "eval", "plot", "size"])
+@pytest.mark.parametrize("action", ["build", "eval", "plot", "size", "tiers"])
 @pytest.mark.parametrize("flag, value", [("--max-tokens", "0"), ("--step-tokens", "0"), ("--step-tokens", "99999999999"),
                                          ("--step-tokens", "many")])
 def test_bad_max_tokens_and_step_tokens(action, flag, value, corpus, tmp_path, capsys):
@@ -159,7 +159,8 @@ def test_bad_max_tokens_and_step_tokens(action, flag, value, corpus, tmp_path, c
     outputs = tmp_path / "outputs"
     outputs.mkdir()
     extra = {"build": ["--fraction", "0.01", "--out", str(outputs / "h.npz")], "eval": ["--fraction", "0.01"],
-             "plot": ["--out", str(outputs / "f.png")], "size": ["--json", str(outputs / "s.json")]}[action]
+             "plot": ["--out", str(outputs / "f.png")], "size": ["--json", str(outputs / "s.json")],
+             "tiers": ["--json", str(outputs / "t.json")]}[action]
     with pytest.raises(SystemExit) as exit_info:
         main(["profile", action, "--corpus", str(corpus / "b.txt"), *extra, flag, value])
     assert exit_info.value.code == 2

@@ -125,16 +125,20 @@ class CompactStream:
     and ``step_last`` (stream position of each one's last read in the step).
     """
 
-    def __init__(self, reads: np.ndarray, step_reads: int, extra_rows: np.ndarray | None = None, progress=None):
+    def __init__(self, reads: np.ndarray, step_reads: int, extra_rows: np.ndarray | None = None, progress=None,
+                 step_bounds: np.ndarray | None = None):
         reads = np.asarray(reads, dtype=np.int64).reshape(-1)
         check_int("step_reads", step_reads, 1, numpy_ints=True)
         self.num_reads = len(reads)
         self.step_reads = int(step_reads)
-        self.num_steps = -(-self.num_reads // self.step_reads)
+        if step_bounds is None:  # steps of step_reads reads
+            step_bounds = np.r_[np.arange(0, self.num_reads, self.step_reads), self.num_reads]
+        step_bounds = np.asarray(step_bounds, dtype=np.int64)
+        self.num_steps = len(step_bounds) - 1
         extra = np.zeros(0, dtype=np.int64) if extra_rows is None else np.asarray(extra_rows, dtype=np.int64)
         step_rows, step_counts, step_last, sizes = [], [], [], [0]
-        for start in range(0, self.num_reads, self.step_reads):  # small sorts, one per step
-            chunk = reads[start:start + self.step_reads]
+        for start, end in zip(step_bounds[:-1], step_bounds[1:]):  # small sorts, one per step
+            chunk = reads[start:end]
             rows, reversed_first, counts = np.unique(chunk[::-1], return_index=True, return_counts=True)
             step_rows.append(rows)
             step_counts.append(counts)
@@ -154,6 +158,15 @@ class CompactStream:
         self.first_touches = int(np.count_nonzero(self.read_counts))
         self.memo: dict = {}
         """What replays of one capacity share (set layouts, best static hits), kept across replays."""
+
+    @classmethod
+    def from_steps(cls, steps: list[np.ndarray], extra_rows: np.ndarray | None = None) -> "CompactStream":
+        """A stream whose steps are given: ``steps[k]`` int64 the rows step ``k`` reads (a lower tier's
+        stream: the rows an upper cache missed in each step, each once; a step may read none)."""
+        steps = [np.asarray(step, dtype=np.int64).reshape(-1) for step in steps]
+        bounds = np.cumsum([0] + [len(step) for step in steps])
+        reads = np.concatenate(steps) if steps else np.zeros(0, dtype=np.int64)
+        return cls(reads, max(1, max((len(step) for step in steps), default=1)), extra_rows, step_bounds=bounds)
 
     def step(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo, hi = self.bounds[k], self.bounds[k + 1]
@@ -193,13 +206,14 @@ def best_static_hits(stream: CompactStream, capacity: int) -> int:
 
 def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *, initial: bool = False,
            initial_counts: np.ndarray | None = None, profile_steps: int = 1,
-           params: DynamicParams = DynamicParams(), progress=None) -> ReplayResult:
+           params: DynamicParams = DynamicParams(), progress=None, misses: list | None = None) -> ReplayResult:
     """Serve ``stream`` through a cache of ``capacity`` rows under ``policy`` (module docstring).
 
     ``initial``: start from the stream's ``extra_rows`` as the hot list (hottest first; its first
     ``capacity`` rows are used); ``initial_counts`` ``[H]``: their profile reads, and
     ``profile_steps`` the profile's steps (``dynamic``'s initial scores). ``progress``: an object
-    with ``update(steps)`` (a tqdm bar), told of the steps as they are replayed.
+    with ``update(steps)`` (a tqdm bar), told of the steps as they are replayed. ``misses``: a list
+    that receives, per step, the distinct rows not cached at its start (int64, ascending).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy: expected one of {POLICIES}, found {policy!r}")
@@ -208,11 +222,11 @@ def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *
     hot = stream.extra_ids[:capacity] if initial else np.zeros(0, dtype=np.int64)
     progress = progress if progress is not None else _NoProgress()
     if policy == "static":
-        result = _replay_static(stream, hot)
+        result = _replay_static(stream, hot, misses)
         progress.update(stream.num_steps)
         return result
     if policy == "lru":
-        return _replay_lru(stream, capacity, hot, progress)
+        return _replay_lru(stream, capacity, hot, progress, misses)
     if policy == "set-lru":
         params = dataclasses.replace(params, recency=True)
     counts = np.ones(len(hot), dtype=np.int64) if initial_counts is None else \
@@ -222,7 +236,7 @@ def replay(stream: CompactStream, capacity: int, policy: str = DEFAULT_POLICY, *
     scores = np.maximum(1, -(-counts // max(1, int(profile_steps))))
     if params.recency:
         scores = np.zeros(len(hot), dtype=np.int64)  # read "before step 0"
-    return _replay_dynamic(stream, capacity, hot, scores, params, progress)
+    return _replay_dynamic(stream, capacity, hot, scores, params, progress, misses)
 
 
 class _NoProgress:
@@ -230,14 +244,23 @@ class _NoProgress:
         pass
 
 
-def _replay_static(stream: CompactStream, hot: np.ndarray) -> ReplayResult:
+def _record_misses(misses: list | None, stream: CompactStream, ids: np.ndarray, hit: np.ndarray) -> None:
+    if misses is not None:
+        misses.append(stream.rows[ids[~hit]])  # compact ids ascend with the rows
+
+
+def _replay_static(stream: CompactStream, hot: np.ndarray, misses: list | None = None) -> ReplayResult:
     cached = np.zeros(len(stream.rows), dtype=bool)
     cached[hot] = True
     hit = cached[stream.step_ids]
+    for k in range(stream.num_steps if misses is not None else 0):
+        lo, hi = stream.bounds[k], stream.bounds[k + 1]
+        _record_misses(misses, stream, stream.step_ids[lo:hi], hit[lo:hi])
     return ReplayResult(stream.num_reads, int(stream.step_counts[hit].sum()), len(stream.step_ids), int(hit.sum()))
 
 
-def _replay_lru(stream: CompactStream, capacity: int, hot: np.ndarray, progress) -> ReplayResult:
+def _replay_lru(stream: CompactStream, capacity: int, hot: np.ndarray, progress,
+                misses: list | None = None) -> ReplayResult:
     size = len(stream.rows)
     cached = np.zeros(size, dtype=bool)
     last = np.full(size, np.iinfo(np.int64).min, dtype=np.int64)
@@ -256,6 +279,7 @@ def _replay_lru(stream: CompactStream, capacity: int, hot: np.ndarray, progress)
         hit = cached[ids]
         hits += int(counts[hit].sum())
         fetch_hits += int(hit.sum())
+        _record_misses(misses, stream, ids, hit)
         order = np.argsort(last_read)
         ids, last_read = ids[order], last_read[order]
         count += int((~hit).sum())
@@ -313,7 +337,7 @@ def _set_layout(stream: CompactStream, num_sets: int, ways: int, hot: np.ndarray
 
 
 def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_scores: np.ndarray,
-                    params: DynamicParams, progress) -> ReplayResult:
+                    params: DynamicParams, progress, misses: list | None = None) -> ReplayResult:
     ways = min(params.ways, capacity)
     set_of, num_sets, keep, slots = _set_layout(stream, max(1, capacity // ways), ways, hot)
     slot_row = np.full(num_sets * ways, -1, dtype=np.int64)
@@ -333,6 +357,7 @@ def _replay_dynamic(stream: CompactStream, capacity: int, hot: np.ndarray, hot_s
         hit = slots >= 0
         hits += int(counts[hit].sum())
         fetch_hits += int(hit.sum())
+        _record_misses(misses, stream, ids, hit)
         # Residents read in the step: age lazily, then add the step's reads.
         s = slots[hit]
         if params.recency:

@@ -1,5 +1,6 @@
-"""``engram profile build|eval|plot|size``: row-read traces of real text, hot sets, HBM cache hit rates
-(:mod:`engram.tools.profile`) and what each cache size takes and saves (:mod:`engram.tools.profile_size`).
+"""``engram profile build|eval|plot|size|tiers``: row-read traces of real text, hot sets, HBM cache hit rates
+(:mod:`engram.tools.profile`), what each cache size takes and saves (:mod:`engram.tools.profile_size`) and the
+disk reads a RAM and an HBM cache leave (:mod:`engram.tools.profile_tiers`).
 Every argument (``--out`` and ``--json`` included: their files are created at once) is checked before the
 tokenizer loads or any text is hashed."""
 
@@ -32,6 +33,17 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], found {text!r}") from None
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], found {text!r}")
+    return value
+
+
+def _fraction_or_zero(text: str) -> float:
+    """An argparse type: a number in [0, 1] (0: no such cache)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] (0: none), found {text!r}")
     return value
 
 
@@ -237,6 +249,50 @@ def _target_line(answer: dict, target: float, format_bytes) -> str:
             f"host / step){bound}")
 
 
+def command_profile_tiers(args: argparse.Namespace, console: Console, warn: Callable) -> int:
+    from engram.tools.profile import read_trace
+    from engram.tools.profile_tiers import tier_report
+
+    with OutputFile("--json", args.json) if args.json else contextlib.nullcontext() as out:
+        layout = _layout(args)
+        _corpus(args)
+        vocab, tokenizer = _profile_inputs(args, layout)
+        trace = read_trace(args.corpus, layout, vocab, tokenizer, max_tokens=args.max_tokens, progress=True)
+        report = tier_report(trace, layout, args.ram_fractions, args.hbm_fractions,
+                             list(dict.fromkeys(args.step_tokens)), policy=args.policy)
+        warn(report.warnings)
+        figures = report.figures
+        if out is not None:
+            out.write(lambda temporary: Path(temporary).write_text(json.dumps(figures, indent=1) + "\n"))
+    _print_tiers(figures, console)
+    if args.json:
+        console.print(f"figures -> {args.json}", highlight=False)
+    return 0
+
+
+def _print_tiers(figures: dict, console: Console) -> None:
+    """One table: per step size, RAM fraction and HBM fraction, the hit rates and the disk reads left."""
+    from engram.tools.checkpoint_report import format_bytes
+
+    table = Table(title=f"{figures['policy']} caches over {figures['tokens']:,} tokens ({figures['files']} files): "
+                        f"HBM over RAM over disk")
+    for column in ("tok/step", "RAM fraction", "HBM fraction", "RAM", "HBM", "HBM hit rate", "RAM hit rate",
+                   "disk reads / step", "disk / step", "disk reads / token"):
+        table.add_column(column, justify="right")
+    for entry in figures["tiers"]:
+        layers = list(entry["layers"].values())
+        ram_rate = sum(layer["ram_hit_rate"] for layer in layers) / max(1, len(layers))
+        table.add_row(str(entry["step_tokens"]), f"{entry['ram_fraction']:g}", f"{entry['hbm_fraction']:g}",
+                      format_bytes(entry["ram_bytes"]), format_bytes(entry["hbm_bytes"]),
+                      f"{entry['hbm_hit_rate']:.1%}", f"{ram_rate:.1%}", f"{entry['disk_pages_per_step']:,.0f}",
+                      format_bytes(round(entry["disk_bytes_per_step"])), f"{entry['disk_pages_per_token']:.1f}")
+    console.print(table)
+    console.print(f"[dim]disk reads: {figures['page_bytes']} B pages of {figures['rows_per_page']} rows of "
+                  f"{figures['row_bytes']} B, one per distinct page a step misses in both caches; RAM hit rate: of "
+                  f"the distinct rows per step the HBM cache missed (the layers' mean); every layer summed but the "
+                  f"rates[/]")
+
+
 def command_profile_plot(args: argparse.Namespace, console: Console, warn: Callable) -> int:
     from engram.tools.profile import corpus_warnings, evaluate, read_trace
     from engram.tools.profile_plot import plot_hit_rates, require_matplotlib
@@ -268,7 +324,7 @@ def command_profile_plot(args: argparse.Namespace, console: Console, warn: Calla
 
 
 def add_profile_parser(commands, warn: Callable) -> None:
-    """Register ``engram profile build|eval|plot|size``; ``warn(messages)`` prints warnings (on stderr)."""
+    """Register ``engram profile build|eval|plot|size|tiers``; ``warn(messages)`` prints warnings (on stderr)."""
     from engram.checks import CACHE_POLICIES
     from engram.tools.profile import DEFAULT_FRACTIONS, DEFAULT_STEP_TOKENS
     from engram.tools.profile_size import DEFAULT_SIZE_FRACTIONS, DEFAULT_SIZE_STEP_TOKENS
@@ -334,3 +390,16 @@ def add_profile_parser(commands, warn: Callable) -> None:
                       help="also the smallest fraction that reaches this hit rate, per policy and step size")
     size.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
     size.set_defaults(run=runs(command_profile_size))
+    from engram.tools.profile_tiers import DEFAULT_HBM_FRACTIONS, DEFAULT_RAM_FRACTIONS
+
+    tiers = actions.add_parser("tiers", help="per RAM and HBM cache fraction: hit rates and the disk reads per step "
+                                             "left (rows on disk under a RAM cache and the HBM cache)")
+    common(tiers, step_sizes=True)
+    tiers.add_argument("--ram-fractions", nargs="+", type=_fraction, default=list(DEFAULT_RAM_FRACTIONS),
+                       help=f"RAM-cached fractions of each table's rows (default "
+                            f"{' '.join(map(str, DEFAULT_RAM_FRACTIONS))})")
+    tiers.add_argument("--hbm-fractions", nargs="+", type=_fraction_or_zero, default=list(DEFAULT_HBM_FRACTIONS),
+                       help=f"HBM-cached fractions, 0 for none (default {' '.join(map(str, DEFAULT_HBM_FRACTIONS))})")
+    tiers.add_argument("--policy", choices=("set-lru", "dynamic"), default="set-lru", help="both caches' policy")
+    tiers.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
+    tiers.set_defaults(run=runs(command_profile_tiers))
