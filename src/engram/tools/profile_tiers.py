@@ -26,7 +26,7 @@ from engram.tools.cache_policy import CompactStream, DynamicParams, capacity_for
 from engram.tools.profile import Trace, corpus_warnings
 
 __all__ = ["DEFAULT_RAM_FRACTIONS", "DEFAULT_HBM_FRACTIONS", "PAGE_BYTES", "TierReport", "rows_per_page",
-           "tier_steps", "tier_report"]
+           "hbm_tier", "tier_steps", "tier_report"]
 
 DEFAULT_RAM_FRACTIONS = (0.1, 0.3)
 DEFAULT_HBM_FRACTIONS = (0.0, 0.02)
@@ -47,19 +47,24 @@ def rows_per_page(row_bytes: int) -> int:
     return max(1, PAGE_BYTES // row_bytes)
 
 
-def tier_steps(stream: CompactStream, num_rows: int, ram_fraction: float, hbm_fraction: float, policy: str,
-               page_rows: int, params: DynamicParams = DynamicParams()) -> dict:
-    """One layer's stream through the tiers: ``reads``, ``hbm_hits`` (reads), ``ram_reads`` / ``ram_hits``
-    (distinct rows per step reaching the RAM cache / found there, summed over steps), ``disk_rows`` and
-    ``disk_pages`` (summed over steps), ``steps``."""
+def hbm_tier(stream: CompactStream, num_rows: int, hbm_fraction: float, policy: str,
+             params: DynamicParams = DynamicParams()) -> tuple[CompactStream, int]:
+    """The HBM cache's part: ``(the stream of its misses, each step's distinct missed rows once; its hits)``
+    (no cache at ``hbm_fraction`` 0: every step's distinct rows, no hit)."""
     if hbm_fraction > 0:
         upper_misses: list = []
         upper = replay(stream, capacity_for(hbm_fraction, num_rows), policy, params=params, misses=upper_misses)
-        hbm_hits = upper.hits
-    else:
-        upper_misses = [stream.rows[stream.step(k)[0]] for k in range(stream.num_steps)]
-        hbm_hits = 0
-    lower = CompactStream.from_steps(upper_misses)
+        return CompactStream.from_steps(upper_misses), upper.hits
+    return CompactStream.from_steps([stream.rows[stream.step(k)[0]] for k in range(stream.num_steps)]), 0
+
+
+def tier_steps(stream: CompactStream, num_rows: int, ram_fraction: float, hbm_fraction: float, policy: str,
+               page_rows: int, params: DynamicParams = DynamicParams(), upper=None) -> dict:
+    """One layer's stream through the tiers: ``reads``, ``hbm_hits`` (reads), ``ram_reads`` / ``ram_hits``
+    (distinct rows per step reaching the RAM cache / found there, summed over steps), ``disk_rows`` and
+    ``disk_pages`` (summed over steps), ``steps``. ``upper``: :func:`hbm_tier`'s result for these arguments
+    when already made (it is the same for every RAM fraction)."""
+    lower, hbm_hits = upper if upper is not None else hbm_tier(stream, num_rows, hbm_fraction, policy, params)
     lower_misses: list = []
     ram = replay(lower, capacity_for(ram_fraction, num_rows), policy, params=params, misses=lower_misses)
     disk_pages = sum(len(np.unique(rows // page_rows)) for rows in lower_misses)
@@ -86,12 +91,15 @@ def tier_report(trace: Trace, layout: EngramLayout, ram_fractions, hbm_fractions
         columns = layout.spec.num_columns
         streams = [CompactStream(trace.reads[index], tokens * columns) for index in range(len(layout.spec.layer_ids))]
         warnings += corpus_warnings(trace, [], tokens)
-        for ram_fraction in figures["ram_fractions"]:
-            for hbm_fraction in figures["hbm_fractions"]:
+        for hbm_fraction in figures["hbm_fractions"]:
+            uppers = [hbm_tier(stream, int(layout.num_embeddings[index]), hbm_fraction, policy, params)
+                      for index, stream in enumerate(streams)]
+            for ram_fraction in figures["ram_fractions"]:
                 layers = {}
                 for index, (layer_id, stream) in enumerate(zip(layout.spec.layer_ids, streams)):
                     rows = int(layout.num_embeddings[index])
-                    counts = tier_steps(stream, rows, ram_fraction, hbm_fraction, policy, page_rows, params)
+                    counts = tier_steps(stream, rows, ram_fraction, hbm_fraction, policy, page_rows, params,
+                                        upper=uppers[index])
                     hbm = (layer_cache_bytes(layout, hbm_fraction, policy, tokens, params.ways)[index]["hbm_bytes"]
                            if hbm_fraction > 0 else 0)
                     layers[str(layer_id)] = {**_rates(counts, tokens), "ram_bytes":
