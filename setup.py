@@ -1,9 +1,11 @@
-"""The build's one step beyond pyproject.toml: the host gather's native worker, compiled at install time.
+"""The build's one step beyond pyproject.toml: two small native libraries, compiled at install time.
 
-``native_gather.c`` becomes the package's ``engram/table/host_memory/_native_gather<EXT_SUFFIX>`` (an editable
-install puts it into ``src/``), built by ``gather_protocol.build_command``, the command of the first-use build.
-Without a C compiler, or where the build fails, the install goes on without it (the extension is optional:
-setuptools warns), and ``native_worker`` compiles the worker at first use instead, saying so.
+``native_gather.c`` becomes the package's ``engram/table/host_memory/_native_gather<EXT_SUFFIX>`` (the host
+gather's worker), built by ``gather_protocol.build_command``; ``disk_reads.c`` becomes
+``engram/table/disk/_disk_reads<EXT_SUFFIX>`` (the disk tier's page reads), built by
+``reads_build.build_command``; each the command of its first-use build (an editable install puts them into
+``src/``). Without a C compiler, or where a build fails, the install goes on without it (the extensions are
+optional: setuptools warns), and the package compiles the library at first use instead, saying so.
 """
 
 import importlib.util
@@ -24,25 +26,40 @@ def _module(path: Path):
     return module
 
 
-def worker_command(target) -> list[str]:
-    """The command that builds the worker into ``target`` (CompileError without a C compiler)."""
+def _compiler() -> str:
     compiler = _module(PACKAGE / "environment.py").c_compiler()
     if compiler is None:
         raise CompileError("no C compiler found ($CC, cc or gcc)")
-    return _module(PACKAGE / "table" / "host_memory" / "gather_protocol.py").build_command(compiler, target)
+    return compiler
+
+
+def worker_command(target) -> list[str]:
+    """The command that builds the worker into ``target`` (CompileError without a C compiler)."""
+    return _module(PACKAGE / "table" / "host_memory" / "gather_protocol.py").build_command(_compiler(), target)
+
+
+def disk_reads_command(target) -> list[str]:
+    """The command that builds the disk reads' library into ``target`` (CompileError without a C compiler)."""
+    return _module(PACKAGE / "table" / "disk" / "reads_build.py").build_command(_compiler(), target)
+
+
+COMMANDS = {"engram.table.host_memory._native_gather": worker_command,
+            "engram.table.disk._disk_reads": disk_reads_command}
 
 
 class BuildNativeWorker(build_ext):
-    """build_ext for the worker, a plain shared library (no Python module): one compiler command."""
+    """build_ext for the native libraries, plain shared libraries (no Python module): one compiler command each."""
 
     def build_extension(self, ext):
         target = Path(self.get_ext_fullpath(ext.name))
         target.unlink(missing_ok=True)  # a failed build leaves no older library to ship
         target.parent.mkdir(parents=True, exist_ok=True)
-        self.spawn(worker_command(target))
+        self.spawn(COMMANDS[ext.name](target))
 
 
 if __name__ == "__main__":
     setup(ext_modules=[Extension("engram.table.host_memory._native_gather",
-                                 sources=["src/engram/table/host_memory/native_gather.c"], optional=True)],
+                                 sources=["src/engram/table/host_memory/native_gather.c"], optional=True),
+                       Extension("engram.table.disk._disk_reads", sources=["src/engram/table/disk/disk_reads.c"],
+                                 optional=True)],
           cmdclass={"build_ext": BuildNativeWorker})
