@@ -1,4 +1,5 @@
-"""The ``engram`` command: ``info``, ``hash``, ``demo``, ``profile build|eval|plot`` and ``shm list|remove``.
+"""The ``engram`` command: ``info``, ``hash``, ``demo``, ``profile build|eval|plot``, ``shm list|remove`` and
+``tables write``.
 
 Exit codes: 0 success; 1 the work ran and failed or found a problem (``info --checkpoint`` on a
 broken checkpoint, a ``demo`` mismatch or a checkpoint it cannot load, a file that could not be
@@ -209,6 +210,7 @@ def _warn(messages: list[str]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from engram.tools.profile_cli import add_profile_parser
     from engram.tools.shm_cli import add_shm_parser
+    from engram.tools.tables_cli import add_tables_parser
 
     parser = argparse.ArgumentParser(prog="engram", description="Engram conditional-memory layers: exact hashing and tables.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -250,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=command_demo)
     add_profile_parser(commands, warn=_warn)
     add_shm_parser(commands)
+    add_tables_parser(commands)
     return parser
 
 
