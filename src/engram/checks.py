@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["BACKEND_CHOICES", "WKV_BACKEND_CHOICES", "CACHE_POLICIES", "HOST_GATHER_WORKERS", "HOST_GATHER_DEDUP",
+           "DISK_READ_BACKENDS",
            "check_int", "check_positive_int", "check_power_of_two", "check_bool", "check_choice", "check_fraction",
            "check_hash_ids", "check_launch_ids", "same_device"]
 
@@ -28,6 +29,8 @@ HOST_GATHER_WORKERS = ("auto", "native", "python")
 """Who copies the host gather's rows (:mod:`engram.table.host_memory.gather`)."""
 HOST_GATHER_DEDUP = ("auto", "always", "never")
 """Whether the host gather copies each distinct row once."""
+DISK_READ_BACKENDS = ("auto", "native", "python")
+"""Who reads a row file's pages (:mod:`engram.table.disk.reads`): the C thread pool or ``os.pread``."""
 
 
 def _is_int(value: Any, numpy_ints: bool) -> bool:

@@ -91,6 +91,7 @@ def tier_report(trace: Trace, layout: EngramLayout, ram_fractions, hbm_fractions
         columns = layout.spec.num_columns
         streams = [CompactStream(trace.reads[index], tokens * columns) for index in range(len(layout.spec.layer_ids))]
         warnings += corpus_warnings(trace, [], tokens)
+        full: set = set()
         for hbm_fraction in figures["hbm_fractions"]:
             uppers = [hbm_tier(stream, int(layout.num_embeddings[index]), hbm_fraction, policy, params)
                       for index, stream in enumerate(streams)]
@@ -100,6 +101,8 @@ def tier_report(trace: Trace, layout: EngramLayout, ram_fractions, hbm_fractions
                     rows = int(layout.num_embeddings[index])
                     counts = tier_steps(stream, rows, ram_fraction, hbm_fraction, policy, page_rows, params,
                                         upper=uppers[index])
+                    if capacity_for(ram_fraction, rows) >= len(uppers[index][0].rows):
+                        full.add(ram_fraction)
                     hbm = (layer_cache_bytes(layout, hbm_fraction, policy, tokens, params.ways)[index]["hbm_bytes"]
                            if hbm_fraction > 0 else 0)
                     layers[str(layer_id)] = {**_rates(counts, tokens), "ram_bytes":
@@ -114,6 +117,10 @@ def tier_report(trace: Trace, layout: EngramLayout, ram_fractions, hbm_fractions
                     "hbm_hit_rate": sum(layer["hbm_hit_rate"] * stream.num_reads
                                         for layer, stream in zip(layers.values(), streams)) / max(1, reads),
                     **totals, "layers": layers})
+        if full:
+            warnings.append(f"the corpus: a RAM cache of {min(full):g} of the rows already holds every distinct row the "
+                            f"text sends it (at {tokens} tokens per step), so it never evicts and larger RAM fractions "
+                            f"read the same disk pages; only more text tells them apart")
     return TierReport(figures, list(dict.fromkeys(warnings)))
 
 

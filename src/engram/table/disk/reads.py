@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram.checks import check_choice, check_int
+from engram.checks import DISK_READ_BACKENDS, check_choice, check_int
 from engram.environment import c_compiler
 from engram.table.disk.reads_build import LIBRARY_STEM, SOURCE, build_command, source_digest
 from engram.table.disk.row_file import RowFile
@@ -46,7 +46,7 @@ from engram.table.disk.row_file import RowFile
 __all__ = ["RowReader", "RowReadError", "read_rows", "READ_BACKENDS", "BUILT_LIBRARY", "load_library",
            "unavailable_reason", "MAX_THREADS"]
 
-READ_BACKENDS = ("auto", "native", "python")
+READ_BACKENDS = DISK_READ_BACKENDS
 MAX_THREADS = 1024
 BUILT_LIBRARY = Path(__file__).with_name(LIBRARY_STEM + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
 
