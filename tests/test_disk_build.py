@@ -60,6 +60,8 @@ def test_a_library_of_another_source_is_refused_and_rebuilt(tmp_path):
 
 
 def test_neither_a_library_nor_a_compiler_says_both(tmp_path, monkeypatch):
-    monkeypatch.setattr(reads, "c_compiler", lambda: None)
+    from engram import environment
+
+    monkeypatch.setattr(environment, "c_compiler", lambda: None)
     lib, reason = reads.load_library(tmp_path / "absent.so")
     assert lib is None and "no built library" in reason and "no C compiler" in reason

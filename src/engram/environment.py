@@ -67,6 +67,35 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def compile_library(command_for, file_name: str, prefix: str, what: str):
+    """Build a shared library at first use and load it: ``command_for(compiler, target)`` (an argv) into a
+    private temporary directory (removed at once; the loaded library stays mapped). Returns ``(ctypes.CDLL
+    or None, why not)``, the reason naming ``what`` was built."""
+    import ctypes
+    import subprocess
+    import tempfile
+
+    compiler = c_compiler()
+    if compiler is None:
+        return None, "no C compiler found ($CC, cc or gcc)"
+    directory = tempfile.mkdtemp(prefix=prefix)  # mode 0700: this user's only
+    try:
+        target = os.path.join(directory, file_name)
+        command = command_for(compiler, target)
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as error:
+            return None, f"{compiler} could not run: {error}"
+        if result.returncode != 0:
+            return None, f"{' '.join(command)} failed: {result.stderr.strip()[-400:]}"
+        try:
+            return ctypes.CDLL(target), ""
+        except OSError as error:
+            return None, f"the compiled {what} did not load: {error}"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def c_compiler() -> str | None:
     """The C compiler to use: ``$CC`` when set and found, else ``cc`` or ``gcc`` on the ``PATH``, else None."""
     for name in (os.environ.get("CC", ""), "cc", "gcc"):

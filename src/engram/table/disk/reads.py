@@ -26,10 +26,7 @@ import ctypes
 import errno
 import functools
 import os
-import shutil
-import subprocess
 import sysconfig
-import tempfile
 import threading
 import warnings
 import weakref
@@ -39,7 +36,7 @@ import numpy as np
 import torch
 
 from engram.checks import DISK_READ_BACKENDS, check_choice, check_int
-from engram.environment import c_compiler
+from engram.environment import compile_library
 from engram.table.disk.reads_build import LIBRARY_STEM, SOURCE, build_command, source_digest
 from engram.table.disk.row_file import RowFile
 
@@ -114,25 +111,9 @@ def _mismatch(lib: ctypes.CDLL) -> str | None:
 
 
 def _compile() -> tuple[ctypes.CDLL | None, str]:
-    compiler = c_compiler()
-    if compiler is None:
-        return None, "no C compiler found ($CC, cc or gcc)"
-    directory = tempfile.mkdtemp(prefix="engram-disk-reads-")  # mode 0700: this user's only
-    try:
-        target = os.path.join(directory, LIBRARY_STEM + ".so")
-        command = build_command(compiler, target)
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as error:
-            return None, f"{compiler} could not run: {error}"
-        if result.returncode != 0:
-            return None, f"{' '.join(command)} failed: {result.stderr.strip()[-400:]}"
-        try:
-            lib = ctypes.CDLL(target)
-        except OSError as error:
-            return None, f"the compiled library did not load: {error}"
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)  # the loaded library stays mapped
+    lib, reason = compile_library(build_command, LIBRARY_STEM + ".so", "engram-disk-reads-", "library")
+    if lib is None:
+        return None, reason
     refused = _mismatch(lib)
     return (None, f"the library compiled from {SOURCE.name} is refused: {refused}") if refused else (_declare(lib), "")
 

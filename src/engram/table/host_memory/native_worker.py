@@ -27,10 +27,7 @@ import ctypes
 import dataclasses
 import functools
 import os
-import shutil
-import subprocess
 import sysconfig
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -40,7 +37,7 @@ import numpy as np
 import torch
 
 from engram.checks import check_int
-from engram.environment import c_compiler
+from engram.environment import c_compiler, compile_library
 from engram.table.host_memory.gather_protocol import (FLAG_WORDS, IDS_READY, JOB_DONE, MAX_REPLAYED, MAX_WAVES,
                                                       POSTED, SHARED_CONSTANTS, SOURCE, STAGING_FREE, TIMED_WAVES, TIMELINE_WORDS, WAVES_DONE,
                                                       JobRecord, build_command, build_identity, reached, word)
@@ -105,23 +102,9 @@ def _mismatch(lib: ctypes.CDLL) -> str | None:
 
 
 def _compile() -> tuple[ctypes.CDLL | None, str]:
-    compiler = c_compiler()
-    directory = tempfile.mkdtemp(prefix="engram-native-")  # mode 0700: this user's only
-    try:
-        target = os.path.join(directory, "native_gather.so")
-        command = build_command(compiler, target)
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as error:
-            return None, f"{compiler} could not run: {error}"
-        if result.returncode != 0:
-            return None, f"{' '.join(command)} failed: {result.stderr.strip()[-400:]}"
-        try:
-            lib = ctypes.CDLL(target)
-        except OSError as error:
-            return None, f"the compiled worker did not load: {error}"
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)  # the loaded library stays mapped
+    lib, reason = compile_library(build_command, "native_gather.so", "engram-native-", "worker")
+    if lib is None:
+        return None, reason
     refused = _mismatch(lib)
     if refused is not None:
         return None, f"the worker compiled from {SOURCE.name} does not match gather_protocol.py: {refused}"
