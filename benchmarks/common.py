@@ -147,7 +147,7 @@ def fold_ids(ids: np.ndarray, rows: int) -> np.ndarray:
 
 # ---- ceilings and the host path alone, measured beside bench_step.py's steps -------------------
 HERE = Path(__file__).resolve().parent
-CEILING_SOURCE = HERE / "host_gather_ceiling.c"
+CEILING_SOURCE = HERE / "host" / "host_gather_ceiling.c"
 CEILING_ROWS, CEILING_ROW_BYTES = 196_608, 272  # the C program's GATHER_ROWS and ROW_BYTES
 _ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
 

@@ -72,8 +72,8 @@ run() {
 suite() {
   local log=$OUT/gpu-tests-h200.log
   if (( print_only )); then
-    echo "$runs x (timeout 300 python -m pytest tests/test_hash_kernel.py -q -m gpu -p no:cacheprovider &" \
-         "timeout 300 python -m pytest tests -q -m gpu -p no:cacheprovider --ignore=tests/test_hash_kernel.py) > $log"
+    echo "$runs x (timeout 300 python -m pytest tests/hashing/test_hash_kernel.py -q -m gpu -p no:cacheprovider &" \
+         "timeout 300 python -m pytest tests -q -m gpu -p no:cacheprovider --ignore=tests/hashing/test_hash_kernel.py) > $log"
   else
     mkdir -p "$OUT"
     : > "$log"
@@ -81,9 +81,9 @@ suite() {
     part1=$(mktemp) part2=$(mktemp)
     for run in $(seq 1 "$runs"); do
       start=$(date +%s)
-      timeout 300 python -m pytest tests/test_hash_kernel.py -q -m gpu -p no:cacheprovider > "$part1" 2>&1 &
+      timeout 300 python -m pytest tests/hashing/test_hash_kernel.py -q -m gpu -p no:cacheprovider > "$part1" 2>&1 &
       first=$!
-      timeout 300 python -m pytest tests -q -m gpu -p no:cacheprovider --ignore=tests/test_hash_kernel.py \
+      timeout 300 python -m pytest tests -q -m gpu -p no:cacheprovider --ignore=tests/hashing/test_hash_kernel.py \
         > "$part2" 2>&1
       code2=$?
       wait $first
@@ -98,7 +98,7 @@ suite() {
     rm -f "$part1" "$part2"
   fi
   run memcheck-h200.log env MEMCHECK_FUZZ_CASES=40 timeout 150 compute-sanitizer --tool memcheck \
-    --error-exitcode 9 python benchmarks/memcheck_kernels.py
+    --error-exitcode 9 python benchmarks/kernels/memcheck_kernels.py
 }
 
 gpus() {
@@ -110,22 +110,22 @@ gpus() {
 for command in "${commands[@]}"; do
   case $command in
     suite) suite ;;
-    kernels) run bench-kernels-h200.log timeout 300 python benchmarks/bench_kernels.py ;;
-    layer) run bench-layer-h200.log timeout 400 python benchmarks/bench_layer.py --no-sweep ;;
-    host) run bench-host-h200.log timeout 300 python benchmarks/bench_host.py ;;
-    cache) run bench-cache-h200.log timeout 300 python benchmarks/bench_cache.py ;;
-    cache-update) run bench-cache-update-h200.log timeout 300 python benchmarks/bench_cache_update.py ;;
-    step) run step-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 --trace \
+    kernels) run bench-kernels-h200.log timeout 300 python benchmarks/kernels/bench_kernels.py ;;
+    layer) run bench-layer-h200.log timeout 400 python benchmarks/layer/bench_layer.py --no-sweep ;;
+    host) run bench-host-h200.log timeout 300 python benchmarks/host/bench_host.py ;;
+    cache) run bench-cache-h200.log timeout 300 python benchmarks/cache/bench_cache.py ;;
+    cache-update) run bench-cache-update-h200.log timeout 300 python benchmarks/cache/bench_cache_update.py ;;
+    step) run step-h200.log timeout -s TERM 480 python benchmarks/step/bench_step.py --budget-s 360 --trace \
             --json "$OUT/step-h200.json" ;;
-    step-keys) run step-keys-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \
+    step-keys) run step-keys-h200.log timeout -s TERM 480 python benchmarks/step/bench_step.py --budget-s 360 \
             --decode-tokens 64 --prefill-tokens 8192 --steps 100 \
             --variants device_again,host_prefetch,host_prefetch_late --json "$OUT/step-keys-h200.json" ;;
-    step-cache) run step-cache-h200.log timeout -s TERM 480 python benchmarks/bench_step.py --budget-s 360 \
+    step-cache) run step-cache-h200.log timeout -s TERM 480 python benchmarks/step/bench_step.py --budget-s 360 \
             --decode-tokens 64 --prefill-tokens 8192 --steps 100 --host-neighbors 7 \
             --variants device_again,host_prefetch,cached_prefetch,host_prefetch_realtext,cached_prefetch_realtext,host_prefetch_realtext_neighbors,cached_prefetch_realtext_neighbors \
             --json "$OUT/step-cache-h200.json" ;;
-    parallel) run "bench-parallel-tp$(gpus)-h200.log" timeout 400 python benchmarks/bench_parallel.py ;;
-    node) run "bench-parallel-node$(gpus)-h200.log" timeout 500 python benchmarks/bench_parallel.py --mode node ;;
+    parallel) run "bench-parallel-tp$(gpus)-h200.log" timeout 400 python benchmarks/parallel/bench_parallel.py ;;
+    node) run "bench-parallel-node$(gpus)-h200.log" timeout 500 python benchmarks/parallel/bench_parallel.py --mode node ;;
   esac
 done
 exit $status

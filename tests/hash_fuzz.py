@@ -1,5 +1,5 @@
 """Malformed batch metadata for the hash kernels: a fuzz that the interpreter test
-(with every memory access bounds-checked) and ``benchmarks/memcheck_kernels.py``
+(with every memory access bounds-checked) and ``benchmarks/kernels/memcheck_kernels.py``
 (under compute-sanitizer on a GPU) both run. With validation off a malformed batch
 may give wrong ids; it must never hang, fault, or touch memory out of bounds."""
 

@@ -354,7 +354,7 @@ class EngramMemory:
         ``kv_ahead``: also compute each layer's ``kv = wkv(rows)`` now (on CUDA on a side stream per
         layer, after its rows; :meth:`Engram.kv_ahead`), so ``forward_layer`` given the handle runs only
         the gate; bit-identical to computing it there. Off by default: it pays only where the step
-        measures it faster (``benchmarks/bench_step.py``). A layer whose rows come through a host gather
+        measures it faster (``benchmarks/step/bench_step.py``). A layer whose rows come through a host gather
         (placement ``"host"`` or ``"cached"``, large batches) keeps that gather's prefetch and computes
         its kv in ``forward_layer``, so this call never waits for a gather. Single-process layers, not
         placement ``"node"``. Under ``torch.inference_mode()`` no kv is computed ahead: inference tensors

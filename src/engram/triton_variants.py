@@ -8,7 +8,7 @@ specializes on launches a binary compiled for other arguments (e.g. one that ass
 aligned stores on a misaligned output). :class:`VariantRule` reads the rules from the kernel's
 parameters (constexprs, ``do_not_specialize``, ``do_not_specialize_on_alignment``) and applies
 them to every argument. The rules, read off Triton 3.6 and 3.9 (the same in both;
-``tests/test_triton_variants.py`` checks them against the installed Triton):
+``tests/core/test_triton_variants.py`` checks them against the installed Triton):
 
 * constexpr: its value;
 * pointer (a tensor): its dtype, and ``data_ptr() % 16 == 0`` unless the parameter is in

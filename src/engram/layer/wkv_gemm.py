@@ -151,7 +151,7 @@ def _gemm_config(shape) -> WkvGemmConfig:
                          num_warps=shape.num_warps, num_stages=shape.num_stages)
 
 
-# Not yet measured on a GPU; benchmarks/bench_layer.py sweeps
+# Not yet measured on a GPU; benchmarks/layer/bench_layer.py sweeps
 # the fused kernel's shapes at T = 64 and 8192 and records them for this table.
 _GPU_CONFIGS = (  # (largest T, config)
     *((band.max_tokens, _gemm_config(band)) for band in _TUNED.gemm_by_tokens),

@@ -8,7 +8,7 @@ HBM) when its row is cached at the start of the step; otherwise the row is fetch
 memory once per step (deduplicated) and the policy updates the content **between steps**.
 Every policy below is deterministic and can be implemented on the device as written.
 
-Policies (the exact rules; :func:`replay` follows them and ``tests/test_cache_policy.py`` checks it
+Policies (the exact rules; :func:`replay` follows them and ``tests/tools/test_cache_policy.py`` checks it
 against a plain loop):
 
 ``static``
@@ -43,7 +43,7 @@ against a plain loop):
 ``set-lru`` (the default)
     ``dynamic`` with ``recency=True`` (``params.ways`` ways): the LRU that placement ``"cached"``
     serves by default (:class:`engram.table.placements.row_cache.RowCache` follows ``dynamic``'s rules, both
-    scores, and ``tests/test_cached_placement.py`` checks that it serves the same hits).
+    scores, and ``tests/placements/test_cached_placement.py`` checks that it serves the same hits).
 
     Initial content: the hot list's first ``capacity`` rows, hottest first, each row placed in its
     set (in the set's next way) while the set has an empty way, with score

@@ -36,7 +36,7 @@ def _peer_row_pointers(hash_ids_ptr, shard_bases_ptr, program, total_rows, local
     within = (local_row - shard * rows_per_shard).to(tl.int64)
     base = tl.load(shard_bases_ptr + shard, mask=inside, other=0)  # int64 addresses, 16-byte aligned
     # The hint keeps the row loads 16 bytes wide: without it Triton knows nothing of a loaded address's
-    # alignment and loads single bytes (sm_90 PTX, tests/test_peer_gather_ptx.py).
+    # alignment and loads single bytes (sm_90 PTX, tests/table/test_peer_gather_ptx.py).
     row_pointer = tl.multiple_of((base + within * ROW_BYTES).to(tl.pointer_type(tl.uint8)), 16)
     return row_index, in_bounds, inside, row_pointer
 

@@ -15,7 +15,7 @@ and lookups never read):
 
 Update rule (:meth:`RowCache.update`, one call per engine step ``k = 0, 1, ...`` with the
 step's ids), exactly the ``dynamic`` policy of :mod:`engram.tools.cache_policy` (which
-replays it on recorded text; ``tests/test_cached_placement.py`` checks that both serve the
+replays it on recorded text; ``tests/placements/test_cached_placement.py`` checks that both serve the
 same hits), in one of two scores:
 
 * frequency (``recency=False``; placement policy ``"dynamic"``): when ``k > 0`` is a multiple
