@@ -1,4 +1,4 @@
-"""benchmarks/bench_disk.py on the CPU at a tiny size: it makes a valid row file (then reuses it), runs the
+"""benchmarks/disk/bench_disk.py on the CPU at a tiny size: it makes a valid row file (then reuses it), runs the
 C ceiling and the tier's reader at each thread count, and writes its report with the ratio per count."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "disk"
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from engram.table.disk import reads, reads_build
 
 pytestmark = pytest.mark.skipif(c_compiler() is None, reason="no C compiler")
 
-SETUP = Path(__file__).resolve().parents[1] / "setup.py"
+SETUP = Path(__file__).resolve().parents[2] / "setup.py"
 
 
 def _setup_module():

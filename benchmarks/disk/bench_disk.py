@@ -13,7 +13,7 @@ Prints a table of reads/s of both and ``disk_reads_vs_ceiling`` (reader / ceilin
 writes ``disk-<device>.json`` to ``$OUT`` (or benchmarks/results/): device, torch/Triton versions,
 commit, date, the file system of the directory.
 
-    PYTHONPATH=src ENGRAM_COMMIT=<sha> python benchmarks/bench_disk.py --gib 20 --directory /nvme/bench
+    PYTHONPATH=src ENGRAM_COMMIT=<sha> python benchmarks/disk/bench_disk.py --gib 20 --directory /nvme/bench
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram.table.disk.reads import RowReader, _file_system
-from engram.table.disk.row_file import RowFile, RowFileHeader, RowFileLayout, open_row_file, row_file_fingerprint
-
 HERE = Path(__file__).resolve().parent
+BENCHMARKS = HERE.parent  # common.py, results/
+sys.path[:0] = [str(HERE), str(BENCHMARKS), str(BENCHMARKS.parent / "src")]
+
+from engram.table.disk.reads import RowReader, _file_system  # noqa: E402
+from engram.table.disk.row_file import (RowFile, RowFileHeader, RowFileLayout, open_row_file,  # noqa: E402
+                                        row_file_fingerprint)
+
 PROBE_SOURCE = HERE / "disk_read_ceiling.c"
 HEAD_DIM = 256
 CHUNK_PAGES = 16384   # 64 MiB of pages generated and written at a time
@@ -129,7 +133,6 @@ def reader_rate(row_file: RowFile, threads: int, seconds: float, batch: int, see
 
 
 def _versions() -> dict:
-    sys.path.insert(0, str(HERE))
     from common import versions   # torch and Triton (None where absent)
 
     return versions(torch.device("cpu"))
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
               "file_system": _file_system(path), "cpus": os.cpu_count(), "seconds": args.seconds,
               "batch": args.batch, "ceiling": ceiling if "skipped" in ceiling else list(ceiling.values()),
               "rows": rows}
-    out_dir = Path(os.environ.get("OUT", HERE / "results"))
+    out_dir = Path(os.environ.get("OUT", BENCHMARKS / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     slug = "cpu" if report["device"] == "cpu" else report["device"].lower().replace("nvidia", "").strip().replace(" ", "-")
     (out_dir / f"disk-{slug}.json").write_text(json.dumps(report, indent=2))
