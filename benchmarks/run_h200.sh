@@ -5,8 +5,9 @@
 #
 # Subcommands, run in the order given (each fits one 10-minute device call; `all` does not):
 #   suite     the GPU tests of tests/ (-m gpu) N times (default 1), each run as two pytest processes
-#             sharing the GPU (test_hash_kernel.py, the slowest file, beside all the others), then
-#             compute-sanitizer memcheck of every kernel (40 malformed-metadata cases)
+#             sharing the GPU (test_hash_kernel.py, the slowest file, beside all the others; about
+#             300 s on the H200), interrupted at 540 s so pytest still names the test it was in
+#   memcheck  compute-sanitizer memcheck of every kernel (40 malformed-metadata cases)
 #   kernels   bench_kernels.py: hash, gather, gate against the HBM copy ceiling; host time of eager calls
 #   layer     bench_layer.py --no-sweep: the whole layer for every wkv path
 #   host      bench_host.py: placement "host" on a 34 GiB table (carry .bench-data for real-text ids)
@@ -23,7 +24,7 @@
 #   parallel  bench_parallel.py: tensor-parallel ranks over NCCL, one per visible GPU
 #   node      bench_parallel.py --mode node: placement "node" (peer, exchange) against device and
 #             host on one table over every visible GPU, with the peer copy ceiling
-#   all       suite, then every benchmark above but step-keys and step-cache
+#   all       suite, memcheck, then every benchmark above but step-keys and step-cache
 # Logs (and the benchmarks' JSON) go to $OUT if set, else benchmarks/results/. --print prints the
 # commands instead of running them. The device copy of the tree has no .git: pass ENGRAM_COMMIT.
 # Exit status: 0 when every command passed, 1 when one failed, 2 on a bad command line.
@@ -43,8 +44,8 @@ while (( $# )); do
       [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run_h200.sh: --runs: expected a positive integer, got '${2:-}'" >&2; usage; }
       runs=$2; shift 2 ;;
     --print) print_only=1; shift ;;
-    suite|kernels|layer|host|cache|cache-update|step|step-keys|step-cache|parallel|node) commands+=("$1"); shift ;;
-    all) commands+=(suite kernels layer host cache cache-update step parallel node); shift ;;
+    suite|memcheck|kernels|layer|host|cache|cache-update|step|step-keys|step-cache|parallel|node) commands+=("$1"); shift ;;
+    all) commands+=(suite memcheck kernels layer host cache cache-update step parallel node); shift ;;
     *) echo "run_h200.sh: unknown subcommand or option '$1'" >&2; usage ;;
   esac
 done
@@ -72,8 +73,9 @@ run() {
 suite() {
   local log=$OUT/gpu-tests-h200.log
   if (( print_only )); then
-    echo "$runs x (timeout 300 python -m pytest tests/hashing/test_hash_kernel.py -q -m gpu -p no:cacheprovider &" \
-         "timeout 300 python -m pytest tests -q -m gpu -p no:cacheprovider --ignore=tests/hashing/test_hash_kernel.py) > $log"
+    echo "$runs x (timeout -s INT 540 python -m pytest tests/hashing/test_hash_kernel.py -q -m gpu -p no:cacheprovider &" \
+         "timeout -s INT 540 python -m pytest tests -q -m gpu -p no:cacheprovider --durations=10" \
+         "--ignore=tests/hashing/test_hash_kernel.py) > $log"
   else
     mkdir -p "$OUT"
     : > "$log"
@@ -81,15 +83,16 @@ suite() {
     part1=$(mktemp) part2=$(mktemp)
     for run in $(seq 1 "$runs"); do
       start=$(date +%s)
-      timeout 300 python -m pytest tests/hashing/test_hash_kernel.py -q -m gpu -p no:cacheprovider > "$part1" 2>&1 &
+      timeout -s INT 540 python -m pytest tests/hashing/test_hash_kernel.py -q -m gpu -p no:cacheprovider > "$part1" 2>&1 &
       first=$!
-      timeout 300 python -m pytest tests -q -m gpu -p no:cacheprovider --ignore=tests/hashing/test_hash_kernel.py \
-        > "$part2" 2>&1
+      timeout -s INT 540 python -m pytest tests -q -m gpu -p no:cacheprovider --durations=10 \
+        --ignore=tests/hashing/test_hash_kernel.py > "$part2" 2>&1
       code2=$?
       wait $first
       code1=$?
       { echo "== GPU suite run $run of $runs ($(( $(date +%s) - start )) s): test_hash_kernel.py exit $code1, others exit $code2"
-        tail -1 "$part1"; tail -1 "$part2"; grep -E "FAILED|ERROR" "$part1" "$part2"; } | tee -a "$log"
+        tail -1 "$part1"; sed -n '/slowest 10 durations/,$p' "$part2"; grep -E "FAILED|ERROR|KeyboardInterrupt" "$part1" "$part2"
+      } | tee -a "$log"
       if (( code1 != 0 || code2 != 0 )); then  # keep the failures' tracebacks and seeds
         cat "$part1" "$part2" > "$OUT/gpu-tests-failed-run-$run.log"
         status=1
@@ -97,6 +100,9 @@ suite() {
     done
     rm -f "$part1" "$part2"
   fi
+}
+
+memcheck() {
   run memcheck-h200.log env MEMCHECK_FUZZ_CASES=40 timeout 150 compute-sanitizer --tool memcheck \
     --error-exitcode 9 python benchmarks/kernels/memcheck_kernels.py
 }
@@ -110,6 +116,7 @@ gpus() {
 for command in "${commands[@]}"; do
   case $command in
     suite) suite ;;
+    memcheck) memcheck ;;
     kernels) run bench-kernels-h200.log timeout 300 python benchmarks/kernels/bench_kernels.py ;;
     layer) run bench-layer-h200.log timeout 400 python benchmarks/layer/bench_layer.py --no-sweep ;;
     host) run bench-host-h200.log timeout 300 python benchmarks/host/bench_host.py ;;
