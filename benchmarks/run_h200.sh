@@ -21,6 +21,8 @@
 #             ids and on held-out text (carry .bench-data), and on the text with 7 helper processes
 #             gathering host rows beside each step (a node's other GPUs, a core each; the step's gather on
 #             the cores left but one: 8 threads on 16), at decode T = 64 and prefill T = 8192
+#   disk      bench_disk.py: the disk tier's row reader against the disk's random-read ceiling (a 20 GiB
+#             row file in ./.bench-disk/ on the machine's local disk, written on first use)
 #   parallel  bench_parallel.py: tensor-parallel ranks over NCCL, one per visible GPU
 #   node      bench_parallel.py --mode node: placement "node" (peer, exchange) against device and
 #             host on one table over every visible GPU, with the peer copy ceiling
@@ -44,8 +46,8 @@ while (( $# )); do
       [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run_h200.sh: --runs: expected a positive integer, got '${2:-}'" >&2; usage; }
       runs=$2; shift 2 ;;
     --print) print_only=1; shift ;;
-    suite|memcheck|kernels|layer|host|cache|cache-update|step|step-keys|step-cache|parallel|node) commands+=("$1"); shift ;;
-    all) commands+=(suite memcheck kernels layer host cache cache-update step parallel node); shift ;;
+    suite|memcheck|kernels|layer|host|cache|cache-update|disk|step|step-keys|step-cache|parallel|node) commands+=("$1"); shift ;;
+    all) commands+=(suite memcheck kernels layer host cache cache-update disk step parallel node); shift ;;
     *) echo "run_h200.sh: unknown subcommand or option '$1'" >&2; usage ;;
   esac
 done
@@ -122,6 +124,7 @@ for command in "${commands[@]}"; do
     host) run bench-host-h200.log timeout 300 python benchmarks/host/bench_host.py ;;
     cache) run bench-cache-h200.log timeout 300 python benchmarks/cache/bench_cache.py ;;
     cache-update) run bench-cache-update-h200.log timeout 300 python benchmarks/cache/bench_cache_update.py ;;
+    disk) run bench-disk-h200.log timeout 480 python benchmarks/disk/bench_disk.py --gib 20 ;;
     step) run step-h200.log timeout -s TERM 480 python benchmarks/step/bench_step.py --budget-s 360 --trace \
             --json "$OUT/step-h200.json" ;;
     step-keys) run step-keys-h200.log timeout -s TERM 480 python benchmarks/step/bench_step.py --budget-s 360 \
