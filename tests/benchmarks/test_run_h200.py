@@ -16,7 +16,8 @@ SCRIPT = ROOT / "benchmarks" / "run_h200.sh"
 # subcommand -> (script, an argument its command must pass: "" for none)
 BENCHMARKS = {"kernels": ("kernels/bench_kernels.py", ""), "layer": ("layer/bench_layer.py", ""),
               "host": ("host/bench_host.py", ""), "cache": ("cache/bench_cache.py", ""),
-              "cache-update": ("cache/bench_cache_update.py", ""), "step": ("step/bench_step.py", ""),
+              "cache-update": ("cache/bench_cache_update.py", ""),
+              "disk": ("disk/bench_disk.py", "--gib 20"), "step": ("step/bench_step.py", ""),
               "step-keys": ("step/bench_step.py", "--variants"),
               "step-cache": ("step/bench_step.py", "--host-neighbors 7"),
               "parallel": ("parallel/bench_parallel.py", ""),
@@ -39,7 +40,7 @@ def test_bad_command_lines_print_the_usage_and_exit_2(argv):
     done = run(*argv)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Subcommands" in done.stderr and done.stdout == ""
-    for name in ("suite", *BENCHMARKS, "all"):
+    for name in ("suite", "memcheck", *BENCHMARKS, "all"):
         assert f"\n  {name} " in done.stderr, name
 
 
@@ -55,11 +56,21 @@ def test_each_subcommand_runs_its_script_with_its_log_under_out(tmp_path):
         assert argument in command and ("--mode node" in command) == (name == "node"), line
 
 
-def test_suite_runs_the_gpu_tests_then_memcheck(tmp_path):
+def test_suite_runs_the_gpu_tests_as_two_interrupted_processes(tmp_path):
     done = run("--print", "--runs", "3", "suite", out=tmp_path)
     assert done.returncode == 0, done.stderr
-    tests, memcheck = done.stdout.splitlines()
-    assert tests.startswith("3 x (") and "-m gpu" in tests and tests.endswith(f"> {tmp_path}/gpu-tests-h200.log")
+    (tests,) = done.stdout.splitlines()
+    assert tests.startswith("3 x (") and tests.endswith(f"> {tmp_path}/gpu-tests-h200.log")
+    first, second = tests[len("3 x ("):].split(" & ")
+    for part in (first, second):  # SIGINT, so pytest still names the test it was in
+        assert part.startswith("timeout -s INT ") and "-m gpu" in part, part
+    assert "tests/hashing/test_hash_kernel.py" in first and "--ignore=tests/hashing/test_hash_kernel.py" in second
+
+
+def test_memcheck_runs_the_kernels_under_compute_sanitizer(tmp_path):
+    done = run("--print", "memcheck", out=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (memcheck,) = done.stdout.splitlines()
     assert "compute-sanitizer --tool memcheck" in memcheck and "benchmarks/kernels/memcheck_kernels.py" in memcheck
     assert memcheck.endswith(f"> {tmp_path}/memcheck-h200.log")
     assert (ROOT / "benchmarks" / "kernels" / "memcheck_kernels.py").is_file()
@@ -73,6 +84,7 @@ def test_all_is_the_suite_then_every_benchmark_and_logs_default_to_results():
               if name not in ("step-keys", "step-cache")}
     assert len(lines) == 2 + len(in_all)
     assert all(line.rsplit(" > ", 1)[1].startswith("benchmarks/results/") for line in lines)
+    assert "gpu-tests-h200.log" in lines[0] and "memcheck-h200.log" in lines[1]
     scripts = [next(p for p in line.split() if p.endswith(".py")) for line in lines[2:]]
     assert scripts == [f"benchmarks/{script}" for script, _ in in_all.values()]
     assert len({line.rsplit(" > ", 1)[1] for line in lines}) == len(lines)  # no two write one log
