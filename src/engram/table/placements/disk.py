@@ -106,6 +106,7 @@ class DiskPlacement(TablePlacement):
     """
 
     name = "disk"
+    serves_cpu = True
     starts_reads = True
     options_type = DiskOptions
     no_host_table_reason = "its rows live in a row file on local disk under a RAM cache of its own"
@@ -150,10 +151,11 @@ class DiskPlacement(TablePlacement):
         """The row file of ``source`` in the option ``directory``: reused when valid, else written (with
         progress; room checked first). Returns placeholders ``[rows, D]`` / ``[rows, D // 32]`` that hold no
         rows (one row, expanded), the values' carrying the checked row file for :meth:`__init__`."""
+        from engram.progress import shows_progress
         from engram.table.disk.writing import ensure_row_file, source_fingerprint
 
         options = DiskOptions.of(source.placement_options)   # bad options refused before any read
-        path = ensure_row_file(source, options.required_directory(), progress=source.progress is not None)
+        path = ensure_row_file(source, options.required_directory(), progress=shows_progress(source.progress))
         row_file = open_row_file(path, source_fingerprint(source), source.num_rows, source.head_dim)
         values = torch.zeros(1, source.head_dim, dtype=torch.uint8).expand(source.num_rows, -1)
         scales = torch.zeros(1, source.head_dim // BLOCK_SIZE, dtype=torch.uint8).expand(source.num_rows, -1)
@@ -200,13 +202,15 @@ class DiskPlacement(TablePlacement):
         return torch.where(inside, local, torch.full_like(local, self._rows))
 
     def _host_buffer(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+        # Never an inference tensor: the reader thread, outside inference mode, writes it.
+        with torch.inference_mode(False):
+            return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _to_host(self, local: torch.Tensor) -> tuple[torch.Tensor, object]:
         """A host copy of ``local``, and the event after which it holds the ids (None: at once)."""
-        if self.device.type != "cuda":
-            return local.clone(), None
         host = self._host_buffer(local.shape, torch.int64)
+        if self.device.type != "cuda":
+            return host.copy_(local), None
         host.copy_(local, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
