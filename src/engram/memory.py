@@ -29,6 +29,7 @@ from engram.ops import compiling
 from engram.options import ServingOptions
 from engram.spec import EngramSpec
 from engram.table import EngramTable, available_placements
+from engram.table.placement import placement_class
 from engram.step_prefetch import StepPrefetch
 from engram.vocab import TokenCompressor
 
@@ -47,7 +48,8 @@ def resolve_placement(placement: str, device: torch.device | str | int | None = 
     ``"auto"``: ``"cpu"`` for a CPU ``device`` or on a machine without CUDA; on a CUDA
     device ``"device"`` when ``table_bytes`` (this rank's tables) fit in
     :data:`AUTO_DEVICE_FRACTION` of its free memory (or are unknown), else ``"host"``.
-    ``"cpu"`` runs on the CPU; ``"node"`` on the CPU for a CPU ``device`` (or without CUDA: a gloo group),
+    ``"cpu"`` runs on the CPU; ``"node"`` and ``"disk"`` (placements that set ``serves_cpu``) on the CPU for a
+    CPU ``device`` (or without CUDA; ``"node"``: a gloo group),
     else like every other placement (``"device"``, ``"host"``, ``"cached"``) on a CUDA device, ``device``
     or the current one. Errors name the placement the caller gave and the device.
     """
@@ -70,8 +72,8 @@ def resolve_placement(placement: str, device: torch.device | str | int | None = 
         if device is not None and as_device(device).type != "cpu":
             raise ValueError(f"device: placement 'cpu' runs on the CPU, found device {device!r}")
         return placement, torch.device("cpu")
-    if placement == "node" and ((device is None and not torch.cuda.is_available())
-                                or (device is not None and as_device(device).type == "cpu")):
+    if placement_class(placement).serves_cpu and ((device is None and not torch.cuda.is_available())
+                                                  or (device is not None and as_device(device).type == "cpu")):
         return placement, torch.device("cpu")
     if placement in ("host", "cached") and not torch.cuda.is_available():
         raise ValueError(f"placement: {placement!r} keeps the tables in host memory for a CUDA device to read, and "

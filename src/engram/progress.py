@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["progress_bar", "LINE_INTERVAL"]
+__all__ = ["progress_bar", "shows_progress", "LINE_INTERVAL"]
 
 LINE_INTERVAL = 30.0
 """Seconds between two progress lines when stderr is not a terminal."""
@@ -31,6 +31,11 @@ def progress_bar(total: int, description: str, *, unit: str = "B", unit_divisor:
         return tqdm(total=total, desc=description, unit=unit, unit_scale=True, unit_divisor=unit_divisor,
                     dynamic_ncols=True, mininterval=0.5, leave=leave)
     return _LineProgress(total, description, unit, unit_divisor)
+
+
+def shows_progress(bar: Any) -> bool:
+    """Whether ``bar`` (None, or an object from :func:`progress_bar`) writes anything."""
+    return bar is not None and not isinstance(bar, _Silent)
 
 
 class _Silent:

@@ -25,6 +25,7 @@ from engram.table.placements.device import DevicePlacement
 from engram.table.placements.host import HostPlacement
 from engram.table.placements.cached import CachedPlacement
 from engram.table.placements.node import NodePlacement
+from engram.table.placements.disk import DiskPlacement
 
 __all__ = [
     "BLOCK_SIZE",
@@ -45,6 +46,7 @@ __all__ = [
     "HostPlacement",
     "CachedPlacement",
     "NodePlacement",
+    "DiskPlacement",
     "available_placements",
     "make_placement",
     "register_placement",

@@ -49,6 +49,8 @@ class TablePlacement(abc.ABC):
     (None: it takes none that :class:`~engram.options.ServingOptions` carries). Its class attribute
     ``serving_fields`` (``{ServingOptions field: its field}``) names the shared fields it takes;
     ``ServingOptions(placements={name: options})`` gives it the rest."""
+    serves_cpu: ClassVar[bool] = False
+    """True where a table may also serve lookups on the CPU (a CPU ``device``, or none without CUDA)."""
     keeps_host_table: ClassVar[bool] = False
     """True where the rows live in host memory that ``share_host_tables`` can keep once per node."""
     no_host_table_reason: ClassVar[str] = ""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import os
 import re
 import time
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from engram.checkpoint.loading import TableSource
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "FILE_SUFFIX", "TEMPORARY_SUFFIX", "DISK_ROOM_ADVICE", "row_file_path",
-           "source_fingerprint", "write_row_file", "ensure_row_file", "layer_table_source"]
+           "source_fingerprint", "write_row_file", "ensure_row_file", "layer_table_source", "TensorTableSource"]
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 """Bytes of pages written (and fsynced) at a time."""
@@ -87,6 +88,45 @@ def layer_table_source(checkpoint, layout, layer_index: int, shard=None, *, chec
     start, end = (0, layout.num_embeddings[layer_index]) if shard is None else shard.row_ranges[layer_index]
     return TableSource(checkpoint, values, scales, start, end, spec.head_dim, f"layer {layer_id} table",
                        chunk_bytes or READ_CHUNK_BYTES, None, check_values)
+
+
+@dataclasses.dataclass
+class TensorTableSource:
+    """Rows of tables held as tensors (``values uint8 [rows, D]``, ``scales uint8 [rows, D // 32]`` on the
+    CPU), written as a checkpoint's ``TableSource`` is: for a table of placement ``"disk"`` built from
+    tensors. Its share key names the bytes (a BLAKE2b digest of both tensors), so equal tensors reuse one
+    row file. ``row_start``/``row_end`` index the tensors' rows."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    row_start: int = 0
+    row_end: int = -1
+    description: str = "tensor table"
+    progress: object = None
+    digest: str = ""
+
+    def __post_init__(self):
+        if self.row_end < 0:
+            self.row_end = self.values.shape[0]
+        if not self.digest:
+            hasher = hashlib.blake2b(digest_size=16, person=b"engram-tensors")
+            for tensor in (self.values, self.scales):
+                flat = tensor.detach().cpu().contiguous().reshape(-1)
+                for begin in range(0, flat.numel(), DEFAULT_CHUNK_BYTES):
+                    hasher.update(flat[begin:begin + DEFAULT_CHUNK_BYTES].numpy().tobytes())
+            self.digest = hasher.hexdigest()
+
+    head_dim = property(lambda self: self.values.shape[1])
+    num_rows = property(lambda self: self.row_end - self.row_start)
+    nbytes = property(lambda self: self.num_rows * (self.head_dim + self.head_dim // 32))
+    files = property(lambda self: ())
+
+    def share_key(self) -> str:
+        return f"tensors {self.digest} {list(self.values.shape)}|rows {self.row_start}-{self.row_end}|packed"
+
+    def read_into(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        values.copy_(self.values[self.row_start:self.row_end])
+        scales.copy_(self.scales[self.row_start:self.row_end])
 
 
 # ---------------------------------------------------------------------------

@@ -163,6 +163,7 @@ class NodePlacement(TablePlacement):
     """
 
     name = "node"
+    serves_cpu = True
     collective = True
     options_type = NodeOptions
 
