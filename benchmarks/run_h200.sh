@@ -23,6 +23,8 @@
 #             the cores left but one: 8 threads on 16), at decode T = 64 and prefill T = 8192
 #   disk      bench_disk.py: the disk tier's row reader against the disk's random-read ceiling (a 20 GiB
 #             row file in ./.bench-disk/ on the machine's local disk, written on first use)
+#   disk-lookup bench_disk_lookup.py: placement "disk" (a 2 GiB row file, RAM cache 0.1) against "host" over
+#             as many rows, prefetched and direct, uniform ids and held-out text (carry .bench-data)
 #   parallel  bench_parallel.py: tensor-parallel ranks over NCCL, one per visible GPU
 #   node      bench_parallel.py --mode node: placement "node" (peer, exchange) against device and
 #             host on one table over every visible GPU, with the peer copy ceiling
@@ -46,8 +48,8 @@ while (( $# )); do
       [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run_h200.sh: --runs: expected a positive integer, got '${2:-}'" >&2; usage; }
       runs=$2; shift 2 ;;
     --print) print_only=1; shift ;;
-    suite|memcheck|kernels|layer|host|cache|cache-update|disk|step|step-keys|step-cache|parallel|node) commands+=("$1"); shift ;;
-    all) commands+=(suite memcheck kernels layer host cache cache-update disk step parallel node); shift ;;
+    suite|memcheck|kernels|layer|host|cache|cache-update|disk|disk-lookup|step|step-keys|step-cache|parallel|node) commands+=("$1"); shift ;;
+    all) commands+=(suite memcheck kernels layer host cache cache-update disk disk-lookup step parallel node); shift ;;
     *) echo "run_h200.sh: unknown subcommand or option '$1'" >&2; usage ;;
   esac
 done
@@ -125,6 +127,7 @@ for command in "${commands[@]}"; do
     cache) run bench-cache-h200.log timeout 300 python benchmarks/cache/bench_cache.py ;;
     cache-update) run bench-cache-update-h200.log timeout 300 python benchmarks/cache/bench_cache_update.py ;;
     disk) run bench-disk-h200.log timeout 480 python benchmarks/disk/bench_disk.py --gib 20 ;;
+    disk-lookup) run bench-disk-lookup-h200.log timeout 300 python benchmarks/disk/bench_disk_lookup.py --gib 2 ;;
     step) run step-h200.log timeout -s TERM 480 python benchmarks/step/bench_step.py --budget-s 360 --trace \
             --json "$OUT/step-h200.json" ;;
     step-keys) run step-keys-h200.log timeout -s TERM 480 python benchmarks/step/bench_step.py --budget-s 360 \
