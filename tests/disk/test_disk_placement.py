@@ -113,7 +113,9 @@ def test_bad_options_are_refused_by_name_before_any_write(model, tmp_path):
            ({"read_threads": -1}, "read_threads: expected an integer in"),
            ({"read_backend": "fast"}, "read_backend: expected one of 'auto', 'native', 'python', found 'fast'"),
            ({"ram_cache_ways": 0}, "ram_cache_ways: expected an integer >= 1, found 0"),
-           ({"read_timeout_s": 0}, "read_timeout_s: expected a number of seconds > 0, found 0")]
+           ({"read_timeout_s": 0}, "read_timeout_s: expected a number of seconds > 0, found 0"),
+           ({"cache_fraction": -0.1}, r"cache_fraction: expected a number in \[0, 1\], found -0.1"),
+           ({"cache_ways": 0}, "cache_ways: expected an integer >= 1, found 0")]
     for change, message in bad:
         options = {"directory": tmp_path, **change}
         with pytest.raises(ValueError, match=message):
@@ -124,8 +126,8 @@ def test_bad_options_are_refused_by_name_before_any_write(model, tmp_path):
     assert not list(tmp_path.iterdir()), "a refused load wrote a file"
     with pytest.raises(ValueError, match=r"placements\['disk'\]: read_threads: expected an integer"):
         engram.ServingOptions(placements={"disk": {"read_threads": -1}}).options_for("disk")
-    with pytest.raises(ValueError, match="placement 'disk' has no option 'cache_fraction'"):
-        engram.ServingOptions(placements={"disk": {"cache_fraction": 0.1}})
+    with pytest.raises(ValueError, match="placement 'disk' has no option 'policy'"):
+        engram.ServingOptions(placements={"disk": {"policy": "set-lru"}})
     with pytest.raises(ValueError, match="directory"):
         load_engram_table(model.checkpoint, model.layout, 0, placement="disk",
                           placement_options={"directory": tmp_path / "missing"})

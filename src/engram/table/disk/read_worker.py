@@ -18,7 +18,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
 
 from engram.table.disk.cached_reads import CachedRowReader
@@ -56,6 +58,8 @@ class ReadJob:
     staging: torch.Tensor
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    read_mask: np.ndarray | None = None
+    """``bool [N]``: the positions whose rows the staging holds once done (None: all of them)."""
 
     def finish(self, error: BaseException | None = None) -> None:
         self.error = error
@@ -63,10 +67,14 @@ class ReadJob:
 
 
 class ReadWorker:
-    """A daemon thread serving :class:`ReadJob` s in order through ``reads``; ``timeout_s`` bounds each wait."""
+    """A daemon thread serving :class:`ReadJob` s in order through ``reads``; ``timeout_s`` bounds each wait.
+    ``read(job)``, when given, reads a job instead of ``reads.read(job.host_ids, job.staging)`` (it may read
+    part of the rows and say which in ``job.read_mask``)."""
 
-    def __init__(self, reads: CachedRowReader, timeout_s: float = 120.0):
+    def __init__(self, reads: CachedRowReader, timeout_s: float = 120.0,
+                 read: Callable[[ReadJob], None] | None = None):
         self.reads, self.timeout_s = reads, float(timeout_s)
+        self._read = read if read is not None else (lambda job: reads.read(job.host_ids.numpy(), job.staging))
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = threading.Event()
         self._lock = threading.Lock()   # submit against close
@@ -94,7 +102,7 @@ class ReadWorker:
                 continue
             try:
                 wait_event(job.ready, self.timeout_s, self.where)
-                self.reads.read(job.host_ids.numpy(), job.staging)
+                self._read(job)
             except BaseException as error:   # the lookup raises it
                 job.finish(error)
             else:

@@ -47,7 +47,11 @@ if TYPE_CHECKING:
     from engram.checkpoint.loading import TableSource
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "FILE_SUFFIX", "TEMPORARY_SUFFIX", "DISK_ROOM_ADVICE", "row_file_path",
-           "source_fingerprint", "write_row_file", "ensure_row_file", "layer_table_source", "TensorTableSource"]
+           "source_fingerprint", "write_row_file", "ensure_row_file", "layer_table_source", "TensorTableSource",
+           "ROW_FILE_ATTRIBUTE", "row_file_placeholders"]
+
+ROW_FILE_ATTRIBUTE = "_engram_row_file"
+"""Set on the placeholder values of :func:`row_file_placeholders`: the checked row file they stand for."""
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 """Bytes of pages written (and fsynced) at a time."""
@@ -127,6 +131,18 @@ class TensorTableSource:
     def read_into(self, values: torch.Tensor, scales: torch.Tensor) -> None:
         values.copy_(self.values[self.row_start:self.row_end])
         scales.copy_(self.scales[self.row_start:self.row_end])
+
+
+def row_file_placeholders(row_file) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values uint8 [rows, D], scales uint8 [rows, D // 32])`` that hold no rows (one zero row, expanded),
+    the values carrying the open, checked ``row_file`` (a :class:`~engram.table.disk.row_file.RowFile`): what
+    placement ``"disk"`` takes in place of the tables' tensors to serve that file without reading or hashing
+    the tensors again."""
+    layout = row_file.layout
+    values = torch.zeros(1, layout.head_dim, dtype=torch.uint8).expand(layout.num_rows, -1)
+    scales = torch.zeros(1, layout.head_dim // 32, dtype=torch.uint8).expand(layout.num_rows, -1)
+    setattr(values, ROW_FILE_ATTRIBUTE, row_file)
+    return values, scales
 
 
 # ---------------------------------------------------------------------------
