@@ -34,6 +34,20 @@ rows) from host memory in lockstep with each of their steps: a node's other GPUs
 ``cached`` against ``host`` is paired per round (``pairs``: median, its 95% interval, quartiles, min-max of
 the per-round %).
 
+Disk (with ``--disk-directory DIR``): ``disk_prefetch_realtext_ram10`` / ``_ram30`` (placement ``"disk"``: rows
+in a row file in DIR, one per Engram layer, under a RAM cache of 10% / 30% of the rows (``--disk-ram-fractions``)
+and an HBM cache of ``cached_realtext``'s slots; prefetched; ``--disk-read-threads``) on the same text, eager
+at every T (the placement refuses capture), beside ``device_eager`` (``device`` never captured: their control at
+decode; at prefill every step is eager and ``device`` is). Paired per round against ``device_eager`` (decode),
+``device`` (prefill) and ``host_prefetch_realtext``. Each phase builds their tables afresh (caches empty) and
+warms them with ``--disk-warm-steps`` lookups of the text before the steps (prefill: that many steps of T just
+before the first; decode: 8192 tokens a lookup, the ends of the requests' prompts), then counts over the timed
+steps each tier's hits (HBM, RAM of the HBM misses) and the rows read from disk (the RAM misses), both layers
+(``disk_tiers``). They step in the first ``--disk-steps`` rounds only (the budget cuts them to 5 at fewest,
+within half of the time left at their phase). The row files hold the step's rows (``common.host_table``, named by its
+arguments; without CUDA the placement ``"cpu"`` rows, hashed) and must be there off the smoke: write them
+first with ``--write-disk-tables`` (only that; about 4 minutes a 20 GiB table; an interrupted write continues).
+
 Measuring: before a prefill phase one prefetched pass of the Engram layers per host placement grows
 the host gathers' buffers (an engine's warm-up batch), then each variant's warm-up steps (on the same
 token ids: every variant's output is compared with ``device``'s), then the variants interleaved
@@ -53,6 +67,7 @@ after every phase, so a cut-off run keeps what finished.
 
     PYTHONPATH=src python benchmarks/step/bench_step.py             # GPU
     PYTHONPATH=src python benchmarks/step/bench_step.py --smoke     # tiny shapes; on the CPU without CUDA
+    PYTHONPATH=src python benchmarks/step/bench_step.py --table-gib 20 --disk-directory DIR --write-disk-tables
 """
 
 from __future__ import annotations
@@ -85,8 +100,8 @@ import step_trace  # noqa: E402
 import common  # noqa: E402
 import host_neighbors  # noqa: E402
 from real_text import STREAM_PATH  # noqa: E402
-from step_figures import (cache_figures, headline, pair_figures, paired_pct, paired_pct_interval, spread,  # noqa: E402
-                          _pct)
+from step_figures import (DISK_VARIANTS, cache_figures, disk_figures, headline, pair_figures, paired_pct,  # noqa: E402
+                          paired_pct_interval, spread, _pct)
 
 DECODE_TOKENS, PREFILL_TOKENS = (1, 64, 256), (4096, 8192)
 # Run order: decode and T = 4096 first (every host read there takes the direct path), then T = 8192, the one
@@ -101,8 +116,14 @@ VARIANTS = (("none", None, None), ("device", "device", "inline"),
             ("cached_prefetch_realtext", "cached_realtext", "prefetch"),
             ("host_prefetch_realtext_neighbors", "host_realtext", "prefetch"),
             ("cached_prefetch_realtext_neighbors", "cached_realtext_neighbors", "prefetch"),
+            ("device_eager", "device", "inline"),  # "device" never captured: the disk steps' control at decode
+            *((name, f"disk_realtext_{name.rsplit('_', 1)[1]}", "prefetch") for name in DISK_VARIANTS),
             ("device_again", "device", "inline"))  # the same as "device": what two equal steps differ by here
 REALTEXT = tuple(name for name, kind, _ in VARIANTS if kind in step_engram.REALTEXT_KINDS)
+DISK = DISK_VARIANTS  # real-text ids too; eager (placement disk refuses capture)
+DISK_KIND = {name: kind for name, kind, _ in VARIANTS if name in DISK}
+EAGER = ("device_eager",) + DISK  # never captured
+DISK_MIN_STEPS = 5  # fewest steps the time budget may cut a disk variant to
 WITH_NEIGHBORS = tuple(name for name in REALTEXT if name.endswith("_neighbors"))
 TEXT_WARM_TOKENS = 36 * 8192  # the real-text caches' warm-up text; the rest of fortunes holds 46 steps of 8192
 SMOKE_TEXT_TOKENS = 8192  # the smoke's synthetic text where no stored stream is found
@@ -247,27 +268,35 @@ class Variant:
     status: str | None = None
     realtext: bool = False   # ids of real text in order (RealTextInputs), else uniform random
     neighbors: bool = False  # the host neighbours gather in lockstep with each of its steps
+    eager: bool = False      # never captured in a CUDA graph
 
 
 def make_variants(memories: dict, api: dict, cuda: bool, neighbors: int = 0,
-                  realtext_status: str = "skipped (no real-text tables)") -> list[Variant]:
+                  realtext_status: str = "skipped (no real-text tables)",
+                  disk_status: dict | None = None) -> list[Variant]:
     """The variants of :data:`VARIANTS` with why each does not run (None: it runs). The real-text ones run
-    where ``memories`` has their kind (on the CPU as stand-ins), else ``realtext_status``; the neighbours'
-    ones only with ``neighbors`` helpers."""
+    where ``memories`` has their kind (on the CPU as stand-ins), else ``realtext_status``; the disk ones where
+    it has theirs, else ``disk_status[kind]``; ``device_eager`` beside a disk one only; the neighbours' ones
+    only with ``neighbors`` helpers."""
     variants = []
+    with_disk = any(kind in memories for kind in DISK_KIND.values())
     for name, kind, form in VARIANTS:
         status = None
-        realtext = name in REALTEXT
+        realtext = name in REALTEXT or name in DISK
         if name in WITH_NEIGHBORS and neighbors < 1:
             status = "n/a (--host-neighbors 0)"
+        elif name in DISK and kind not in memories:
+            status = (disk_status or {}).get(kind, "skipped (no --disk-directory)")
         elif realtext and kind not in memories:
             status = realtext_status
+        elif name == "device_eager" and not with_disk:
+            status = "skipped (the disk variants' eager control: runs beside them only)"
         elif kind is not None and not cuda and kind != "device" and not realtext:
             status = "skipped (no CUDA: placements host, cached and seed need a CUDA device)"
         elif form == "kv_ahead" and not api["kv_ahead"]:
             status = "n/a (not in this version)"
         variants.append(Variant(name, ("cpu" if not cuda and kind == "device" else kind), form, status,
-                                realtext=realtext, neighbors=name in WITH_NEIGHBORS))
+                                realtext=realtext, neighbors=name in WITH_NEIGHBORS, eager=name in EAGER))
     return variants
 
 
@@ -349,7 +378,7 @@ class StepRun:
     def __init__(self, variant: Variant, memory, decoder, plan, inputs, clock: Clock, graph: bool,
                  takes_prefetch: bool, neighbors=None, neighbor_rows: int = 0):
         self.variant, self.memory, self.decoder, self.plan, self.inputs = variant, memory, decoder, plan, inputs
-        self.clock, self.use_graph, self.takes_prefetch = clock, graph, takes_prefetch
+        self.clock, self.use_graph, self.takes_prefetch = clock, graph and not variant.eager, takes_prefetch
         self.neighbors, self.neighbor_rows = neighbors, neighbor_rows  # signalled before each timed step
         self.updates_cache = bool(variant.kind and variant.kind.startswith("cached"))
         self.graph = None
@@ -365,13 +394,17 @@ class StepRun:
 
     def prepare(self, warmups: int = 2) -> tuple[torch.Tensor, float]:
         """Warm-up steps on the current inputs (not refreshed: every variant's first step sees the same
-        ones); returns the first step's output and the last warm-up's time (ms)."""
-        first, last_ms = None, 0.0
+        ones); returns the first step's output and the last warm-up's time (ms; a disk variant's slowest:
+        its later warm-ups find their rows cached)."""
+        first, last_ms, slowest = None, 0.0, 0.0
         for index in range(warmups):
             holder = {}
             last_ms = self.clock.time(lambda: holder.update(out=self._eager()))
+            slowest = max(slowest, last_ms)
             if index == 0:
                 first = holder["out"]
+        if self.variant.name in DISK:
+            last_ms = slowest
         if self.use_graph:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -447,6 +480,11 @@ class Setup:
     rows_per_token: int = 0  # rows one token reads over every Engram layer (the neighbours' share)
     row_bytes: int = 0  # packed host row bytes
     text_warm: tuple = (TEXT_WARM_TOKENS, TEXT_PROMPT_TOKENS)  # warm-up text and decode prompts (tokens)
+    disk_steps: int = 10      # timed steps per disk variant and T (before the budget's cut)
+    disk_min_steps: int = DISK_MIN_STEPS
+    disk_warm_steps: int = 4  # each phase's warm-up lookups of the disk tables (step_engram.disk_warm_segments)
+    make_disk_memory: object = None  # kind -> a fresh disk memory (caches empty), None without disk kinds
+    disk_fresh: bool = True   # the disk memories are unused since they were made
 
 
 def floor_call(memory, inputs, hash_ids):
@@ -509,6 +547,7 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
         text_probe = text_inputs()
         guard(f"{mode} T={tokens}: real-text caches' warm-up")
         warm_realtext_caches(setup, phase, text_plan)
+        warm_disk_tables(setup, phase, text_plan, mode, tokens)
         guard(f"{mode} T={tokens}: device on real text")
         text_reference = engram_step(setup.decoder, plan, text_probe, device_memory, "inline",
                                      setup.api["forward_layer_takes_prefetch"])[0].clone()
@@ -528,6 +567,12 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
             continue
         if variant.status is not None:
             phase["variants"][variant.name] = {"status": variant.status}
+            continue
+        if variant.name == "device_eager" and not decode:
+            phase["variants"][variant.name] = {"status": "n/a (prefill steps are all eager: device is the control)"}
+            continue
+        if variant.name == "device_eager" and text_plan is None:
+            phase["variants"][variant.name] = {"status": "skipped (no disk variant runs in this phase)"}
             continue
         memory = None if variant.kind is None else setup.memories[variant.kind]
         neighbors = setup.neighbors if variant.neighbors else None
@@ -555,18 +600,32 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
         print(f"  {variant.name}: warm step {warm_ms:.2f} ms", flush=True)
     del reference, text_reference
 
-    # As many interleaved rounds as the budget allows (the later phases keep a share).
-    round_ms = sum(run.warm_ms for run in runs)
+    # As many interleaved rounds as the budget allows (the later phases keep a share); the disk variants
+    # step in the first disk_steps rounds only, within half of what is left.
+    disk_runs = [run for run in runs if run.variant.name in DISK]
+    disk_ms = sum(run.warm_ms for run in disk_runs) / 1e3 * 1.15  # s a round of the disk variants
+    round_ms = sum(run.warm_ms for run in runs if run not in disk_runs)
     phases_left = sum(1 for m, t in setup.plan_order if (m, t) not in setup.done) - 1
     remaining_s = setup.deadline - time.perf_counter() - 25 * max(phases_left, 0)
     steps = setup.steps
-    if round_ms > 0 and steps * round_ms / 1e3 * 1.15 > remaining_s:
-        steps = max(setup.min_steps, int(remaining_s / (round_ms / 1e3 * 1.15)))
+    disk_steps = min(setup.disk_steps, steps) if disk_runs else 0
+    if disk_ms > 0 and disk_steps * disk_ms > remaining_s / 2:
+        disk_steps = min(disk_steps, max(setup.disk_min_steps, int(remaining_s / 2 / disk_ms)))
+        phase["disk_steps_cut"] = f"cut to {disk_steps} steps per disk variant by the time budget"
+        print(f"  {phase['disk_steps_cut']}", flush=True)
+    left_s = remaining_s - disk_steps * disk_ms
+    if round_ms > 0 and steps * round_ms / 1e3 * 1.15 > left_s:
+        steps = max(setup.min_steps, disk_steps, int(max(left_s, 0) / (round_ms / 1e3 * 1.15)))
         phase["steps_cut"] = f"cut to {steps} steps per variant by the time budget"
         print(f"  {phase['steps_cut']}", flush=True)
     samples = {run.variant.name: [] for run in runs}
     counters_before, counters_after = table_counters(setup.memories), None
     phase["steps"] = steps
+    if disk_runs:
+        phase["disk_steps"] = disk_steps
+    if graph:
+        phase["eager_variants"] = [run.variant.name for run in runs if run.variant.eager]
+    disk_before = {run.variant.kind: step_engram.disk_counts(run.memory) for run in disk_runs}
     cached_kinds = [kind for kind in dict.fromkeys(run.variant.kind for run in runs if run.updates_cache)]
     for kind in cached_kinds:
         step_engram.zero_cache_counts(setup.memories[kind])
@@ -577,6 +636,8 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
             order = list(runs)
             setup.order_rng.shuffle(order)
             for run in order:
+                if run in disk_runs and round_index >= disk_steps:
+                    continue
                 if run.exhausted:  # real text read to its end: its rounds stop here, the others go on
                     phase.setdefault("text_steps_cut", {}).setdefault(run.variant.name, round_index)
                     continue
@@ -589,6 +650,7 @@ def run_phase(setup: Setup, report: Report, mode: str, tokens: int) -> dict:
                     run.release()
         counters_after = table_counters(setup.memories)  # of the timed steps alone
         cache_phase_figures(setup, phase, runs, samples, cached_kinds, tokens)
+        disk_phase_figures(setup, phase, disk_runs, disk_before, samples)
         if setup.neighbors is not None and any(run.variant.neighbors for run in runs):
             phase["host_neighbors"] = {**host_neighbors.summarize_records(setup.neighbors.take_records()),
                                        "rows_per_step": tokens * setup.rows_per_token}
@@ -673,6 +735,47 @@ def warm_realtext_caches(setup: Setup, phase: dict, plan) -> None:
             phase["text"]["warm_updates"] = step_engram.warm_cache(memory, setup.text, plan, setup.device, 8192)
     setup.clock.sync()
     phase["text"]["warm_s"] = time.perf_counter() - started
+
+
+def warm_disk_tables(setup: Setup, phase: dict, plan, mode: str, tokens: int) -> None:
+    """The disk memories afresh (caches empty; the first phase's as built), then each warmed by lookups of
+    the text before this phase's steps (``step_engram.disk_warm_segments``: ``--disk-warm-steps`` lookups)."""
+    kinds = [v.kind for v in setup.variants if v.name in DISK and v.status is None and v.kind in setup.memories]
+    if not kinds:
+        return
+    guard = setup.watchdog.arm if setup.watchdog else (lambda what: None)
+    decode = mode == "decode"
+    segments = step_engram.disk_warm_segments(plan, tokens, decode, setup.disk_warm_steps)
+    piece = step_engram.DISK_WARM_PIECE if decode else tokens
+    found = {"segments": len(segments), "tokens_each": segments[0][1] if segments else 0, "piece_tokens": piece,
+             "what": ("the last tokens of each request's prompt" if decode else "the tokens just before the steps")}
+    for kind in kinds:
+        if not setup.disk_fresh:
+            step_engram.close_tables(setup.memories[kind])
+            setup.memories[kind] = setup.make_disk_memory(kind)
+        guard(f"{mode} T={tokens}: {kind} warm-up lookups")
+        started = time.perf_counter()
+        warmed = step_engram.warm_disk(setup.memories[kind], setup.text, segments, setup.device, piece)
+        setup.clock.sync()
+        found[kind] = {**warmed, "seconds": time.perf_counter() - started,
+                       "counts": step_engram.disk_counts(setup.memories[kind])}
+        print(f"  {kind}: warmed by {warmed['lookups']} lookups of {warmed['tokens']} tokens in "
+              f"{found[kind]['seconds']:.1f} s", flush=True)
+    setup.disk_fresh = False
+    phase["disk_warm"] = found
+
+
+def disk_phase_figures(setup: Setup, phase: dict, runs: list, before: dict, samples: dict) -> None:
+    """Per disk variant that ran: its tiers over the timed steps (``step_figures.disk_figures``)."""
+    for run in runs:
+        kind = run.variant.kind
+        figures = disk_figures(before[kind], step_engram.disk_counts(run.memory),
+                               len(samples.get(run.variant.name, [])), setup.row_bytes)
+        phase.setdefault("disk_tiers", {})[kind] = figures
+        hbm = figures["hbm_hit_rate"]
+        print(f"  {kind}: HBM hits {'n/a' if hbm is None else f'{hbm:.1%}'}, RAM hits "
+              f"{figures['ram_hit_rate'] or 0:.1%} of the HBM misses, {figures['disk_reads_per_step']:.0f} rows "
+              f"from disk a step ({figures['disk_bytes_per_step'] / 1e6:.2f} MB)", flush=True)
 
 
 def cache_phase_figures(setup: Setup, phase: dict, runs: list, samples: dict, kinds: list, tokens: int) -> None:
@@ -821,7 +924,25 @@ def realtext_kinds(args) -> list[str]:
         kinds.append("cached_realtext")
     if args.host_neighbors and wanted(args, "cached_prefetch_realtext_neighbors"):
         kinds.append("cached_realtext_neighbors")
+    if args.disk_directory is not None:
+        kinds += [DISK_KIND[name] for name in DISK if wanted(args, name) and DISK_KIND[name] in args.disk_ram_fractions]
     return kinds
+
+
+def disk_statuses(args, realtext_status: str) -> dict:
+    """Why each disk kind's variant does not run where its tables were not built."""
+    found = {}
+    for name in DISK:
+        kind = DISK_KIND[name]
+        if args.disk_directory is None:
+            found[kind] = "skipped (no --disk-directory)"
+        elif kind not in args.disk_ram_fractions:
+            found[kind] = "skipped (not in --disk-ram-fractions)"
+        elif not wanted(args, name):
+            found[kind] = "not asked for (--variants)"
+        else:
+            found[kind] = realtext_status
+    return found
 
 
 def build(args, report: Report, watchdog: Watchdog | None, neighbors=None) -> Setup:
@@ -869,25 +990,58 @@ def build(args, report: Report, watchdog: Watchdog | None, neighbors=None) -> Se
             report["notes"].append(f"real-text variants {realtext_status[:-1].split('(', 1)[1]}")
             print(report["notes"][-1], flush=True)
             text_kinds = []
-    kinds = (["device", "host", "cached", "seed"] + text_kinds) if cuda else ["cpu"]
+    disk_kinds = [kind for kind in text_kinds if kind in step_engram.DISK_KINDS]
+    kinds = (["device", "host", "cached", "seed"] + text_kinds) if cuda else ["cpu"] + disk_kinds
     host_options = {key: value for key, value in (("gather_threads", args.gather_threads),
                                                   ("host_gather_worker", args.host_gather_worker)) if value is not None}
-    cpu_rows = {}
+    cpu_rows, row_files = {}, {}
+    # off the smoke the row files must be there (--write-disk-tables): writing them takes minutes
+    disk = {"directory": args.disk_directory, "read_threads": args.disk_read_threads, "write": args.smoke}
     tables, facts, keep = step_engram.build_tables(spec, layout, kinds, device, distinct_rows=args.distinct_rows,
                                                    generator=generator, host_options=host_options, smoke=args.smoke,
-                                                   cpu_rows=cpu_rows)
+                                                   cpu_rows=cpu_rows, disk=disk, row_files=row_files)
+    disk_status = disk_statuses(args, realtext_status)
+    if "disk_missing" in facts:
+        disk_status = {kind: "skipped (no row files: run --write-disk-tables first)" if kind in disk_kinds else status
+                       for kind, status in disk_status.items()}
+        disk_kinds = []
+        report["notes"].append(f"disk variants skipped: {facts['disk_missing']}")
+        print(report["notes"][-1], flush=True)
     facts["host_options"] = host_options
     if cuda:
         gather = tables["host"][spec.layer_ids[0]].storage.host_gather
         facts["host_gather"] = {"worker": gather.worker, "gather_threads": gather.gather_threads}
     memories = step_engram.build_memories(spec, layout, vocab, tables, weights, device)
-    if not cuda and text_kinds:  # stand-ins: "cpu" lookups, and beside them a row cache counting hits
-        for kind in text_kinds:
+    stand_ins = [kind for kind in text_kinds if kind not in step_engram.DISK_KINDS]
+    if not cuda and stand_ins:  # stand-ins: "cpu" lookups, and beside them a row cache counting hits
+        for kind in stand_ins:
             memories[kind] = (memories["cpu"] if kind == "host_realtext" else
                               step_engram.StandInCachedMemory(memories["cpu"], cpu_rows, step_engram.REALTEXT_CACHE_SHARE))
-        report["notes"].append(f"no CUDA: {', '.join(text_kinds)} stand in on placement 'cpu' (cached: a RowCache "
+        report["notes"].append(f"no CUDA: {', '.join(stand_ins)} stand in on placement 'cpu' (cached: a RowCache "
                                "beside it, fed each step's ids, counts its hits)")
+    make_disk_memory = None
+    if disk_kinds:
+        disk_options = {kind: dict(zip(spec.layer_ids, facts["disk_options"][kind])) for kind in disk_kinds}
+
+        def make_disk_memory(kind):  # the kind's tables afresh over the same row files, caches empty
+            made = step_engram.disk_tables(layout, row_files, device, disk_options[kind])
+            return step_engram.build_memories(spec, layout, vocab, {kind: made}, weights, device)[kind]
+
+        storage = tables[disk_kinds[0]][spec.layer_ids[0]].storage
+        facts["disk"] = {"directory": str(args.disk_directory), "read_backend": storage.reads.reader.backend,
+                         "direct_reads": storage.reads.reader.direct, "read_threads": args.disk_read_threads,
+                         "page_bytes": storage.row_file.layout.page_bytes,
+                         "ram_slots": {kind: [t.storage.reads.cache.num_slots for t in tables[kind].values()]
+                                       for kind in disk_kinds},
+                         "hbm_slots": {kind: [0 if t.storage.hbm_cache is None else t.storage.hbm_cache.num_slots
+                                              for t in tables[kind].values()] for kind in disk_kinds},
+                         "steps": args.disk_steps, "warm_steps": args.disk_warm_steps}
+        files = ", ".join(f"{'written' if f['written'] else 'reused'} in {f['seconds']:.1f} s"
+                          for f in facts["disk_row_files"])
+        print(f"disk tables ({', '.join(disk_kinds)}): row files in {args.disk_directory} ({files}), reads "
+              f"{facts['disk']['read_backend']}, O_DIRECT {facts['disk']['direct_reads']}", flush=True)
     api = step_engram.prefetch_api(next(iter(memories.values())))
+    kinds = list(tables)  # without the disk kinds whose row files are missing
     report["engram"] = {"spec": spec.to_hf_config(), **facts, "kinds": kinds, "api": api,
                         "table_GiB": [rows * packed_row_bytes(spec.head_dim) / 2**30 for rows in layout.num_embeddings],
                         "cached_slots": {str(k): t.storage.cache.num_slots for k, t in tables.get("cached", {}).items()},
@@ -897,10 +1051,11 @@ def build(args, report: Report, watchdog: Watchdog | None, neighbors=None) -> Se
                         "realtext": None if text is None else {**text.facts(), "kinds": text_kinds}}
     print(f"Engram: layers {list(spec.layer_ids)}, tables {[f'{g:.1f} GiB' for g in report['engram']['table_GiB']]} "
           f"({', '.join(kinds)}); prefetch API {api}; setup {time.perf_counter() - started:.1f} s", flush=True)
-    variants = make_variants(memories, api, cuda, neighbors=args.host_neighbors, realtext_status=realtext_status)
+    variants = make_variants(memories, api, cuda, neighbors=args.host_neighbors, realtext_status=realtext_status,
+                             disk_status=disk_status)
     if args.variants is not None:
         for variant in variants:
-            if variant.status is None and variant.name not in args.variants:
+            if variant.status is None and variant.name not in args.variants and variant.name != "device_eager":
                 variant.status = "not asked for (--variants)"
     return Setup(cuda, device, decoder, memories, variants, api, spec, generator, Clock(cuda), args.steps,
                  report.deadline, args.min_steps, 1 if args.smoke else 2, watchdog, keep,
@@ -908,7 +1063,9 @@ def build(args, report: Report, watchdog: Watchdog | None, neighbors=None) -> Se
                  host_options_except_threads={k: v for k, v in host_options.items() if k != "gather_threads"},
                  order_rng=random.Random(args.seed), trace=args.trace, text=text, neighbors=neighbors,
                  rows_per_token=spec.num_columns * len(spec.layer_ids), row_bytes=packed_row_bytes(spec.head_dim),
-                 text_warm=SMOKE_TEXT_WARM if args.smoke else (TEXT_WARM_TOKENS, TEXT_PROMPT_TOKENS))
+                 text_warm=SMOKE_TEXT_WARM if args.smoke else (TEXT_WARM_TOKENS, TEXT_PROMPT_TOKENS),
+                 disk_steps=args.disk_steps, disk_min_steps=min(DISK_MIN_STEPS, args.disk_steps),
+                 disk_warm_steps=args.disk_warm_steps, make_disk_memory=make_disk_memory)
 
 
 def token_counts(text: str) -> list[int]:
@@ -931,6 +1088,37 @@ def variant_names(text: str) -> set[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown variants {unknown}; expected names among {known}")
     return names | {"none", "device"}
+
+
+def ram_fractions(text: str) -> list[str]:
+    """``--disk-ram-fractions``: comma-separated RAM cache fractions among those of the disk kinds
+    (``step_engram.DISK_KINDS``: 0.1, 0.3); returns their kinds."""
+    known = step_engram.DISK_KINDS
+    choices = ",".join(f"{fraction:g}" for fraction in known.values())
+    kinds = []
+    for part in (part.strip() for part in text.split(",")):
+        try:
+            value = float(part)
+        except ValueError:
+            value = None
+        kind = next((k for k, f in known.items() if value is not None and abs(value - f) < 1e-9), None)
+        if kind is None:
+            raise argparse.ArgumentTypeError(f"expected RAM cache fractions among {choices} (comma-separated), "
+                                             f"found {text!r}")
+        kinds.append(kind)
+    return list(dict.fromkeys(kinds))
+
+
+def count_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, found {text!r}")
+        return value
+    return parse
 
 
 def neighbor_count(text: str) -> int:
@@ -972,7 +1160,22 @@ def check_arguments(parser, args, cuda: bool) -> tuple[list[int], list[list[int]
     asked = set(args.variants or ())
     if asked & set(WITH_NEIGHBORS) and not args.host_neighbors:
         parser.error(f"--variants names {sorted(asked & set(WITH_NEIGHBORS))}, which need --host-neighbors 1 or more")
-    if asked & set(REALTEXT) and not args.smoke and not args.text_stream.is_file():
+    if args.disk_directory is None:
+        if asked & set(DISK):
+            parser.error(f"--variants names {sorted(asked & set(DISK))}, which need --disk-directory")
+        if args.write_disk_tables:
+            parser.error("--write-disk-tables needs --disk-directory (where the row files go)")
+    elif not args.disk_directory.is_dir():
+        parser.error(f"--disk-directory {str(args.disk_directory)!r} is not a directory: make it first, on a local "
+                     "disk with room for one row file per Engram layer (about --table-gib each)")
+    elif not os.access(args.disk_directory, os.W_OK | os.X_OK):
+        parser.error(f"--disk-directory {str(args.disk_directory)!r} is not writable")
+    off = sorted(name for name in asked & set(DISK) if DISK_KIND[name] not in args.disk_ram_fractions)
+    if off:
+        parser.error(f"--variants names {off}, whose RAM cache fractions --disk-ram-fractions leaves out")
+    if args.disk_steps is None:
+        args.disk_steps = 2 if args.smoke else 10
+    if asked & set(REALTEXT + DISK) and not args.smoke and not args.text_stream.is_file():
         parser.error(f"--variants names real-text variants but --text-stream {args.text_stream} is not a file: make "
                      "it with `PYTHONPATH=src python benchmarks/real_text.py stream` where the DeepSeek-V4 tokenizer "
                      "is, and carry .bench-data")
@@ -1035,11 +1238,30 @@ def main(argv: list[str] | None = None) -> int:
                              "cores after the step's first --gather-threads + 1 (default then: one core per helper)")
     parser.add_argument("--neighbor-table-gib", type=positive_gib, default=None,
                         help=f"each helper's own host table (default {NEIGHBOR_TABLE_GIB:g} GiB; smoke 16 MiB)")
+    parser.add_argument("--disk-directory", type=Path, default=None,
+                        help="directory of the disk variants' row files (an existing one, on a local disk with room "
+                             "for one file of --table-gib per Engram layer); without it they are skipped")
+    parser.add_argument("--disk-ram-fractions", type=ram_fractions, default=ram_fractions("0.1,0.3"),
+                        help="RAM cache fractions of the disk variants to run, among 0.1 and 0.3 (default both)")
+    parser.add_argument("--disk-read-threads", type=count_at_least(0), default=8,
+                        help="placement option read_threads of the disk tables")
+    parser.add_argument("--disk-steps", type=count_at_least(1), default=None,
+                        help=f"timed steps per disk variant and T (default 10, smoke 2; the budget cuts them to "
+                             f"{DISK_MIN_STEPS} at fewest), in the first rounds")
+    parser.add_argument("--disk-warm-steps", type=count_at_least(0), default=4,
+                        help="each phase's warm-up lookups of the disk tables: prefill, this many steps of T tokens "
+                             f"before the first step; decode, {step_engram.DISK_WARM_PIECE} tokens each, the ends of "
+                             "the requests' prompts")
+    parser.add_argument("--write-disk-tables", action="store_true",
+                        help="only build the host tables and write (or reuse) their row files in --disk-directory, "
+                             "print how long, and exit")
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--stall-s", type=float, default=120.0,
                         help="a warm-up or step running longer ends the run, its report written")
     args = parser.parse_args(argv)
     cores_plan = check_arguments(parser, args, torch.cuda.is_available())
+    if args.write_disk_tables:
+        return write_disk_tables(args)
     begun = time.perf_counter()
     if args.steps is None:
         args.steps = 2 if args.smoke else 40
@@ -1132,6 +1354,35 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if report.get("errors") else 0
 
 
+def write_disk_tables(args) -> int:
+    """``--write-disk-tables``: each Engram layer's rows as the step builds them (``step_engram.layer_rows``),
+    and their row files in ``--disk-directory`` written (layers at once) or reused. Prints how long."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cuda = torch.cuda.is_available()
+    started = time.perf_counter()
+    spec = step_engram.make_spec(None if args.smoke else step_engram.v41_vocab_size_for(args.table_gib), args.smoke)
+    layout = step_engram.EngramLayout(spec)
+    layers = [step_engram.layer_rows(layout, index, cuda, args.distinct_rows) for index in range(len(spec.layer_ids))]
+    built_s = time.perf_counter() - started
+    print(f"rows of {len(layers)} layers built in {built_s:.1f} s; row files in {args.disk_directory}", flush=True)
+    with ThreadPoolExecutor(len(layers), thread_name_prefix="bench-step-write") as pool:
+        futures = [pool.submit(step_engram.disk_row_file, values, scales, args.disk_directory, layer_id, digest)
+                   for layer_id, (values, scales, digest, _) in zip(spec.layer_ids, layers)]
+        failed = 0
+        for layer_id, future in zip(spec.layer_ids, futures):
+            try:
+                row_file, seconds, written = future.result()
+            except (OSError, ValueError) as error:
+                print(f"FAILED layer {layer_id}'s row file: {type(error).__name__}: {error}", flush=True)
+                failed += 1
+                continue
+            print(f"layer {layer_id}: {'wrote' if written else 'reused'} {row_file.path} "
+                  f"({row_file.layout.file_bytes / 2**30:.2f} GiB) in {seconds:.1f} s", flush=True)
+    print(f"row files done in {time.perf_counter() - started:.1f} s", flush=True)
+    return 1 if failed else 0
+
+
 def _rounded(value) -> str:
     if value is None:
         return "n/a"
@@ -1184,6 +1435,11 @@ def print_table(report: dict) -> None:
             if cache.get("hit_rate") is not None:
                 print(f"{label:>14} {'':>{width}} {kind}: hit rate {cache['hit_rate']:.1%} over {cache['steps']} steps, "
                       f"host bytes {cache['host_bytes_ratio']:.1%} of host's ({cache['path']})")
+        for kind, tiers in (phase.get("disk_tiers") or {}).items():
+            hbm, ram = tiers.get("hbm_hit_rate"), tiers.get("ram_hit_rate")
+            print(f"{label:>14} {'':>{width}} {kind}: HBM hits {'n/a' if hbm is None else f'{hbm:.1%}'}, RAM hits "
+                  f"{'n/a' if ram is None else f'{ram:.1%}'} of the HBM misses, {tiers['disk_reads_per_step']:.0f} "
+                  f"rows from disk a step over {tiers['steps']} steps")
         found = phase.get("host_neighbors") or {}
         if found.get("steps"):
             print(f"{label:>14} {'':>{width}} host neighbours: {found['GBps']:.2f} GB/s together over {found['steps']} "

@@ -9,9 +9,12 @@ reads every row over PCIe in the gather kernel, on the main stream, the seed's d
 CUDA, ``"cpu"``. Kinds for real-text ids, each its own tables over the same rows (a host gather's
 dedup choice and a cache's content follow the ids they see): ``"host_realtext"`` and
 ``"cached_realtext"`` / ``"cached_realtext_neighbors"`` (an HBM cache of as many slots as 2% of V4.1's
-real rows: the hit rate of real text depends on the slots, not on this smaller table's fraction).
+real rows: the hit rate of real text depends on the slots, not on this smaller table's fraction), and
+``"disk_realtext_ram10"`` / ``"disk_realtext_ram30"`` (placement ``"disk"``: the rows in a row file under a RAM
+cache of 10% / 30% of the rows and an HBM cache of the real-text caches' fraction; :data:`DISK_KINDS`).
 ``host``, ``cached`` and ``seed`` share one pinned copy of each layer's rows; the ``device`` tables are a
-copy of the same bytes, so every placement returns the same rows.
+copy of the same bytes and the disk tables' row files hold them too (:func:`disk_row_file`, written once
+per layer), so every placement returns the same rows.
 
 Real text (:class:`TextStream`, :class:`RealTextInputs`): the token ids of ``real_text.py stream``
 (``.bench-data/cache_stream_v41.npz``) through the DeepSeek-V4 tokenizer's token map. The step's
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +50,8 @@ SEED_DIRECT_ROWS = 1 << 62  # every lookup "decode-sized": the direct path
 V41_ROWS = (384_006_168, 384_016_682)  # V4.1-Flash's real rows per Engram layer
 REALTEXT_CACHE_SHARE = 0.02  # the real-text caches hold as many slots as this share of V4.1's rows
 REALTEXT_KINDS = ("host_realtext", "cached_realtext", "cached_realtext_neighbors")
+DISK_KINDS = {"disk_realtext_ram10": 0.1, "disk_realtext_ram30": 0.3}  # kind: its RAM cache's fraction of the rows
+DISK_WARM_PIECE = 8192  # tokens per warm-up lookup of a disk table at decode
 SMOKE_GEOMETRY = dict(engram_layer_ids=[1, 3], engram_max_ngram_size=4, engram_n_heads=2, engram_head_dim=64,
                       engram_vocab_size=1000, engram_compressed_vocab_size=500, engram_pad_token_id=2,
                       hidden_size=128, hc_mult=4, rms_norm_eps=1e-6,
@@ -127,35 +134,144 @@ def realtext_cache_fraction(rows: int, index: int, smoke: bool) -> float:
     return min(0.5, REALTEXT_CACHE_SHARE * V41_ROWS[min(index, len(V41_ROWS) - 1)] / rows)
 
 
+def cpu_table_rows(rows: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows of a placement ``"cpu"`` table, a function of the arguments alone: ``(values uint8 [rows,
+    head_dim]`` below E4M3's NaN, ``scales uint8 [rows, head_dim // 32]`` in 110..126)``."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 0x7F, (rows, head_dim), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(110, 127, (rows, head_dim // 32), dtype=torch.uint8, generator=generator)
+    return values, scales
+
+
+def layer_rows(layout: EngramLayout, index: int, cuda: bool, distinct_rows: int) -> tuple:
+    """Layer ``index``'s rows as every placement of the step serves them: ``(values uint8 [rows, D], scales
+    uint8 [rows, D // 32], digest, base)``. On CUDA a ``common.host_table`` (``base``, whose pinned rows
+    ``values`` / ``scales`` view; ``digest`` names its bytes by the arguments that determine them), else
+    :func:`cpu_table_rows` (``base`` None, ``digest`` "": the row file hashes the bytes)."""
+    rows, head_dim = layout.num_embeddings[index], layout.spec.head_dim
+    if not cuda:
+        return (*cpu_table_rows(rows, head_dim, index), "", None)
+    from common import host_table
+
+    base = host_table(rows, head_dim, seed=index, distinct_rows=distinct_rows)
+    packed = base.storage.rows
+    # host_table's bytes: torch's CUDA generator seeded with index, distinct_rows drawn and repeated
+    digest = (f"common.host_table rows={rows} head_dim={head_dim} seed={index} distinct_rows={distinct_rows} "
+              f"torch={torch.__version__} gpu={torch.cuda.get_device_name()!r}")
+    return packed.values, packed.scales, digest, base
+
+
+def disk_row_file(values: torch.Tensor, scales: torch.Tensor, directory, layer_id: int, digest: str = "",
+                  progress: bool = False, write: bool = True):
+    """The row file of one layer's rows (``values uint8 [rows, D]``, ``scales uint8 [rows, D // 32]`` on the
+    CPU) in ``directory``: reused where a complete valid one of these rows is there, else written (``write``;
+    else FileNotFoundError). ``digest`` names the bytes ("": a BLAKE2b of them). Returns ``(RowFile, seconds,
+    written)``; a sample of its rows is compared with the tensors (ValueError: a file of that name holds
+    other bytes)."""
+    from engram.table.disk.row_file import open_row_file
+    from engram.table.disk.writing import TensorTableSource, ensure_row_file, row_file_path, source_fingerprint
+
+    started = time.perf_counter()
+    source = TensorTableSource(values, scales, description=f"bench-step-layer-{layer_id}", digest=digest)
+    fingerprint = source_fingerprint(source)
+    path = row_file_path(source, directory, fingerprint)
+    existed = path.is_file()
+    if write:
+        path = ensure_row_file(source, directory, progress=progress)
+    try:
+        row_file = open_row_file(path, fingerprint, source.num_rows, source.head_dim)
+    except ValueError as error:
+        if write:
+            raise
+        raise FileNotFoundError(f"{error} (write the row files first: --write-disk-tables)") from None
+    check_row_file_sample(row_file, values, scales)
+    return row_file, time.perf_counter() - started, not existed
+
+
+def check_row_file_sample(row_file, values: torch.Tensor, scales: torch.Tensor, count: int = 64) -> None:
+    """Compare ``count`` rows of ``row_file`` (spread over the table, the last one included) with the tensors."""
+    layout = row_file.layout
+    head_dim = layout.head_dim
+    ids = np.unique(np.linspace(0, layout.num_rows - 1, num=min(count, layout.num_rows), dtype=np.int64))
+    fd = os.open(row_file.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for row in ids.tolist():
+            stored = os.pread(fd, head_dim + head_dim // 32, int(layout.row_offset(row)))
+            expected = values[row].numpy().tobytes() + scales[row].numpy().tobytes()
+            if stored != expected:
+                raise ValueError(f"{row_file.path}: row {row} differs from the table's rows (a file of this name "
+                                 "holds other bytes): remove it and write it again (--write-disk-tables)")
+    finally:
+        os.close(fd)
+
+
+def disk_options(rows: int, index: int, ram_fraction: float, directory, read_threads: int, smoke: bool) -> dict:
+    """Placement options of a disk table: its RAM cache's fraction and an HBM cache of
+    :func:`realtext_cache_fraction`."""
+    return {"directory": str(directory), "ram_cache_fraction": ram_fraction,
+            "cache_fraction": realtext_cache_fraction(rows, index, smoke), "read_threads": read_threads}
+
+
+def disk_table(layout: EngramLayout, index: int, row_file, device, options: dict) -> EngramTable:
+    """Layer ``index``'s table of placement ``"disk"`` over ``row_file``, its caches empty, with ``options``
+    (:func:`disk_options`)."""
+    from engram.table.disk.writing import row_file_placeholders
+
+    values, scales = row_file_placeholders(row_file)
+    return EngramTable.from_layout(layout, index, None, values, scales, placement="disk", device=device,
+                                   validate=False, check_values=False, placement_options=options)
+
+
+def disk_tables(layout: EngramLayout, row_files: dict, device, options: dict[int, dict]) -> dict[int, EngramTable]:
+    """``{layer_id: disk_table(...)}`` over each layer's row file ``row_files[layer_id]`` with ``options[layer_id]``."""
+    return {layer_id: disk_table(layout, index, row_files[layer_id], device, options[layer_id])
+            for index, layer_id in enumerate(layout.spec.layer_ids)}
+
+
 def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], device, *, distinct_rows: int,
                  generator: torch.Generator, host_options: dict | None = None, smoke: bool = False,
-                 cpu_rows: dict | None = None) -> tuple[dict[str, dict[int, EngramTable]], dict, list]:
+                 cpu_rows: dict | None = None, disk: dict | None = None,
+                 row_files: dict | None = None) -> tuple[dict[str, dict[int, EngramTable]], dict, list]:
     """``({kind: {layer_id: table}}, facts, keep)``; ``keep`` holds what must outlive the tables (the
     pinned rows). On CUDA the rows are random packed host rows (``common.host_table``,
-    ``distinct_rows`` drawn and repeated); on the CPU random bytes for placement ``"cpu"`` (``cpu_rows``,
-    if given, gets each layer's ``(values, scales)``).
-    ``host_options``: placement options of the host and cached tables (``gather_threads``, ...)."""
+    ``distinct_rows`` drawn and repeated); on the CPU random bytes for placement ``"cpu"``
+    (:func:`cpu_table_rows`, seeded by the layer's index; ``cpu_rows``, if given, gets each layer's
+    ``(values, scales)``). ``host_options``: placement options of the host and cached tables
+    (``gather_threads``, ...). The kinds of :data:`DISK_KINDS` need ``disk`` (``directory``,
+    ``read_threads``, ``write``): each layer's row file (:func:`disk_row_file`; ``row_files``, if given, gets
+    them); where one is missing and ``write`` is false, no disk kind is built and ``facts["disk_missing"]``
+    says why."""
     tables: dict[str, dict[int, EngramTable]] = {kind: {} for kind in kinds}
     facts: dict = {"table_rows": list(layout.num_embeddings), "row_bytes": spec.row_bytes}
     keep = []
     head_dim = spec.head_dim
+    disk_kinds = [kind for kind in kinds if kind in DISK_KINDS]
+    files = {}
     for index, layer_id in enumerate(spec.layer_ids):
         rows = layout.num_embeddings[index]
+        values, scales, digest, base = layer_rows(layout, index, "cpu" not in kinds, distinct_rows)
+        if disk_kinds and "disk_missing" not in facts:
+            try:
+                row_file, seconds, written = disk_row_file(values, scales, disk["directory"], layer_id, digest,
+                                                           write=disk.get("write", True))
+            except FileNotFoundError as error:
+                facts["disk_missing"] = str(error)
+            else:
+                files[layer_id] = row_file
+                facts.setdefault("disk_row_files", []).append({"path": str(row_file.path), "seconds": seconds,
+                                                               "bytes": row_file.layout.file_bytes, "written": written})
         if "cpu" in kinds:
-            values = torch.randint(0, 0x7F, (rows, head_dim), dtype=torch.uint8, generator=generator)
-            scales = torch.randint(110, 127, (rows, head_dim // 32), dtype=torch.uint8, generator=generator)
             tables["cpu"][layer_id] = EngramTable.from_layout(layout, index, None, values, scales, placement="cpu",
                                                               validate=False)
             if cpu_rows is not None:
                 cpu_rows[layer_id] = (values, scales)
             continue
-        from common import host_table
-
-        base = host_table(rows, head_dim, seed=index, distinct_rows=distinct_rows)
         keep.append(base)
         packed = base.storage.rows
         facts.setdefault("huge_pages", []).append(bool(base.storage.host_buffer.huge_pages))
         for kind in kinds:
+            if kind in DISK_KINDS:
+                continue
             if kind == "device":
                 on_device = packed.packed.to(device)
                 values, scales = on_device[:-1, :head_dim], on_device[:-1, head_dim: head_dim + head_dim // 32]
@@ -174,6 +290,17 @@ def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], devic
             else:
                 raise ValueError(f"kinds: unknown table kind {kind!r}")
             tables[kind][layer_id] = table
+    for kind in disk_kinds:
+        if "disk_missing" in facts:
+            del tables[kind]
+            continue
+        for index, layer_id in enumerate(spec.layer_ids):
+            options = disk_options(layout.num_embeddings[index], index, DISK_KINDS[kind], disk["directory"],
+                                   disk["read_threads"], smoke)
+            tables[kind][layer_id] = disk_table(layout, index, files[layer_id], device, options)
+            facts.setdefault("disk_options", {}).setdefault(kind, []).append(options)
+    if row_files is not None:
+        row_files.update(files)
     return tables, facts, keep
 
 
@@ -407,6 +534,63 @@ def warm_cache(memory, text: TextStream, plan: TextPlan, device, step_tokens: in
             memory.update_cache(hash_text(memory, text, first, count, device))
             updates += 1
     return updates
+
+
+def disk_warm_segments(plan: TextPlan, tokens: int, decode: bool, steps: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of the text a phase's disk tables look up before its steps (their own warm-up,
+    ``steps`` lookups of about :data:`DISK_WARM_PIECE` or ``T`` tokens): at prefill the ``steps x T`` tokens
+    just before the first step; at decode the last ``min(prompt, steps x DISK_WARM_PIECE // T)`` tokens of
+    each request's prompt."""
+    if steps <= 0:
+        return []
+    if decode:
+        length = min(plan.prompt, steps * DISK_WARM_PIECE // tokens)
+        return [(cursor - length, length) for cursor in plan.cursors] if length else []
+    first = max(0, plan.warm - steps * tokens)
+    return [(first, plan.warm - first)] if plan.warm > first else []
+
+
+def warm_disk(memory, text: TextStream, segments: list[tuple[int, int]], device, piece: int) -> dict:
+    """Lookups of every layer's table of a disk memory on the hash ids of ``segments`` (each hashed as the
+    stream continues), ``piece`` tokens a lookup: both caches admit what they serve. ``{"tokens", "lookups"}``."""
+    if not segments:
+        return {"tokens": 0, "lookups": 0}
+    hash_ids = torch.cat([hash_text(memory, text, start, length, device) for start, length in segments])
+    lookups = 0
+    for first in range(0, hash_ids.shape[0], piece):
+        part = hash_ids[first:first + piece]
+        for index, layer_id in enumerate(memory.layer_ids):
+            memory.table(layer_id).lookup_packed(part[:, index, :])
+        lookups += 1
+    return {"tokens": int(hash_ids.shape[0]), "lookups": lookups}
+
+
+def disk_counts(memory) -> dict:
+    """A disk memory's counters summed over its layers' tables: ``hbm_*`` and ``ram_*`` (``calls``, ``hits``,
+    ``misses``, ``admitted``, over each lookup's distinct ids; the RAM cache's lookups are the HBM cache's
+    misses), ``prefetched_rows``, ``reread_rows``, ``direct_reads`` and each cache's slots."""
+    total: dict[str, int] = {}
+
+    def add(key: str, value: int) -> None:
+        total[key] = total.get(key, 0) + int(value)
+
+    for layer_id in memory.layer_ids:
+        storage = memory.table(layer_id).storage
+        hbm = storage.hbm_cache
+        for key in ("calls", "hits", "misses", "admitted"):
+            add(f"ram_{key}", storage.reads.cache.stats[key])
+            add(f"hbm_{key}", 0 if hbm is None else hbm.stats[key])
+        for key, value in storage.stats.items():
+            add(key, value)
+        add("ram_slots", storage.reads.cache.num_slots)
+        add("hbm_slots", 0 if hbm is None else hbm.num_slots)
+    return total
+
+
+def close_tables(memory) -> None:
+    """Close a disk memory's tables (reader threads, files, both caches)."""
+    for layer_id in memory.layer_ids:
+        memory.table(layer_id).storage.close()
 
 
 # ---------------------------------------------------------------------------

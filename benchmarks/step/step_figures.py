@@ -1,6 +1,7 @@
 """The step benchmark's figures (``bench_step.py``): each variant's spread, its steps paired per round with
 ``device``'s (or ``none``'s) and the 95% interval of that median, the pairs of :data:`PAIRS` (``cached``
-against ``host``, per round), the row caches' hit rates and host bytes, and the headline keys of the report."""
+against ``host``, per round; the disk variants against ``device_eager`` / ``device`` and the host path), the row
+caches' hit rates and host bytes, the disk tiers' hit rates and reads, and the headline keys of the report."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import math
 import statistics
 
 HOST_PREFETCHED = ("host_prefetch", "host_prefetch_late", "host_kv_ahead")  # the host key's best of these
-# (variant, base) compared per round: cached against host with the same ids and prefetch form, and what
-# the neighbours' traffic costs each placement.
+DISK_TAGS = ("ram10", "ram30")  # the disk variants' RAM cache fractions, 10% and 30% of the rows
+DISK_VARIANTS = tuple(f"disk_prefetch_realtext_{tag}" for tag in DISK_TAGS)
+# (variant, base) compared per round: cached against host with the same ids and prefetch form, what
+# the neighbours' traffic costs each placement, and disk against device (decode: the eager control; prefill:
+# device, eager there) and against host on the same text.
 PAIRS = (("cached_prefetch", "host_prefetch"),
          ("cached_prefetch_realtext", "host_prefetch_realtext"),
          ("cached_prefetch_realtext_neighbors", "host_prefetch_realtext_neighbors"),
          ("host_prefetch_realtext_neighbors", "host_prefetch_realtext"),
-         ("cached_prefetch_realtext_neighbors", "cached_prefetch_realtext"))
+         ("cached_prefetch_realtext_neighbors", "cached_prefetch_realtext"),
+         ("device_eager", "device"),
+         *((name, base) for name in DISK_VARIANTS for base in ("device_eager", "device", "host_prefetch_realtext")))
 
 
 def spread(samples: list[float]) -> dict:
@@ -112,6 +118,23 @@ def cache_figures(counts: dict, steps: int, lookup_rows: int, direct_max_rows: i
             "host_bytes_ratio": cached_rows / host_rows if host_rows else None}
 
 
+def disk_figures(before: dict, after: dict, steps: int, row_bytes: int) -> dict:
+    """A disk memory's tiers over ``steps`` timed steps, from its counters (``step_engram.disk_counts``) before
+    and after them: lookups and hits of the HBM cache and of the RAM cache below it (over each lookup's
+    distinct ids), their hit rates (the RAM one of the HBM misses, prefetch reads included), and the rows
+    read from disk (the RAM misses) per step, over both tables."""
+    found = {key: value - before.get(key, 0) for key, value in after.items() if not key.endswith("_slots")}
+    steps = max(steps, 1)
+    hbm = found["hbm_hits"] + found["hbm_misses"]
+    ram = found["ram_hits"] + found["ram_misses"]
+    return {**found, "hbm_slots": after.get("hbm_slots"), "ram_slots": after.get("ram_slots"), "steps": steps,
+            "hbm_lookups": hbm, "ram_lookups": ram,
+            "hbm_hit_rate": found["hbm_hits"] / hbm if hbm and after.get("hbm_slots") else None,
+            "ram_hit_rate": found["ram_hits"] / ram if ram else None,
+            "disk_rows": found["ram_misses"], "disk_reads_per_step": found["ram_misses"] / steps,
+            "disk_bytes_per_step": found["ram_misses"] * row_bytes / steps, "row_bytes": row_bytes}
+
+
 def _pair(phase: dict | None, name: str, base: str, field: str = "pct"):
     """``name`` against ``base`` from the phase's pairs (``field``: ``pct`` or ``ci95_pct``); for a phase without
     them the ratio of the medians (``pct`` only)."""
@@ -184,6 +207,7 @@ def headline(report: dict) -> dict:
         "layer_us_T64": report.get("layer_us", {}).get("64"),
         "layer_us_T8192": report.get("layer_us", {}).get("8192"),
         **cached_keys(decode64, prefill),
+        **disk_keys(decode64, prefill),
         "host_neighbors": (report.get("host_neighbors_setup") or {}).get("count"),  # None: none started
         "host_neighbors_gbps_T64": _neighbors(decode64),
         "host_neighbors_gbps_T8192": _neighbors(prefill),
@@ -209,4 +233,26 @@ def cached_keys(decode64: dict | None, prefill: dict | None) -> dict:
         keys[f"cached_hit_rate_realtext{tail}"] = _cache(phase, "cached_realtext", "hit_rate")
         keys[f"cached_host_bytes_vs_host_realtext{tail}"] = _cache(phase, "cached_realtext", "host_bytes_ratio")
     keys["cached_hit_rate_uniform_T8192"] = _cache(prefill, "cached", "hit_rate")
+    return keys
+
+
+def _disk(phase: dict | None, kind: str, field: str):
+    return None if phase is None else ((phase.get("disk_tiers") or {}).get(kind) or {}).get(field)
+
+
+def disk_keys(decode64: dict | None, prefill: dict | None) -> dict:
+    """Per RAM cache fraction: disk (real text, prefetched) against device (decode: ``device_eager``, the
+    eager step the disk step is; prefill: ``device``) and against ``host_prefetch_realtext`` (decode: a graph
+    replay), paired per round, and its tiers' figures per phase; ``device_eager`` against the graph replays."""
+    keys = {"device_eager_vs_device_decode_T64_pct": _pair(decode64, "device_eager", "device")}
+    for tag, name in zip(DISK_TAGS, DISK_VARIANTS):
+        kind = f"disk_realtext_{tag}"
+        for label, phase, device in (("decode_T64", decode64, "device_eager"), ("prefill_T8192", prefill, "device")):
+            keys[f"disk_vs_device_{label}_realtext_{tag}_pct"] = _pair(phase, name, device)
+            keys[f"disk_vs_device_{label}_realtext_{tag}_ci95_pct"] = _pair(phase, name, device, field="ci95_pct")
+            keys[f"disk_vs_host_{label}_realtext_{tag}_pct"] = _pair(phase, name, "host_prefetch_realtext")
+        for tokens, phase in ((64, decode64), (8192, prefill)):
+            for key, field in (("disk_hbm_hit_rate", "hbm_hit_rate"), ("disk_ram_hit_rate", "ram_hit_rate"),
+                               ("disk_reads_per_step", "disk_reads_per_step")):
+                keys[f"{key}_realtext_{tag}_T{tokens}"] = _disk(phase, kind, field)
     return keys

@@ -1,8 +1,9 @@
 """benchmarks/step/bench_step.py on the CPU: the whole script in its --smoke mode (tiny shapes, placement "cpu"
 for "device"; for the real-text variants "cpu" with a row cache beside it), the real-text inputs (hash ids
 equal to the whole stream's), the host neighbours (started, signalled, stopped, a dead one noticed), the
-decoder stand-in's GEMM forms (fallbacks where torch._scaled_grouped_mm does not run, argument checks of
-the grouped forms at V4.1 shapes on the meta device), its routing plan, the report's headline figures and
+disk variants (row files written once and reused, their tiers' figures, their pairs), the decoder
+stand-in's GEMM forms (fallbacks where torch._scaled_grouped_mm does not run, argument checks of the
+grouped forms at V4.1 shapes on the meta device), its routing plan, the report's headline figures and
 the C host-gather ceiling, so the one unattended GPU run does not die on a Python error."""
 
 from __future__ import annotations
@@ -631,3 +632,173 @@ def test_pairs_and_cache_figures_follow_their_definitions(figures):
     assert keys["cached_hit_rate_realtext"] == 0.4 and keys["cached_host_bytes_vs_host_realtext"] == pytest.approx(0.5)
     assert keys["host_neighbors"] == 7 and keys["host_neighbors_gbps_T8192"] == 9.5
     assert keys["host_neighbors_gbps_T64"] is None and keys["cached_hit_rate_realtext_decode_T64"] is None
+
+
+# ---------------------------------------------------------------------------
+# placement disk: row files, tiers, pairs
+# ---------------------------------------------------------------------------
+DISK_VARIANTS = ("disk_prefetch_realtext_ram10", "disk_prefetch_realtext_ram30")
+
+
+def test_smoke_runs_disk_variants_beside_device(bench, tmp_path, monkeypatch, capsys):
+    """--write-disk-tables writes one row file per layer and then reuses them; the smoke run on them: the disk
+    variants (eager, real text) return device's outputs, pair with device_eager at decode and device at
+    prefill, and their tiers' figures agree with each other and with the rows read from disk."""
+    from engram.table.disk.cached_reads import CachedRowReader
+
+    directory, path = tmp_path / "rows", tmp_path / "step.json"
+    directory.mkdir()
+    assert bench.main(["--smoke", "--write-disk-tables", "--disk-directory", str(directory), "--json", str(path)]) == 0
+    files = sorted(directory.glob("*.engram-rows"))
+    assert len(files) == 2 and not path.exists()  # row files only, no report
+    written = {f: f.stat().st_mtime_ns for f in files}
+    assert capsys.readouterr().out.count(": wrote ") == 2
+    assert bench.main(["--smoke", "--write-disk-tables", "--disk-directory", str(directory)]) == 0
+    assert capsys.readouterr().out.count(": reused ") == 2
+    assert {f: f.stat().st_mtime_ns for f in sorted(directory.glob("*.engram-rows"))} == written
+
+    read_rows = []  # every row read from disk, warm-ups included
+    read_disk = CachedRowReader._read_disk
+    monkeypatch.setattr(CachedRowReader, "_read_disk",
+                        lambda self, ids, out: (read_rows.append(len(ids)), read_disk(self, ids, out))[1])
+    variants = ",".join(("device_again", "host_prefetch_realtext") + DISK_VARIANTS)
+    assert bench.main(["--smoke", "--json", str(path), "--decode-tokens", "64", "--prefill-tokens", "16",
+                       "--steps", "3", "--disk-steps", "2", "--variants", variants, "--disk-directory", str(directory),
+                       "--text-stream", str(tmp_path / "absent.npz")]) == 0
+    report = json.loads(path.read_text())
+    assert not report.get("errors"), report.get("errors")
+    assert [f["written"] for f in report["engram"]["disk_row_files"]] == [False, False]  # reused
+    timed_reads = 0
+    for phase in report["phases"]:
+        decode = phase["mode"] == "decode"
+        variants = phase["variants"]
+        assert variants["device"]["n"] == 3 and phase["disk_steps"] == 2
+        for name in DISK_VARIANTS:
+            assert variants[name]["n"] == 2 and phase["equal_to_device"][name] is True, name
+            base = "device_eager" if decode else "device"
+            for other in (base, "host_prefetch_realtext"):
+                assert phase["pairs"][f"{name}_vs_{other}"]["rounds"] == 2
+        if decode:
+            assert variants["device_eager"]["n"] == 3 and phase["equal_to_device"]["device_eager"] is True
+        else:
+            assert variants["device_eager"]["status"].startswith("n/a")
+        tiers = phase["disk_tiers"]
+        assert set(tiers) == {"disk_realtext_ram10", "disk_realtext_ram30"}
+        for kind, figures in tiers.items():
+            assert figures["steps"] == 2 and figures["hbm_slots"] > 0 and figures["hbm_lookups"] > 0, kind
+            assert 0 <= figures["hbm_hit_rate"] <= 1 and 0 <= figures["ram_hit_rate"] <= 1, figures
+            assert figures["disk_rows"] == figures["ram_misses"] == figures["disk_reads_per_step"] * 2
+            assert figures["ram_lookups"] >= figures["hbm_misses"]  # the RAM cache serves the HBM misses
+            assert figures["ram_hits"] + figures["ram_misses"] == figures["ram_lookups"]
+            assert phase["disk_warm"][kind]["lookups"] >= 1
+            timed_reads += figures["disk_rows"]
+        assert tiers["disk_realtext_ram10"]["ram_slots"] < tiers["disk_realtext_ram30"]["ram_slots"]
+    assert sum(read_rows) >= timed_reads > 0
+    decode64 = next(p for p in report["phases"] if p["mode"] == "decode")
+    tiers = decode64["disk_tiers"]["disk_realtext_ram10"]
+    assert report["disk_hbm_hit_rate_realtext_ram10_T64"] == tiers["hbm_hit_rate"]
+    assert report["disk_ram_hit_rate_realtext_ram10_T64"] == tiers["ram_hit_rate"]
+    assert report["disk_reads_per_step_realtext_ram30_T64"] == decode64["disk_tiers"]["disk_realtext_ram30"][
+        "disk_reads_per_step"]
+    assert report["disk_vs_device_decode_T64_realtext_ram10_pct"] == decode64["pairs"][
+        "disk_prefetch_realtext_ram10_vs_device_eager"]["pct"]
+    assert report["disk_vs_host_decode_T64_realtext_ram30_pct"] == decode64["pairs"][
+        "disk_prefetch_realtext_ram30_vs_host_prefetch_realtext"]["pct"]
+    assert report["disk_vs_device_prefill_T8192_realtext_ram10_pct"] is None  # no such phase here
+    assert "disk_realtext_ram10: HBM hits" in capsys.readouterr().out
+
+
+def test_disk_variants_say_why_they_do_not_run(bench, tmp_path):
+    api = {"kv_ahead": True, "forward_layer_takes_prefetch": True}
+    plain = {v.name: v for v in bench.make_variants({}, api, cuda=True)}
+    for name in DISK_VARIANTS:
+        assert plain[name].status == "skipped (no --disk-directory)" and plain[name].eager and plain[name].realtext
+    assert plain["device_eager"].status.startswith("skipped") and plain["device_eager"].eager
+    assert not plain["device"].eager and not plain["device_again"].eager
+    built = {v.name: v for v in bench.make_variants({"disk_realtext_ram30": None}, api, cuda=True,
+                                                    disk_status={"disk_realtext_ram10": "skipped (x)"})}
+    assert built["disk_prefetch_realtext_ram30"].status is None and built["device_eager"].status is None
+    assert built["disk_prefetch_realtext_ram10"].status == "skipped (x)"
+    assert bench.ram_fractions("0.3, 0.1") == ["disk_realtext_ram30", "disk_realtext_ram10"]
+    path = tmp_path / "step.json"  # no --disk-directory: the default run skips them, saying why
+    assert bench.main(["--smoke", "--json", str(path), "--decode-tokens", "", "--prefill-tokens", "16",
+                       "--variants", "device_again"]) == 0
+    variants = json.loads(path.read_text())["phases"][0]["variants"]
+    assert variants["disk_prefetch_realtext_ram10"]["status"] == "skipped (no --disk-directory)"
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--disk-ram-fractions", "0.2"], "--disk-ram-fractions"),
+    (["--disk-ram-fractions", "x"], "--disk-ram-fractions"),
+    (["--disk-directory", "{tmp}/absent"], "--disk-directory"),
+    (["--write-disk-tables"], "--disk-directory"),
+    (["--variants", "disk_prefetch_realtext_ram10"], "--disk-directory"),
+    (["--disk-directory", "{tmp}", "--disk-ram-fractions", "0.1", "--variants", "disk_prefetch_realtext_ram30"],
+     "--disk-ram-fractions"),
+    (["--disk-steps", "0"], "--disk-steps"),
+    (["--disk-read-threads", "-1"], "--disk-read-threads"),
+])
+def test_bad_disk_options_are_one_clear_error(bench, capsys, tmp_path, flags, named):
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--smoke"] + [flag.format(tmp=tmp_path) for flag in flags])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("error:") == 1, err
+
+
+def test_row_files_are_checked_against_the_rows_they_name(monkeypatch, tmp_path):
+    """A row file is reused only where it holds the rows: a digest naming other bytes is caught by the sample
+    of rows compared; without writing, a missing file is FileNotFoundError naming --write-disk-tables."""
+    monkeypatch.syspath_prepend(str(STEP))
+    import step_engram
+
+    values, scales = step_engram.cpu_table_rows(300, 64, seed=1)
+    with pytest.raises(FileNotFoundError, match="--write-disk-tables"):
+        step_engram.disk_row_file(values, scales, tmp_path, 1, digest="rows-a", write=False)
+    row_file, _, written = step_engram.disk_row_file(values, scales, tmp_path, 1, digest="rows-a")
+    assert written and row_file.layout.num_rows == 300
+    assert step_engram.disk_row_file(values, scales, tmp_path, 1, digest="rows-a", write=False)[2] is False
+    other_values, other_scales = step_engram.cpu_table_rows(300, 64, seed=2)
+    with pytest.raises(ValueError, match="differs from the table's rows"):
+        step_engram.disk_row_file(other_values, other_scales, tmp_path, 1, digest="rows-a")
+    plan = step_engram.TextPlan(warm=100, cursors=(120, 140), prompt=20, steps=5)
+    assert step_engram.disk_warm_segments(plan, 16, False, 4) == [(36, 64)]  # the 4 x 16 tokens before the steps
+    assert step_engram.disk_warm_segments(plan, 16, False, 0) == []
+    assert step_engram.disk_warm_segments(plan, 2, True, 1) == [(100, 20), (120, 20)]  # whole prompts: 8192 / 2
+    monkeypatch.setattr(step_engram, "DISK_WARM_PIECE", 16)
+    assert step_engram.disk_warm_segments(plan, 2, True, 1) == [(112, 8), (132, 8)]  # each prompt's last 16 / 2
+
+
+def test_disk_figures_and_keys_follow_their_definitions(figures):
+    before = {"hbm_calls": 2, "hbm_hits": 10, "hbm_misses": 30, "hbm_admitted": 30, "ram_calls": 2, "ram_hits": 5,
+              "ram_misses": 25, "ram_admitted": 25, "prefetched_rows": 0, "reread_rows": 0, "direct_reads": 2,
+              "hbm_slots": 100, "ram_slots": 500}
+    after = {**before, "hbm_hits": 70, "hbm_misses": 90, "ram_hits": 25, "ram_misses": 65, "hbm_calls": 6,
+             "ram_calls": 6, "prefetched_rows": 60}
+    tiers = figures.disk_figures(before, after, 4, 272)
+    assert tiers["hbm_lookups"] == 120 and tiers["hbm_hit_rate"] == pytest.approx(0.5)
+    assert tiers["ram_lookups"] == 60 and tiers["ram_hit_rate"] == pytest.approx(20 / 60)
+    assert tiers["disk_rows"] == 40 and tiers["disk_reads_per_step"] == 10 and tiers["disk_bytes_per_step"] == 2720
+    assert tiers["hbm_slots"] == 100 and tiers["steps"] == 4 and tiers["prefetched_rows"] == 60
+    assert figures.disk_figures(before, {**after, "hbm_slots": 0}, 4, 272)["hbm_hit_rate"] is None  # no HBM cache
+
+    def pair(pct):
+        return {"pct": pct, "ci95_pct": [pct - 1, pct + 1]}
+
+    name = "disk_prefetch_realtext_ram10"
+    report = {"phases": [
+        {"mode": "decode", "T": 64, "variants": {}, "disk_tiers": {"disk_realtext_ram10": tiers},
+         "pairs": {f"{name}_vs_device_eager": pair(30.0), f"{name}_vs_device": pair(35.0),
+                   f"{name}_vs_host_prefetch_realtext": pair(29.0), "device_eager_vs_device": pair(4.0)}},
+        {"mode": "prefill", "T": 8192, "variants": {},
+         "pairs": {f"{name}_vs_device": pair(250.0), f"{name}_vs_device_eager": pair(1.0)}}]}
+    keys = figures.headline(report)
+    assert keys["disk_vs_device_decode_T64_realtext_ram10_pct"] == 30.0  # the eager control at decode
+    assert keys["disk_vs_device_decode_T64_realtext_ram10_ci95_pct"] == [29.0, 31.0]
+    assert keys["disk_vs_device_prefill_T8192_realtext_ram10_pct"] == 250.0  # device, eager there
+    assert keys["disk_vs_host_decode_T64_realtext_ram10_pct"] == 29.0
+    assert keys["device_eager_vs_device_decode_T64_pct"] == 4.0
+    assert keys["disk_hbm_hit_rate_realtext_ram10_T64"] == pytest.approx(0.5)
+    assert keys["disk_reads_per_step_realtext_ram10_T64"] == 10
+    assert keys["disk_reads_per_step_realtext_ram10_T8192"] is None
+    assert keys["disk_vs_device_decode_T64_realtext_ram30_pct"] is None
