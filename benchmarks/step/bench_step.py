@@ -996,7 +996,8 @@ def build(args, report: Report, watchdog: Watchdog | None, neighbors=None) -> Se
                                                   ("host_gather_worker", args.host_gather_worker)) if value is not None}
     cpu_rows, row_files = {}, {}
     # off the smoke the row files must be there (--write-disk-tables): writing them takes minutes
-    disk = {"directory": args.disk_directory, "read_threads": args.disk_read_threads, "write": args.smoke}
+    disk = {"directory": args.disk_directory, "read_threads": args.disk_read_threads, "write": args.smoke,
+            "hbm_fraction": args.disk_hbm_fraction}
     tables, facts, keep = step_engram.build_tables(spec, layout, kinds, device, distinct_rows=args.distinct_rows,
                                                    generator=generator, host_options=host_options, smoke=args.smoke,
                                                    cpu_rows=cpu_rows, disk=disk, row_files=row_files)
@@ -1133,6 +1134,17 @@ def neighbor_count(text: str) -> int:
     return count
 
 
+def hbm_fraction(text: str) -> float:
+    """``--disk-hbm-fraction``: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], found {text!r}")
+    return value
+
+
 def positive_gib(text: str) -> float:
     try:
         value = float(text)
@@ -1243,6 +1255,9 @@ def main(argv: list[str] | None = None) -> int:
                              "for one file of --table-gib per Engram layer); without it they are skipped")
     parser.add_argument("--disk-ram-fractions", type=ram_fractions, default=ram_fractions("0.1,0.3"),
                         help="RAM cache fractions of the disk variants to run, among 0.1 and 0.3 (default both)")
+    parser.add_argument("--disk-hbm-fraction", type=hbm_fraction, default=None,
+                        help="the disk tables' HBM cache, a fraction of their own rows in [0, 1] (default: the slots "
+                             "of the cached real-text variant, 2%% of V4.1's rows)")
     parser.add_argument("--disk-read-threads", type=count_at_least(0), default=8,
                         help="placement option read_threads of the disk tables")
     parser.add_argument("--disk-steps", type=count_at_least(1), default=None,

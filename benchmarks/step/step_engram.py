@@ -205,11 +205,14 @@ def check_row_file_sample(row_file, values: torch.Tensor, scales: torch.Tensor, 
         os.close(fd)
 
 
-def disk_options(rows: int, index: int, ram_fraction: float, directory, read_threads: int, smoke: bool) -> dict:
-    """Placement options of a disk table: its RAM cache's fraction and an HBM cache of
-    :func:`realtext_cache_fraction`."""
-    return {"directory": str(directory), "ram_cache_fraction": ram_fraction,
-            "cache_fraction": realtext_cache_fraction(rows, index, smoke), "read_threads": read_threads}
+def disk_options(rows: int, index: int, ram_fraction: float, directory, read_threads: int, smoke: bool,
+                 hbm_fraction: float | None = None) -> dict:
+    """Placement options of a disk table: its RAM cache's fraction and an HBM cache of ``hbm_fraction`` of its
+    rows (None: :func:`realtext_cache_fraction`, the cached real-text variant's slots)."""
+    if hbm_fraction is None:
+        hbm_fraction = realtext_cache_fraction(rows, index, smoke)
+    return {"directory": str(directory), "ram_cache_fraction": ram_fraction, "cache_fraction": hbm_fraction,
+            "read_threads": read_threads}
 
 
 def disk_table(layout: EngramLayout, index: int, row_file, device, options: dict) -> EngramTable:
@@ -296,7 +299,7 @@ def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], devic
             continue
         for index, layer_id in enumerate(spec.layer_ids):
             options = disk_options(layout.num_embeddings[index], index, DISK_KINDS[kind], disk["directory"],
-                                   disk["read_threads"], smoke)
+                                   disk["read_threads"], smoke, disk.get("hbm_fraction"))
             tables[kind][layer_id] = disk_table(layout, index, files[layer_id], device, options)
             facts.setdefault("disk_options", {}).setdefault(kind, []).append(options)
     if row_files is not None:

@@ -737,6 +737,7 @@ def test_disk_variants_say_why_they_do_not_run(bench, tmp_path):
      "--disk-ram-fractions"),
     (["--disk-steps", "0"], "--disk-steps"),
     (["--disk-read-threads", "-1"], "--disk-read-threads"),
+    (["--disk-hbm-fraction", "1.5"], "--disk-hbm-fraction"),
 ])
 def test_bad_disk_options_are_one_clear_error(bench, capsys, tmp_path, flags, named):
     with pytest.raises(SystemExit) as stopped:
@@ -744,6 +745,16 @@ def test_bad_disk_options_are_one_clear_error(bench, capsys, tmp_path, flags, na
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert named in err and err.count("error:") == 1, err
+
+
+def test_the_hbm_fraction_option_sizes_the_disk_tables_caches(monkeypatch):
+    monkeypatch.syspath_prepend(str(STEP))
+    import step_engram
+
+    default = step_engram.disk_options(1000, 0, 0.1, "/d", 8, smoke=True)
+    given = step_engram.disk_options(1000, 0, 0.1, "/d", 8, smoke=True, hbm_fraction=0.02)
+    assert default["cache_fraction"] == step_engram.realtext_cache_fraction(1000, 0, True)
+    assert given == {**default, "cache_fraction": 0.02}
 
 
 def test_row_files_are_checked_against_the_rows_they_name(monkeypatch, tmp_path):
