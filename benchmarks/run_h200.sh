@@ -21,6 +21,9 @@
 #             ids and on held-out text (carry .bench-data), and on the text with 7 helper processes
 #             gathering host rows beside each step (a node's other GPUs, a core each; the step's gather on
 #             the cores left but one: 8 threads on 16), at decode T = 64 and prefill T = 8192
+#   step-disk bench_step.py on placement disk (2 x 20 GiB row files in ./.bench-disk/step, written first
+#             by --write-disk-tables, ~110 s): RAM caches 0.1 and 0.3, HBM cache 0.02, on held-out text (carry
+#             .bench-data) against device (eager at decode) and host, at decode T = 64 and prefill T = 8192
 #   disk      bench_disk.py: the disk tier's row reader against the disk's random-read ceiling (a 20 GiB
 #             row file in ./.bench-disk/ on the machine's local disk, written on first use)
 #   disk-lookup bench_disk_lookup.py: placement "disk" (a 2 GiB row file, RAM cache 0.1) against "host" over
@@ -28,7 +31,7 @@
 #   parallel  bench_parallel.py: tensor-parallel ranks over NCCL, one per visible GPU
 #   node      bench_parallel.py --mode node: placement "node" (peer, exchange) against device and
 #             host on one table over every visible GPU, with the peer copy ceiling
-#   all       suite, memcheck, then every benchmark above but step-keys and step-cache
+#   all       suite, memcheck, then every benchmark above but step-keys, step-cache and step-disk
 # Logs (and the benchmarks' JSON) go to $OUT if set, else benchmarks/results/. --print prints the
 # commands instead of running them. The device copy of the tree has no .git: pass ENGRAM_COMMIT.
 # Exit status: 0 when every command passed, 1 when one failed, 2 on a bad command line.
@@ -48,7 +51,7 @@ while (( $# )); do
       [[ ${2:-} =~ ^[1-9][0-9]*$ ]] || { echo "run_h200.sh: --runs: expected a positive integer, got '${2:-}'" >&2; usage; }
       runs=$2; shift 2 ;;
     --print) print_only=1; shift ;;
-    suite|memcheck|kernels|layer|host|cache|cache-update|disk|disk-lookup|step|step-keys|step-cache|parallel|node) commands+=("$1"); shift ;;
+    suite|memcheck|kernels|layer|host|cache|cache-update|disk|disk-lookup|step|step-keys|step-cache|step-disk|parallel|node) commands+=("$1"); shift ;;
     all) commands+=(suite memcheck kernels layer host cache cache-update disk disk-lookup step parallel node); shift ;;
     *) echo "run_h200.sh: unknown subcommand or option '$1'" >&2; usage ;;
   esac
@@ -137,6 +140,14 @@ for command in "${commands[@]}"; do
             --decode-tokens 64 --prefill-tokens 8192 --steps 100 --host-neighbors 7 \
             --variants device_again,host_prefetch,cached_prefetch,host_prefetch_realtext,cached_prefetch_realtext,host_prefetch_realtext_neighbors,cached_prefetch_realtext_neighbors \
             --json "$OUT/step-cache-h200.json" ;;
+    step-disk)
+      mkdir -p .bench-disk/step
+      run step-disk-write-h200.log timeout -s TERM 200 python benchmarks/step/bench_step.py --table-gib 20 \
+            --disk-directory .bench-disk/step --write-disk-tables
+      run step-disk-hbm02-h200.log timeout -s TERM 420 python benchmarks/step/bench_step.py --table-gib 20 \
+            --decode-tokens 64 --prefill-tokens 8192 --disk-directory .bench-disk/step --disk-hbm-fraction 0.02 \
+            --variants device_again,host_prefetch_realtext,disk_prefetch_realtext_ram10,disk_prefetch_realtext_ram30 \
+            --budget-s 360 --json "$OUT/step-disk-hbm02-h200.json" ;;
     parallel) run "bench-parallel-tp$(gpus)-h200.log" timeout 400 python benchmarks/parallel/bench_parallel.py ;;
     node) run "bench-parallel-node$(gpus)-h200.log" timeout 500 python benchmarks/parallel/bench_parallel.py --mode node ;;
   esac

@@ -41,7 +41,7 @@ def test_bad_command_lines_print_the_usage_and_exit_2(argv):
     done = run(*argv)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Subcommands" in done.stderr and done.stdout == ""
-    for name in ("suite", "memcheck", *BENCHMARKS, "all"):
+    for name in ("suite", "memcheck", *BENCHMARKS, "step-disk", "all"):
         assert f"\n  {name} " in done.stderr, name
 
 
@@ -89,3 +89,14 @@ def test_all_is_the_suite_then_every_benchmark_and_logs_default_to_results():
     scripts = [next(p for p in line.split() if p.endswith(".py")) for line in lines[2:]]
     assert scripts == [f"benchmarks/{script}" for script, _ in in_all.values()]
     assert len({line.rsplit(" > ", 1)[1] for line in lines}) == len(lines)  # no two write one log
+
+
+def test_step_disk_writes_the_row_files_then_measures_them(tmp_path):
+    done = run("--print", "step-disk", out=tmp_path)
+    assert done.returncode == 0, done.stderr
+    write, measure = done.stdout.splitlines()
+    for line in (write, measure):
+        assert "benchmarks/step/bench_step.py" in line and "--disk-directory .bench-disk/step" in line
+        assert "--table-gib 20" in line and Path(line.rsplit(" > ", 1)[1]).parent == tmp_path
+    assert "--write-disk-tables" in write and "--write-disk-tables" not in measure
+    assert "--disk-hbm-fraction 0.02" in measure and "disk_prefetch_realtext_ram30" in measure
