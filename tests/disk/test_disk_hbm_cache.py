@@ -182,3 +182,43 @@ def test_gpu_disk_with_hbm_cache_equals_device(tmp_path, inference, rng, seed):
                 assert_equal(disk, device, ids, disk.prefetch(ids), where=f"step {step}, prefetched")
     assert disk.storage.hbm_cache.stats["hits"] > 0
     disk.close()
+
+
+def test_real_text_through_both_caches_equals_cpu(deepseek_tokenizer_path, tmp_path):
+    """Python standard library sources, tokenized by the DeepSeek-V4 tokenizer and hashed as the checkpoint's
+    rules say, in steps of 160 tokens through a memory of disk tables (both caches) and one of "cpu" tables:
+    every layer's output bit-equal, prefetched or not, and the repeats of real text served by the HBM cache."""
+    import difflib
+    import textwrap
+
+    import engram
+    from tokenizers import Tokenizer
+
+    from engram.tools.testing import write_synthetic_checkpoint
+
+    model = tmp_path / "model"
+    write_synthetic_checkpoint(model, seed=SEED % 2**31, scale="wide", tokenizer=deepseek_tokenizer_path)
+    text = "".join(open(module.__file__, encoding="utf-8").read() for module in (textwrap, difflib))
+    token_ids = np.array(Tokenizer.from_file(str(deepseek_tokenizer_path)).encode(text).ids[:3200], dtype=np.int64)
+    options = engram.ServingOptions(placements={"disk": {"directory": str(tmp_path / "rows"), "ram_cache_fraction": 0.05,
+                                                         "cache_fraction": 0.02, "read_threads": 2}}, progress=False)
+    (tmp_path / "rows").mkdir()
+    disk = engram.EngramMemory.from_pretrained(model, placement="disk", device="cpu", options=options)
+    cpu = engram.EngramMemory.from_pretrained(model, placement="cpu", device="cpu", progress=False)
+    spec = cpu.spec
+    hash_ids = torch.from_numpy(engram.hash_ngrams(token_ids, cpu.layout, cpu.vocab))
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.inference_mode():
+        for step, start in enumerate(range(0, token_ids.size, 160)):
+            ids = hash_ids[start:start + 160]
+            hidden = torch.randn(ids.shape[0], spec.hc_mult, spec.hidden_size, generator=generator).bfloat16()
+            ticket = disk.prefetch(ids) if step % 2 else None
+            for layer_id in spec.layer_ids:
+                handed = {"prefetch": ticket} if ticket is not None else {}
+                got = disk.forward_layer(layer_id, hidden, ids, **handed)
+                expected = cpu.forward_layer(layer_id, hidden, ids)
+                assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), f"step {step}, layer {layer_id}"
+    for layer_id in spec.layer_ids:
+        stats = disk.table(layer_id).storage.hbm_cache.stats
+        assert stats["calls"] == 20 and stats["hits"] > 0, f"layer {layer_id}: {stats}"
+    disk.close()
