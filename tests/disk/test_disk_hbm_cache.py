@@ -149,6 +149,18 @@ def test_a_failed_read_leaves_both_caches_as_they_were(tmp_path, rng, seed):
     disk.close()
 
 
+def test_a_dropped_table_stops_its_reader_and_drops_its_caches(tmp_path, rng, seed):
+    import gc
+
+    disk, cpu = make_tables(tmp_path, seed)
+    assert_equal(disk, cpu, skewed_ids(rng, 20), disk.prefetch(skewed_ids(rng, 20)))
+    thread, hbm = disk.storage.worker._thread, disk.storage.hbm_cache
+    del disk
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive() and hbm.num_slots == 0, "the table outlived its last reference"
+
+
 def test_sizing_and_no_cache_at_zero():
     assert HbmRowCache.for_fraction(0.0, 1000, 272, 8, torch.device("cpu")) is None
     for fraction, rows in ((0.02, 1000), (0.001, 50), (1.0, 7)):

@@ -151,8 +151,8 @@ class DiskPlacement(TablePlacement):
                                      read_threads=read_threads, read_backend=read_backend)
         self.hbm_cache = HbmRowCache.for_fraction(cache_fraction, self._rows, self.reads.row_bytes, cache_ways, target)
         """The HBM cache above the RAM cache (None: ``cache_fraction`` 0)."""
-        hbm_cache = self.hbm_cache
-        read = None if hbm_cache is None else (lambda job: _read_outside(job, hbm_cache, self.reads))
+        hbm_cache, reads = self.hbm_cache, self.reads   # not self: the worker thread must not keep the table alive
+        read = None if hbm_cache is None else (lambda job: _read_outside(job, hbm_cache, reads))
         self.worker = ReadWorker(self.reads, read_timeout_s, read=read)
         self._closer = weakref.finalize(self, _close, self.worker, self.reads, hbm_cache)
         self.stats = {"prefetched_rows": 0, "reread_rows": 0, "direct_reads": 0}
