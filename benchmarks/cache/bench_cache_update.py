@@ -77,6 +77,26 @@ def _time_update(update, ids_of_step, steps: int) -> dict:
     return {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu)}
 
 
+def _kernel_us(run, count: int) -> dict[str, float]:
+    """GPU time per call of each kernel ``run(i)`` launches, ``i < count`` (torch.profiler, CUDA activity only;
+    kernels replayed inside a CUDA graph are listed where the profiler sees them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for i in range(count):
+            run(i)
+        torch.cuda.synchronize()
+    times = {}
+    for event in trace.key_averages():
+        total = getattr(event, "device_time_total", None)
+        if total is None:
+            total = getattr(event, "cuda_time_total", 0)
+        if total > 0:
+            times[event.key] = round(total / count, 2)
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
 def _graph_replay_us(cache: RowCache, steps: list[torch.Tensor], back_values, back_scales) -> float:
     """Median device time of the update captured in a CUDA graph, each replay after fresh ids were copied
     into its input (outside the timed span)."""
@@ -96,7 +116,11 @@ def _graph_replay_us(cache: RowCache, steps: list[torch.Tensor], back_values, ba
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+
+    def replay(i):
+        static_ids.copy_(steps[i % len(steps)])
+        graph.replay()
+    return statistics.median(samples), _kernel_us(replay, 10)
 
 
 def main() -> int:
@@ -128,7 +152,7 @@ def main() -> int:
                       for path in ("kernels", "staged", "torch")}
             steps = [_step_ids(rng, tokens, args.backing_rows, hot) for _ in range(args.warm_steps + args.steps)]
             stagings = {id(ids): _staging(ids, alias) for ids in steps}
-            row = {}
+            row, updates = {}, {}
             for path, cache in caches.items():
                 def update(ids, cache=cache, path=path):
                     if path == "torch":
@@ -138,6 +162,7 @@ def main() -> int:
                 for ids in steps[:args.warm_steps]:
                     update(ids)
                 row[path] = _time_update(update, lambda step: steps[args.warm_steps + step], args.steps)
+                updates[path] = update
             buffers = caches["staged"].admission_buffers(1)
             row["staged"]["rows_from_staging"] = int(buffers.from_staging)
             # slots whose tag differs from the torch reference's, per path, and slots whose bytes differ between paths
@@ -156,7 +181,10 @@ def main() -> int:
                                                        != caches["torch"].slot_rows[:-1]).any(1).sum())
             same = (row["kernels"]["tags_differ"] == row["staged"]["tags_differ"] == 0
                     and row["slot_bytes_differ"] == 0 and row["slot_bytes_differ_from_torch"] == 0)
-            row["kernels"]["graph_us"] = _graph_replay_us(caches["kernels"], steps, back_values, back_scales)
+            row["kernels"]["graph_us"], row["kernels"]["graph_kernel_us"] = _graph_replay_us(
+                caches["kernels"], steps, back_values, back_scales)
+            for path in ("kernels", "staged"):  # after the checks: where an eager update's GPU time goes
+                row[path]["kernel_us"] = _kernel_us(lambda i, update=updates[path]: update(steps[i]), 10)
             row["tags_equal"] = same
             row["speedup_gpu"] = row["torch"]["gpu_us"] / row["kernels"]["gpu_us"]
             results[f"{policy}_T{tokens}"] = row
@@ -167,6 +195,10 @@ def main() -> int:
                   f"{row['speedup_gpu']:.0f}x, tags and bytes equal {same} (tags differ: kernels "
                   f"{row['kernels']['tags_differ']}, staged {row['staged']['tags_differ']}; bytes differ: kernels/staged "
                   f"{row['slot_bytes_differ']}, kernels/torch {row['slot_bytes_differ_from_torch']})", flush=True)
+            for what, times in (("eager kernels", row["kernels"]["kernel_us"]), ("eager staged", row["staged"]["kernel_us"]),
+                                ("graph kernels", row["kernels"]["graph_kernel_us"])):
+                print(f"    {what} per call: " + ", ".join(f"{name[:40]} {us:.1f} us" for name, us in list(times.items())[:8]),
+                      flush=True)
     report = {"benchmark": "bench_cache_update", "device": torch.cuda.get_device_name(), **versions(torch.device("cuda")),
               "commit": os.environ.get("ENGRAM_COMMIT", "unknown"),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -190,9 +190,11 @@ def copy_admitted_kernel(touched_ptr, touched_count_ptr, tags_ptr, slot_rows_ptr
     admitted now: its bytes and tag go into the slot row. One slot per program and every input written by an
     earlier launch: no program reads what another program of this launch writes. With ``HAS_STAGED``, a row
     whose staging row (``staged uint8 [num_staged, ROW_BYTES]``, found through the table's ``staged_at``)
-    carries its own index in its tag is copied from there; ``from_staging[0] +=`` those rows. (Candidates
-    picked out of ``[WAYS]`` vectors by ``tl.sum`` inside step 3 left wrong 32-64-byte chunks in some slots on
-    the H200, Triton 3.6, tags right.)"""
+    carries its own index in its tag is copied from there; ``from_staging[0] +=`` those rows. The warps of a
+    program copy their shares of the row after each has read the slot's old tag, which one thread then
+    overwrites: a barrier between (without it, on the H200 with Triton 3.6, the last warps of a program that
+    waited longer, as the staged path's lookups make them, read the new tag and left their 64-128 bytes of
+    the row unwritten, tags right)."""
     pid = tl.program_id(0)
     w = pid % WAYS
     touched_count = tl.load(touched_count_ptr)
@@ -229,6 +231,9 @@ def copy_admitted_kernel(touched_ptr, touched_count_ptr, tags_ptr, slot_rows_ptr
             scale_bytes = tl.load(back_scales_ptr + row_k * scale_stride + group, mask=scale_mask, other=0)
         tl.store(slot_base + column, value_bytes, mask=value_mask)
         tl.store(slot_base + HEAD_DIM + group, scale_bytes, mask=scale_mask)
+        # Every warp of the program has read the slot's old tag (admit_k) before one thread writes the new
+        # one: without this barrier a warp that starts late reads the new tag and skips its share of the row.
+        tl.debug_barrier()
         tl.store(slot_tag_ptr, row_k.to(tl.int32), mask=admit_k > 0)
     if HAS_STAGED:
         tl.atomic_add(from_staging_ptr, from_staging.to(tl.int64))

@@ -80,10 +80,9 @@ DEFAULT_CACHE_FRACTION = tuning().serving.cache_fraction
 UPDATED_POLICIES = ("set-lru", "dynamic")  # the policies that update_cache changes
 
 # Whether an update after a large lookup copies the rows it admits from that lookup's staging (RowCache.update's
-# staged=). Off: on the H200 (Triton 3.6, bench_cache_update.py, dynamic T = 8192, 7.68 M slots) 1-2 slots a run
-# got wrong bytes from column 128 on, tags right, where the backing-row copy is bit-equal to the reference
-# (benchmarks/NOTES.md "Cache admission on the GPU"). The staged path stays tested beside it until it is.
-ADMIT_FROM_STAGING = False
+# staged=) rather than reading them from host memory again: 190 k rows a table at T = 8192 on uniform ids, 17-20
+# ms of PCIe-bound GPU time for two 25.5 GiB tables on the H200 (benchmarks/NOTES.md "An HBM cache beside the step").
+ADMIT_FROM_STAGING = True
 
 
 @dataclass(frozen=True)
@@ -253,9 +252,11 @@ class CachedPlacement(TablePlacement):
         self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing, staged=staged, inverse=inverse)
         beside = self.cache.updates_beside
         if staged is not None and self.host is not None:
-            stream = torch.cuda.current_stream(self.device)
+            # The staging's next copy waits for this update's reads, on the stream they ran on (an eager update
+            # runs beside whenever the cache has a stream for it).
+            stream = beside.stream if beside is not None else torch.cuda.current_stream(self.device)
             staged.record_stream(stream)
-            self.host.host_gather.consumed(stream)  # the staging's next copy waits for this update's reads
+            self.host.host_gather.consumed(stream)
         if capturing:  # an event of the capture cannot be waited on outside
             return
         if beside is not None and beside.done is not None:
