@@ -9,7 +9,8 @@ dtype. ``NgramHasher.__call__``, ``EngramMemory.prefetch`` / ``forward_layer`` a
 * ``engram::hash_batch``: the hasher's step, ``int [T, L, C]``; mutates the bound history stores
   (the slot cache's ``values``, the request history's ``values`` and ``tags``), declared as such.
 * ``engram::prefetch``: a step's prefetch of every layer's rows; returns the ticket as an int64
-  scalar tensor (the ticket's number; the handle itself stays on the host side).
+  scalar tensor on the ids' device (the ticket's number; the handle itself stays on the host side, found
+  again by the tensor's storage).
 * ``engram::layer``: one Engram layer, ``out [n, hc, D]``, given a ticket tensor or none.
 
 Objects (hashers, memories, layers) are named in the ops by the number :func:`register` gave them
@@ -61,11 +62,18 @@ def registered(key: int) -> Any:
     return obj
 
 
-def ticket_tensor(ticket: Any) -> torch.Tensor:
-    """An int64 scalar naming ``ticket`` (a step's prefetch handle), for graphs that pass it along."""
+def ticket_tensor(ticket: Any, like: torch.Tensor) -> torch.Tensor:
+    """An int64 scalar on ``like``'s device naming ``ticket`` (a step's prefetch handle), for graphs that pass
+    it along: the handle is found again by the tensor's storage (no read of its value, so no host sync),
+    and the tensor holds the ticket's number. A CUDA tensor, so CUDA-graph trees (``mode="reduce-overhead"``)
+    take it as any output of a captured region (a CPU scalar there is refused: it is not in the graph's
+    memory pool). A storage reused by a later tensor can only name a handle whose own checks refuse ids it
+    was not made for (``StepPrefetch.take``): a row is never served from it."""
     number = next(_TICKET_NUMBERS)
-    _TICKETS[number] = ticket
-    return torch.tensor(number, dtype=torch.int64)
+    tensor = torch.empty((), dtype=torch.int64, device=like.device)
+    tensor.fill_(number)
+    _TICKETS[tensor.untyped_storage().data_ptr()] = ticket
+    return tensor
 
 
 def ticket_of(tensor: torch.Tensor | None) -> Any:
@@ -73,7 +81,7 @@ def ticket_of(tensor: torch.Tensor | None) -> Any:
     then reads its own rows, as with an unusable handle)."""
     if tensor is None:
         return None
-    return _TICKETS.get(int(tensor))
+    return _TICKETS.get(tensor.untyped_storage().data_ptr())
 
 
 def _fresh(out: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
@@ -147,12 +155,12 @@ def hash_batch(hasher, *args) -> torch.Tensor:
 # ---- prefetch -------------------------------------------------------------------------------
 @torch.library.custom_op("engram::prefetch", mutates_args=())
 def _prefetch(hash_ids: torch.Tensor, memory_key: int) -> torch.Tensor:
-    return ticket_tensor(registered(memory_key).prefetch_eagerly(hash_ids))
+    return ticket_tensor(registered(memory_key).prefetch_eagerly(hash_ids), hash_ids)
 
 
 @_prefetch.register_fake
 def _(hash_ids, memory_key):
-    return torch.empty((), dtype=torch.int64)
+    return hash_ids.new_empty((), dtype=torch.int64)
 
 
 def prefetch(memory, hash_ids: torch.Tensor) -> torch.Tensor:

@@ -134,10 +134,6 @@ def test_gpu_compiled_step_in_a_cuda_graph_equals_eager(synthetic_model_dir, rng
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(raises=RuntimeError, strict=False,
-                   reason="inductor's CUDA-graph trees refuse a step output not allocated in the graph's memory "
-                          "pool (H200, torch 2.11: 'storage data ptrs are not allocated in pool'); not yet found "
-                          "which op's output")
 @pytest.mark.parametrize("placement,tokens", [("device", 9), ("host", 9), ("host", 400), ("cached", 400)])
 def test_gpu_reduce_overhead_step_equals_eager(synthetic_model_dir, rng, placement, tokens):
     """``torch.compile(mode="reduce-overhead")`` (inductor's CUDA graphs) over the whole step, replayed on
