@@ -25,12 +25,14 @@ _LAUNCHERS = {kernel: CompiledLaunch(kernel) for kernel in (
 _ID_BLOCK = 256
 _ENTRY_BLOCK = 512
 _AGE_BLOCK = 2048
-_ADMIT_PROGRAMS = 1024  # programs of step 3, striding over the touched sets (H200: 132 SMs)
-# Beside the step (an update on its own stream while the decoder's layers run) steps 3-4 use at most this many
-# programs per SM: their programs wait on host reads for milliseconds. With 8,192 of them the overlapped update
-# still cost cached +3.0% over host at prefill T = 8192 on the H200 (benchmarks/NOTES.md "An HBM cache beside
-# the step"); fewer are meant to leave the SMs to the layers' GEMMs and take longer, hidden behind the layers
-# (a prediction, not yet measured).
+# Programs of step 3 (and, times the ways, of step 4), striding over the touched sets. Each of a program's sets
+# is a chain of dependent loads: with 1,024 programs steps 3-4 took 170 + 510 us at T = 8192 (190 k touched sets,
+# admitted from the staging) on the H200.
+_ADMIT_PROGRAMS = 16384
+# Beside the step (an update on its own stream while the decoder's layers run), an update that reads its rows
+# from host memory uses at most this many programs per SM in steps 3-4: their programs wait on host reads for
+# milliseconds. With 8,192 of them the overlapped update still cost cached +3.0% over host at prefill T = 8192 on
+# the H200 (benchmarks/NOTES.md "An HBM cache beside the step"). One given the lookup's staging reads HBM only.
 _BESIDE_PROGRAMS_PER_SM = 2
 
 
@@ -63,8 +65,9 @@ class AdmissionBuffers:
 
 
 def table_size_for(num_ids: int) -> int:
-    """Entries of the counting table for a step of ``num_ids`` ids: a power of two, at most half full."""
-    return 1 << max(4, (2 * num_ids - 1).bit_length())
+    """Entries of the counting table for a step of ``num_ids`` ids: a power of two, at most a quarter full (a
+    program of step 1 waits for its longest probe chain: 25 us for 1,536 ids in 4,096 entries on the H200)."""
+    return 1 << max(4, (4 * num_ids - 1).bit_length())
 
 
 def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_scales: torch.Tensor,
@@ -106,7 +109,7 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
     most = _ADMIT_PROGRAMS
     if interpreting():
         most = 2
-    elif beside and local_ids.is_cuda:
+    elif beside and local_ids.is_cuda and not has_staged:
         most = max(1, _multiprocessors(device_index) * _BESIDE_PROGRAMS_PER_SM // cache.ways)
     programs = max(1, min(num_ids, cache.num_sets, most))
     head_dim = cache.head_dim

@@ -8,9 +8,9 @@ One step is five fixed-size launches on the step's stream, with no sort, no host
 program waiting on another (``ages_kernel`` first, for the frequency score only):
 
 1. :func:`count_rows_kernel` counts the step's reads per distinct row in an open-addressing
-   table (``keys int32 [P + 1]``, ``counts int32 [P + 1]``, ``P`` a power of two at least twice
+   table (``keys int32 [P + 1]``, ``counts int32 [P + 1]``, ``P`` a power of two at least four times
    the ids; entry ``P`` is a trash entry for masked lanes). Each id probes linearly from its hash;
-   ``atomic_cas`` claims an empty entry. A table at most half full bounds the probes; the loop
+   ``atomic_cas`` claims an empty entry. A table at most a quarter full bounds the probes; the loop
    stops after ``P`` probes whatever the memory holds.
 2. :func:`rank_candidates_kernel`, per table entry: looks the row up in its set; a held row
    takes its new score (recency: the step + 1; frequency: ``+ count``, saturated); a missed row
