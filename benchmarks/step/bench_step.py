@@ -848,13 +848,17 @@ def update_cache_ms(memory, inputs, clock: Clock, repeats: int = 5) -> float:
 
 
 def update_cache_times(memory, inputs, clock: Clock, repeats: int = 5) -> dict:
-    """``memory.update_cache`` alone on fresh hash ids, after a sync: the median host time of the call
-    (``host_us``: until it returns) and of the work it enqueued (``gpu_us``: CUDA events around it, the
-    host clock on the CPU), over ``repeats`` calls."""
+    """``memory.update_cache`` on fresh hash ids as a served step calls it, after that step's lookups of the
+    same ids (a large lookup's staging is what the update admits rows from) and a sync: the median host
+    time of the call (``host_us``: until it returns) and of the work it enqueued (``gpu_us``: CUDA events
+    around it, the host clock on the CPU), over ``repeats`` calls."""
     host, gpu = [], []
     for _ in range(repeats):
         inputs.refresh()
         hash_ids = inputs.hash(memory)
+        ticket = memory.prefetch(hash_ids)
+        for layer_id in memory.layer_ids:
+            memory.forward_layer(layer_id, inputs.hidden, hash_ids, prefetch=ticket)
         clock.sync()
 
         def call():
