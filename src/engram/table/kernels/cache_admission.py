@@ -25,7 +25,7 @@ _LAUNCHERS = {kernel: CompiledLaunch(kernel) for kernel in (
 _ID_BLOCK = 256
 _ENTRY_BLOCK = 512
 _AGE_BLOCK = 2048
-# Programs of step 3 (and, times the ways, of step 4), striding over the touched sets. Each of a program's sets
+# Programs of steps 3 and 4, striding over the touched sets. Each of a program's sets
 # is a chain of dependent loads: with 1,024 programs steps 3-4 took 170 + 510 us at T = 8192 (190 k touched sets,
 # admitted from the staging) on the H200.
 _ADMIT_PROGRAMS = 16384
@@ -110,7 +110,7 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
     if interpreting():
         most = 2
     elif beside and local_ids.is_cuda and not has_staged:
-        most = max(1, _multiprocessors(device_index) * _BESIDE_PROGRAMS_PER_SM // cache.ways)
+        most = _multiprocessors(device_index) * _BESIDE_PROGRAMS_PER_SM
     programs = max(1, min(num_ids, cache.num_sets, most))
     head_dim = cache.head_dim
     groups = head_dim // 32
@@ -122,7 +122,7 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
         (buffers.touched, buffers.touched_count, buffers.best, cache.tags_with_trash, cache.counters_with_trash,
          buffers.step, programs, cache.ways), **step_launch)
     _LAUNCHERS[copy_admitted_kernel](
-        programs * cache.ways,
+        programs,
         (buffers.touched, buffers.touched_count, cache.tags_with_trash, slot_rows, slot_rows.stride(0), back_values,
          back_scales, back_values.stride(0), back_scales.stride(0), programs, buffers.keys, buffers.staged_at,
          table_size, staged if has_staged else slot_rows, (staged if has_staged else slot_rows).stride(0),

@@ -24,15 +24,17 @@ program waiting on another (``ages_kernel`` first, for the frequency score only)
    set's ways by score (empty first, ties by way), pairs the ``k``-th candidate with the
    ``k``-th way and admits it when its score is at least that way's (its tag and score into
    the way), then clears the set's list. Program 0 advances the device step counter.
-4. :func:`copy_admitted_kernel`, per touched set and way: copies the row of every way admitted
+4. :func:`copy_admitted_kernel`, per touched set: copies the row of every way admitted
    in step 3 from the backing rows (host memory, on the GPU) into the slot with its tag. Given
    the staging of the step's lookup (its missed rows, copied to the device by the host gather),
    a row is copied from its staging row when that row's tag is the row's own index (found
    through step 1's table), else from the backing rows.
 5. :func:`clear_table_kernel` empties the table for the next step.
 
-Sets are disjoint between programs of step 3, slots between programs of step 4; every other shared word is written only by
-atomics whose result does not depend on their order, so the update is deterministic.
+Sets are disjoint between programs of steps 3 and 4; every other shared word is written only by
+atomics whose result does not depend on their order, so the update is deterministic. The atomics are
+relaxed: each needs only its own word's atomicity (the launches order everything else), and the default
+acquire-release form fences every one of them.
 """
 
 from __future__ import annotations
@@ -89,10 +91,10 @@ def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_si
     idle_position = offsets & table_mask
     while (tl.max(pending.to(tl.int32), axis=0) > 0) & (probes < table_size):
         target = tl.where(pending, position, idle_position)
-        old = tl.atomic_cas(keys_ptr + target, tl.where(pending, -1, -2), tl.where(pending, key, -2))
+        old = tl.atomic_cas(keys_ptr + target, tl.where(pending, -1, -2), tl.where(pending, key, -2), sem="relaxed")
         won = pending & (old == -1)
         found = won | (pending & (old == key))
-        tl.atomic_add(counts_ptr + target, 1, mask=found)
+        tl.atomic_add(counts_ptr + target, 1, mask=found, sem="relaxed")
         if HAS_STAGED:  # any id's staging row will do: they all hold the row's bytes, or fail the tag check
             staged = tl.load(inverse_ptr + offsets, mask=found, other=-1)
             tl.store(staged_at_ptr + target, staged, mask=found & (staged >= 0))
@@ -100,8 +102,8 @@ def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_si
         pending = pending & ~found
         position = tl.where(pending, (position + 1) & table_mask, position)
         probes += 1
-    tl.atomic_add(stats_ptr + 0, tl.sum(valid.to(tl.int64), axis=0))
-    tl.atomic_add(stats_ptr + 2, tl.sum(first.to(tl.int64), axis=0))
+    tl.atomic_add(stats_ptr + 0, tl.sum(valid.to(tl.int64), axis=0), sem="relaxed")
+    tl.atomic_add(stats_ptr + 2, tl.sum(first.to(tl.int64), axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -128,12 +130,12 @@ def rank_candidates_kernel(keys_ptr, counts_ptr, table_size, tags_ptr, counters_
         candidate_score = tl.zeros([BLOCK], dtype=tl.int64) + score
     else:
         # Saturating add: every add is followed by its own min, so the last word is min(sum, max).
-        tl.atomic_add(counters_ptr + slot, count, mask=hit)
-        tl.atomic_min(counters_ptr + slot, tl.full([BLOCK], _COUNTER_MAX, tl.int32), mask=hit)
+        tl.atomic_add(counters_ptr + slot, count, mask=hit, sem="relaxed")
+        tl.atomic_min(counters_ptr + slot, tl.full([BLOCK], _COUNTER_MAX, tl.int32), mask=hit, sem="relaxed")
         candidate_score = count.to(tl.int64)
     candidate = present & ~hit
-    tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(hit, count, 0).to(tl.int64), axis=0))
-    tl.atomic_add(stats_ptr + 3, tl.sum(candidate.to(tl.int64), axis=0))
+    tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(hit, count, 0).to(tl.int64), axis=0), sem="relaxed")
+    tl.atomic_add(stats_ptr + 3, tl.sum(candidate.to(tl.int64), axis=0), sem="relaxed")
     # The set's top-WAYS list: the larger key stays, the smaller moves on (a key met again stops).
     key = tl.where(candidate, (candidate_score << _ID_BITS) + (_ID_MASK - row), -1)
     # Each atomic waits for the one before (about 1 us on the H200): the loop ends once no key moves on, after
@@ -141,17 +143,17 @@ def rank_candidates_kernel(keys_ptr, counts_ptr, table_size, tags_ptr, counters_
     moving = key >= 0
     position = 0
     while (position < WAYS) & (tl.max(moving.to(tl.int32), axis=0) > 0):
-        old = tl.atomic_max(best_ptr + row_set * WAYS + position, key, mask=moving)
+        old = tl.atomic_max(best_ptr + row_set * WAYS + position, key, mask=moving, sem="relaxed")
         key = tl.where(moving & (old != key), tl.minimum(old, key), -1)
         moving = key >= 0
         position += 1
     # The set's first candidate of this step lists it for step 3: one atomic per program reserves the block's
     # places (one per candidate at a single word serialized there).
     stamp = tl.zeros([BLOCK], dtype=tl.int64) + (step + 1)
-    previous = tl.atomic_xchg(stamps_ptr + row_set, stamp, mask=candidate)
+    previous = tl.atomic_xchg(stamps_ptr + row_set, stamp, mask=candidate, sem="relaxed")
     first_of_set = candidate & (previous != stamp)
     first_count = first_of_set.to(tl.int32)
-    base = tl.atomic_add(touched_count_ptr, tl.sum(first_count, axis=0))
+    base = tl.atomic_add(touched_count_ptr, tl.sum(first_count, axis=0), sem="relaxed")
     index = base + tl.cumsum(first_count, axis=0) - first_count
     tl.store(touched_ptr + index.to(tl.int64), row_set, mask=first_of_set)
 
@@ -195,76 +197,79 @@ def copy_admitted_kernel(touched_ptr, touched_count_ptr, tags_ptr, slot_rows_ptr
                          staged_ptr, staged_stride, num_staged, from_staging_ptr, HEAD_DIM: tl.constexpr,
                          GROUPS_PADDED: tl.constexpr, ROW_BYTES: tl.constexpr, WAYS: tl.constexpr,
                          HAS_STAGED: tl.constexpr):
-    """Step 4 (module docstring): program ``pid`` copies way ``pid % WAYS`` of touched sets ``pid // WAYS,
-    pid // WAYS + num_programs, ...``: where the slot's tag (step 3's, a launch before) differs from the tag in
-    its slot row's last 4 bytes (written with the slot's bytes by every writer, -1 at first), the row was
-    admitted now: its bytes and tag go into the slot row. One slot per program and every input written by an
-    earlier launch: no program reads what another program of this launch writes. With ``HAS_STAGED``, a row
-    whose staging row (``staged uint8 [num_staged, ROW_BYTES]``, found through the table's ``staged_at``)
-    carries its own index in its tag is copied from there; ``from_staging[0] +=`` those rows. The warps of a
-    program copy their shares of the row after each has read the slot's old tag, which one thread then
-    overwrites: a barrier between (without it, on the H200 with Triton 3.6, the last warps of a program that
-    waited longer, as the staged path's lookups make them, read the new tag and left their 64-128 bytes of
-    the row unwritten, tags right)."""
+    """Step 4 (module docstring): program ``pid`` copies the admitted ways of touched sets ``pid, pid +
+    num_programs, ...``, all ``WAYS`` of a set as one ``[WAYS, row]`` block: where a slot's tag (step 3's, a
+    launch before) differs from the tag in its slot row's last 4 bytes (written with the slot's bytes by every
+    writer, -1 at first), the row was admitted now, and its bytes and tag go into the slot row. Sets are
+    disjoint between programs and every input was written by an earlier launch, so no program reads what
+    another writes. Within a program, every warp reads the slots' old tags before one writes the new ones (a
+    barrier between; without it, on the H200 with Triton 3.6, a warp that started late read a new tag and
+    left its share of the row unwritten, tags right). With ``HAS_STAGED``, a row whose staging row (``staged
+    uint8 [num_staged, ROW_BYTES]``, found through the table's ``staged_at``) carries its own index in its tag
+    is copied from there; ``from_staging[0] +=`` those rows. One program per set rather than per slot: at
+    decode sizes (1,536 ids) the per-slot grid took 45 us, six waves of programs each waiting on a host read."""
     pid = tl.program_id(0)
-    w = pid % WAYS
     touched_count = tl.load(touched_count_ptr)
+    way = tl.arange(0, WAYS)
     group = tl.arange(0, GROUPS_PADDED)
     group_valid = group < HEAD_DIM // _SCALE_GROUP
     column = tl.arange(0, GROUPS_PADDED * _SCALE_GROUP)
     column_valid = column < HEAD_DIM
-    from_staging = tl.zeros([1], dtype=tl.int32).sum(axis=0)
-    for index in range(pid // WAYS, touched_count, num_programs):
-        slot_w = tl.load(touched_ptr + index).to(tl.int64) * WAYS + w
-        row_k = tl.load(tags_ptr + slot_w)
-        slot_base = slot_rows_ptr + slot_w * slot_stride
+    from_staging = tl.zeros([WAYS], dtype=tl.int32)
+    for index in range(pid, touched_count, num_programs):
+        slot = tl.load(touched_ptr + index).to(tl.int64) * WAYS + way  # [WAYS]
+        row = tl.load(tags_ptr + slot)
+        slot_base = slot_rows_ptr + slot * slot_stride
         slot_tag_ptr = (slot_base + (ROW_BYTES - 4)).to(tl.pointer_type(tl.int32))
-        admit_k = ((row_k >= 0) & (row_k != tl.load(slot_tag_ptr).to(tl.int64))).to(tl.int32)
-        row_k = tl.maximum(row_k, 0)
-        value_mask = column_valid & ((column * 0 + admit_k) > 0)
-        scale_mask = group_valid & ((group * 0 + admit_k) > 0)
+        admit = (row >= 0) & (row != tl.load(slot_tag_ptr).to(tl.int64))
+        row = tl.maximum(row, 0)
+        value_mask = admit[:, None] & column_valid[None, :]
+        scale_mask = admit[:, None] & group_valid[None, :]
         if HAS_STAGED:
-            staged_row = _staged_row(row_k, admit_k, keys_ptr, staged_at_ptr, table_size, staged_ptr,
-                                     staged_stride, num_staged, ROW_BYTES)
-            staged = (staged_row >= 0).to(tl.int32)
-            from_staging += staged
+            staged_row = _staged_rows(row, admit, keys_ptr, staged_at_ptr, table_size, staged_ptr, staged_stride,
+                                      num_staged, ROW_BYTES)
+            staged = staged_row >= 0
+            from_staging += staged.to(tl.int32)
             staged_base = staged_ptr + tl.maximum(staged_row, 0) * staged_stride
-            value_staged = (column * 0 + staged) > 0  # (scalar masks broadcast by hand: the interpreter's)
-            scale_staged = (group * 0 + staged) > 0
-            value_bytes = tl.load(staged_base + column, mask=value_mask & value_staged, other=0)
-            value_bytes += tl.load(back_values_ptr + row_k * value_stride + column,
-                                   mask=value_mask & ~value_staged, other=0)
-            scale_bytes = tl.load(staged_base + HEAD_DIM + group, mask=scale_mask & scale_staged, other=0)
-            scale_bytes += tl.load(back_scales_ptr + row_k * scale_stride + group,
-                                   mask=scale_mask & ~scale_staged, other=0)
+            value_bytes = tl.load(staged_base[:, None] + column[None, :], mask=value_mask & staged[:, None], other=0)
+            value_bytes += tl.load(back_values_ptr + row[:, None] * value_stride + column[None, :],
+                                   mask=value_mask & ~staged[:, None], other=0)
+            scale_bytes = tl.load(staged_base[:, None] + HEAD_DIM + group[None, :], mask=scale_mask & staged[:, None],
+                                  other=0)
+            scale_bytes += tl.load(back_scales_ptr + row[:, None] * scale_stride + group[None, :],
+                                   mask=scale_mask & ~staged[:, None], other=0)
         else:
-            value_bytes = tl.load(back_values_ptr + row_k * value_stride + column, mask=value_mask, other=0)
-            scale_bytes = tl.load(back_scales_ptr + row_k * scale_stride + group, mask=scale_mask, other=0)
-        tl.store(slot_base + column, value_bytes, mask=value_mask)
-        tl.store(slot_base + HEAD_DIM + group, scale_bytes, mask=scale_mask)
-        # Every warp of the program has read the slot's old tag (admit_k) before one thread writes the new
-        # one: without this barrier a warp that starts late reads the new tag and skips its share of the row.
-        tl.debug_barrier()
-        tl.store(slot_tag_ptr, row_k.to(tl.int32), mask=admit_k > 0)
+            value_bytes = tl.load(back_values_ptr + row[:, None] * value_stride + column[None, :], mask=value_mask,
+                                  other=0)
+            scale_bytes = tl.load(back_scales_ptr + row[:, None] * scale_stride + group[None, :], mask=scale_mask,
+                                  other=0)
+        tl.store(slot_base[:, None] + column[None, :], value_bytes, mask=value_mask)
+        tl.store(slot_base[:, None] + HEAD_DIM + group[None, :], scale_bytes, mask=scale_mask)
+        tl.debug_barrier()  # every warp has read the old tags (admit) before the new ones are written
+        tl.store(slot_tag_ptr, row.to(tl.int32), mask=admit)
     if HAS_STAGED:
-        tl.atomic_add(from_staging_ptr, from_staging.to(tl.int64))
+        tl.atomic_add(from_staging_ptr, tl.sum(from_staging, axis=0).to(tl.int64), sem="relaxed")
 
 
 @triton.jit
-def _staged_row(row, admit, keys_ptr, staged_at_ptr, table_size, staged_ptr, staged_stride, num_staged,
-                ROW_BYTES: tl.constexpr):
-    """The staging row holding ``row`` (scalar int64): its table entry's ``staged_at`` when that staging
-    row's tag (its last 4 bytes, little-endian) is ``row``; else -1 (read the backing row)."""
+def _staged_rows(row, admit, keys_ptr, staged_at_ptr, table_size, staged_ptr, staged_stride, num_staged,
+                 ROW_BYTES: tl.constexpr):
+    """The staging rows holding ``row`` (int64 ``[WAYS]``, where ``admit``): each one's table entry's
+    ``staged_at`` when that staging row's tag (its last 4 bytes, little-endian) is the row; else -1 (read
+    the backing row)."""
     table_mask = table_size - 1
-    position = _table_position(row, table_mask)
-    key = tl.load(keys_ptr + position)
+    key_wanted = row.to(tl.int32)
+    position = tl.where(admit, _table_position(row, table_mask), 0)
+    key = tl.load(keys_ptr + position, mask=admit, other=-1)
     probes = 1
-    while (admit > 0) & (key != row.to(tl.int32)) & (key != -1) & (probes < table_size):
-        position = (position + 1) & table_mask
-        key = tl.load(keys_ptr + position)
+    searching = admit & (key != key_wanted) & (key != -1)
+    while (tl.max(searching.to(tl.int32), axis=0) > 0) & (probes < table_size):
+        position = tl.where(searching, (position + 1) & table_mask, position)
+        key = tl.where(searching, tl.load(keys_ptr + position, mask=searching, other=-1), key)
+        searching = searching & (key != key_wanted) & (key != -1)
         probes += 1
-    found = (admit > 0) & (key == row.to(tl.int32))
-    staged_row = tl.where(found, tl.load(staged_at_ptr + position), -1).to(tl.int64)  # position < table_size
+    found = admit & (key == key_wanted)
+    staged_row = tl.load(staged_at_ptr + position, mask=found, other=-1).to(tl.int64)  # position < table_size
     inside = found & (staged_row >= 0) & (staged_row < num_staged)
     tag_ptr = (staged_ptr + tl.where(inside, staged_row, 0) * staged_stride + (ROW_BYTES - 4)).to(tl.pointer_type(tl.int32))
     tag = tl.load(tag_ptr, mask=inside, other=-1).to(tl.int64)  # rows are 4-byte aligned (row_tags)
