@@ -215,8 +215,9 @@ class _FailingOnce:
 def test_gpu_randomized_steps_with_edits_aborts_growth_and_failures(placement, mode, seed, monkeypatch):
     """Seeded: interleaved prefetches, lookups, in-place edits, aborted steps, growth of the staging (T rising),
     and one failure injected into a start (the staging allocation, the stream write of "ids ready", the
-    submission to the worker, a wave's copy): every row a lookup returns equals ``device``'s; a start that
-    failed raises and the table then refuses (by name) or serves exact rows."""
+    submission to the worker, a wave's copy) or into a cache update beside the step (its stream words):
+    every row a lookup returns equals ``device``'s; a start or update that failed raises and the table then
+    refuses (by name) or serves exact rows."""
     from engram.table.host_memory import gather as host_gather
     from engram.table.host_memory import stream_memory_ops
 
@@ -249,7 +250,11 @@ def test_gpu_randomized_steps_with_edits_aborts_growth_and_failures(placement, m
                 continue
             assert _equal(got, device.lookup(ids)), f"step {step} (failure injected into {target[1]})"
             if placement == "cached" and rng.random() < 0.5:
-                table.update_cache(ids)
+                try:  # an update beside its step writes stream words too: the failure may land here
+                    table.update_cache(ids)
+                except RuntimeError as error:
+                    assert "injected failure" in str(error)
+                    failed = True
     torch.cuda.synchronize()  # nothing left waiting on a word no one writes
     assert failing.calls > 0
     if failing.calls >= failing.when:

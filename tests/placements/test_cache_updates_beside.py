@@ -176,6 +176,49 @@ def test_gpu_failed_update_beside_leaves_the_word_idle(monkeypatch, seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_gpu_update_whose_idle_write_fails_still_frees_the_word_and_orders_later_reads(monkeypatch, inference, seed):
+    """The stream write that sets the idle word after an update beside fails (the update's kernels are
+    enqueued): the call raises, the host sets the word once the update has run (a replay after it finishes),
+    and later lookups, eager and replayed, serve exact rows."""
+    from engram.table.host_memory import stream_memory_ops
+
+    generator = torch.Generator().manual_seed(seed)
+    tables = _tables(3000, generator, cache_fraction=0.05, aging_interval=1)
+    cached, device = tables["beside"], tables["device"]
+    static_ids = _ids(63, 24, 3000, 0, generator, hot=100).cuda()
+    cached.update_cache(static_ids)  # sizes the update's buffers
+    graph, static_out = capture_cuda_graph(lambda: cached.lookup(static_ids))
+    beside = cached.storage.cache.updates_beside
+    write = stream_memory_ops.write_value
+
+    def failing_idle_write(stream, address, value):
+        if stream == beside.stream and value == 1:
+            raise RuntimeError("injected: stream write failed")
+        return write(stream, address, value)
+
+    context = torch.inference_mode() if inference else torch.no_grad()
+    with context:
+        fresh = _ids(600, 24, 3000, 0, generator, hot=100).cuda()
+        monkeypatch.setattr(stream_memory_ops, "write_value", failing_idle_write)
+        with pytest.raises(RuntimeError, match="injected"):
+            cached.update_cache(fresh)
+        monkeypatch.undo()
+        assert int(beside.idle[0]) == 1, "the idle word stayed busy"
+        assert torch.equal(cached.lookup(fresh).view(torch.int16), device.lookup(fresh).view(torch.int16))
+        static_ids.copy_(fresh[:63])
+        graph.replay()
+        replayed = torch.cuda.Event()
+        replayed.record()
+        assert _finishes(replayed, 10.0), "a replay after the failed idle write never finished"
+        assert torch.equal(static_out.view(torch.int16), device.lookup(static_ids).view(torch.int16))
+        cached.update_cache(fresh)  # and the next update runs
+        torch.cuda.synchronize()
+        assert torch.equal(cached.lookup(fresh).view(torch.int16), device.lookup(fresh).view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
 def test_gpu_decode_graph_with_the_update_inside_equals_eager_steps(synthetic_model_dir, inference, seed):
     """The engine's decode step captured as one graph (hasher, prefetch, both layers, then ``update_cache``)
     and replayed with fresh tokens equals the same steps run eagerly on a twin memory (its updates beside the

@@ -249,14 +249,16 @@ class CachedPlacement(TablePlacement):
         staged = inverse = None
         if ADMIT_FROM_STAGING and last is not None and not capturing and self._staging_holds(last, global_ids):
             staged, inverse = last[0], last[1]
-        self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing, staged=staged, inverse=inverse)
         beside = self.cache.updates_beside
-        if staged is not None and self.host is not None:
-            # The staging's next copy waits for this update's reads, on the stream they ran on (an eager update
-            # runs beside whenever the cache has a stream for it).
-            stream = beside.stream if beside is not None else torch.cuda.current_stream(self.device)
-            staged.record_stream(stream)
-            self.host.host_gather.consumed(stream)
+        try:
+            self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing, staged=staged, inverse=inverse)
+        finally:  # also after a failure part-way: some of the update's reads may be enqueued
+            if staged is not None and self.host is not None:
+                # The staging's next copy waits for this update's reads, on the stream they ran on (an eager
+                # update runs beside whenever the cache has a stream for it).
+                stream = beside.stream if beside is not None else torch.cuda.current_stream(self.device)
+                staged.record_stream(stream)
+                self.host.host_gather.consumed(stream)
         if capturing:  # an event of the capture cannot be waited on outside
             return
         if beside is not None and beside.done is not None:

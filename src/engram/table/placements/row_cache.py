@@ -262,13 +262,15 @@ class RowCache:
         def admit(beside: bool) -> None:
             admit_step(self, ids, back_values, back_scales, staged, inverse, beside=beside)
 
-        if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
-            with torch.cuda.device(self.device):  # Triton launches on the current device
+        try:
+            if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
+                with torch.cuda.device(self.device):  # Triton launches on the current device
+                    self._run_update(admit, ids, staged, inverse)
+            else:
                 self._run_update(admit, ids, staged, inverse)
-        else:
-            self._run_update(admit, ids, staged, inverse)
+        finally:  # a failure part-way may still have changed the content: no earlier probe holds
+            self.version += 1
         self.updates += 1
-        self.version += 1
 
     def _run_update(self, admit, *used) -> None:
         """Run the update kernels: beside (an eager step with updates beside on) or on the current stream."""

@@ -18,7 +18,8 @@ Every later access of the cache waits for it, without the caller's help:
 One update runs beside at a time: the caller's stream waits for the previous one before it clears the
 word (the word is a flag, not a count); that previous update overlapped a whole step, so the wait is
 empty in practice. The update's stream depends only on work enqueued before it, so no wait can close a
-cycle; an update that fails to enqueue still sets the word back (no graph waits forever).
+cycle; an update that fails to enqueue still sets the word back (no graph waits forever): from its
+stream, or, where that write fails too, from the host once the update's work has run.
 """
 
 from __future__ import annotations
@@ -65,18 +66,25 @@ class UpdatesBeside:
         caller = torch.cuda.current_stream(self.device)
         if self.done is not None:
             caller.wait_event(self.done)  # the word is one flag: one update beside at a time
-        self._ops.write_value(caller, self._address, _BUSY)
+        self._ops.write_value(caller, self._address, _BUSY)  # a failure here has enqueued nothing
         self.stream.wait_stream(caller)
         try:
             with torch.cuda.stream(self.stream):
                 update()
         finally:
-            self._ops.write_value(self.stream, self._address, _IDLE)
             done = torch.cuda.Event()
             done.record(self.stream)
-            self.done = done
+            self.done = done  # eager accesses wait for whatever of the update was enqueued
             for tensor in used:
                 tensor.record_stream(self.stream)
+            try:
+                self._ops.write_value(self.stream, self._address, _IDLE)
+            except BaseException:
+                # The word must not stay busy (a captured access would wait forever): once the update's work
+                # has run, the host sets it.
+                done.synchronize()
+                self.idle[0] = _IDLE
+                raise
         self.count += 1
 
     def order(self, stream: torch.cuda.Stream | None = None) -> None:
