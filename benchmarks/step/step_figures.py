@@ -204,6 +204,7 @@ def headline(report: dict) -> dict:
         "host_gather_vs_ceiling_T8192": alone["GBps"] / ceiling if ceiling and alone.get("GBps") else None,
         **{f"update_cache_{kind}_us_T{tokens}": (phase or {}).get(f"update_cache_{kind}_us")
            for tokens, phase in ((64, decode64), (8192, prefill)) for kind in ("host", "gpu")},
+        "update_cache_graph_us_T64": (decode64 or {}).get("update_cache_graph_us"),
         "layer_us_T64": report.get("layer_us", {}).get("64"),
         "layer_us_T8192": report.get("layer_us", {}).get("8192"),
         **cached_keys(decode64, prefill),
