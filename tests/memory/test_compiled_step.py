@@ -155,3 +155,25 @@ def test_gpu_reduce_overhead_step_equals_eager(synthetic_model_dir, rng, placeme
         eager_ids, eager_out = step(*batch)
         assert torch.equal(compiled_ids, eager_ids), f"hash ids differ at call {index}"
         assert torch.equal(compiled_out.view(torch.int16), eager_out.view(torch.int16)), f"rows differ at call {index}"
+    if placement != "device" and tokens > 9:  # the prefetch was captured as a host gather of the graph
+        storage = memory.tables[memory.layer_ids[0]].storage
+        host = storage if placement == "host" else storage.host
+        if host.host_gather.worker == "native":
+            assert host.host_gather.replayed, "no host gather was captured in the compiled step's graphs"
+
+
+def test_ticket_tensors_name_their_handle_by_storage():
+    """The compiled prefetch's ticket: a scalar on the ids' device holding the ticket's number, found
+    again by its storage (no read of its value); no ticket names nothing."""
+    from engram import ops
+
+    class Handle:  # weakly referenced, as prefetch handles are
+        pass
+
+    like = torch.zeros(3, dtype=torch.int64)
+    first, second = Handle(), Handle()
+    first_tensor, second_tensor = ops.ticket_tensor(first, like), ops.ticket_tensor(second, like)
+    assert first_tensor.shape == () and first_tensor.dtype == torch.int64 and first_tensor.device == like.device
+    assert int(second_tensor) == int(first_tensor) + 1
+    assert ops.ticket_of(first_tensor) is first and ops.ticket_of(second_tensor) is second
+    assert ops.ticket_of(None) is None
