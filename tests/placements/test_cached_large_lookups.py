@@ -454,8 +454,45 @@ def test_content_change_between_prefetch_and_lookup_is_safe(change, seed):
     assert storage.lookups == {"one_kernel": 0, "host_gather": 1}
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_one_kernel_lookups_stage_their_rows_for_the_update(inference, seed):
+    """Decode-sized lookups (the one-kernel path) stage the rows they read, and the update after them admits
+    from there rather than from host memory: the cache then holds the same tags and bytes as one updated
+    from the backing rows, lookups equal placement 'cpu', also where the ids were edited in place between
+    the lookup and the update (the staging rows' tags then name other rows: those are read from the backing
+    rows) and where an update follows no lookup of its size."""
+    if not INTERPRET:
+        pytest.skip("the CPU form of placement 'cached' exists only under TRITON_INTERPRET=1")
+    generator = torch.Generator().manual_seed(seed)
+    rows = _table(80, 64, generator)
+    common = dict(row_start=500, validate=False, check_values=False)
+    plain = engram.EngramTable(rows.values.clone(), rows.scales.clone(), **common)
+    options = {"cache_fraction": 0.25, "ways": 4}
+    staged, unstaged = (engram.EngramTable(rows.values.clone(), rows.scales.clone(), placement="cached", device="cpu",
+                                           backend="triton", placement_options=options, **common) for _ in range(2))
+    context = torch.inference_mode() if inference else torch.no_grad()
+    with context:
+        for step in range(6):
+            hash_ids = _ids((1, 9, 5, 13, 2, 7)[step], 5, 80, 500, generator, hot=30)
+            expected = plain.lookup_packed(hash_ids)
+            got = staged.lookup_packed(hash_ids)
+            assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8)) and torch.equal(got[1], expected[1])
+            if step == 2:  # an edit after the lookup: the update sees other ids than the staging holds
+                hash_ids[0].copy_(_ids(1, 5, 80, 500, generator, hot=30)[0])
+            if step == 4:  # an update of another size than the lookup's: nothing staged for it
+                hash_ids = torch.cat([hash_ids, hash_ids])
+            staged.update_cache(hash_ids)
+            unstaged.storage.cache.update(hash_ids.reshape(-1).to(torch.int64) - 500, *unstaged.storage.backing)
+            assert torch.equal(staged.storage.cache.tags, unstaged.storage.cache.tags), f"tags differ, step {step}"
+            assert torch.equal(staged.storage.cache.slot_rows[:-1], unstaged.storage.cache.slot_rows[:-1]), \
+                f"slot bytes differ, step {step}"
+    assert staged.storage.lookups["host_gather"] == 0
+    assert int(staged.storage.cache.admission_buffers(1).from_staging) > 0, "no row was admitted from a staging"
+
+
 def test_kernels_compile_for_sm90():
-    """The probe, direct-read and merge kernels compiled for sm90 on the CPU (Triton's own ptxas, no GPU)
+    """The probe, direct-read, merge and one-kernel lookup kernels compiled for sm90 on the CPU (Triton's own ptxas, no GPU)
     with the launchers' shapes, int32 and int64 ids, with and without direct reads: the interpreter
     checks what they compute, not that they build. The class hash's constant stays an int64 2654435761."""
     pytest.importorskip("triton")
@@ -492,6 +529,23 @@ def test_kernels_compile_for_sm90():
             _compile(kernels.checked_merge_packed_kernel,
                      dict(**types, out_value_ptr="*u8", out_scale_ptr="*u8", **merge_ints), shape, num_warps=4,
                      num_stages=1)
+    # The one-kernel lookups, with and without the tagged staging of their rows, with and without read-ahead.
+    gather_types = dict(tags_ptr="*i64", slot_value_ptr="*u8", slot_scale_ptr="*u8", back_value_ptr="*u8",
+                        back_scale_ptr="*u8")
+    gather_ints = {name: "i32" for name in (
+        "total_rows", "local_columns", "stride_token", "stride_column", "num_rows", "num_sets", "slot_value_stride",
+        "slot_scale_stride", "back_value_stride", "back_scale_stride", "staged_stride")}
+    gather_ints["row_start"] = "i64"
+    for ids in ("*i32", "*i64"):
+        for staged_row_bytes, read_ahead in ((0, True), (272, True), (272, False)):
+            shape = dict(HEAD_DIM=256, GROUPS_PADDED=8, BLOCK_ROWS=block, WAYS=8, READ_AHEAD=read_ahead,
+                         STAGED_ROW_BYTES=staged_row_bytes)
+            _compile(kernels.cached_gather_bf16_kernel,
+                     dict(hash_ids_ptr=ids, **gather_types, out_ptr="*bf16", staged_ptr="*u8", **gather_ints),
+                     dict(**shape, DECODE=0), num_warps=4, num_stages=1)
+            _compile(kernels.cached_gather_packed_kernel,
+                     dict(hash_ids_ptr=ids, **gather_types, out_value_ptr="*u8", out_scale_ptr="*u8", staged_ptr="*u8",
+                          **gather_ints), shape, num_warps=4, num_stages=1)
 
 
 # ---------------------------------------------------------------------------

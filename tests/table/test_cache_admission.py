@@ -208,16 +208,52 @@ def test_admitted_rows_come_from_the_lookups_staging_where_its_tag_matches(recen
     assert used > 0, "no row was admitted from the staging"
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(not INTERPRET, reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("recency", [True, False], ids=["recency", "frequency"])
+def test_a_one_kernel_lookup_stages_its_rows_and_the_update_admits_from_them(recency, seed):
+    """A one-kernel lookup given ``staged`` writes each position's bytes there as a tagged packed row (the
+    local row, -1 outside the table; rows past the lookup's untouched); the next update given that staging
+    and no inverse admits every row from it: with the backing rows poisoned for the kernels, the cache
+    still equals the reference's, slot for slot and byte for byte."""
+    from engram.table.kernels.cache_gather import cached_gather_rows_packed
+
+    rng = np.random.default_rng(seed)
+    num_rows, head_dim = 150, 64
+    back_values, back_scales = _rows(rng, num_rows, head_dim, "cpu")
+    kernels, reference = _pair(32, head_dim, "cpu", ways=4, recency=recency, aging_interval=2)
+    row_bytes = kernels.slot_rows.shape[1]
+    for step, ids in enumerate(_steps(rng, num_rows, [63, 120, 1, 40])):
+        count = ids.size
+        hash_ids = torch.from_numpy(ids).view(count, 1)
+        staged = torch.full((count + 3, row_bytes), 0xAB, dtype=torch.uint8)
+        values, scales = cached_gather_rows_packed(kernels, back_values, back_scales, hash_ids, 0, staged=staged)
+        inside = (ids >= 0) & (ids < num_rows)
+        tags = staged[:count, -4:].contiguous().view(torch.int32)[:, 0]
+        assert torch.equal(tags, torch.from_numpy(np.where(inside, ids, -1).astype(np.int32))), f"tags, step {step}"
+        assert torch.equal(staged[:count, :head_dim], values.view(count, head_dim)), f"values, step {step}"
+        assert torch.equal(staged[:count, head_dim: head_dim + head_dim // 32], scales.view(count, -1))
+        assert bool((staged[count:] == 0xAB).all()), f"rows past the lookup written, step {step}"
+        poisoned_values, poisoned_scales = back_values.clone(), back_scales.clone()
+        poisoned_values[torch.from_numpy(ids[inside])] = 0x7E
+        poisoned_scales[torch.from_numpy(ids[inside])] = 1
+        kernels.update(torch.from_numpy(ids), poisoned_values, poisoned_scales, staged=staged)
+        reference.update_with_torch(torch.from_numpy(ids), back_values, back_scales)
+        _assert_same(kernels, reference, f"after step {step} (seed {seed})")
+
+
 def test_update_refuses_a_staging_that_does_not_fit():
     cache = RowCache(8, 64, "cpu", ways=4)
     values, scales = torch.zeros(10, 64, dtype=torch.uint8), torch.zeros(10, 2, dtype=torch.uint8)
     ids = torch.zeros(3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="staged, inverse: expected both or neither"):
-        cache.update(ids, values, scales, staged=torch.zeros(3, 80, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="staged, inverse: expected inverse only with staged"):
+        cache.update(ids, values, scales, inverse=torch.zeros(3, dtype=torch.int32))
     if INTERPRET:
         with pytest.raises(ValueError, match=r"staged: expected uint8 \[S >= 1, 80\]"):
             cache.update(ids, values, scales, staged=torch.zeros(3, 64, dtype=torch.uint8),
                          inverse=torch.zeros(3, dtype=torch.int32))
+        with pytest.raises(ValueError, match=r"staged: expected at least 3 rows \(one per id, no inverse given\)"):
+            cache.update(ids, values, scales, staged=torch.zeros(2, 80, dtype=torch.uint8))
         with pytest.raises(ValueError, match=r"inverse: expected int32 \[3\]"):
             cache.update(ids, values, scales, staged=torch.zeros(3, 80, dtype=torch.uint8),
                          inverse=torch.zeros(2, dtype=torch.int32))
@@ -326,11 +362,12 @@ def test_update_kernels_compile_for_sm90():
     _compile(kernels.ages_kernel, dict(counters_ptr="*i32", num_counters="i32", step_ptr="*i64", aging_interval="i32"),
              dict(BLOCK=launcher._AGE_BLOCK), **step)
     for ids in ("*i32", "*i64"):
-        for staged in (False, True):
+        for staged, identity in ((False, False), (True, False), (True, True)):
             _compile(kernels.count_rows_kernel,
                      dict(ids_ptr=ids, num_ids="i32", num_rows="i32", keys_ptr="*i32", counts_ptr="*i32",
                           table_size="i32", stats_ptr="*i64", touched_count_ptr="*i32", inverse_ptr="*i32",
-                          staged_at_ptr="*i32"), dict(HAS_STAGED=staged, BLOCK=launcher._ID_BLOCK), **step)
+                          staged_at_ptr="*i32"), dict(HAS_STAGED=staged, IDENTITY=identity, BLOCK=launcher._ID_BLOCK),
+                     **step)
     for recency in (False, True):
         _compile(kernels.rank_candidates_kernel,
                  dict(keys_ptr="*i32", counts_ptr="*i32", table_size="i32", tags_ptr="*i64", counters_ptr="*i32",

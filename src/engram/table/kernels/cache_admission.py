@@ -76,8 +76,8 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
     """One step of ``cache``'s policy (:mod:`engram.table.placements.row_cache`) for the reads ``local_ids
     int32/int64 [N]`` (contiguous, on the cache's device; ids outside ``[0, rows)`` are ignored), admitting
     rows from ``back_values uint8 [rows, D]`` / ``back_scales uint8 [rows, D // 32]``, or from ``staged uint8
-    [S, row_bytes]`` (tagged packed rows, row-contiguous) at ``inverse int32 [N]`` where that staging row's tag
-    is the id's row (same bytes either way). The caller (the cache) has checked the arguments and keeps the
+    [S, row_bytes]`` (tagged packed rows, row-contiguous) at ``inverse int32 [N]`` (None: row ``i`` for id ``i``)
+    where that staging row's tag is the id's row (same bytes either way). The caller (the cache) has checked the arguments and keeps the
     buffers; under CUDA-graph capture they must already fit. ``beside``: the update runs on a stream beside the step's
     work (steps 3-4 then take few programs, :data:`_BESIDE_PROGRAMS_PER_SM`)."""
     num_ids = local_ids.numel()
@@ -99,8 +99,8 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
         _LAUNCHERS[count_rows_kernel](
             -(-num_ids // _ID_BLOCK),
             (local_ids, num_ids, back_values.shape[0], buffers.keys, buffers.counts, table_size, cache.stats,
-             buffers.touched_count, inverse if has_staged else buffers.staged_at, buffers.staged_at, has_staged,
-             _ID_BLOCK), **step_launch)
+             buffers.touched_count, inverse if has_staged and inverse is not None else buffers.staged_at,
+             buffers.staged_at, has_staged, inverse is None, _ID_BLOCK), **step_launch)
         _LAUNCHERS[rank_candidates_kernel](
             -(-table_size // _ENTRY_BLOCK),
             (buffers.keys, buffers.counts, table_size, cache.tags_with_trash, cache.counters_with_trash,

@@ -68,11 +68,13 @@ def ages_kernel(counters_ptr, num_counters, step_ptr, aging_interval, BLOCK: tl.
 
 @triton.jit
 def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_size, stats_ptr,
-                      touched_count_ptr, inverse_ptr, staged_at_ptr, HAS_STAGED: tl.constexpr, BLOCK: tl.constexpr):
+                      touched_count_ptr, inverse_ptr, staged_at_ptr, HAS_STAGED: tl.constexpr,
+                      IDENTITY: tl.constexpr, BLOCK: tl.constexpr):
     """Step 1 (module docstring): ``ids int32/int64 [num_ids]`` (local rows; those outside
     ``[0, num_rows)`` ignored) into the table; ``stats[0] +=`` reads, ``stats[2] +=`` distinct rows.
     With ``HAS_STAGED``: ``staged_at[entry] = inverse[i]`` for some id ``i`` of the entry's row (the staging
-    row the step's lookup read it into; step 3 checks that row's tag before using it)."""
+    row the step's lookup read it into; step 4 checks that row's tag before using it), ``i`` itself with
+    ``IDENTITY`` (a one-kernel lookup's staging: row ``i`` for id ``i``)."""
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(touched_count_ptr, 0)  # step 2 appends to it
@@ -96,7 +98,10 @@ def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_si
         found = won | (pending & (old == key))
         tl.atomic_add(counts_ptr + target, 1, mask=found, sem="relaxed")
         if HAS_STAGED:  # any id's staging row will do: they all hold the row's bytes, or fail the tag check
-            staged = tl.load(inverse_ptr + offsets, mask=found, other=-1)
+            if IDENTITY:
+                staged = tl.where(found, offsets, -1).to(tl.int32)
+            else:
+                staged = tl.load(inverse_ptr + offsets, mask=found, other=-1)
             tl.store(staged_at_ptr + target, staged, mask=found & (staged >= 0))
         first = first | won
         pending = pending & ~found

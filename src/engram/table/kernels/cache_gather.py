@@ -97,7 +97,7 @@ def _backing_constants(cache: RowCache, back_values: torch.Tensor, back_scales: 
 
 
 def _launch(kernel, outputs, cache: RowCache, back_values, back_scales, hash_ids, row_start, extra: tuple,
-            constants: tuple):
+            constants: tuple, staged: torch.Tensor | None = None):
     tokens, local_columns = hash_ids.shape
     total_rows = tokens * local_columns
     if total_rows == 0:
@@ -107,20 +107,42 @@ def _launch(kernel, outputs, cache: RowCache, back_values, back_scales, hash_ids
         raise ValueError(f"hash_ids: T * C = {total_rows} rows per launch; expected fewer than 2**31")
     if hash_ids.is_cuda and hash_ids.device.index != torch.cuda.current_device():
         with torch.cuda.device(hash_ids.device):  # Triton launches on the current device
-            return _launch(kernel, outputs, cache, back_values, back_scales, hash_ids, row_start, extra, constants)
+            return _launch(kernel, outputs, cache, back_values, back_scales, hash_ids, row_start, extra, constants,
+                           staged)
     head_dim = cache.head_dim
     groups = head_dim // BLOCK_SIZE
-    ints = (total_rows, local_columns, hash_ids.stride(0), hash_ids.stride(1), row_start, *constants)
+    staged_row_bytes = 0 if staged is None else staged.shape[1]
+    ints = (total_rows, local_columns, hash_ids.stride(0), hash_ids.stride(1), row_start, *constants,
+            0 if staged is None else staged.stride(0))
     read_ahead = total_rows <= READ_AHEAD_MAX_ROWS
-    constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, cache.ways, read_ahead, *extra)
-    tensors = (hash_ids, cache.tags, cache.slot_values, cache.slot_scales, back_values, back_scales, *outputs)
+    constexprs = (head_dim, 1 << (groups - 1).bit_length(), rows_per_program, cache.ways, read_ahead,
+                  staged_row_bytes, *extra)
+    tensors = (hash_ids, cache.tags, cache.slot_values, cache.slot_scales, back_values, back_scales, *outputs,
+               outputs[0] if staged is None else staged)
     grid = -(-total_rows // rows_per_program)
     _LAUNCHERS[kernel](grid, (*tensors, *ints, *constexprs), num_warps=4, num_stages=1,
                        device_index=hash_ids.device.index if hash_ids.is_cuda else 0)
 
 
+def _check_staged(staged: torch.Tensor | None, cache: RowCache, hash_ids: torch.Tensor) -> torch.Tensor | None:
+    """``staged``: None, or ``uint8 [>= T * C, packed_row_bytes(D)]`` with contiguous rows (4-byte aligned) on the
+    ids' device."""
+    if staged is None:
+        return None
+    row_bytes = packed_row_bytes(cache.head_dim)
+    rows = hash_ids.shape[0] * hash_ids.shape[1]
+    if (not isinstance(staged, torch.Tensor) or staged.dtype != torch.uint8 or staged.dim() != 2
+            or staged.shape[1] != row_bytes or staged.shape[0] < rows or staged.stride(1) != 1
+            or staged.stride(0) % 4 or staged.data_ptr() % 4 or staged.device != hash_ids.device):
+        raise ValueError(f"staged: expected uint8 [>= {rows}, {row_bytes}] with contiguous, 4-byte aligned rows on "
+                         f"{hash_ids.device}, found {getattr(staged, 'dtype', type(staged).__name__)} "
+                         f"{list(getattr(staged, 'shape', []))}")
+    return staged
+
+
 def cached_gather_rows(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor,
-                       hash_ids: torch.Tensor, row_start: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                       hash_ids: torch.Tensor, row_start: int = 0, *, out: torch.Tensor | None = None,
+                       staged: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantized rows through the cache.
 
     ``out[t, j] = bf16(e4m3(row[:D]) * 2**(row[D:] - 127))`` of local row ``r = hash_ids[t, j] - row_start``,
@@ -134,32 +156,38 @@ def cached_gather_rows(cache: RowCache, back_values: torch.Tensor, back_scales: 
         hash_ids: int32/int64 ``[T, C]`` global ids, any strides.
         row_start: global row id of ``back_values[0]``.
         out: optional contiguous ``bfloat16 [T, C, D]`` to write.
+        staged: optional ``uint8 [>= T * C, packed_row_bytes(D)]``: row ``t * C + j`` also gets the bytes read
+            for ``hash_ids[t, j]`` as a tagged packed row (tag: the local row, -1 outside the rows), for the
+            cache's update to admit from (:meth:`RowCache.update` with ``staged`` and no ``inverse``).
 
     Returns: ``bfloat16 [T, C, D]``.
     """
     constants = _check(cache, back_values, back_scales, hash_ids, row_start)
+    staged = _check_staged(staged, cache, hash_ids)
     shape = (hash_ids.shape[0], hash_ids.shape[1], cache.head_dim)
     out = _check_out(out, shape, torch.bfloat16, hash_ids.device)
     if out is None:
         out = torch.empty(shape, dtype=torch.bfloat16, device=hash_ids.device)
     _launch(cached_gather_bf16_kernel, (out,), cache, back_values, back_scales, hash_ids, row_start,
-            (_DECODE_INTEGER,), constants)
+            (_DECODE_INTEGER,), constants, staged)
     return out
 
 
 def cached_gather_rows_packed(cache: RowCache, back_values: torch.Tensor, back_scales: torch.Tensor,
                               hash_ids: torch.Tensor, row_start: int = 0, *,
-                              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                              out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              staged: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw FP8 rows through the cache (arguments as :func:`cached_gather_rows`; ``out``: optional contiguous
     ``(uint8 [T, C, D], uint8 [T, C, D // 32])`` to write) -> ``(values uint8 [T, C, D], scales uint8
     [T, C, D // 32])``, all-zero bytes outside the rows."""
     constants = _check(cache, back_values, back_scales, hash_ids, row_start)
+    staged = _check_staged(staged, cache, hash_ids)
     tokens, columns = hash_ids.shape
     head_dim = cache.head_dim
     shapes = ((tokens, columns, head_dim), (tokens, columns, head_dim // BLOCK_SIZE))
     out_values, out_scales = _out_pair(out, shapes, torch.uint8, hash_ids.device, "(values, scales)")
     _launch(cached_gather_packed_kernel, (out_values, out_scales), cache, back_values, back_scales, hash_ids,
-            row_start, (), constants)
+            row_start, (), constants, staged)
     return out_values, out_scales
 
 

@@ -86,8 +86,8 @@ def _cached_row_bytes(hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, ba
                       slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
                       HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                       WAYS: tl.constexpr, READ_AHEAD: tl.constexpr):
-    """This program's rows through the cache: ``(row_index, in_bounds, column, column_mask,
-    group, group_valid, value_bytes [BLOCK_ROWS, GROUPS_PADDED, 32], scale_bytes [BLOCK_ROWS,
+    """This program's rows through the cache: ``(row_index, in_bounds, inside, local_id, column,
+    column_mask, group, group_valid, value_bytes [BLOCK_ROWS, GROUPS_PADDED, 32], scale_bytes [BLOCK_ROWS,
     GROUPS_PADDED])``: each row's bytes from its HBM slot on a hit, else from the backing
     rows, all-zero outside the table. Each lane makes exactly one of the two loads, except with
     ``READ_AHEAD``: every row's backing read is issued before the tags are read, so a miss pays no
@@ -110,16 +110,31 @@ def _cached_row_bytes(hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, ba
                                                    back_scale_stride, miss, group, group_valid, column)
     value_bytes = tl.where(hit[:, None, None], hit_values, miss_values)
     scale_bytes = tl.where(hit[:, None], hit_scales, miss_scales)
-    return row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes
+    return row_index, in_bounds, inside, local_id, column, column_mask, group, group_valid, value_bytes, scale_bytes
+
+
+@triton.jit
+def _stage_rows(staged_ptr, staged_stride, row_index, in_bounds, inside, local_id, value_bytes, scale_bytes,
+                column, column_mask, group, group_valid, HEAD_DIM: tl.constexpr, STAGED_ROW_BYTES: tl.constexpr):
+    """With ``STAGED_ROW_BYTES`` (else nothing): each row's bytes as a tagged packed row of ``staged uint8
+    [T * C_local, STAGED_ROW_BYTES]`` at its flattened index, the tag (last 4 bytes) its local id, -1 outside
+    the table. The cache's next update copies the rows it admits from there (their tags checked) instead of
+    reading host memory again."""
+    if STAGED_ROW_BYTES > 0:
+        base = staged_ptr + row_index * staged_stride
+        tl.store(base[:, None, None] + column[None, :, :], value_bytes, mask=in_bounds[:, None, None] & column_mask)
+        tl.store(base[:, None] + HEAD_DIM + group[None, :], scale_bytes, mask=in_bounds[:, None] & group_valid[None, :])
+        tag_ptr = (base + (STAGED_ROW_BYTES - 4)).to(tl.pointer_type(tl.int32))
+        tl.store(tag_ptr, tl.where(inside, local_id, -1).to(tl.int32), mask=in_bounds)
 
 
 @triton.jit
 def cached_gather_bf16_kernel(
-    hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr, out_ptr,
+    hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr, out_ptr, staged_ptr,
     total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
-    slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
+    slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride, staged_stride,
     HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, WAYS: tl.constexpr,
-    READ_AHEAD: tl.constexpr, DECODE: tl.constexpr,
+    READ_AHEAD: tl.constexpr, STAGED_ROW_BYTES: tl.constexpr, DECODE: tl.constexpr,
 ):
     """``out bf16 [T, C_local, D]`` (contiguous) from ``hash_ids [T, C_local]`` through the cache:
 
@@ -128,12 +143,16 @@ def cached_gather_bf16_kernel(
     ``slot_value [slots, D]`` / ``slot_scale [slots, D // 32]`` when ``tags[r % num_sets, w] == r``,
     else row ``r`` of ``back_value [rows, D]`` / ``back_scale [rows, D // 32]``; +0 when ``r`` is
     outside ``[0, num_rows)``. One program per ``BLOCK_ROWS`` rows of the flattened ``[T * C_local]``.
+    With ``STAGED_ROW_BYTES``, also the rows' bytes tagged in ``staged`` (:func:`_stage_rows`).
     """
-    row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _cached_row_bytes(
+    (row_index, in_bounds, inside, local_id, column, column_mask, group, group_valid, value_bytes,
+     scale_bytes) = _cached_row_bytes(
         hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
         total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
         slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
         HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, WAYS, READ_AHEAD)
+    _stage_rows(staged_ptr, staged_stride, row_index, in_bounds, inside, local_id, value_bytes, scale_bytes,
+                column, column_mask, group, group_valid, HEAD_DIM, STAGED_ROW_BYTES)
     scale = _scale_factors(scale_bytes)[:, :, None]  # [BLOCK_ROWS, GROUPS_PADDED, 1]
     # fp32 product is exact (4 significant bits times a power of two); one rounding to bf16.
     product = _decode_e4m3(value_bytes, DECODE) * scale
@@ -144,20 +163,23 @@ def cached_gather_bf16_kernel(
 @triton.jit
 def cached_gather_packed_kernel(
     hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
-    out_value_ptr, out_scale_ptr,
+    out_value_ptr, out_scale_ptr, staged_ptr,
     total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
-    slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
+    slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride, staged_stride,
     HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, BLOCK_ROWS: tl.constexpr, WAYS: tl.constexpr,
-    READ_AHEAD: tl.constexpr,
+    READ_AHEAD: tl.constexpr, STAGED_ROW_BYTES: tl.constexpr,
 ):
     """Raw FP8 rows through the cache: ``out_value uint8 [T, C_local, D]``, ``out_scale uint8
     [T, C_local, D // 32]`` (contiguous), the bytes :func:`cached_gather_bf16_kernel` decodes;
-    all-zero bytes for ids outside the table's rows."""
-    row_index, in_bounds, column, column_mask, group, group_valid, value_bytes, scale_bytes = _cached_row_bytes(
+    all-zero bytes for ids outside the table's rows. With ``STAGED_ROW_BYTES``, also tagged in ``staged``."""
+    (row_index, in_bounds, inside, local_id, column, column_mask, group, group_valid, value_bytes,
+     scale_bytes) = _cached_row_bytes(
         hash_ids_ptr, tags_ptr, slot_value_ptr, slot_scale_ptr, back_value_ptr, back_scale_ptr,
         total_rows, local_columns, stride_token, stride_column, row_start, num_rows, num_sets,
         slot_value_stride, slot_scale_stride, back_value_stride, back_scale_stride,
         HEAD_DIM, GROUPS_PADDED, BLOCK_ROWS, WAYS, READ_AHEAD)
+    _stage_rows(staged_ptr, staged_stride, row_index, in_bounds, inside, local_id, value_bytes, scale_bytes,
+                column, column_mask, group, group_valid, HEAD_DIM, STAGED_ROW_BYTES)
     tl.store(out_value_ptr + row_index[:, None, None] * HEAD_DIM + column[None, :, :], value_bytes,
              mask=in_bounds[:, None, None] & column_mask)
     tl.store(out_scale_ptr + row_index[:, None] * (HEAD_DIM // _SCALE_GROUP) + group[None, :], scale_bytes,

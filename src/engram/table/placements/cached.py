@@ -190,9 +190,12 @@ class CachedPlacement(TablePlacement):
         self.lookups = {"one_kernel": 0, "host_gather": 0}
         """Lookups served by each path since construction (host-side counts, for tests and benchmarks)."""
         self._direct_stream = None
-        # The last large lookup's staging: (rows, inverse, stream, gather number); the next update copies the
-        # rows it admits from there rather than from host memory (each staging row checked by its tag).
+        # The last lookup's staging (_Staging): the next update copies the rows it admits from there rather than
+        # from host memory (each staging row checked by its tag). A large lookup's is the host gather's; a
+        # one-kernel lookup's is a buffer of this placement's (eager) or of the graph capturing it.
         self._last_staging = None
+        self._eager_staging: torch.Tensor | None = None
+        self._captured_stagings: list[torch.Tensor] = []  # each capture's own, read at every replay
 
     # Loaded as placement "host" is: packed host rows, private or node-shared.
     allocate_storage = classmethod(HostPlacement.allocate_storage.__func__)
@@ -247,13 +250,15 @@ class CachedPlacement(TablePlacement):
             return
         capturing = cuda_capturing()
         staged = inverse = None
-        if ADMIT_FROM_STAGING and last is not None and not capturing and self._staging_holds(last, global_ids):
-            staged, inverse = last[0], last[1]
+        if ADMIT_FROM_STAGING and last is not None and self._staging_holds(last, global_ids, capturing):
+            staged, inverse = last.rows, last.inverse
         beside = self.cache.updates_beside
         try:
             self.cache.update(global_ids.to(torch.int64) - row_start, *self.backing, staged=staged, inverse=inverse)
         finally:  # also after a failure part-way: some of the update's reads may be enqueued
-            if staged is not None and self.host is not None:
+            # A one-kernel lookup's staging needs nothing here: the next such lookup settles (waits for this
+            # update) before it writes the staging again.
+            if staged is not None and self.host is not None and last.number is not None:
                 # The staging's next copy waits for this update's reads, on the stream they ran on (an eager
                 # update runs beside whenever the cache has a stream for it).
                 stream = beside.stream if beside is not None else torch.cuda.current_stream(self.device)
@@ -266,15 +271,40 @@ class CachedPlacement(TablePlacement):
         else:
             self._mark_content_changed()
 
-    def _staging_holds(self, last: tuple, global_ids: torch.Tensor) -> bool:
-        """Whether the last lookup's staging may serve this update: one entry of ``inverse`` per id, no host
-        gather started since (its copies would overwrite the staging), the same stream as that lookup."""
-        staged, inverse, stream, number = last
-        if inverse.numel() != global_ids.numel():
+    def _staging_holds(self, last: "_Staging", global_ids: torch.Tensor, capturing: bool) -> bool:
+        """Whether the last lookup's staging may serve this update: made as this update runs (both captured in
+        a graph, or both eager), one staging row (one-kernel lookup) or ``inverse`` entry (host gather) per id,
+        the same stream as that lookup; a host gather's only eagerly and with no gather started since (its
+        copies would overwrite the staging)."""
+        if last.captured != capturing:
+            return False
+        if last.number is None:  # a one-kernel lookup's own staging: row i for id i
+            if last.rows.shape[0] != global_ids.numel():
+                return False
+        elif capturing or last.inverse.numel() != global_ids.numel():
             return False
         if self.host is None:
             return True
-        return self.host.host_gather.is_latest(number) and stream == torch.cuda.current_stream(self.device)
+        if last.stream != torch.cuda.current_stream(self.device):
+            return False
+        return last.number is None or self.host.host_gather.is_latest(last.number)
+
+    def _lookup_staging(self, num_rows: int) -> torch.Tensor | None:
+        """``uint8 [num_rows, row_bytes]`` for a one-kernel lookup to stage its rows in, or None (nothing to
+        admit from it: an update-less policy, or staging off). Under CUDA-graph capture a buffer of that graph's
+        own (its memory pool), kept for the process; eagerly this placement's, grown as needed."""
+        if not ADMIT_FROM_STAGING or self.policy not in UPDATED_POLICIES or num_rows == 0:
+            return None
+        row_bytes = self._packed.shape[1]
+        if cuda_capturing():
+            with torch.inference_mode(False):
+                staging = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
+            self._captured_stagings.append(staging)
+            return staging
+        if self._eager_staging is None or self._eager_staging.shape[0] < num_rows:
+            with torch.inference_mode(False):
+                self._eager_staging = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
+        return self._eager_staging[:num_rows]
 
     # ---- lookups ------------------------------------------------------------------
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,8 +373,8 @@ class CachedPlacement(TablePlacement):
                     direct=pending.direct)
         if stream is not None:
             self.host.host_gather.consumed(stream)
-        number = None if self.host is None else pending.ticket.number
-        self._last_staging = (staged, inverse, stream, number)
+        number = 0 if self.host is None else pending.ticket.number
+        self._last_staging = _Staging(staged, inverse, stream, number, False)
         self.lookups["host_gather"] += 1
         return out
 
@@ -380,16 +410,34 @@ class CachedPlacement(TablePlacement):
                 from engram.table.kernels.cache_gather import cached_gather_rows, cached_gather_rows_packed
 
                 self.lookups["one_kernel"] += 1
-                self.cache.settle()
-                if packed:
-                    return cached_gather_rows_packed(self.cache, *self.backing, global_ids, row_start)
-                return cached_gather_rows(self.cache, *self.backing, global_ids, row_start)
+                self.cache.settle()  # also orders this lookup's writes of its staging after an update's reads
+                staging = self._lookup_staging(global_ids.numel())
+                lookup = cached_gather_rows_packed if packed else cached_gather_rows
+                out = lookup(self.cache, *self.backing, global_ids, row_start, staged=staging)
+                self._last_staging = None if staging is None else _Staging(
+                    staging, None, None if self.host is None else torch.cuda.current_stream(self.device), None,
+                    cuda_capturing())
+                return out
             pending = self._start_misses(global_ids, row_start)
         return self._finish_misses(pending, global_ids, row_start, packed)
 
     def __repr__(self) -> str:
         return (f"CachedPlacement(rows={self.num_rows}, head_dim={self.head_dim}, device={self.device}, "
                 f"slots={self.cache.num_slots}, ways={self.cache.ways}, policy={self.policy!r})")
+
+
+@dataclass
+class _Staging:
+    """A lookup's staged rows for the next update: ``rows uint8 [S, row_bytes]`` (tagged packed rows), the
+    lookup's ``inverse`` into them (None: row ``i`` for id ``i``, a one-kernel lookup's), the stream it ran on
+    (None on the CPU), the host gather's number (None for a one-kernel lookup's staging; 0 on the CPU) and
+    whether it was made under CUDA-graph capture."""
+
+    rows: torch.Tensor
+    inverse: torch.Tensor | None
+    stream: object
+    number: int | None
+    captured: bool
 
 
 @dataclass

@@ -240,7 +240,8 @@ class RowCache:
         :meth:`update_with_torch`, its reference, with the same result.
 
         ``staged uint8 [S, row_bytes]`` / ``inverse int32 [...]`` (as many as ``local_ids``), optional: the
-        step's lookup's staging (tagged packed rows) and each id's row in it. The kernels copy an admitted
+        step's lookup's staging (tagged packed rows) and each id's row in it; ``staged`` alone (``S >= N``):
+        id ``i``'s row is staging row ``i`` (a one-kernel lookup's, :func:`~engram.table.kernels.cache_gather.cached_gather_rows`). The kernels copy an admitted
         row from there when that staging row's tag is the row's own index, else from the backing rows: the
         same bytes, without reading host memory again. The caller orders the staging's next write after
         this call's stream work."""
@@ -249,8 +250,8 @@ class RowCache:
             raise ValueError(f"local_ids: expected int32 or int64 row ids, found {ids.dtype}")
         if back_values.shape[0] >= 2**31:
             raise ValueError(f"back_values: expected fewer than 2**31 rows, found {back_values.shape[0]}")
-        if (staged is None) != (inverse is None):
-            raise ValueError("staged, inverse: expected both or neither")
+        if staged is None and inverse is not None:
+            raise ValueError("staged, inverse: expected inverse only with staged")
         if not _updates_with_kernels(self.device):
             return self.update_with_torch(local_ids, back_values, back_scales)
         from engram.table.kernels.cache_admission import admit_step
@@ -280,8 +281,9 @@ class RowCache:
             self.settle()  # captured, or inline: after any update still running beside
             admit(False)
 
-    def _check_staging(self, staged: torch.Tensor, inverse: torch.Tensor, num_ids: int) -> torch.Tensor:
-        """``inverse`` flat, after checking ``staged`` / ``inverse`` against the cache and the step's ids."""
+    def _check_staging(self, staged: torch.Tensor, inverse: torch.Tensor | None, num_ids: int) -> torch.Tensor | None:
+        """``inverse`` flat (None: none given), after checking ``staged`` / ``inverse`` against the cache and the
+        step's ids."""
         row_bytes = self.slot_rows.shape[1]
         if (staged.dtype != torch.uint8 or staged.dim() != 2 or staged.shape[1] != row_bytes or staged.shape[0] < 1
                 or staged.stride(1) != 1 or staged.device != self.device or staged.stride(0) % TAG_BYTES
@@ -289,6 +291,11 @@ class RowCache:
             raise ValueError(f"staged: expected uint8 [S >= 1, {row_bytes}] rows on {self.device} (row-contiguous, "
                              f"4-byte aligned), found {staged.dtype} {list(staged.shape)} strides {staged.stride()} "
                              f"on {staged.device}")
+        if inverse is None:  # staging row i holds id i's row (a one-kernel lookup's staging)
+            if staged.shape[0] < num_ids:
+                raise ValueError(f"staged: expected at least {num_ids} rows (one per id, no inverse given), found "
+                                 f"{staged.shape[0]}")
+            return None
         flat = inverse.reshape(-1)
         if flat.dtype != torch.int32 or flat.numel() != num_ids or flat.device != self.device:
             raise ValueError(f"inverse: expected int32 [{num_ids}] (one per id) on {self.device}, found "
