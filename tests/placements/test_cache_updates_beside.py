@@ -223,7 +223,7 @@ def test_gpu_decode_graph_with_the_update_inside_equals_eager_steps(synthetic_mo
     """The engine's decode step captured as one graph (hasher, prefetch, both layers, then ``update_cache``)
     and replayed with fresh tokens equals the same steps run eagerly on a twin memory (its updates beside the
     step), step after step: every layer's output, equal to placement ``"device"``'s too, and both caches'
-    tags, counters and hit counts."""
+    tags, counters, slot bytes and hit counts; both admit rows from their lookups' stagings."""
     from conftest import capture_cuda_graph, memory_on_cuda
 
     generator = torch.Generator().manual_seed(seed)
@@ -264,3 +264,6 @@ def test_gpu_decode_graph_with_the_update_inside_equals_eager_steps(synthetic_mo
                 _same_cache(mine, twin, f"after replay {replay} (seed {seed})")
     assert sum(int(cache.stats[1]) for cache in caches["eager"]) > 0, "no read hit: the test did not test hits"
     assert all(cache.updates_beside.count > 0 for cache in caches["eager"])
+    # Both admitted rows from their lookups' stagings: the graph's own, and the eager placement's.
+    for name in ("captured", "eager"):
+        assert all(int(cache.admission_buffers(1).from_staging) > 0 for cache in caches[name]), name
