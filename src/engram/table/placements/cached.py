@@ -194,7 +194,7 @@ class CachedPlacement(TablePlacement):
         # from host memory (each staging row checked by its tag). A large lookup's is the host gather's; a
         # one-kernel lookup's is a buffer of this placement's (eager) or of the graph capturing it.
         self._last_staging = None
-        self._eager_staging: torch.Tensor | None = None
+        self._eager_stagings: dict[int, torch.Tensor] = {}  # per stream: lookups on two streams at once never share
         self._captured_stagings: list[torch.Tensor] = []  # each capture's own, read at every replay
 
     # Loaded as placement "host" is: packed host rows, private or node-shared.
@@ -292,7 +292,10 @@ class CachedPlacement(TablePlacement):
     def _lookup_staging(self, num_rows: int) -> torch.Tensor | None:
         """``uint8 [num_rows, row_bytes]`` for a one-kernel lookup to stage its rows in, or None (nothing to
         admit from it: an update-less policy, or staging off). Under CUDA-graph capture a buffer of that graph's
-        own (its memory pool), kept for the process; eagerly this placement's, grown as needed."""
+        own (its memory pool), kept for the process; eagerly this placement's for the current stream, grown as
+        needed (lookups on two streams at once, as in two micro-batches overlapped, never write one buffer; an
+        update takes a staging only from a lookup on its own stream, and a lookup on that stream waits for
+        the updates before it writes the staging again)."""
         if not ADMIT_FROM_STAGING or self.policy not in UPDATED_POLICIES or num_rows == 0:
             return None
         row_bytes = self._packed.shape[1]
@@ -301,10 +304,15 @@ class CachedPlacement(TablePlacement):
                 staging = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
             self._captured_stagings.append(staging)
             return staging
-        if self._eager_staging is None or self._eager_staging.shape[0] < num_rows:
+        key = torch.cuda.current_stream(self.device).cuda_stream if self.host is not None else 0
+        staging = self._eager_stagings.get(key)
+        if staging is None or staging.shape[0] < num_rows:
+            if len(self._eager_stagings) >= 8:  # a few streams at most; a freed one is kept by its readers
+                self._eager_stagings.clear()
             with torch.inference_mode(False):
-                self._eager_staging = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
-        return self._eager_staging[:num_rows]
+                staging = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
+            self._eager_stagings[key] = staging
+        return staging[:num_rows]
 
     # ---- lookups ------------------------------------------------------------------
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
