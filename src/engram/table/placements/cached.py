@@ -79,9 +79,10 @@ __all__ = ["CachedPlacement", "CachedOptions", "DEFAULT_CACHE_FRACTION"]
 DEFAULT_CACHE_FRACTION = tuning().serving.cache_fraction
 UPDATED_POLICIES = ("set-lru", "dynamic")  # the policies that update_cache changes
 
-# Whether an update after a large lookup copies the rows it admits from that lookup's staging (RowCache.update's
-# staged=) rather than reading them from host memory again: 190 k rows a table at T = 8192 on uniform ids, 17-20
-# ms of PCIe-bound GPU time for two 25.5 GiB tables on the H200 (benchmarks/NOTES.md "An HBM cache beside the step").
+# Whether an update copies the rows it admits from the last lookup's staging (RowCache.update's staged=: the host
+# gather's after a large lookup, the lookup's own after a one-kernel one) rather than reading them from host memory
+# again: 190 k rows a table at T = 8192 on uniform ids, 17-20 ms of PCIe-bound GPU time for two 25.5 GiB tables on
+# the H200 (benchmarks/NOTES.md "An HBM cache beside the step"); 46 us of a decode update's 84 at T = 64.
 ADMIT_FROM_STAGING = True
 
 
