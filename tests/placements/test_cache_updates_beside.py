@@ -144,15 +144,22 @@ def test_gpu_replay_waits_for_an_update_held_beside(tokens, seed):
     assert int(cached.storage.cache.stats[1]) > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_gpu_failed_update_beside_leaves_the_word_idle(monkeypatch, seed):
-    generator = torch.Generator().manual_seed(seed)
+def _beside_table_with_a_captured_lookup(generator):
+    """A cached table updating beside the step (its update's buffers sized), its ``device`` twin, static ids
+    (63 x 24) and a graph capturing a lookup of them with its output."""
     tables = _tables(3000, generator, cache_fraction=0.05, aging_interval=1)
     cached, device = tables["beside"], tables["device"]
     static_ids = _ids(63, 24, 3000, 0, generator, hot=100).cuda()
     cached.update_cache(static_ids)  # sizes the update's buffers
     graph, static_out = capture_cuda_graph(lambda: cached.lookup(static_ids))
+    return cached, device, static_ids, graph, static_out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_failed_update_beside_leaves_the_word_idle(monkeypatch, seed):
+    generator = torch.Generator().manual_seed(seed)
+    cached, device, static_ids, graph, static_out = _beside_table_with_a_captured_lookup(generator)
     from engram.table.kernels import cache_admission
 
     def failing(*args, **kwargs):
@@ -183,11 +190,7 @@ def test_gpu_update_whose_idle_write_fails_still_frees_the_word_and_orders_later
     from engram.table.host_memory import stream_memory_ops
 
     generator = torch.Generator().manual_seed(seed)
-    tables = _tables(3000, generator, cache_fraction=0.05, aging_interval=1)
-    cached, device = tables["beside"], tables["device"]
-    static_ids = _ids(63, 24, 3000, 0, generator, hot=100).cuda()
-    cached.update_cache(static_ids)  # sizes the update's buffers
-    graph, static_out = capture_cuda_graph(lambda: cached.lookup(static_ids))
+    cached, device, static_ids, graph, static_out = _beside_table_with_a_captured_lookup(generator)
     beside = cached.storage.cache.updates_beside
     write = stream_memory_ops.write_value
 

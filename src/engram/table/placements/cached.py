@@ -290,22 +290,23 @@ class CachedPlacement(TablePlacement):
             return False
         return last.number is None or self.host.host_gather.is_latest(last.number)
 
-    def _lookup_staging(self, num_rows: int) -> torch.Tensor | None:
-        """``uint8 [num_rows, row_bytes]`` for a one-kernel lookup to stage its rows in, or None (nothing to
-        admit from it: an update-less policy, or staging off). Under CUDA-graph capture a buffer of that graph's
-        own (its memory pool), kept for the process; eagerly this placement's for the current stream, grown as
+    def _lookup_staging(self, num_rows: int, stream, captured: bool) -> torch.Tensor | None:
+        """``uint8 [num_rows, row_bytes]`` for a one-kernel lookup on ``stream`` (None on the CPU) to stage its rows
+        in, or None (nothing to admit from it: an update-less policy, or staging off). When ``captured`` (under
+        CUDA-graph capture) a buffer of that graph's
+        own (its memory pool), kept for the process; eagerly this placement's for that stream, grown as
         needed (lookups on two streams at once, as in two micro-batches overlapped, never write one buffer; an
         update takes a staging only from a lookup on its own stream, and a lookup on that stream waits for
         the updates before it writes the staging again)."""
         if not ADMIT_FROM_STAGING or self.policy not in UPDATED_POLICIES or num_rows == 0:
             return None
         row_bytes = self._packed.shape[1]
-        if cuda_capturing():
+        if captured:
             with torch.inference_mode(False):
                 staging = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
             self._captured_stagings.append(staging)
             return staging
-        key = torch.cuda.current_stream(self.device).cuda_stream if self.host is not None else 0
+        key = stream.cuda_stream if stream is not None else 0
         staging = self._eager_stagings.get(key)
         if staging is None or staging.shape[0] < num_rows:
             if len(self._eager_stagings) >= 8:  # a few streams at most; a freed one is kept by its readers
@@ -420,12 +421,12 @@ class CachedPlacement(TablePlacement):
 
                 self.lookups["one_kernel"] += 1
                 self.cache.settle()  # also orders this lookup's writes of its staging after an update's reads
-                staging = self._lookup_staging(global_ids.numel())
+                stream = None if self.host is None else torch.cuda.current_stream(self.device)
+                captured = cuda_capturing()
+                staging = self._lookup_staging(global_ids.numel(), stream, captured)
                 lookup = cached_gather_rows_packed if packed else cached_gather_rows
                 out = lookup(self.cache, *self.backing, global_ids, row_start, staged=staging)
-                self._last_staging = None if staging is None else _Staging(
-                    staging, None, None if self.host is None else torch.cuda.current_stream(self.device), None,
-                    cuda_capturing())
+                self._last_staging = None if staging is None else _Staging(staging, None, stream, None, captured)
                 return out
             pending = self._start_misses(global_ids, row_start)
         return self._finish_misses(pending, global_ids, row_start, packed)
