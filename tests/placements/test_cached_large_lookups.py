@@ -491,6 +491,44 @@ def test_one_kernel_lookups_stage_their_rows_for_the_update(inference, seed):
     assert int(staged.storage.cache.admission_buffers(1).from_staging) > 0, "no row was admitted from a staging"
 
 
+@pytest.mark.interpreter
+def test_a_staging_that_cannot_be_allocated_costs_reads_not_the_lookup(seed, monkeypatch):
+    """Where a one-kernel lookup's staging cannot be allocated, the lookup still serves exact rows, stages
+    nothing, and the update reads host memory; once allocations succeed again, lookups stage again."""
+    if not INTERPRET:
+        pytest.skip("the CPU form of placement 'cached' exists only under TRITON_INTERPRET=1")
+    generator = torch.Generator().manual_seed(seed)
+    rows = _table(80, 64, generator)
+    common = dict(row_start=500, validate=False, check_values=False)
+    plain = engram.EngramTable(rows.values.clone(), rows.scales.clone(), **common)
+    cached = engram.EngramTable(rows.values.clone(), rows.scales.clone(), placement="cached", device="cpu",
+                                backend="triton", placement_options={"cache_fraction": 0.25, "ways": 4}, **common)
+    storage = cached.storage
+    real_empty = torch.empty
+
+    row_bytes = packed_row_bytes(64)
+
+    def failing_empty(*args, **kwargs):  # fails the stagings' allocations ([N, row_bytes]) alone
+        if len(args) == 2 and args[1] == row_bytes:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return real_empty(*args, **kwargs)
+
+    with torch.inference_mode():
+        for step in range(4):
+            hash_ids = _ids(7, 5, 80, 500, generator, hot=30)
+            monkeypatch.setattr(torch, "empty", failing_empty if step < 2 else real_empty)
+            try:
+                got = cached.lookup_packed(hash_ids)
+            finally:
+                monkeypatch.setattr(torch, "empty", real_empty)
+            expected = plain.lookup_packed(hash_ids)
+            assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8)) and torch.equal(got[1], expected[1])
+            assert (storage._last_staging is None) == (step < 2), f"step {step}"
+            cached.update_cache(hash_ids)
+            _check_invariants(storage.cache, pack_rows(rows.values, rows.scales))
+    assert int(storage.cache.admission_buffers(1).from_staging) > 0
+
+
 def test_kernels_compile_for_sm90():
     """The probe, direct-read, merge and one-kernel lookup kernels compiled for sm90 on the CPU (Triton's own ptxas, no GPU)
     with the launchers' shapes, int32 and int64 ids, with and without direct reads: the interpreter

@@ -300,21 +300,31 @@ class CachedPlacement(TablePlacement):
         the updates before it writes the staging again)."""
         if not ADMIT_FROM_STAGING or self.policy not in UPDATED_POLICIES or num_rows == 0:
             return None
-        row_bytes = self._packed.shape[1]
         if captured:
-            with torch.inference_mode(False):
-                staging = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
-            self._captured_stagings.append(staging)
+            staging = self._new_staging(num_rows)
+            if staging is not None:
+                self._captured_stagings.append(staging)
             return staging
         key = stream.cuda_stream if stream is not None else 0
         staging = self._eager_stagings.get(key)
         if staging is None or staging.shape[0] < num_rows:
             if len(self._eager_stagings) >= 8:  # a few streams at most; a freed one is kept by its readers
                 self._eager_stagings.clear()
-            with torch.inference_mode(False):
-                staging = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
+            self._eager_stagings.pop(key, None)
+            staging = self._new_staging(num_rows)
+            if staging is None:
+                return None
             self._eager_stagings[key] = staging
         return staging[:num_rows]
+
+    def _new_staging(self, num_rows: int) -> torch.Tensor | None:
+        """A fresh ``uint8 [num_rows, row_bytes]`` on the device, or None where the allocation fails: the lookup
+        then stages nothing and the update reads host memory (a failed staging costs reads, never the lookup)."""
+        try:
+            with torch.inference_mode(False):
+                return torch.empty(num_rows, self._packed.shape[1], dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:
+            return None
 
     # ---- lookups ------------------------------------------------------------------
     def gather(self, local_row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
