@@ -20,7 +20,7 @@ __all__ = ["start_replayed"]
 def start_replayed(gather: HostGather, global_ids: torch.Tensor, row_start: int, stream: torch.cuda.Stream,
                    bound_s: float) -> GatherTicket:
     """:meth:`HostGather.start_replayed <engram.table.host_memory.gather.HostGather.start_replayed>` (which
-    documents it) for ``gather``: the capture's part on ``stream``, the copies on ``gather.replay_stream``."""
+    documents it) for ``gather``: all of it on ``gather.replay_stream``, forked from ``stream`` (capturing)."""
     num_ids = global_ids.numel()
     if num_ids == 0:
         raise ValueError("global_ids: the host gather needs at least one id, found an empty tensor")
@@ -42,7 +42,13 @@ def start_replayed(gather: HostGather, global_ids: torch.Tensor, row_start: int,
         buffers = gather.native_service.prepare(table=gather.packed, staging=staging_host, flags=flags)
         gather.native_service.add_replayed(buffers, ids=ids_host, ready=flags[IDS_READY:], num_waves=num_waves,
                                            wave_ends=wave_ends, bound_s=bound_s)
-        with torch.cuda.stream(stream), torch.inference_mode(False):  # graph-pool tensors the graph keeps
+        # Forked onto the copy stream at once: the row list, the ids' copy and the POSTED word stay off the
+        # caller's stream (the decoder layers before the first Engram layer run beside them); the lookup
+        # joins at finish().
+        copies = gather.replay_stream
+        copies.wait_stream(stream)
+        global_ids.record_stream(copies)
+        with torch.cuda.stream(copies), torch.inference_mode(False):  # graph-pool tensors the graph keeps
             if gather.dedup == "always":
                 distinct = distinct_rows(global_ids, row_start, gather.packed.shape[0] - 1)
                 rows_and_count, inverse = distinct.rows_and_count, distinct.inverse
@@ -51,12 +57,10 @@ def start_replayed(gather: HostGather, global_ids: torch.Tensor, row_start: int,
                 inverse = torch.arange(num_ids, dtype=torch.int32, device=gather.device)
             # every replay copies the whole staging in, so its unwritten content is never read
             staging_device = torch.empty(num_ids, gather.row_bytes, dtype=torch.uint8, device=gather.device)
-        copies = gather.replay_stream
         with torch.cuda.device(gather.device):
-            stream_memory_ops.copy_to_host(stream, ids_host.data_ptr(), rows_and_count.data_ptr(),
+            stream_memory_ops.copy_to_host(copies, ids_host.data_ptr(), rows_and_count.data_ptr(),
                                            4 * (num_ids + 1))
-            stream_memory_ops.write_value(stream, flags_device + 4 * IDS_READY, POSTED)
-            copies.wait_stream(stream)
+            stream_memory_ops.write_value(copies, flags_device + 4 * IDS_READY, POSTED)
             waves_done = flags_device + 4 * WAVES_DONE
             host_address, device_address = staging_host.data_ptr(), staging_device.data_ptr()
             for wave, (begin, end) in enumerate(zip([0, *wave_ends[:-1]], wave_ends)):
