@@ -886,7 +886,6 @@ def update_cache_graph_us(memory, inputs, clock: Clock, repeats: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         memory.update_cache(static_ids)
-        memory.wait_cache_updates()  # joins an update forked in the graph (graph_update_beside)
     torch.cuda.current_stream().wait_stream(stream)
     samples = []
     for _ in range(repeats):

@@ -282,8 +282,6 @@ def build_tables(spec: EngramSpec, layout: EngramLayout, kinds: list[str], devic
                                                 validate=False, check_values=False)  # common.host_table's rows
             elif kind in ("host", "cached") + REALTEXT_KINDS:
                 options = dict(host_options or {})
-                if kind.startswith("cached"):  # the step calls wait_cache_updates at its end: the fork joins
-                    options.setdefault("graph_update_beside", True)
                 if kind.startswith("cached_realtext"):
                     options["cache_fraction"] = realtext_cache_fraction(rows, index, smoke)
                     facts.setdefault("realtext_cache_fraction", []).append(options["cache_fraction"])

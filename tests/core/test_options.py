@@ -21,7 +21,7 @@ def test_defaults_and_placement_options():
                             extra_placement_options={"aging_interval": 32}).placement_options("cached")
     assert cached == {"direct_max_rows": 0, "gather_threads": None, "host_gather_worker": "auto",
                       "host_gather_dedup": "auto", "cache_fraction": 0.05, "policy": "static", "ways": 4,
-                      "update_beside": True, "graph_update_beside": False, "aging_interval": 32}
+                      "update_beside": True, "aging_interval": 32}
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.backend = "torch"
 

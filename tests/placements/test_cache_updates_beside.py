@@ -4,8 +4,7 @@
 * ``gpu`` (seeded): a cache updated beside equals one updated inline, slot for slot and row for row, step
   after step, under ``torch.inference_mode()`` and outside it; a graph replayed while an update is held
   beside waits for it (then serves the updated content); an update that fails while being enqueued leaves
-  the idle word set, so later replays finish; a captured update forked beside the graph
-  (``graph_update_beside``) replays equal to eager updates, alone and inside the whole decode step.
+  the idle word set, so later replays finish.
 """
 
 from __future__ import annotations
@@ -29,10 +28,6 @@ def test_update_beside_option_refused_by_name():
 
     with pytest.raises(ValueError, match="update_beside"):
         CachedOptions(update_beside="yes")
-    with pytest.raises(ValueError, match="graph_update_beside"):
-        CachedOptions(graph_update_beside=1)
-    with pytest.raises(ValueError, match="graph_update_beside: True needs update_beside"):
-        CachedOptions(update_beside=False, graph_update_beside=True)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU fallback")
@@ -227,20 +222,17 @@ def test_gpu_update_whose_idle_write_fails_still_frees_the_word_and_orders_later
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
-@pytest.mark.parametrize("fork", [False, True], ids=["update_inline", "update_forked"])
-def test_gpu_decode_graph_with_the_update_inside_equals_eager_steps(synthetic_model_dir, inference, fork, seed):
-    """The engine's decode step captured as one graph (hasher, prefetch, both layers, ``update_cache``, one more
-    lookup of the first layer's table, ``wait_cache_updates``) and replayed with fresh tokens equals the same
-    steps run eagerly on a twin memory (its updates beside the step), step after step: every layer's output,
-    equal to placement ``"device"``'s too, and both caches' tags, counters, slot bytes and hit counts; both
-    admit rows from their lookups' stagings. ``update_forked``: the captured update is a branch of the graph
-    (``graph_update_beside``), joined by the later lookup and by ``wait_cache_updates``."""
+def test_gpu_decode_graph_with_the_update_inside_equals_eager_steps(synthetic_model_dir, inference, seed):
+    """The engine's decode step captured as one graph (hasher, prefetch, both layers, then ``update_cache``)
+    and replayed with fresh tokens equals the same steps run eagerly on a twin memory (its updates beside the
+    step), step after step: every layer's output, equal to placement ``"device"``'s too, and both caches'
+    tags, counters, slot bytes and hit counts; both admit rows from their lookups' stagings."""
     from conftest import capture_cuda_graph, memory_on_cuda
 
     generator = torch.Generator().manual_seed(seed)
     options = {"cache_fraction": 0.05, "aging_interval": 2}
     on_device = memory_on_cuda(synthetic_model_dir, "device")
-    captured = memory_on_cuda(synthetic_model_dir, "cached", placement_options=dict(options, graph_update_beside=fork))
+    captured = memory_on_cuda(synthetic_model_dir, "cached", placement_options=options)
     eager = memory_on_cuda(synthetic_model_dir, "cached", placement_options=options)
     spec, tokens = captured.spec, 64
     input_ids = torch.randint(0, 300, (tokens,), generator=generator).cuda()
@@ -253,8 +245,6 @@ def test_gpu_decode_graph_with_the_update_inside_equals_eager_steps(synthetic_mo
         handle = memory.prefetch(hash_ids)
         outputs = [memory.forward_layer(layer_id, hidden, hash_ids, prefetch=handle) for layer_id in spec.layer_ids]
         memory.update_cache(hash_ids)
-        outputs.append(memory.forward_layer(spec.layer_ids[0], hidden, hash_ids))  # reads the updated cache
-        memory.wait_cache_updates()
         return outputs
 
     caches = {name: [memory.table(layer_id).storage.cache for layer_id in spec.layer_ids]
@@ -269,7 +259,7 @@ def test_gpu_decode_graph_with_the_update_inside_equals_eager_steps(synthetic_mo
             expected = step(eager)
             hash_ids = on_device.hasher(input_ids, positions, starts)
             torch.cuda.synchronize()
-            for layer_id, out, twin in zip([*spec.layer_ids, spec.layer_ids[0]], outputs, expected):
+            for layer_id, out, twin in zip(spec.layer_ids, outputs, expected):
                 reference = on_device.forward_layer(layer_id, hidden, hash_ids)
                 assert torch.equal(out.view(torch.int16), twin.view(torch.int16)), f"replay {replay}, layer {layer_id}"
                 assert torch.equal(out.view(torch.int16), reference.view(torch.int16)), f"replay {replay}, {layer_id}"
@@ -280,39 +270,3 @@ def test_gpu_decode_graph_with_the_update_inside_equals_eager_steps(synthetic_mo
     # Both admitted rows from their lookups' stagings: the graph's own, and the eager placement's.
     for name in ("captured", "eager"):
         assert all(int(cache.admission_buffers(1).from_staging) > 0 for cache in caches[name]), name
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
-def test_gpu_a_forked_captured_update_replays_equal_to_eager_updates(inference, seed):
-    """``graph_update_beside``: an update captured alone (forked on the cache's stream, joined by ``settle``)
-    replayed on fresh ids, between eager updates of the same table, equals a twin updated eagerly each time."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = _table(4096, 256, generator)
-    common = dict(placement="cached", device="cuda", validate=False, check_values=False)
-    forked = engram.EngramTable(rows.values.clone(), rows.scales.clone(), **common,
-                                placement_options={"cache_fraction": 0.05, "graph_update_beside": True})
-    twin = engram.EngramTable(rows.values.clone(), rows.scales.clone(), **common,
-                              placement_options={"cache_fraction": 0.05})
-    assert forked.storage.cache.fork_captured_updates and not twin.storage.cache.fork_captured_updates
-    with torch.inference_mode() if inference else torch.no_grad():
-        ids = _ids(64, 24, 4096, 0, generator, hot=200).cuda()
-        for table in (forked, twin):
-            table.update_cache(ids)  # eager first: the update's buffers fit the step
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            forked.update_cache(ids)
-            forked.storage.cache.settle()  # the join: CUDA refuses to end the capture without it
-        torch.cuda.current_stream().wait_stream(stream)
-        for step in range(8):
-            ids.copy_(_ids(64, 24, 4096, 0, generator, hot=200).cuda())
-            if step % 3 == 2:
-                forked.update_cache(ids)  # eager, beside: the next replay waits for it on the idle word
-            else:
-                graph.replay()
-            twin.update_cache(ids)
-            _same_cache(forked.storage.cache, twin.storage.cache, f"after step {step} (seed {seed})")
-    assert int(twin.storage.cache.stats[1]) > 0, "no read hit the cache: the test did not test hits"

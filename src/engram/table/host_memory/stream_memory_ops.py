@@ -9,7 +9,7 @@ target, source, nbytes)`` enqueues ``cuMemcpyHtoDAsync`` between raw addresses: 
 about 5 us of host time against 15-20 us for a slice and ``Tensor.copy_``; ``copy_to_host`` the other way
 (``cuMemcpyDtoHAsync``). All of them may be captured in a CUDA graph. :func:`relaxed_capture` lets this
 thread allocate (pinned memory, streams) while a capture is under way, as torch's allocator does for
-``cudaMalloc``. :func:`capture_id` names the capture a stream is in (``cuStreamGetCaptureInfo``).
+``cudaMalloc``.
 
 The host gather uses them with its native worker (:mod:`engram.table.host_memory.native_worker`):
 the stream waits for a word the worker stores, and the worker polls words the stream writes, so
@@ -26,7 +26,7 @@ import functools
 import torch
 
 __all__ = ["available", "device_address", "write_value", "wait_value", "copy_to_device", "copy_to_host",
-           "relaxed_capture", "capture_id"]
+           "relaxed_capture"]
 
 _WAIT_GEQ = 0x0        # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-aware
 _WRITE_DEFAULT = 0x0   # CU_STREAM_WRITE_VALUE_DEFAULT: after the stream's earlier writes are visible
@@ -113,35 +113,6 @@ def copy_to_host(stream: torch.cuda.Stream, target: int, source: int, nbytes: in
     address ``target`` (pinned memory). The caller keeps both buffers alive until the copy has run."""
     _checked(_driver()[4](ctypes.c_void_p(target), source, nbytes, ctypes.c_void_p(stream.cuda_stream)),
              "cuMemcpyDtoHAsync")
-
-
-_CAPTURE_ACTIVE = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
-
-
-@functools.lru_cache(maxsize=1)
-def _capture_info():
-    """``cuStreamGetCaptureInfo_v2`` of the driver, or None where it is not reachable."""
-    try:
-        info = ctypes.CDLL("libcuda.so.1").cuStreamGetCaptureInfo_v2
-    except (OSError, AttributeError):
-        return None
-    # (stream, status*, id*, graph*, dependencies*, count*): the last three may be NULL
-    info.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
-                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    info.restype = ctypes.c_int
-    return info
-
-
-def capture_id(stream: torch.cuda.Stream) -> int | None:
-    """The id of the CUDA-graph capture ``stream`` takes part in (unique in the process), or None when it is not
-    capturing or the driver cannot say."""
-    info = _capture_info()
-    if info is None:
-        return None
-    status, identifier = ctypes.c_int(0), ctypes.c_uint64(0)
-    if info(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(status), ctypes.byref(identifier), None, None, None):
-        return None
-    return identifier.value if status.value == _CAPTURE_ACTIVE else None
 
 
 _CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED

@@ -101,7 +101,6 @@ class CachedOptions:
     host_gather_worker: str = "auto"
     host_gather_dedup: str = "auto"
     update_beside: bool = True
-    graph_update_beside: bool = False
     serving_fields: ClassVar[dict] = {"cache_fraction": "cache_fraction", "cache_policy": "policy",
                                       "cache_ways": "ways", **{name: name for name in HOST_SERVING_FIELDS}}
 
@@ -113,9 +112,6 @@ class CachedOptions:
         check_host_gather_options(self.direct_max_rows, self.gather_threads, self.host_gather_worker,
                                   self.host_gather_dedup)
         check_bool("update_beside", self.update_beside)
-        check_bool("graph_update_beside", self.graph_update_beside)
-        if self.graph_update_beside and not self.update_beside:
-            raise ValueError("graph_update_beside: True needs update_beside True (found False)")
 
 
 @register_placement
@@ -138,11 +134,6 @@ class CachedPlacement(TablePlacement):
         update_beside: on CUDA, run eager updates (:meth:`update`) on a stream of their own, beside the rest of
             the step (:mod:`engram.table.placements.updates_beside`; every later access of the cache waits for
             them, captured graphs included); False: on the caller's stream.
-        graph_update_beside: on CUDA, an update captured in a CUDA graph (the decode step's) is forked too: a
-            branch of the graph beside the step's later layers (84 us a table at decode T = 64 on the H200, on
-            the step's critical path otherwise). The captured step must then call
-            ``memory.wait_cache_updates()`` before its capture ends, which joins the branch (CUDA refuses to
-            end a capture with an unjoined fork); a later captured lookup of the cache joins it as well.
     """
 
     name = "cached"
@@ -155,12 +146,11 @@ class CachedPlacement(TablePlacement):
                  cache_fraction: float = DEFAULT_CACHE_FRACTION, ways: int = 8, aging_interval: int = 16,
                  policy: str = "set-lru", hot_rows: torch.Tensor | None = None,
                  direct_max_rows: int = DIRECT_MAX_ROWS, gather_threads: int | None = None,
-                 host_gather_worker: str = "auto", host_gather_dedup: str = "auto", update_beside: bool = True,
-                 graph_update_beside: bool = False):
+                 host_gather_worker: str = "auto", host_gather_dedup: str = "auto", update_beside: bool = True):
         CachedOptions(cache_fraction=cache_fraction, ways=ways, aging_interval=aging_interval, policy=policy,
                       direct_max_rows=direct_max_rows, gather_threads=gather_threads,
                       host_gather_worker=host_gather_worker, host_gather_dedup=host_gather_dedup,
-                      update_beside=update_beside, graph_update_beside=graph_update_beside)  # checked first
+                      update_beside=update_beside)  # checked first
         if torch.cuda.is_available():
             self.host = HostPlacement(value_bytes, scale_bytes, device, gather_threads=gather_threads,
                                       host_gather_worker=host_gather_worker, host_gather_dedup=host_gather_dedup)
@@ -188,7 +178,7 @@ class CachedPlacement(TablePlacement):
         self.cache = RowCache(max(1, int(num_rows * cache_fraction)), self.head_dim, self.device, ways=ways,
                               aging_interval=aging_interval, recency=policy == "set-lru")
         if update_beside and self.host is not None:
-            self.cache.run_updates_beside(fork_captured=graph_update_beside)
+            self.cache.run_updates_beside()
         if hot_rows is not None:
             self.load_hot(hot_rows)
         self.direct_max_rows = direct_max_rows

@@ -116,21 +116,16 @@ class RowCache:
         """The lookup launchers' checked integers per backing layout (:mod:`engram.table.kernels.cache_gather`)."""
         self._stats = torch.zeros(4, dtype=torch.int64, device=device)
         self._beside = None  # UpdatesBeside once run_updates_beside() turned it on
-        self.fork_captured_updates = False
-        """Whether updates under CUDA-graph capture are forked beside the rest of the graph (:meth:`run_updates_beside`)."""
 
     # ---- updates beside the step (CUDA) ---------------------------------------
-    def run_updates_beside(self, fork_captured: bool = False) -> bool:
+    def run_updates_beside(self) -> bool:
         """Run later eager :meth:`update` calls on a stream of their own
-        (:mod:`engram.table.placements.updates_beside`); every later access waits for them. With
-        ``fork_captured``, captured ones too: forked in the graph, joined by the next :meth:`settle` of the same
-        capture (which the captured step must make before its capture ends). Returns whether it is on (CUDA
-        with the driver's stream memory operations)."""
+        (:mod:`engram.table.placements.updates_beside`); every later access waits for them. Returns whether
+        it is on (CUDA with the driver's stream memory operations)."""
         from engram.table.placements.updates_beside import UpdatesBeside, updates_beside_available
 
         if self._beside is None and updates_beside_available(self.device):
             self._beside = UpdatesBeside(self.device)
-        self.fork_captured_updates = fork_captured and self._beside is not None
         return self._beside is not None
 
     @property
@@ -279,14 +274,9 @@ class RowCache:
         self.updates += 1
 
     def _run_update(self, admit, *used) -> None:
-        """Run the update kernels: beside (an eager step with updates beside on; a captured one forked when
-        :attr:`fork_captured_updates`) or on the current stream."""
-        beside = self._beside
-        used = tuple(tensor for tensor in used if tensor is not None)
-        if beside is not None and not torch.cuda.is_current_stream_capturing():
-            beside.run(lambda: admit(True), used)
-        elif beside is not None and self.fork_captured_updates and beside.can_fork():
-            beside.run_captured(lambda: admit(True), used)
+        """Run the update kernels: beside (an eager step with updates beside on) or on the current stream."""
+        if self._beside is not None and not torch.cuda.is_current_stream_capturing():
+            self._beside.run(lambda: admit(True), tuple(tensor for tensor in used if tensor is not None))
         else:
             self.settle()  # captured, or inline: after any update still running beside
             admit(False)

@@ -15,13 +15,6 @@ Every later access of the cache waits for it, without the caller's help:
   (``stream_memory_ops``: ``cuStreamWriteValue32`` / ``cuStreamWaitValue32``). A graph replayed after an
   eager update therefore reads the cache only once that update is done, whichever thread replays it.
 
-Under CUDA-graph capture an update is captured on the caller's stream, unless it is forked
-(:meth:`UpdatesBeside.run_captured`, the cached placement's ``graph_update_beside``): then it is captured on
-:attr:`UpdatesBeside.stream` as a branch of the graph, between the same writes of the idle word, and the next
-:meth:`UpdatesBeside.order` in that capture joins it (an event wait: ``memory.wait_cache_updates()`` at the
-captured step's end, or the next captured access of the cache). CUDA refuses to end a capture with a fork
-not joined, so such a step must make that call.
-
 One update runs beside at a time: the caller's stream waits for the previous one before it clears the
 word (the word is a flag, not a count); that previous update overlapped a whole step, so the wait is
 empty in practice. The update's stream depends only on work enqueued before it, so no wait can close a
@@ -66,11 +59,6 @@ class UpdatesBeside:
         """Recorded on :attr:`stream` after the last update beside (None before the first)."""
         self.count = 0
         """Updates run beside since construction (host-side count, for tests and benchmarks)."""
-        self._forked: tuple[int, torch.cuda.Event] | None = None  # (capture id, its end) of the last captured fork
-
-    def can_fork(self) -> bool:
-        """Whether an update captured now may be forked (:meth:`run_captured`): the driver names the capture."""
-        return self._ops.capture_id(torch.cuda.current_stream(self.device)) is not None
 
     def run(self, update: Callable[[], None], used: tuple[torch.Tensor, ...] = ()) -> None:
         """Enqueue ``update()`` on :attr:`stream` after the current stream's work; ``used``: tensors made on the
@@ -99,38 +87,11 @@ class UpdatesBeside:
                 raise
         self.count += 1
 
-    def run_captured(self, update: Callable[[], None], used: tuple[torch.Tensor, ...] = ()) -> None:
-        """Under CUDA-graph capture: capture ``update()`` on :attr:`stream`, forked from the current stream after
-        every update before it, between the idle word's writes; a later :meth:`order` in the same capture joins
-        it. ``used``: tensors of the capture the update reads (kept from reuse until the capture's end)."""
-        caller = torch.cuda.current_stream(self.device)
-        capture = self._ops.capture_id(caller)
-        if capture is None:
-            raise RuntimeError("run_captured: expected a CUDA-graph capture the driver can name")
-        self.order(caller)  # after an eager update beside (the word) or an earlier fork of this capture (a join)
-        self._ops.write_value(caller, self._address, _BUSY)
-        self.stream.wait_stream(caller)
-        try:
-            with torch.cuda.stream(self.stream):
-                update()
-        finally:  # a replay of a graph captured this far still sets the word back
-            self._ops.write_value(self.stream, self._address, _IDLE)
-            end = torch.cuda.Event()
-            end.record(self.stream)
-            self._forked = (capture, end)
-            for tensor in used:
-                tensor.record_stream(self.stream)
-
     def order(self, stream: torch.cuda.Stream | None = None) -> None:
         """Order ``stream``'s later work (default: the current stream) after every update run beside: an
-        event wait, or under graph capture a wait on the idle word (the graph may replay after a later one),
-        and the join of an update forked in the same capture."""
+        event wait, or under graph capture a wait on the idle word (the graph may replay after a later one)."""
         stream = stream if stream is not None else torch.cuda.current_stream(self.device)
         if cuda_capturing():
-            forked = self._forked
-            if forked is not None and forked[0] == self._ops.capture_id(stream):
-                stream.wait_event(forked[1])  # its idle word's write runs before
-            else:
-                self._ops.wait_value(stream, self._address, _IDLE)
+            self._ops.wait_value(stream, self._address, _IDLE)
         elif self.done is not None:
             stream.wait_event(self.done)
