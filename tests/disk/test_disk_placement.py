@@ -6,6 +6,7 @@ refused by name, close(). The GPU tests compare it with placement "device"."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -254,9 +255,11 @@ def test_close_stops_the_worker_and_refuses_lookups(tmp_path, rng, seed):
     storage = disk.storage
     reads = storage.reads
     real = reads.reader.read
-    reads.reader.read = lambda row_ids, out: (time.sleep(0.2), real(row_ids, out))
+    reading = threading.Event()
+    reads.reader.read = lambda row_ids, out: (reading.set(), time.sleep(0.2), real(row_ids, out))
     ids = random_ids(rng, 10)
     first, second = storage.prefetch(ids, 0), storage.prefetch(ids, 0)
+    assert reading.wait(10), "the worker never started the first read"  # close() comes with a job in hand
     disk.close()
     assert not storage.worker._thread.is_alive()
     assert first.done.is_set() and second.done.is_set()
