@@ -876,23 +876,40 @@ def update_cache_times(memory, inputs, clock: Clock, repeats: int = 5) -> dict:
 
 
 def update_cache_graph_us(memory, inputs, clock: Clock, repeats: int) -> float:
-    """``memory.update_cache`` captured alone in a CUDA graph (as a decode step's graph holds it), replayed
-    after fresh hash ids were copied into its input: the median GPU time of a replay, over ``repeats``."""
+    """What ``memory.update_cache`` adds to a decode step's graph: a graph of the step's Engram lookups then the
+    update (which admits rows from those lookups' stagings, as in the served step) less a graph of the lookups
+    alone, both replayed after fresh hash ids were copied into their input; the median GPU-time difference of
+    a replay pair, over ``4 * repeats`` pairs (each replay takes a few hundred us)."""
     static_ids = inputs.hash(memory).clone()
-    memory.update_cache(static_ids)  # eager first: the update's buffers fit this size before the capture
-    clock.sync()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+
+    def lookups():
+        for layer_id in memory.layer_ids:
+            memory.forward_layer(layer_id, inputs.hidden, static_ids)
+
+    def step():
+        lookups()
         memory.update_cache(static_ids)
-    torch.cuda.current_stream().wait_stream(stream)
+
+    step()  # eager first: kernels compiled, the update's buffers fit this size before the captures
+    clock.sync()
+    graphs = []
+    for body in (step, lookups):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs.append(graph)
     samples = []
-    for _ in range(repeats):
-        inputs.refresh()
-        static_ids.copy_(inputs.hash(memory))
-        clock.sync()
-        samples.append(clock.time(graph.replay) * 1e3)
+    for _ in range(4 * repeats):
+        times = []
+        for graph in graphs:
+            inputs.refresh()
+            static_ids.copy_(inputs.hash(memory))
+            clock.sync()
+            times.append(clock.time(graph.replay) * 1e3)
+        samples.append(times[0] - times[1])
     return statistics.median(samples)
 
 
