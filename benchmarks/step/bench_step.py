@@ -406,15 +406,7 @@ class StepRun:
         if self.variant.name in DISK:
             last_ms = slowest
         if self.use_graph:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._eager()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: the host gather's worker threads may touch CUDA while this thread captures
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.output = self._eager()
+            self.graph, self.output = captured(self._eager)
             self.graph.replay()
             last_ms = self.clock.time(self.graph.replay)
         return first, last_ms
@@ -875,6 +867,20 @@ def update_cache_times(memory, inputs, clock: Clock, repeats: int = 5) -> dict:
     return times
 
 
+def captured(body):
+    """``(graph, body())``: ``body`` run once on a side stream (kernels compiled, buffers grown outside the capture),
+    then captured. ``thread_local``: the host gather's worker threads may touch CUDA while this thread captures."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        output = body()
+    return graph, output
+
+
 def update_cache_graph_us(memory, inputs, clock: Clock, repeats: int) -> float:
     """What ``memory.update_cache`` adds to a decode step's graph: a graph of the step's Engram lookups then the
     update (which admits rows from those lookups' stagings, as in the served step) less a graph of the lookups
@@ -890,17 +896,8 @@ def update_cache_graph_us(memory, inputs, clock: Clock, repeats: int) -> float:
         lookups()
         memory.update_cache(static_ids)
 
-    step()  # eager first: kernels compiled, the update's buffers fit this size before the captures
+    graphs = [captured(body)[0] for body in (step, lookups)]  # step first: the update's buffers fit the size
     clock.sync()
-    graphs = []
-    for body in (step, lookups):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            body()
-        torch.cuda.current_stream().wait_stream(stream)
-        graphs.append(graph)
     samples = []
     for _ in range(4 * repeats):
         times = []
