@@ -138,13 +138,15 @@ def test_gpu_compiled_step_in_a_cuda_graph_equals_eager(synthetic_model_dir, rng
 def test_gpu_reduce_overhead_step_equals_eager(synthetic_model_dir, rng, placement, tokens):
     """``torch.compile(mode="reduce-overhead")`` (inductor's CUDA graphs) over the whole step, replayed on
     fresh inputs of one shape, equals the eager step bit for bit. At 400 tokens the host tables' lookups
-    have more rows than ``graph_direct_max_rows``. Inductor skips CUDA graphs for a step whose hash mutates
-    the stores ("mutated inputs"), so the step here runs eagerly: marking the stores as fixed addresses makes
-    it capture, and then the host gather's and the cached lookup's buffers kept for the graph are refused as
-    allocations of its pool that are no outputs (H200, torch 2.11; benchmarks/NOTES.md)."""
+    have more rows than ``graph_direct_max_rows``: their prefetch is the host gather captured in the graph.
+    Inductor captures the whole step, the hash with it (its stores are marked as fixed addresses): no graph
+    is skipped, and the buffers a captured gather or cached lookup keeps for replays are outside its pool."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     memory = engram.EngramMemory.from_pretrained(synthetic_model_dir, placement=placement, device="cuda",
                                                  progress=False, validate=False,
                                                  placement_options={"graph_direct_max_rows": 0}
@@ -152,12 +154,19 @@ def test_gpu_reduce_overhead_step_equals_eager(synthetic_model_dir, rng, placeme
     step = _step(memory)
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     lengths = [tokens - 2, 1, 1]
-    for index in range(5):  # the first calls warm up and record; the later ones replay
+    for index in range(6):  # the first calls warm up and record; the later ones replay
         batch = [t.cuda() for t in _batch(memory, rng, lengths)]
         compiled_ids, compiled_out = (t.clone() for t in compiled(*batch))
         eager_ids, eager_out = step(*batch)
         assert torch.equal(compiled_ids, eager_ids), f"hash ids differ at call {index}"
         assert torch.equal(compiled_out.view(torch.int16), eager_out.view(torch.int16)), f"rows differ at call {index}"
+    assert counters["inductor"]["cudagraph_skips"] == 0, "inductor skipped CUDA graphs for part of the step"
+    if placement == "host" and tokens > 9:  # the prefetch was captured as a host gather of the graph
+        gather = memory.tables[memory.layer_ids[0]].storage.host_gather
+        if gather.worker == "native":
+            assert gather.replayed, "no host gather was captured in the compiled step's graphs"
+    if placement == "cached":  # the lookups were captured, each staging its rows in a buffer of the graph's
+        assert memory.tables[memory.layer_ids[0]].storage._captured_stagings, "no cached lookup was captured"
 
 
 def test_ticket_tensors_name_their_handle_by_storage():

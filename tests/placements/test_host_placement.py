@@ -14,7 +14,7 @@ import torch
 import engram
 from conftest import assert_layers_equal, assert_lookups_equal, capture_cuda_graph, memory_on_cuda, replay_poisoned
 from engram.table.fp8 import quantize_rows
-from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
+from engram.table.kernels.dedup import DistinctRows, distinct_rows, rows_in_lookup_order
 from engram.table.kernels.reference import rows_in_lookup_order_reference
 from engram.table.host_memory.gather import gather_packed_rows_host
 from engram.table.host_memory.rows import PackedRows, pack_rows, packed_row_bytes, row_tags
@@ -89,8 +89,15 @@ def _expected_local(ids, row_start, num_rows):
     return torch.where((local >= 0) & (local < num_rows), local, torch.full_like(local, num_rows))
 
 
-def _check_distinct_rows(ids, row_start, num_rows):
-    distinct = distinct_rows(ids, row_start, num_rows)
+def _poisoned(length):
+    return torch.full((length,), -7, dtype=torch.int32)
+
+
+def _check_distinct_rows(ids, row_start, num_rows, into_buffers=False):
+    out = DistinctRows(_poisoned(ids.numel() + 1), _poisoned(ids.numel())) if into_buffers else None
+    distinct = distinct_rows(ids, row_start, num_rows, out=out)
+    if into_buffers:  # written in place: a captured gather's buffers, kept for its graph
+        assert distinct.rows_and_count is out.rows_and_count and distinct.inverse is out.inverse
     local = _expected_local(ids, row_start, num_rows)
     expected = torch.unique(local)
     found = int(distinct.rows_and_count[-1])
@@ -100,8 +107,11 @@ def _check_distinct_rows(ids, row_start, num_rows):
     assert torch.equal(distinct.rows_and_count[distinct.inverse.long()].long(), local)
 
 
-def _check_rows_in_lookup_order(ids, row_start, num_rows):
-    rows_and_count = rows_in_lookup_order(ids, row_start, num_rows)
+def _check_rows_in_lookup_order(ids, row_start, num_rows, into_buffers=False):
+    out = _poisoned(ids.numel() + 1) if into_buffers else None
+    rows_and_count = rows_in_lookup_order(ids, row_start, num_rows, out=out)
+    if into_buffers:
+        assert rows_and_count is out
     local = _expected_local(ids, row_start, num_rows)
     assert torch.equal(rows_and_count, rows_in_lookup_order_reference(ids, row_start, num_rows))
     assert rows_and_count.dtype == torch.int32 and rows_and_count.shape == (local.numel() + 1,)
@@ -119,32 +129,50 @@ def _lookup_ids(rng, count, columns, num_rows, row_start, dtype):
     return ids[:, 1:-1] if rng.integers(2) else ids[:, :columns].contiguous()
 
 
+@pytest.mark.parametrize("into_buffers", [False, True])
 @pytest.mark.parametrize("count", [1, 2, 63, 1000, 4099])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("form", list(_GATHER_FORMS))
-def test_gather_rows_of_both_forms_invert_to_the_lookups(form, count, dtype, rng):
+def test_gather_rows_of_both_forms_invert_to_the_lookups(form, count, dtype, into_buffers, rng):
     """Sorted: distinct rows ascending, their count, an inverse back to every lookup; lookup order:
-    every lookup's row and their number."""
+    every lookup's row and their number. Into fresh tensors or (``out=``) poisoned buffers of the caller's."""
     num_rows = int(rng.integers(1, 300))
     row_start = int(rng.integers(0, 2**20 if dtype == torch.int32 else 2**33))
-    _GATHER_FORMS[form](_lookup_ids(rng, count, 3, num_rows, row_start, dtype), row_start, num_rows)
+    _GATHER_FORMS[form](_lookup_ids(rng, count, 3, num_rows, row_start, dtype), row_start, num_rows, into_buffers)
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("into_buffers", [False, True])
 @pytest.mark.parametrize("count,columns", [(1, 1), (63, 3), (700, 3)])
 @pytest.mark.parametrize("form", list(_GATHER_FORMS))
-def test_gather_row_kernels_of_both_forms_match_the_reference(form, count, columns, rng):
+def test_gather_row_kernels_of_both_forms_match_the_reference(form, count, columns, into_buffers, rng):
     """The kernels under the interpreter: 1 to 3 blocks of 1024 ids (sorted: runs of equal rows across
     block edges), strided ids, ids outside the table."""
     num_rows = int(rng.integers(1, 1500))
     row_start = int(rng.integers(0, 2**33))
-    _GATHER_FORMS[form](_lookup_ids(rng, count, columns, num_rows, row_start, torch.int64), row_start, num_rows)
+    _GATHER_FORMS[form](_lookup_ids(rng, count, columns, num_rows, row_start, torch.int64), row_start, num_rows,
+                        into_buffers)
 
 
 @pytest.mark.parametrize("launch", [distinct_rows, rows_in_lookup_order])
 def test_gather_rows_refuse_tables_past_int32(launch):
     with pytest.raises(ValueError, match="num_rows"):
         launch(torch.zeros(3, 1, dtype=torch.int64), 0, 2**31)
+
+
+@pytest.mark.parametrize("field,length,dtype", [("rows_and_count", 4, torch.int32), ("rows_and_count", 5, torch.int64),
+                                                ("inverse", 3, torch.int32)])
+def test_gather_rows_refuse_buffers_of_another_shape(field, length, dtype):
+    """A buffer given to write into that does not fit is named, with what it is, before anything is written."""
+    ids = torch.zeros(4, 1, dtype=torch.int64)
+    buffers = {"rows_and_count": _poisoned(5), "inverse": _poisoned(4)}
+    buffers[field] = torch.full((length,), -7, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"out\.{field}: expected a contiguous int32 \[{4 + (field == 'rows_and_count')}\]"):
+        distinct_rows(ids, 0, 10, out=DistinctRows(**buffers))
+    assert all(int(buffer.min()) == -7 == int(buffer.max()) for buffer in buffers.values())
+    if field == "rows_and_count":
+        with pytest.raises(ValueError, match=r"out: expected a contiguous int32 \[5\]"):
+            rows_in_lookup_order(ids, 0, 10, out=buffers[field])
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")

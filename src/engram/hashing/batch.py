@@ -24,7 +24,7 @@ from engram.ops import compiling
 from engram.hashing.launch import (LAUNCH_OVERRIDE, HashConstants, launch_hash_kernels, plan_hash_launch, prepare_hash_launch,
                      run_hash_launch)
 from engram.hashing.ops import block_windows, hash_windows
-from engram.hashing.stores import DEAD, UNWRITTEN, RequestHistory, SlotCache
+from engram.hashing.stores import DEAD, UNWRITTEN, RequestHistory, SlotCache, fixed_address
 from engram.hashing.validation import BatchMetadata, check_shapes, validate_batch
 
 __all__ = ["NgramHasher"]
@@ -102,8 +102,8 @@ class NgramHasher:
         self._ready_event: torch.cuda.Event | None = None
         self._ready: tuple | None = None  # (call count, IdsIdentity) of the call _ready_event marks
         self.op_key = ops.register(self)  # names this hasher in engram::hash_batch
-        self.empty_stores = (torch.empty(0, dtype=torch.int32, device=self.device),
-                          torch.empty(0, dtype=torch.int64, device=self.device))  # the op's stand-in for no store
+        self.empty_stores = (fixed_address(torch.empty(0, dtype=torch.int32, device=self.device)),
+                             fixed_address(torch.empty(0, dtype=torch.int64, device=self.device)))  # for no store
 
     @property
     def backend(self) -> str:

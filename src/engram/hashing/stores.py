@@ -13,7 +13,7 @@ import torch
 
 from engram.checks import check_bool, check_int, check_positive_int
 
-__all__ = ["SlotCache", "RequestHistory", "DEAD", "UNWRITTEN"]
+__all__ = ["SlotCache", "RequestHistory", "DEAD", "UNWRITTEN", "fixed_address"]
 
 DEAD = -1
 UNWRITTEN = -2
@@ -23,11 +23,23 @@ def _allocate(name: str, value: int, shape: tuple[int, ...], fill: int, dtype: t
     """``torch.full(shape, fill)``; a failed allocation is a ValueError naming ``name`` and the bytes."""
     nbytes = math.prod(shape) * dtype.itemsize
     try:
-        return torch.full(shape, fill, dtype=dtype, device=device)
+        store = torch.full(shape, fill, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ValueError(f"{name}: {value} needs {nbytes:,} bytes of {torch.device(device)} memory for the store, "
                          f"which could not be allocated ({reason})") from None
+    return fixed_address(store)
+
+
+def fixed_address(store: torch.Tensor) -> torch.Tensor:
+    """``store``, marked (on CUDA) as a tensor at one address for its life that the hash op writes in place:
+    inductor's CUDA graphs (``torch.compile(mode="reduce-overhead")``) then capture the step with the hash in it
+    instead of skipping the whole graph for its mutated inputs."""
+    if store.is_cuda:
+        from torch._dynamo import mark_static_address
+
+        mark_static_address(store)
+    return store
 
 
 class SlotCache:

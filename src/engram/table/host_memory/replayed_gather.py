@@ -12,7 +12,8 @@ from engram.table.host_memory.gather import (_MAX_WAVES_NATIVE, GatherTicket, Ho
                                              shrinking_wave_ends)
 from engram.table.host_memory.gather_protocol import FLAG_WORDS, IDS_READY, POSTED, WAVES_DONE
 from engram.table.host_memory.rows import row_tags
-from engram.table.kernels.dedup import distinct_rows, rows_in_lookup_order
+from engram.table.graph_buffers import kept_for_graph
+from engram.table.kernels.dedup import DistinctRows, distinct_rows, rows_in_lookup_order
 
 __all__ = ["start_replayed"]
 
@@ -48,15 +49,18 @@ def start_replayed(gather: HostGather, global_ids: torch.Tensor, row_start: int,
         copies = gather.replay_stream
         copies.wait_stream(stream)
         global_ids.record_stream(copies)
-        with torch.cuda.stream(copies), torch.inference_mode(False):  # graph-pool tensors the graph keeps
+        # kept for the graph's replays, outside its memory pool; every replay copies the whole staging in, so
+        # its unwritten content is never read
+        rows_and_count = kept_for_graph((num_ids + 1,), torch.int32, gather.device)
+        inverse = kept_for_graph((num_ids,), torch.int32, gather.device)
+        staging_device = kept_for_graph((num_ids, gather.row_bytes), torch.uint8, gather.device)
+        with torch.cuda.stream(copies), torch.inference_mode(False):
             if gather.dedup == "always":
-                distinct = distinct_rows(global_ids, row_start, gather.packed.shape[0] - 1)
-                rows_and_count, inverse = distinct.rows_and_count, distinct.inverse
+                distinct_rows(global_ids, row_start, gather.packed.shape[0] - 1,
+                              out=DistinctRows(rows_and_count, inverse))
             else:
-                rows_and_count = rows_in_lookup_order(global_ids, row_start, gather.packed.shape[0] - 1)
-                inverse = torch.arange(num_ids, dtype=torch.int32, device=gather.device)
-            # every replay copies the whole staging in, so its unwritten content is never read
-            staging_device = torch.empty(num_ids, gather.row_bytes, dtype=torch.uint8, device=gather.device)
+                rows_in_lookup_order(global_ids, row_start, gather.packed.shape[0] - 1, out=rows_and_count)
+                torch.arange(num_ids, dtype=torch.int32, device=gather.device, out=inverse)
         with torch.cuda.device(gather.device):
             stream_memory_ops.copy_to_host(copies, ids_host.data_ptr(), rows_and_count.data_ptr(),
                                            4 * (num_ids + 1))

@@ -26,7 +26,7 @@ import functools
 import torch
 
 __all__ = ["available", "device_address", "write_value", "wait_value", "copy_to_device", "copy_to_host",
-           "relaxed_capture"]
+           "relaxed_capture", "driver_reachable"]
 
 _WAIT_GEQ = 0x0        # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-aware
 _WRITE_DEFAULT = 0x0   # CU_STREAM_WRITE_VALUE_DEFAULT: after the stream's earlier writes are visible
@@ -113,6 +113,11 @@ def copy_to_host(stream: torch.cuda.Stream, target: int, source: int, nbytes: in
     address ``target`` (pinned memory). The caller keeps both buffers alive until the copy has run."""
     _checked(_driver()[4](ctypes.c_void_p(target), source, nbytes, ctypes.c_void_p(stream.cuda_stream)),
              "cuMemcpyDtoHAsync")
+
+
+def driver_reachable() -> bool:
+    """Whether the CUDA driver's functions used here were found (``libcuda.so.1``)."""
+    return _driver() is not None
 
 
 _CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED

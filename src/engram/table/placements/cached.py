@@ -68,6 +68,7 @@ from engram.triton_launch import interpreting, triton_available
 from engram.table.placements.host import (DIRECT_MAX_ROWS, HOST_SERVING_FIELDS, HostPlacement,
                                           check_host_gather_options)
 from engram.table.placements.row_cache import check_ways
+from engram.table.graph_buffers import kept_for_graph
 from engram.table.host_memory.gather import GatherTicket, gather_packed_rows_host
 from engram.table.host_memory.rows import PackedRows, pack_rows
 from engram.table.table import TablePlacement, register_placement
@@ -293,8 +294,7 @@ class CachedPlacement(TablePlacement):
     def _lookup_staging(self, num_rows: int, stream, captured: bool) -> torch.Tensor | None:
         """``uint8 [num_rows, row_bytes]`` for a one-kernel lookup on ``stream`` (None on the CPU) to stage its rows
         in, or None (nothing to admit from it: an update-less policy, or staging off). When ``captured`` (under
-        CUDA-graph capture) a buffer of that graph's
-        own (its memory pool), kept for the process; eagerly this placement's for that stream, grown as
+        CUDA-graph capture) a buffer of that graph's own (outside its memory pool), kept for the process; eagerly this placement's for that stream, grown as
         needed (lookups on two streams at once, as in two micro-batches overlapped, never write one buffer; an
         update takes a staging only from a lookup on its own stream, and a lookup on that stream waits for
         the updates before it writes the staging again)."""
@@ -320,9 +320,8 @@ class CachedPlacement(TablePlacement):
     def _new_staging(self, num_rows: int) -> torch.Tensor | None:
         """A fresh ``uint8 [num_rows, row_bytes]`` on the device, or None where the allocation fails: the lookup
         then stages nothing and the update reads host memory (a failed staging costs reads, never the lookup)."""
-        try:
-            with torch.inference_mode(False):
-                return torch.empty(num_rows, self._packed.shape[1], dtype=torch.uint8, device=self.device)
+        try:  # under capture outside the graph's memory pool: the graph keeps it
+            return kept_for_graph((num_rows, self._packed.shape[1]), torch.uint8, self.device)
         except torch.OutOfMemoryError:
             return None
 
