@@ -131,7 +131,18 @@ def main() -> int:
     parser.add_argument("--warm-steps", type=int, default=20)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per path, policy and T")
     parser.add_argument("--seed", type=int, default=20261202)
+    parser.add_argument("--policies", default="set-lru,dynamic", help="comma-separated: set-lru, dynamic")
+    parser.add_argument("--tokens", default="64,8192", help="comma-separated step sizes T (tokens)")
     args = parser.parse_args()
+    policies = [policy for policy in args.policies.split(",") if policy]
+    if not policies or any(policy not in ("set-lru", "dynamic") for policy in policies):
+        parser.error(f"--policies: expected set-lru and/or dynamic, found {args.policies!r}")
+    try:
+        token_counts = [int(count) for count in args.tokens.split(",")]
+    except ValueError:
+        token_counts = []
+    if not token_counts or min(token_counts) < 1:
+        parser.error(f"--tokens: expected positive integers separated by commas, found {args.tokens!r}")
     if not torch.cuda.is_available():
         print("bench_cache_update.py: needs a CUDA device", file=sys.stderr)
         return 2
@@ -148,8 +159,8 @@ def main() -> int:
     hot = rng.integers(0, args.backing_rows, 200_000)
     num_slots = int(V41_ROWS * 0.02)
     results = {}
-    for policy in ("set-lru", "dynamic"):
-        for tokens in (64, 8192):
+    for policy in policies:
+        for tokens in token_counts:
             caches = {path: RowCache(num_slots, 256, "cuda", ways=8, recency=policy == "set-lru")
                       for path in ("kernels", "staged", "torch")}
             steps = [_step_ids(rng, tokens, args.backing_rows, hot) for _ in range(args.warm_steps + args.steps)]
