@@ -363,11 +363,14 @@ def test_update_kernels_compile_for_sm90():
              dict(BLOCK=launcher._AGE_BLOCK), **step)
     for ids in ("*i32", "*i64"):
         for staged, identity in ((False, False), (True, False), (True, True)):
-            for block in (launcher._ID_BLOCK, launcher._SMALL_ID_BLOCK):
+            for block, rank in ((launcher._ID_BLOCK, False), (launcher._ID_BLOCK, True),
+                                (launcher._SMALL_ID_BLOCK, True)):
                 _compile(kernels.count_rows_kernel,
                          dict(ids_ptr=ids, num_ids="i32", num_rows="i32", keys_ptr="*i32", counts_ptr="*i32",
                               table_size="i32", stats_ptr="*i64", touched_count_ptr="*i32", inverse_ptr="*i32",
-                              staged_at_ptr="*i32"), dict(HAS_STAGED=staged, IDENTITY=identity, BLOCK=block), **step)
+                              staged_at_ptr="*i32", tags_ptr="*i64", counters_ptr="*i32", num_sets="i32",
+                              step_ptr="*i64", best_ptr="*i64", stamps_ptr="*i64", touched_ptr="*i64"),
+                         dict(HAS_STAGED=staged, IDENTITY=identity, RANK=rank, WAYS=8, BLOCK=block), **step)
     for recency in (False, True):
         for block in (launcher._ENTRY_BLOCK, launcher._SMALL_ENTRY_BLOCK):
             _compile(kernels.rank_candidates_kernel,
@@ -384,5 +387,6 @@ def test_update_kernels_compile_for_sm90():
                           num_programs="i32", keys_ptr="*i32", staged_at_ptr="*i32", table_size="i32",
                           staged_ptr="*u8", staged_stride="i32", num_staged="i32", from_staging_ptr="*i64"),
                      dict(HEAD_DIM=256, GROUPS_PADDED=8, ROW_BYTES=272, WAYS=8, SETS=sets, HAS_STAGED=staged), **step)
-    _compile(kernels.clear_table_kernel, dict(keys_ptr="*i32", counts_ptr="*i32", staged_at_ptr="*i32", table_size="i32"),
+    _compile(kernels.clear_table_kernel, dict(keys_ptr="*i32", counts_ptr="*i32", staged_at_ptr="*i32", table_size="i32",
+                                              touched_count_ptr="*i32"),
              dict(BLOCK=launcher._ENTRY_BLOCK), **step)

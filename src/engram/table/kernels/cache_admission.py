@@ -1,7 +1,7 @@
 """Launcher of the row cache's between-steps update (:mod:`engram.table.kernels.cache_admission_kernels`).
 
 :func:`admit_step` runs one step of the policy for a :class:`~engram.table.placements.row_cache.RowCache`
-with the step's local ids: four fixed-size launches (five with the frequency score) on the current
+with the step's local ids: three fixed-size launches (five with the frequency score) on the current
 stream, no sort, no host sync, nothing allocated once the work buffers fit, so it can be captured in a
 CUDA graph and replayed with fresh ids. Same result, slot for slot and byte for byte, as
 :meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`.
@@ -106,16 +106,20 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
         _LAUNCHERS[ages_kernel](grid, (counters, counters.numel(), buffers.step, cache.aging_interval, _AGE_BLOCK),
                                **step_launch)
     if num_ids:
+        ranked = cache.recency  # step 2 inside step 1's launch
         _LAUNCHERS[count_rows_kernel](
             -(-num_ids // id_block),
             (local_ids, num_ids, back_values.shape[0], buffers.keys, buffers.counts, table_size, cache.stats,
              buffers.touched_count, inverse if has_staged and inverse is not None else buffers.staged_at,
-             buffers.staged_at, has_staged, inverse is None, id_block), **step_launch)
-        _LAUNCHERS[rank_candidates_kernel](
-            -(-table_size // entry_block),
-            (buffers.keys, buffers.counts, table_size, cache.tags_with_trash, cache.counters_with_trash,
-             cache.num_sets, buffers.step, buffers.best, buffers.stamps, buffers.touched, buffers.touched_count,
-             cache.stats, cache.recency, cache.ways, entry_block), **step_launch)
+             buffers.staged_at, cache.tags_with_trash, cache.counters_with_trash, cache.num_sets, buffers.step,
+             buffers.best, buffers.stamps, buffers.touched, has_staged, inverse is None, ranked, cache.ways,
+             id_block), **step_launch)
+        if not ranked:
+            _LAUNCHERS[rank_candidates_kernel](
+                -(-table_size // entry_block),
+                (buffers.keys, buffers.counts, table_size, cache.tags_with_trash, cache.counters_with_trash,
+                 cache.num_sets, buffers.step, buffers.best, buffers.stamps, buffers.touched, buffers.touched_count,
+                 cache.stats, cache.recency, cache.ways, entry_block), **step_launch)
     most = _ADMIT_PROGRAMS
     sets_at_once = 1 if num_ids <= _FEW_IDS else _SETS_AT_ONCE
     if interpreting():
@@ -127,7 +131,7 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
     groups = head_dim // 32
     slot_rows = cache.slot_rows
     if not num_ids:
-        buffers.touched_count.zero_()  # step 1 zeroes it: no step 1 ran
+        buffers.touched_count.zero_()  # no step 1 ran: none listed
     staging = staged if has_staged else slot_rows
     _LAUNCHERS[admit_rows_kernel](
         programs,
@@ -140,5 +144,5 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
     if num_ids:
         _LAUNCHERS[clear_table_kernel](-(-table_size // entry_block),
                                        (buffers.keys, buffers.counts, buffers.staged_at, table_size,
-                                        entry_block), **step_launch)
+                                        buffers.touched_count, entry_block), **step_launch)
     buffers.dirty = False

@@ -4,8 +4,9 @@ Only ``@triton.jit`` functions live here; :mod:`engram.table.kernels.cache_admis
 them and :meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`
 is their plain-torch reference (the rules: :mod:`engram.table.placements.row_cache`).
 
-One step is four fixed-size launches on the step's stream, with no sort, no host sync and no
-program waiting on another (``ages_kernel`` first, for the frequency score only):
+One step is three fixed-size launches on the step's stream with the recency score (steps 1 and 2 one
+launch: a recency score needs no count), five with the frequency score (``ages_kernel`` first, then each
+step its own launch), with no sort, no host sync and no program waiting on another:
 
 1. :func:`count_rows_kernel` counts the step's reads per distinct row in an open-addressing
    table (``keys int32 [P + 1]``, ``counts int32 [P + 1]``, ``P`` a power of two at least four times
@@ -18,8 +19,8 @@ program waiting on another (``ages_kernel`` first, for the frequency score only)
    top-``WAYS`` list ``best int64 [sets, WAYS]`` (descending): at each position ``atomic_max``
    keeps the larger key and the smaller one moves on, so whatever the order of the programs
    the list ends holding the set's ``WAYS`` largest keys, sorted. The first candidate of a set
-   in this step (``atomic_xchg`` of the set's step stamp) appends the set to ``touched``. The
-   entry is cleared for the next step.
+   in this step (``atomic_xchg`` of the set's step stamp) appends the set to ``touched``. With the
+   recency score the id that claimed the row's entry in step 1 does this in the same program.
 3. :func:`admit_rows_kernel`, per touched set (a fixed grid striding over the count, a few sets per
    program at once): ranks the set's ways by score (empty first, ties by way), pairs the ``k``-th
    candidate with the ``k``-th way and admits it when its score is at least that way's (its tag and
@@ -29,8 +30,7 @@ program waiting on another (``ages_kernel`` first, for the frequency score only)
    host gather, or a one-kernel lookup's), a row is copied from its staging row when that row's tag is
    the row's own index (found through step 1's table), else from the backing rows. Program 0 advances
    the device step counter.
-4. :func:`clear_table_kernel` empties the table for the next step.
-5. :func:`clear_table_kernel` empties the table for the next step.
+4. :func:`clear_table_kernel` empties the table and the touched sets' count for the next step.
 
 Sets are disjoint between programs of step 3; every other shared word is written only by
 atomics whose result does not depend on their order, so the update is deterministic. The atomics are
@@ -69,16 +69,20 @@ def ages_kernel(counters_ptr, num_counters, step_ptr, aging_interval, BLOCK: tl.
 
 @triton.jit
 def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_size, stats_ptr,
-                      touched_count_ptr, inverse_ptr, staged_at_ptr, HAS_STAGED: tl.constexpr,
-                      IDENTITY: tl.constexpr, BLOCK: tl.constexpr):
+                      touched_count_ptr, inverse_ptr, staged_at_ptr, tags_ptr, counters_ptr, num_sets, step_ptr,
+                      best_ptr, stamps_ptr, touched_ptr, HAS_STAGED: tl.constexpr, IDENTITY: tl.constexpr,
+                      RANK: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
     """Step 1 (module docstring): ``ids int32/int64 [num_ids]`` (local rows; those outside
     ``[0, num_rows)`` ignored) into the table; ``stats[0] +=`` reads, ``stats[2] +=`` distinct rows.
     With ``HAS_STAGED``: ``staged_at[entry] = inverse[i]`` for some id ``i`` of the entry's row (the staging
     row the step's lookup read it into; step 3 checks that row's tag before using it), ``i`` itself with
-    ``IDENTITY`` (a one-kernel lookup's staging: row ``i`` for id ``i``)."""
+    ``IDENTITY`` (a one-kernel lookup's staging: row ``i`` for id ``i``). With ``RANK`` (the recency score,
+    whose scores need no count) also step 2, for the rows this program's ids claimed first in the table (one id
+    per distinct row); ``touched_count`` is then zero already (step 4 leaves it so)."""
     pid = tl.program_id(0)
-    if pid == 0:
-        tl.store(touched_count_ptr, 0)  # step 2 appends to it
+    if not RANK:
+        if pid == 0:
+            tl.store(touched_count_ptr, 0)  # step 2 appends to it
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < num_ids
     row = tl.load(ids_ptr + offsets, mask=inside, other=-1).to(tl.int64)
@@ -110,6 +114,12 @@ def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_si
         probes += 1
     tl.atomic_add(stats_ptr + 0, tl.sum(valid.to(tl.int64), axis=0), sem="relaxed")
     tl.atomic_add(stats_ptr + 2, tl.sum(first.to(tl.int64), axis=0), sem="relaxed")
+    if RANK:
+        row_set, hit_way = _probe_set(row, valid, tags_ptr, num_sets, WAYS)
+        tl.atomic_add(stats_ptr + 1, tl.sum((valid & (hit_way >= 0)).to(tl.int64), axis=0), sem="relaxed")
+        _score_and_list(row, tl.zeros([BLOCK], dtype=tl.int32), first, row_set, hit_way, counters_ptr,
+                        tl.load(step_ptr), best_ptr, stamps_ptr, touched_ptr, touched_count_ptr, stats_ptr, True,
+                        WAYS, BLOCK)
 
 
 @triton.jit
@@ -123,13 +133,30 @@ def rank_candidates_kernel(keys_ptr, counts_ptr, table_size, tags_ptr, counters_
     row = tl.load(keys_ptr + offsets, mask=inside, other=-1).to(tl.int64)
     count = tl.load(counts_ptr + offsets, mask=inside, other=0)
     present = inside & (row >= 0)
+    row_set, hit_way = _probe_set(row, present, tags_ptr, num_sets, WAYS)
+    tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(hit_way >= 0, count, 0).to(tl.int64), axis=0), sem="relaxed")
+    _score_and_list(row, count, present, row_set, hit_way, counters_ptr, tl.load(step_ptr), best_ptr, stamps_ptr,
+                    touched_ptr, touched_count_ptr, stats_ptr, RECENCY, WAYS, BLOCK)
+
+
+@triton.jit
+def _probe_set(row, present, tags_ptr, num_sets, WAYS: tl.constexpr):
+    """``(set, way)`` of each ``row int64 [BLOCK]`` where ``present``: its set, and the way holding it (-1: not
+    held, or not present)."""
     way = tl.arange(0, WAYS)
     row_set = tl.where(present, row, 0) % num_sets
     tags = tl.load(tags_ptr + row_set[:, None] * WAYS + way[None, :], mask=present[:, None], other=-1)
-    hit_way = tl.max(tl.where((tags == row[:, None]) & present[:, None], way[None, :], -1), axis=1)
-    hit = hit_way >= 0
+    return row_set, tl.max(tl.where((tags == row[:, None]) & present[:, None], way[None, :], -1), axis=1)
+
+
+@triton.jit
+def _score_and_list(row, count, present, row_set, hit_way, counters_ptr, step, best_ptr, stamps_ptr, touched_ptr,
+                    touched_count_ptr, stats_ptr, RECENCY: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 2 for distinct rows ``row int64 [BLOCK]`` where ``present`` (``count``: their reads this step;
+    ``row_set`` / ``hit_way`` from :func:`_probe_set`): a held row takes its new score, a missed one goes into
+    its set's top list, and a set's first candidate lists the set; ``stats[3] +=`` the candidates."""
+    hit = present & (hit_way >= 0)
     slot = row_set * WAYS + tl.where(hit, hit_way, 0).to(tl.int64)
-    step = tl.load(step_ptr)
     if RECENCY:
         score = tl.minimum(step + 1, _COUNTER_MAX)
         tl.store(counters_ptr + slot, tl.full([BLOCK], 0, tl.int32) + score.to(tl.int32), mask=hit)
@@ -140,7 +167,6 @@ def rank_candidates_kernel(keys_ptr, counts_ptr, table_size, tags_ptr, counters_
         tl.atomic_min(counters_ptr + slot, tl.full([BLOCK], _COUNTER_MAX, tl.int32), mask=hit, sem="relaxed")
         candidate_score = count.to(tl.int64)
     candidate = present & ~hit
-    tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(hit, count, 0).to(tl.int64), axis=0), sem="relaxed")
     tl.atomic_add(stats_ptr + 3, tl.sum(candidate.to(tl.int64), axis=0), sem="relaxed")
     # The set's top-WAYS list: the larger key stays, the smaller moves on (a key met again stops).
     key = tl.where(candidate, (candidate_score << _ID_BITS) + (_ID_MASK - row), -1)
@@ -279,8 +305,11 @@ def _staged_rows(row, admit, keys_ptr, staged_at_ptr, table_size, staged_ptr, st
 
 
 @triton.jit
-def clear_table_kernel(keys_ptr, counts_ptr, staged_at_ptr, table_size, BLOCK: tl.constexpr):
-    """Step 4: empty the table's entries ``[pid * BLOCK, (pid + 1) * BLOCK)`` for the next step."""
+def clear_table_kernel(keys_ptr, counts_ptr, staged_at_ptr, table_size, touched_count_ptr, BLOCK: tl.constexpr):
+    """Step 4: empty the table's entries ``[pid * BLOCK, (pid + 1) * BLOCK)`` for the next step; program 0 zeroes
+    the touched sets' count (step 1 appends to it with the recency score)."""
+    if tl.program_id(0) == 0:
+        tl.store(touched_count_ptr, 0)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < table_size
     tl.store(keys_ptr + offsets, tl.full([BLOCK], -1, tl.int32), mask=inside)
