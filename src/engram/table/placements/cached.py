@@ -294,7 +294,8 @@ class CachedPlacement(TablePlacement):
     def _lookup_staging(self, num_rows: int, stream, captured: bool) -> torch.Tensor | None:
         """``uint8 [num_rows, row_bytes]`` for a one-kernel lookup on ``stream`` (None on the CPU) to stage its rows
         in, or None (nothing to admit from it: an update-less policy, or staging off). When ``captured`` (under
-        CUDA-graph capture) a buffer of that graph's own (outside its memory pool), kept for the process; eagerly this placement's for that stream, grown as
+        CUDA-graph capture) a buffer of that graph's own (outside its memory pool), kept for the process;
+        eagerly this placement's for that stream, grown as
         needed (lookups on two streams at once, as in two micro-batches overlapped, never write one buffer; an
         update takes a staging only from a lookup on its own stream, and a lookup on that stream waits for
         the updates before it writes the staging again)."""
