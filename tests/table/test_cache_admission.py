@@ -1,6 +1,6 @@
 """The row cache's update kernels equal their plain-torch reference, slot for slot and byte for byte.
 
-:func:`engram.table.kernels.cache_admission.admit_step` (four or five fixed-size launches, no sort) against
+:func:`engram.table.kernels.cache_admission.admit_step` (three or four fixed-size launches, no sort) against
 :meth:`RowCache.update_with_torch`: after every step of a seeded stream the two caches hold the same tags,
 counters, slot bytes (tags included) and stats, for both scores (recency and aged frequency), one to
 eight ways, steps with repeats, ids outside the table, empty steps and awkward sizes. On the CPU under
@@ -350,7 +350,7 @@ def test_gpu_rows_admitted_from_a_staging_over_host_rows_equal_the_reference(rec
 
 
 def test_update_kernels_compile_for_sm90():
-    """The five update kernels compiled for sm90 on the CPU (Triton's own ptxas, no GPU) with the launcher's
+    """The six update kernels compiled for sm90 on the CPU (Triton's own ptxas, no GPU) with the launcher's
     shapes, int32 and int64 ids, with and without a staging, both scores: the interpreter checks what they
     compute, not that they build."""
     pytest.importorskip("triton")
@@ -363,30 +363,26 @@ def test_update_kernels_compile_for_sm90():
              dict(BLOCK=launcher._AGE_BLOCK), **step)
     for ids in ("*i32", "*i64"):
         for staged, identity in ((False, False), (True, False), (True, True)):
-            for block, rank in ((launcher._ID_BLOCK, False), (launcher._ID_BLOCK, True),
-                                (launcher._SMALL_ID_BLOCK, True)):
-                _compile(kernels.count_rows_kernel,
-                         dict(ids_ptr=ids, num_ids="i32", num_rows="i32", keys_ptr="*i32", counts_ptr="*i32",
-                              table_size="i32", stats_ptr="*i64", touched_count_ptr="*i32", inverse_ptr="*i32",
-                              staged_at_ptr="*i32", tags_ptr="*i64", counters_ptr="*i32", num_sets="i32",
-                              step_ptr="*i64", best_ptr="*i64", stamps_ptr="*i64", touched_ptr="*i64"),
-                         dict(HAS_STAGED=staged, IDENTITY=identity, RANK=rank, WAYS=8, BLOCK=block), **step)
+            _compile(kernels.count_rows_kernel,
+                     dict(ids_ptr=ids, num_ids="i32", num_rows="i32", keys_ptr="*i32", counts_ptr="*i32",
+                          table_size="i32", stats_ptr="*i64", touched_count_ptr="*i32", inverse_ptr="*i32",
+                          staged_at_ptr="*i32"), dict(HAS_STAGED=staged, IDENTITY=identity, BLOCK=launcher._ID_BLOCK),
+                     **step)
     for recency in (False, True):
-        for block in (launcher._ENTRY_BLOCK, launcher._SMALL_ENTRY_BLOCK):
-            _compile(kernels.rank_candidates_kernel,
-                     dict(keys_ptr="*i32", counts_ptr="*i32", table_size="i32", tags_ptr="*i64", counters_ptr="*i32",
-                          num_sets="i32", step_ptr="*i64", best_ptr="*i64", stamps_ptr="*i64", touched_ptr="*i64",
-                          touched_count_ptr="*i32", stats_ptr="*i64"),
-                     dict(RECENCY=recency, WAYS=8, BLOCK=block), **step)
+        _compile(kernels.rank_candidates_kernel,
+                 dict(keys_ptr="*i32", counts_ptr="*i32", table_size="i32", tags_ptr="*i64", counters_ptr="*i32",
+                      num_sets="i32", step_ptr="*i64", best_ptr="*i64", stamps_ptr="*i64", touched_ptr="*i64",
+                      touched_count_ptr="*i32", stats_ptr="*i64"),
+                 dict(RECENCY=recency, WAYS=8, BLOCK=launcher._ENTRY_BLOCK), **step)
+    _compile(kernels.admit_kernel,
+             dict(touched_ptr="*i64", touched_count_ptr="*i32", best_ptr="*i64", tags_ptr="*i64",
+                  counters_ptr="*i32", step_ptr="*i64", num_programs="i32"), dict(WAYS=8), **step)
     for staged in (False, True):
-        for sets in (1, launcher._SETS_AT_ONCE):
-            _compile(kernels.admit_rows_kernel,
-                     dict(touched_ptr="*i64", touched_count_ptr="*i32", best_ptr="*i64", tags_ptr="*i64",
-                          counters_ptr="*i32", step_ptr="*i64", slot_rows_ptr="*u8", slot_stride="i32",
-                          back_values_ptr="*u8", back_scales_ptr="*u8", value_stride="i32", scale_stride="i32",
-                          num_programs="i32", keys_ptr="*i32", staged_at_ptr="*i32", table_size="i32",
-                          staged_ptr="*u8", staged_stride="i32", num_staged="i32", from_staging_ptr="*i64"),
-                     dict(HEAD_DIM=256, GROUPS_PADDED=8, ROW_BYTES=272, WAYS=8, SETS=sets, HAS_STAGED=staged), **step)
-    _compile(kernels.clear_table_kernel, dict(keys_ptr="*i32", counts_ptr="*i32", staged_at_ptr="*i32", table_size="i32",
-                                              touched_count_ptr="*i32"),
+        _compile(kernels.copy_admitted_kernel,
+                 dict(touched_ptr="*i64", touched_count_ptr="*i32", tags_ptr="*i64", slot_rows_ptr="*u8",
+                      slot_stride="i32", back_values_ptr="*u8", back_scales_ptr="*u8", value_stride="i32",
+                      scale_stride="i32", num_programs="i32", keys_ptr="*i32", staged_at_ptr="*i32", table_size="i32",
+                      staged_ptr="*u8", staged_stride="i32", num_staged="i32", from_staging_ptr="*i64"),
+                 dict(HEAD_DIM=256, GROUPS_PADDED=8, ROW_BYTES=272, WAYS=8, HAS_STAGED=staged), **step)
+    _compile(kernels.clear_table_kernel, dict(keys_ptr="*i32", counts_ptr="*i32", staged_at_ptr="*i32", table_size="i32"),
              dict(BLOCK=launcher._ENTRY_BLOCK), **step)

@@ -1,7 +1,7 @@
 """Launcher of the row cache's between-steps update (:mod:`engram.table.kernels.cache_admission_kernels`).
 
 :func:`admit_step` runs one step of the policy for a :class:`~engram.table.placements.row_cache.RowCache`
-with the step's local ids: three fixed-size launches (five with the frequency score) on the current
+with the step's local ids: five fixed-size launches (six with the frequency score) on the current
 stream, no sort, no host sync, nothing allocated once the work buffers fit, so it can be captured in a
 CUDA graph and replayed with fresh ids. Same result, slot for slot and byte for byte, as
 :meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`.
@@ -13,32 +13,24 @@ import functools
 
 import torch
 
-from engram.table.kernels.cache_admission_kernels import (admit_rows_kernel, ages_kernel, clear_table_kernel,
-                                                          count_rows_kernel, rank_candidates_kernel)
+from engram.table.kernels.cache_admission_kernels import (admit_kernel, ages_kernel, clear_table_kernel,
+                                                          copy_admitted_kernel, count_rows_kernel,
+                                                          rank_candidates_kernel)
 from engram.triton_launch import CompiledLaunch, interpreting
 
 __all__ = ["AdmissionBuffers", "admit_step"]
 
 _LAUNCHERS = {kernel: CompiledLaunch(kernel) for kernel in (
-    ages_kernel, count_rows_kernel, rank_candidates_kernel, admit_rows_kernel, clear_table_kernel)}
+    ages_kernel, count_rows_kernel, rank_candidates_kernel, admit_kernel, copy_admitted_kernel, clear_table_kernel)}
 _ID_BLOCK = 256
 _ENTRY_BLOCK = 512
-# Decode-sized steps (a table of at most _SMALL_TABLE entries): smaller blocks for steps 1-2, so their chains of
-# atomics spread over more SMs (T = 64: 6 and 16 programs of the large blocks).
-_SMALL_TABLE = 1 << 16
-_SMALL_ID_BLOCK = 64
-_SMALL_ENTRY_BLOCK = 128
 _AGE_BLOCK = 2048
-# Programs of step 3, striding over the touched sets. Each of a program's sets is a chain of dependent loads:
-# with 1,024 programs the admission and the copy (then two launches) took 170 + 510 us at T = 8192 (190 k
-# touched sets, admitted from the staging) on the H200; with 16,384, one set at a time, 174 + 182 us.
+# Programs of steps 3 and 4, striding over the touched sets. Each of a program's sets
+# is a chain of dependent loads: with 1,024 programs steps 3-4 took 170 + 510 us at T = 8192 (190 k touched sets,
+# admitted from the staging) on the H200.
 _ADMIT_PROGRAMS = 16384
-# Sets a program of step 3 works on at once (their loads in flight together): steps of more ids than
-# _FEW_IDS have about one touched set per id, far more than the programs.
-_SETS_AT_ONCE = 4
-_FEW_IDS = 16384
 # Beside the step (an update on its own stream while the decoder's layers run), an update that reads its rows
-# from host memory uses at most this many programs per SM in step 3: their programs wait on host reads for
+# from host memory uses at most this many programs per SM in steps 3-4: their programs wait on host reads for
 # milliseconds. With 8,192 of them the overlapped update still cost cached +3.0% over host at prefill T = 8192 on
 # the H200 (benchmarks/NOTES.md "An HBM cache beside the step"). One given the lookup's staging reads HBM only.
 _BESIDE_PROGRAMS_PER_SM = 2
@@ -87,15 +79,13 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
     [S, row_bytes]`` (tagged packed rows, row-contiguous) at ``inverse int32 [N]`` (None: row ``i`` for id ``i``)
     where that staging row's tag is the id's row (same bytes either way). The caller (the cache) has checked the arguments and keeps the
     buffers; under CUDA-graph capture they must already fit. ``beside``: the update runs on a stream beside the step's
-    work (step 3 then takes few programs, :data:`_BESIDE_PROGRAMS_PER_SM`)."""
+    work (steps 3-4 then take few programs, :data:`_BESIDE_PROGRAMS_PER_SM`)."""
     num_ids = local_ids.numel()
     buffers = cache.admission_buffers(num_ids)
     # The step's own prefix of the table: a decode step after a prefill-sized one scans and clears 4 K entries,
     # not the prefill's millions. Its trash entry (index table_size, also an entry of a longer prefix) is never
     # written, so every prefix stays empty between steps.
     table_size = table_size_for(num_ids)
-    id_block, entry_block = ((_SMALL_ID_BLOCK, _SMALL_ENTRY_BLOCK) if table_size <= _SMALL_TABLE
-                             else (_ID_BLOCK, _ENTRY_BLOCK))
     has_staged = staged is not None and num_ids > 0
     device_index = local_ids.device.index if local_ids.is_cuda else 0
     step_launch = dict(num_warps=4, device_index=device_index)
@@ -106,43 +96,41 @@ def admit_step(cache, local_ids: torch.Tensor, back_values: torch.Tensor, back_s
         _LAUNCHERS[ages_kernel](grid, (counters, counters.numel(), buffers.step, cache.aging_interval, _AGE_BLOCK),
                                **step_launch)
     if num_ids:
-        ranked = cache.recency  # step 2 inside step 1's launch
         _LAUNCHERS[count_rows_kernel](
-            -(-num_ids // id_block),
+            -(-num_ids // _ID_BLOCK),
             (local_ids, num_ids, back_values.shape[0], buffers.keys, buffers.counts, table_size, cache.stats,
              buffers.touched_count, inverse if has_staged and inverse is not None else buffers.staged_at,
-             buffers.staged_at, cache.tags_with_trash, cache.counters_with_trash, cache.num_sets, buffers.step,
-             buffers.best, buffers.stamps, buffers.touched, has_staged, inverse is None, ranked, cache.ways,
-             id_block), **step_launch)
-        if not ranked:
-            _LAUNCHERS[rank_candidates_kernel](
-                -(-table_size // entry_block),
-                (buffers.keys, buffers.counts, table_size, cache.tags_with_trash, cache.counters_with_trash,
-                 cache.num_sets, buffers.step, buffers.best, buffers.stamps, buffers.touched, buffers.touched_count,
-                 cache.stats, cache.recency, cache.ways, entry_block), **step_launch)
+             buffers.staged_at, has_staged, inverse is None, _ID_BLOCK), **step_launch)
+        _LAUNCHERS[rank_candidates_kernel](
+            -(-table_size // _ENTRY_BLOCK),
+            (buffers.keys, buffers.counts, table_size, cache.tags_with_trash, cache.counters_with_trash,
+             cache.num_sets, buffers.step, buffers.best, buffers.stamps, buffers.touched, buffers.touched_count,
+             cache.stats, cache.recency, cache.ways, _ENTRY_BLOCK), **step_launch)
     most = _ADMIT_PROGRAMS
-    sets_at_once = 1 if num_ids <= _FEW_IDS else _SETS_AT_ONCE
     if interpreting():
-        most, sets_at_once = 2, 2  # two programs of two sets: the strides and the partly listed groups
+        most = 2
     elif beside and local_ids.is_cuda and not has_staged:
         most = _multiprocessors(device_index) * _BESIDE_PROGRAMS_PER_SM
-    programs = max(1, min(-(-num_ids // sets_at_once), -(-cache.num_sets // sets_at_once), most))
+    programs = max(1, min(num_ids, cache.num_sets, most))
     head_dim = cache.head_dim
     groups = head_dim // 32
     slot_rows = cache.slot_rows
     if not num_ids:
-        buffers.touched_count.zero_()  # no step 1 ran: none listed
-    staging = staged if has_staged else slot_rows
-    _LAUNCHERS[admit_rows_kernel](
+        buffers.touched_count.zero_()  # step 1 zeroes it: no step 1 ran
+    _LAUNCHERS[admit_kernel](
         programs,
         (buffers.touched, buffers.touched_count, buffers.best, cache.tags_with_trash, cache.counters_with_trash,
-         buffers.step, slot_rows, slot_rows.stride(0), back_values, back_scales, back_values.stride(0),
-         back_scales.stride(0), programs, buffers.keys, buffers.staged_at, table_size, staging, staging.stride(0),
-         staged.shape[0] if has_staged else 0, buffers.from_staging, head_dim, 1 << (groups - 1).bit_length(),
-         slot_rows.shape[1], cache.ways, sets_at_once, has_staged),
+         buffers.step, programs, cache.ways), **step_launch)
+    _LAUNCHERS[copy_admitted_kernel](
+        programs,
+        (buffers.touched, buffers.touched_count, cache.tags_with_trash, slot_rows, slot_rows.stride(0), back_values,
+         back_scales, back_values.stride(0), back_scales.stride(0), programs, buffers.keys, buffers.staged_at,
+         table_size, staged if has_staged else slot_rows, (staged if has_staged else slot_rows).stride(0),
+         staged.shape[0] if has_staged else 0,
+         buffers.from_staging, head_dim, 1 << (groups - 1).bit_length(), slot_rows.shape[1], cache.ways, has_staged),
         **step_launch)
     if num_ids:
-        _LAUNCHERS[clear_table_kernel](-(-table_size // entry_block),
+        _LAUNCHERS[clear_table_kernel](-(-table_size // _ENTRY_BLOCK),
                                        (buffers.keys, buffers.counts, buffers.staged_at, table_size,
-                                        buffers.touched_count, entry_block), **step_launch)
+                                        _ENTRY_BLOCK), **step_launch)
     buffers.dirty = False

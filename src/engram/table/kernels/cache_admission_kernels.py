@@ -4,9 +4,8 @@ Only ``@triton.jit`` functions live here; :mod:`engram.table.kernels.cache_admis
 them and :meth:`RowCache.update_with_torch <engram.table.placements.row_cache.RowCache.update_with_torch>`
 is their plain-torch reference (the rules: :mod:`engram.table.placements.row_cache`).
 
-One step is three fixed-size launches on the step's stream with the recency score (steps 1 and 2 one
-launch: a recency score needs no count), five with the frequency score (``ages_kernel`` first, then each
-step its own launch), with no sort, no host sync and no program waiting on another:
+One step is five fixed-size launches on the step's stream, with no sort, no host sync and no
+program waiting on another (``ages_kernel`` first, for the frequency score only):
 
 1. :func:`count_rows_kernel` counts the step's reads per distinct row in an open-addressing
    table (``keys int32 [P + 1]``, ``counts int32 [P + 1]``, ``P`` a power of two at least four times
@@ -19,20 +18,20 @@ step its own launch), with no sort, no host sync and no program waiting on anoth
    top-``WAYS`` list ``best int64 [sets, WAYS]`` (descending): at each position ``atomic_max``
    keeps the larger key and the smaller one moves on, so whatever the order of the programs
    the list ends holding the set's ``WAYS`` largest keys, sorted. The first candidate of a set
-   in this step (``atomic_xchg`` of the set's step stamp) appends the set to ``touched``. With the
-   recency score the id that claimed the row's entry in step 1 does this in the same program.
-3. :func:`admit_rows_kernel`, per touched set (a fixed grid striding over the count, a few sets per
-   program at once): ranks the set's ways by score (empty first, ties by way), pairs the ``k``-th
-   candidate with the ``k``-th way and admits it when its score is at least that way's (its tag and
-   score into the way), clears the set's list, then copies the row of every way whose slot row does
-   not hold its tag (those admitted now) from the backing rows (host memory, on the GPU) into the slot
-   with its tag. Given the staging of the step's lookup (its missed rows, copied to the device by the
-   host gather, or a one-kernel lookup's), a row is copied from its staging row when that row's tag is
-   the row's own index (found through step 1's table), else from the backing rows. Program 0 advances
-   the device step counter.
-4. :func:`clear_table_kernel` empties the table and the touched sets' count for the next step.
+   in this step (``atomic_xchg`` of the set's step stamp) appends the set to ``touched``. The
+   entry is cleared for the next step.
+3. :func:`admit_kernel`, per touched set (a fixed grid striding over the count): ranks the
+   set's ways by score (empty first, ties by way), pairs the ``k``-th candidate with the
+   ``k``-th way and admits it when its score is at least that way's (its tag and score into
+   the way), then clears the set's list. Program 0 advances the device step counter.
+4. :func:`copy_admitted_kernel`, per touched set: copies the row of every way admitted
+   in step 3 from the backing rows (host memory, on the GPU) into the slot with its tag. Given
+   the staging of the step's lookup (its missed rows, copied to the device by the host gather),
+   a row is copied from its staging row when that row's tag is the row's own index (found
+   through step 1's table), else from the backing rows.
+5. :func:`clear_table_kernel` empties the table for the next step.
 
-Sets are disjoint between programs of step 3; every other shared word is written only by
+Sets are disjoint between programs of steps 3 and 4; every other shared word is written only by
 atomics whose result does not depend on their order, so the update is deterministic. The atomics are
 relaxed: each needs only its own word's atomicity (the launches order everything else), and the default
 acquire-release form fences every one of them.
@@ -69,20 +68,16 @@ def ages_kernel(counters_ptr, num_counters, step_ptr, aging_interval, BLOCK: tl.
 
 @triton.jit
 def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_size, stats_ptr,
-                      touched_count_ptr, inverse_ptr, staged_at_ptr, tags_ptr, counters_ptr, num_sets, step_ptr,
-                      best_ptr, stamps_ptr, touched_ptr, HAS_STAGED: tl.constexpr, IDENTITY: tl.constexpr,
-                      RANK: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+                      touched_count_ptr, inverse_ptr, staged_at_ptr, HAS_STAGED: tl.constexpr,
+                      IDENTITY: tl.constexpr, BLOCK: tl.constexpr):
     """Step 1 (module docstring): ``ids int32/int64 [num_ids]`` (local rows; those outside
     ``[0, num_rows)`` ignored) into the table; ``stats[0] +=`` reads, ``stats[2] +=`` distinct rows.
     With ``HAS_STAGED``: ``staged_at[entry] = inverse[i]`` for some id ``i`` of the entry's row (the staging
-    row the step's lookup read it into; step 3 checks that row's tag before using it), ``i`` itself with
-    ``IDENTITY`` (a one-kernel lookup's staging: row ``i`` for id ``i``). With ``RANK`` (the recency score,
-    whose scores need no count) also step 2, for the rows this program's ids claimed first in the table (one id
-    per distinct row); ``touched_count`` is then zero already (step 4 leaves it so)."""
+    row the step's lookup read it into; step 4 checks that row's tag before using it), ``i`` itself with
+    ``IDENTITY`` (a one-kernel lookup's staging: row ``i`` for id ``i``)."""
     pid = tl.program_id(0)
-    if not RANK:
-        if pid == 0:
-            tl.store(touched_count_ptr, 0)  # step 2 appends to it
+    if pid == 0:
+        tl.store(touched_count_ptr, 0)  # step 2 appends to it
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < num_ids
     row = tl.load(ids_ptr + offsets, mask=inside, other=-1).to(tl.int64)
@@ -114,12 +109,6 @@ def count_rows_kernel(ids_ptr, num_ids, num_rows, keys_ptr, counts_ptr, table_si
         probes += 1
     tl.atomic_add(stats_ptr + 0, tl.sum(valid.to(tl.int64), axis=0), sem="relaxed")
     tl.atomic_add(stats_ptr + 2, tl.sum(first.to(tl.int64), axis=0), sem="relaxed")
-    if RANK:
-        row_set, hit_way = _probe_set(row, valid, tags_ptr, num_sets, WAYS)
-        tl.atomic_add(stats_ptr + 1, tl.sum((valid & (hit_way >= 0)).to(tl.int64), axis=0), sem="relaxed")
-        _score_and_list(row, tl.zeros([BLOCK], dtype=tl.int32), first, row_set, hit_way, counters_ptr,
-                        tl.load(step_ptr), best_ptr, stamps_ptr, touched_ptr, touched_count_ptr, stats_ptr, True,
-                        WAYS, BLOCK)
 
 
 @triton.jit
@@ -133,30 +122,13 @@ def rank_candidates_kernel(keys_ptr, counts_ptr, table_size, tags_ptr, counters_
     row = tl.load(keys_ptr + offsets, mask=inside, other=-1).to(tl.int64)
     count = tl.load(counts_ptr + offsets, mask=inside, other=0)
     present = inside & (row >= 0)
-    row_set, hit_way = _probe_set(row, present, tags_ptr, num_sets, WAYS)
-    tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(hit_way >= 0, count, 0).to(tl.int64), axis=0), sem="relaxed")
-    _score_and_list(row, count, present, row_set, hit_way, counters_ptr, tl.load(step_ptr), best_ptr, stamps_ptr,
-                    touched_ptr, touched_count_ptr, stats_ptr, RECENCY, WAYS, BLOCK)
-
-
-@triton.jit
-def _probe_set(row, present, tags_ptr, num_sets, WAYS: tl.constexpr):
-    """``(set, way)`` of each ``row int64 [BLOCK]`` where ``present``: its set, and the way holding it (-1: not
-    held, or not present)."""
     way = tl.arange(0, WAYS)
     row_set = tl.where(present, row, 0) % num_sets
     tags = tl.load(tags_ptr + row_set[:, None] * WAYS + way[None, :], mask=present[:, None], other=-1)
-    return row_set, tl.max(tl.where((tags == row[:, None]) & present[:, None], way[None, :], -1), axis=1)
-
-
-@triton.jit
-def _score_and_list(row, count, present, row_set, hit_way, counters_ptr, step, best_ptr, stamps_ptr, touched_ptr,
-                    touched_count_ptr, stats_ptr, RECENCY: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
-    """Step 2 for distinct rows ``row int64 [BLOCK]`` where ``present`` (``count``: their reads this step;
-    ``row_set`` / ``hit_way`` from :func:`_probe_set`): a held row takes its new score, a missed one goes into
-    its set's top list, and a set's first candidate lists the set; ``stats[3] +=`` the candidates."""
-    hit = present & (hit_way >= 0)
+    hit_way = tl.max(tl.where((tags == row[:, None]) & present[:, None], way[None, :], -1), axis=1)
+    hit = hit_way >= 0
     slot = row_set * WAYS + tl.where(hit, hit_way, 0).to(tl.int64)
+    step = tl.load(step_ptr)
     if RECENCY:
         score = tl.minimum(step + 1, _COUNTER_MAX)
         tl.store(counters_ptr + slot, tl.full([BLOCK], 0, tl.int32) + score.to(tl.int32), mask=hit)
@@ -167,6 +139,7 @@ def _score_and_list(row, count, present, row_set, hit_way, counters_ptr, step, b
         tl.atomic_min(counters_ptr + slot, tl.full([BLOCK], _COUNTER_MAX, tl.int32), mask=hit, sem="relaxed")
         candidate_score = count.to(tl.int64)
     candidate = present & ~hit
+    tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(hit, count, 0).to(tl.int64), axis=0), sem="relaxed")
     tl.atomic_add(stats_ptr + 3, tl.sum(candidate.to(tl.int64), axis=0), sem="relaxed")
     # The set's top-WAYS list: the larger key stays, the smaller moves on (a key met again stops).
     key = tl.where(candidate, (candidate_score << _ID_BITS) + (_ID_MASK - row), -1)
@@ -191,90 +164,94 @@ def _score_and_list(row, count, present, row_set, hit_way, counters_ptr, step, b
 
 
 @triton.jit
-def admit_rows_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_ptr, step_ptr, slot_rows_ptr,
-                      slot_stride, back_values_ptr, back_scales_ptr, value_stride, scale_stride, num_programs, keys_ptr,
-                      staged_at_ptr, table_size, staged_ptr, staged_stride, num_staged, from_staging_ptr,
-                      HEAD_DIM: tl.constexpr, GROUPS_PADDED: tl.constexpr, ROW_BYTES: tl.constexpr,
-                      WAYS: tl.constexpr, SETS: tl.constexpr, HAS_STAGED: tl.constexpr):
-    """Step 3 (module docstring): program ``pid`` admits into touched sets ``[pid * SETS, (pid + 1) * SETS)``,
-    then every ``num_programs * SETS`` on (of ``touched_count``), ``SETS`` sets at once (their chains of dependent
-    loads in flight together). Per set: the candidates paired with the ways ranked by score, each admitted
-    candidate's tag and score into its way; then every way whose tag (after this step) differs from the tag in
-    its slot row's last 4 bytes (written with the slot's bytes by every writer, -1 at first) gets that row's bytes
-    and tag. Sets are disjoint between programs and every other input was written by an earlier launch, so no
-    program reads what another writes. Every warp reads the slots' old tags before one writes the new ones (a
-    barrier between; without it, on the H200 with Triton 3.6, a warp that started late read a new tag and left
-    its share of the row unwritten, tags right). With ``HAS_STAGED``, a row whose staging row (``staged uint8
-    [num_staged, ROW_BYTES]``, found through the table's ``staged_at``) carries its own index in its tag is
-    copied from there; ``from_staging[0] +=`` those rows."""
+def admit_kernel(touched_ptr, touched_count_ptr, best_ptr, tags_ptr, counters_ptr, step_ptr, num_programs,
+                 WAYS: tl.constexpr):
+    """Step 3 (module docstring): program ``pid`` decides the admissions of touched sets ``pid, pid +
+    num_programs, ...`` (of ``touched_count``): each admitted candidate's tag and score into its way; the
+    bytes follow in step 4 (:func:`copy_admitted_kernel`)."""
     pid = tl.program_id(0)
     touched_count = tl.load(touched_count_ptr)
     if pid == 0:
         tl.store(step_ptr, tl.load(step_ptr) + 1)  # read by steps 1-2 only, which ran before
     way = tl.arange(0, WAYS)
-    lane = tl.arange(0, SETS)
+    for index in range(pid, touched_count, num_programs):
+        row_set = tl.load(touched_ptr + index).to(tl.int64)
+        list_offsets = row_set * WAYS + way
+        key = tl.load(best_ptr + list_offsets)
+        tl.store(best_ptr + list_offsets, tl.full([WAYS], -1, tl.int64))  # empty for the next step
+        tags = tl.load(tags_ptr + list_offsets)
+        held_score = tl.where(tags >= 0, tl.load(counters_ptr + list_offsets).to(tl.int64), -1)
+        # Way w's rank: ways of a lower score, or the same score and a lower index, go first.
+        earlier = ((held_score[None, :] < held_score[:, None])
+                   | ((held_score[None, :] == held_score[:, None]) & (way[None, :] < way[:, None])))
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        paired = rank[None, :] == way[:, None]  # [candidate k, way w]: way w is the k-th victim
+        victim_score = tl.sum(tl.where(paired, held_score[None, :], 0), axis=1)
+        victim_way = tl.sum(tl.where(paired, way[None, :], 0), axis=1)
+        score = key >> _ID_BITS
+        row = _ID_MASK - (key & _ID_MASK)
+        admit = (key >= 0) & (score >= victim_score)
+        slot = row_set * WAYS + victim_way.to(tl.int64)
+        tl.store(tags_ptr + slot, row, mask=admit)
+        tl.store(counters_ptr + slot, tl.minimum(score, _COUNTER_MAX).to(tl.int32), mask=admit)
+
+
+@triton.jit
+def copy_admitted_kernel(touched_ptr, touched_count_ptr, tags_ptr, slot_rows_ptr, slot_stride, back_values_ptr,
+                         back_scales_ptr, value_stride, scale_stride, num_programs, keys_ptr, staged_at_ptr, table_size,
+                         staged_ptr, staged_stride, num_staged, from_staging_ptr, HEAD_DIM: tl.constexpr,
+                         GROUPS_PADDED: tl.constexpr, ROW_BYTES: tl.constexpr, WAYS: tl.constexpr,
+                         HAS_STAGED: tl.constexpr):
+    """Step 4 (module docstring): program ``pid`` copies the admitted ways of touched sets ``pid, pid +
+    num_programs, ...``, all ``WAYS`` of a set as one ``[WAYS, row]`` block: where a slot's tag (step 3's, a
+    launch before) differs from the tag in its slot row's last 4 bytes (written with the slot's bytes by every
+    writer, -1 at first), the row was admitted now, and its bytes and tag go into the slot row. Sets are
+    disjoint between programs and every input was written by an earlier launch, so no program reads what
+    another writes. Within a program, every warp reads the slots' old tags before one writes the new ones (a
+    barrier between; without it, on the H200 with Triton 3.6, a warp that started late read a new tag and
+    left its share of the row unwritten, tags right). With ``HAS_STAGED``, a row whose staging row (``staged
+    uint8 [num_staged, ROW_BYTES]``, found through the table's ``staged_at``) carries its own index in its tag
+    is copied from there; ``from_staging[0] +=`` those rows. One program per set rather than per slot: at
+    decode sizes (1,536 ids) the per-slot grid took 45 us, six waves of programs each waiting on a host read."""
+    pid = tl.program_id(0)
+    touched_count = tl.load(touched_count_ptr)
+    way = tl.arange(0, WAYS)
     group = tl.arange(0, GROUPS_PADDED)
     group_valid = group < HEAD_DIM // _SCALE_GROUP
     column = tl.arange(0, GROUPS_PADDED * _SCALE_GROUP)
     column_valid = column < HEAD_DIM
-    from_staging = tl.zeros([SETS * WAYS], dtype=tl.int32)
-    for first in range(pid * SETS, touched_count, num_programs * SETS):
-        listed = (first + lane) < touched_count  # [SETS]
-        row_set = tl.load(touched_ptr + first + lane, mask=listed, other=0).to(tl.int64)
-        list_offsets = row_set[:, None] * WAYS + way[None, :]  # [SETS, WAYS]
-        in_list = listed[:, None] & (way[None, :] >= 0)
-        key = tl.load(best_ptr + list_offsets, mask=in_list, other=-1)
-        tl.store(best_ptr + list_offsets, tl.full([SETS, WAYS], -1, tl.int64), mask=in_list)  # empty for the next step
-        tags = tl.load(tags_ptr + list_offsets, mask=in_list, other=-1)
-        counters = tl.load(counters_ptr + list_offsets, mask=in_list, other=0)
-        held_score = tl.where(tags >= 0, counters.to(tl.int64), -1)
-        # Way w's rank in its set: ways of a lower score, or the same score and a lower index, go first.
-        mine, other = held_score[:, :, None], held_score[:, None, :]  # [SETS, w, other way]
-        earlier = (other < mine) | ((other == mine) & (way[None, None, :] < way[None, :, None]))
-        rank = tl.sum(earlier.to(tl.int32), axis=2)  # [SETS, WAYS]: a permutation of the ways
-        paired = rank[:, None, :] == way[None, :, None]  # [SETS, candidate k, way w]: way w is the k-th victim
-        victim_score = tl.sum(tl.where(paired, held_score[:, None, :], 0), axis=2)
-        victim_tag = tl.sum(tl.where(paired, tags[:, None, :], 0), axis=2)
-        victim_way = tl.sum(tl.where(paired, way[None, None, :], 0), axis=2)
-        score = key >> _ID_BITS
-        row = _ID_MASK - (key & _ID_MASK)
-        admit = (key >= 0) & (score >= victim_score)
-        slot = row_set[:, None] * WAYS + victim_way.to(tl.int64)  # every way of the set once
-        tl.store(tags_ptr + slot, row, mask=admit)
-        tl.store(counters_ptr + slot, tl.minimum(score, _COUNTER_MAX).to(tl.int32), mask=admit)
-        # The bytes: every slot of the sets, its tag after this step against its slot row's.
-        slot = tl.reshape(slot, [SETS * WAYS])
-        tag = tl.reshape(tl.where(admit, row, victim_tag), [SETS * WAYS])
-        listed_slot = tl.reshape(in_list, [SETS * WAYS])
+    from_staging = tl.zeros([WAYS], dtype=tl.int32)
+    for index in range(pid, touched_count, num_programs):
+        slot = tl.load(touched_ptr + index).to(tl.int64) * WAYS + way  # [WAYS]
+        row = tl.load(tags_ptr + slot)
         slot_base = slot_rows_ptr + slot * slot_stride
         slot_tag_ptr = (slot_base + (ROW_BYTES - 4)).to(tl.pointer_type(tl.int32))
-        written = tl.load(slot_tag_ptr, mask=listed_slot, other=-1).to(tl.int64)
-        copy = listed_slot & (tag >= 0) & (tag != written)
-        tag = tl.maximum(tag, 0)
-        value_mask = copy[:, None] & column_valid[None, :]
-        scale_mask = copy[:, None] & group_valid[None, :]
+        admit = (row >= 0) & (row != tl.load(slot_tag_ptr).to(tl.int64))
+        row = tl.maximum(row, 0)
+        value_mask = admit[:, None] & column_valid[None, :]
+        scale_mask = admit[:, None] & group_valid[None, :]
         if HAS_STAGED:
-            staged_row = _staged_rows(tag, copy, keys_ptr, staged_at_ptr, table_size, staged_ptr, staged_stride,
+            staged_row = _staged_rows(row, admit, keys_ptr, staged_at_ptr, table_size, staged_ptr, staged_stride,
                                       num_staged, ROW_BYTES)
             staged = staged_row >= 0
             from_staging += staged.to(tl.int32)
             staged_base = staged_ptr + tl.maximum(staged_row, 0) * staged_stride
             value_bytes = tl.load(staged_base[:, None] + column[None, :], mask=value_mask & staged[:, None], other=0)
-            value_bytes += tl.load(back_values_ptr + tag[:, None] * value_stride + column[None, :],
+            value_bytes += tl.load(back_values_ptr + row[:, None] * value_stride + column[None, :],
                                    mask=value_mask & ~staged[:, None], other=0)
             scale_bytes = tl.load(staged_base[:, None] + HEAD_DIM + group[None, :], mask=scale_mask & staged[:, None],
                                   other=0)
-            scale_bytes += tl.load(back_scales_ptr + tag[:, None] * scale_stride + group[None, :],
+            scale_bytes += tl.load(back_scales_ptr + row[:, None] * scale_stride + group[None, :],
                                    mask=scale_mask & ~staged[:, None], other=0)
         else:
-            value_bytes = tl.load(back_values_ptr + tag[:, None] * value_stride + column[None, :], mask=value_mask,
+            value_bytes = tl.load(back_values_ptr + row[:, None] * value_stride + column[None, :], mask=value_mask,
                                   other=0)
-            scale_bytes = tl.load(back_scales_ptr + tag[:, None] * scale_stride + group[None, :], mask=scale_mask,
+            scale_bytes = tl.load(back_scales_ptr + row[:, None] * scale_stride + group[None, :], mask=scale_mask,
                                   other=0)
         tl.store(slot_base[:, None] + column[None, :], value_bytes, mask=value_mask)
         tl.store(slot_base[:, None] + HEAD_DIM + group[None, :], scale_bytes, mask=scale_mask)
-        tl.debug_barrier()  # every warp has read the old tags (written) before the new ones are written
-        tl.store(slot_tag_ptr, tag.to(tl.int32), mask=copy)
+        tl.debug_barrier()  # every warp has read the old tags (admit) before the new ones are written
+        tl.store(slot_tag_ptr, row.to(tl.int32), mask=admit)
     if HAS_STAGED:
         tl.atomic_add(from_staging_ptr, tl.sum(from_staging, axis=0).to(tl.int64), sem="relaxed")
 
@@ -305,11 +282,8 @@ def _staged_rows(row, admit, keys_ptr, staged_at_ptr, table_size, staged_ptr, st
 
 
 @triton.jit
-def clear_table_kernel(keys_ptr, counts_ptr, staged_at_ptr, table_size, touched_count_ptr, BLOCK: tl.constexpr):
-    """Step 4: empty the table's entries ``[pid * BLOCK, (pid + 1) * BLOCK)`` for the next step; program 0 zeroes
-    the touched sets' count (step 1 appends to it with the recency score)."""
-    if tl.program_id(0) == 0:
-        tl.store(touched_count_ptr, 0)
+def clear_table_kernel(keys_ptr, counts_ptr, staged_at_ptr, table_size, BLOCK: tl.constexpr):
+    """Step 5: empty the table's entries ``[pid * BLOCK, (pid + 1) * BLOCK)`` for the next step."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < table_size
     tl.store(keys_ptr + offsets, tl.full([BLOCK], -1, tl.int32), mask=inside)

@@ -30,10 +30,10 @@ candidate replaces the ``k``-th way when its score is at least that way's (empty
 always), and the new row keeps its score.
 
 No step writes a slot twice, so the result does not depend on the order of the writes.
-On CUDA (and under the interpreter) an update is four fixed-size launches, five with the
+On CUDA (and under the interpreter) an update is three fixed-size launches, four with the
 frequency score (:mod:`engram.table.kernels.cache_admission`: a count of the step's distinct rows
-in a hash table, a per-set top list of candidates built with atomics, the admission and copy per
-touched set, the table's clear), with no sort, no host sync and a device step counter, so a CUDA graph can capture it;
+in a hash table, a per-set top list of candidates built with atomics, the admission per touched
+set), with no sort, no host sync and a device step counter, so a CUDA graph can capture it;
 :meth:`RowCache.update_with_torch` is their reference (a sort of the step's ids plus fixed-size
 gathers and scatters). Both read only the admitted rows from the backing rows (on the GPU those
 rows are in host memory) and write each admitted slot's tag into its row's last 4 bytes.
