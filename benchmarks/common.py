@@ -78,15 +78,22 @@ def gpu_us(call, graph: bool = False) -> float:
 
     if not graph:
         return triton.testing.do_bench(call, warmup=10, rep=100, return_mode="median") * 1e3
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    captured = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(captured):
-        call()
-    return triton.testing.do_bench(captured.replay, warmup=10, rep=100, return_mode="median") * 1e3
+    return triton.testing.do_bench(captured_graph(call)[0].replay, warmup=10, rep=100, return_mode="median") * 1e3
+
+
+def captured_graph(body, capture_error_mode: str = "global"):
+    """``(graph, body())``: ``body`` run once on a side stream (kernels compiled, buffers grown outside the
+    capture), then captured in a CUDA graph. ``capture_error_mode="thread_local"`` where other threads (the host
+    gather's workers) may touch CUDA while this one captures."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
+        output = body()
+    return graph, output
 
 
 def host_table(rows: int, head_dim: int = HEAD_DIM, seed: int = 0,

@@ -20,6 +20,7 @@ BENCHMARKS = HERE.parent  # common.py, real_text.py, results/
 sys.path[:0] = [str(HERE), str(BENCHMARKS), str(BENCHMARKS.parent / "src")]
 
 import engram  # noqa: E402
+from common import captured_graph  # noqa: E402
 
 CONFIG = Path(engram.__file__).parent / "configs" / "deepseek-v4.1-flash.json"
 BLOCK_SIZE = 16
@@ -43,15 +44,8 @@ def _time(function, graph: bool, flush: bool = True) -> float:
     if graph and not flush:
         return triton.testing.do_bench_cudagraph(function, rep=200, return_mode="median") * 1e3
     if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            function()
-        torch.cuda.current_stream().wait_stream(stream)
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            function()
-        return triton.testing.do_bench(captured.replay, warmup=25, rep=200, return_mode="median") * 1e3
+        replay = captured_graph(function)[0].replay
+        return triton.testing.do_bench(replay, warmup=25, rep=200, return_mode="median") * 1e3
     return triton.testing.do_bench(function, warmup=25, rep=200, return_mode="median") * 1e3
 
 

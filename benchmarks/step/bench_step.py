@@ -868,17 +868,8 @@ def update_cache_times(memory, inputs, clock: Clock, repeats: int = 5) -> dict:
 
 
 def captured(body):
-    """``(graph, body())``: ``body`` run once on a side stream (kernels compiled, buffers grown outside the capture),
-    then captured. ``thread_local``: the host gather's worker threads may touch CUDA while this thread captures."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        output = body()
-    return graph, output
+    """``(graph, body())`` captured thread-local: the host gather's worker threads may touch CUDA meanwhile."""
+    return common.captured_graph(body, capture_error_mode="thread_local")
 
 
 def update_cache_graph_us(memory, inputs, clock: Clock, repeats: int) -> float:
